@@ -69,10 +69,11 @@ impl FromStr for RegionKind {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|r| r.as_str() == s)
-            .ok_or_else(|| format!("unknown region `{s}` (expected one of system, tools, conversation, tool_result, reasoning, generated)"))
+        Self::ALL.into_iter().find(|r| r.as_str() == s).ok_or_else(|| {
+            format!(
+                "unknown region `{s}` (expected one of system, tools, conversation, tool_result, reasoning, generated)"
+            )
+        })
     }
 }
 

@@ -1,0 +1,66 @@
+//! `[engine]`: the engine each worker runs, and how many workers.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+config_enum! {
+    /// Which engine a worker runs.
+    #[derive(Default)]
+    pub enum EngineKind ("engine kind") {
+        /// The reference transformer: real math on CPU or CUDA.
+        #[default]
+        Reference = "reference",
+        /// No math; timing from the calibration, KV bytes derived from block hashes.
+        Simulated = "simulated",
+    }
+}
+
+config_enum! {
+    /// Where the engine computes.
+    #[derive(Default)]
+    pub enum DeviceKind ("device") {
+        /// CUDA when a GPU is present and the binary has CUDA support, else the CPU.
+        #[default]
+        Auto = "auto",
+        /// The CPU.
+        Cpu = "cpu",
+        /// CUDA; start-up fails if no GPU is usable.
+        Cuda = "cuda",
+    }
+}
+
+/// `[engine]`: the engine each worker runs, and how many workers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSection {
+    /// `"reference"` (real model) or `"simulated"` (calibrated timing, no math).
+    /// Default `"reference"`.
+    pub kind: EngineKind,
+    /// `"auto"`, `"cpu"` or `"cuda"`. Default `"auto"`.
+    pub device: DeviceKind,
+    /// Number of workers (one per GPU; CPU workers share the cores). Default `2`.
+    pub workers: usize,
+    /// Most tokens (prefill + decode) in one engine step. Default `2048`.
+    pub max_batch_tokens: usize,
+    /// Admission bound: requests queued per worker before new ones are shed with an
+    /// "overloaded" error. Default `64`.
+    pub max_queued_requests: usize,
+    /// Calibration file for the simulated engine and the cost model (format of
+    /// `calibration/h200.toml`). Default: none (the embedded H200 calibration).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<PathBuf>,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        EngineSection {
+            kind: EngineKind::Reference,
+            device: DeviceKind::Auto,
+            workers: 2,
+            max_batch_tokens: 2048,
+            max_queued_requests: 64,
+            calibration: None,
+        }
+    }
+}

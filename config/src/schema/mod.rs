@@ -1,0 +1,27 @@
+//! The sections of the node's TOML file, one file per section (`[tiers.*]` share one).
+//!
+//! Every struct is `#[serde(default, deny_unknown_fields)]`: a missing key takes the default
+//! written in its doc comment, an unknown key is an error.
+
+mod blocks;
+mod engine;
+mod frontend;
+mod metrics;
+mod model;
+mod node;
+mod retention;
+mod router;
+mod tiers;
+
+pub use blocks::{BlocksSection, ChecksumKind};
+pub use engine::{DeviceKind, EngineKind, EngineSection};
+pub use frontend::FrontendSection;
+pub use metrics::MetricsSection;
+pub use model::ModelSection;
+pub use node::{LogFormat, NodeSection};
+pub use retention::{RegionPolicy, RetentionSection};
+pub use router::{QueuePolicy, RouterSection, RoutingPolicy};
+pub use tiers::{
+    EvictionPolicyKind, G1Config, G2Config, G3Config, G4Config, IoEngineKind, MlockMode, TierName, TiersSection,
+    Transport,
+};

@@ -1,0 +1,66 @@
+//! `[router]`: how the scheduler picks a worker and orders its queue.
+
+use serde::{Deserialize, Serialize};
+
+use crate::HumanDuration;
+
+config_enum! {
+    /// How a worker is chosen for a request.
+    #[derive(Default)]
+    pub enum RoutingPolicy ("routing policy") {
+        /// Lowest estimated time to first token, from the global prefix index and the cost model.
+        #[default]
+        KvAware = "kv_aware",
+        /// Each worker in turn.
+        RoundRobin = "round_robin",
+        /// Uniformly at random.
+        Random = "random",
+    }
+}
+
+config_enum! {
+    /// Order of the scheduler's queue.
+    #[derive(Default)]
+    pub enum QueuePolicy ("queue policy") {
+        /// First come, first served (within a priority).
+        #[default]
+        Fcfs = "fcfs",
+        /// Weighted shortest processing time first: priority weight over estimated cost.
+        Wspt = "wspt",
+    }
+}
+
+/// `[router]`: how the scheduler picks a worker and orders its queue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterSection {
+    /// `"kv_aware"`, `"round_robin"` or `"random"`. Default `"kv_aware"`.
+    pub policy: RoutingPolicy,
+    /// Softmax temperature over the workers' negated TTFT estimates (in ms); `0` always picks
+    /// the best. Default `0.0`.
+    pub temperature: f64,
+    /// `"fcfs"` or `"wspt"`. Default `"fcfs"`.
+    pub queue_policy: QueuePolicy,
+    /// Soft preference for a session's previous worker: it wins unless another worker's
+    /// estimate is better by more than this. Default `"5ms"`.
+    pub sticky_bonus: HumanDuration,
+    /// Most block entries the global prefix index holds before it drops the oldest.
+    /// Default `10000000`.
+    pub index_max_blocks: usize,
+    /// Lifetime of an index entry predicted from a routing decision and not yet confirmed by a
+    /// KV event. Default `"120s"`.
+    pub approximate_ttl: HumanDuration,
+}
+
+impl Default for RouterSection {
+    fn default() -> Self {
+        RouterSection {
+            policy: RoutingPolicy::KvAware,
+            temperature: 0.0,
+            queue_policy: QueuePolicy::Fcfs,
+            sticky_bonus: HumanDuration::millis(5),
+            index_max_blocks: 10_000_000,
+            approximate_ttl: HumanDuration::secs(120),
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! `[tiers.g1]` … `[tiers.g4]`: capacities, eviction and I/O of the four KV tiers.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ByteSize, HumanDuration};
+
+config_enum! {
+    /// One of the four tiers, fastest first (`G1 < G2 < G3 < G4`).
+    #[derive(PartialOrd, Ord)]
+    pub enum TierName ("tier") {
+        /// GPU memory (host memory when the engine runs on the CPU).
+        G1 = "g1",
+        /// Pinned host memory.
+        G2 = "g2",
+        /// Local NVMe.
+        G3 = "g3",
+        /// Other nodes' G2/G3.
+        G4 = "g4",
+    }
+}
+
+config_enum! {
+    /// Eviction policy of a tier. Both are priority-aware: lower priority and expired holds go
+    /// first; the policy orders blocks within a priority.
+    #[derive(Default)]
+    pub enum EvictionPolicyKind ("eviction policy") {
+        /// Least recently used first.
+        #[default]
+        Lru = "lru",
+        /// Least frequently used first (ties by recency).
+        Lfu = "lfu",
+    }
+}
+
+config_enum! {
+    /// How the G3 store does I/O.
+    #[derive(Default)]
+    pub enum IoEngineKind ("io engine") {
+        /// io_uring on a dedicated thread.
+        #[default]
+        Uring = "uring",
+        /// `pread`/`pwrite` on a thread pool (portable fallback).
+        Psync = "psync",
+    }
+}
+
+config_enum! {
+    /// Whether the G2 pool is locked into RAM.
+    #[derive(Default)]
+    pub enum MlockMode ("mlock mode") {
+        /// Never lock.
+        Off = "off",
+        /// Lock; if the limit (`ulimit -l`) forbids it, warn and continue unlocked.
+        #[default]
+        Try = "try",
+        /// Lock or fail start-up.
+        Require = "require",
+    }
+}
+
+config_enum! {
+    /// Transport between nodes.
+    #[derive(Default)]
+    pub enum Transport ("transport") {
+        /// TCP, always available.
+        #[default]
+        Tcp = "tcp",
+        /// RDMA verbs, reading the peer's registered G2 (needs the `rdma` cargo feature).
+        Rdma = "rdma",
+    }
+}
+
+/// `[tiers]`: one table per tier.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TiersSection {
+    /// `[tiers.g1]`: the paged KV pool each worker's engine reads.
+    pub g1: G1Config,
+    /// `[tiers.g2]`: the node's pinned host memory pool.
+    pub g2: G2Config,
+    /// `[tiers.g3]`: the node's NVMe store.
+    pub g3: G3Config,
+    /// `[tiers.g4]`: blocks served to and loaded from other nodes.
+    pub g4: G4Config,
+}
+
+/// `[tiers.g1]`: the paged KV pool each worker's engine reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct G1Config {
+    /// KV pool size per worker. `0` derives it from `gpu_memory_fraction` on a GPU (not allowed
+    /// with `engine.device = "cpu"`). Default `"256MiB"`.
+    pub capacity: ByteSize,
+    /// With `capacity = 0`: the fraction of GPU memory the worker may use in total (weights,
+    /// activations, KV), in `(0, 1]`. Default `0.85`.
+    pub gpu_memory_fraction: f64,
+    /// `"lru"` or `"lfu"`, both priority-aware. Default `"lru"`.
+    pub eviction: EvictionPolicyKind,
+    /// Occupancy fraction at which eviction starts, in `(0, 1]`. Default `0.95`.
+    pub high_watermark: f64,
+    /// Occupancy fraction eviction brings the tier back to, in `(0, high_watermark]`.
+    /// Default `0.90`.
+    pub low_watermark: f64,
+}
+
+impl Default for G1Config {
+    fn default() -> Self {
+        G1Config {
+            capacity: ByteSize::mib(256),
+            gpu_memory_fraction: 0.85,
+            eviction: EvictionPolicyKind::Lru,
+            high_watermark: 0.95,
+            low_watermark: 0.90,
+        }
+    }
+}
+
+/// `[tiers.g2]`: the node's pinned host memory pool, shared by its workers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct G2Config {
+    /// Whether the tier exists. Default `true`.
+    pub enabled: bool,
+    /// Pool size for the whole node. Default `"256MiB"`.
+    pub capacity: ByteSize,
+    /// `"off"`, `"try"` (warn if `ulimit -l` forbids it) or `"require"`. Default `"try"`.
+    pub mlock: MlockMode,
+    /// Allocate with `cuMemHostAlloc` when CUDA is present (fast DMA); else page-aligned `mmap`.
+    /// Default `true`.
+    pub cuda_pinned: bool,
+    /// `"lru"` or `"lfu"`, both priority-aware. Default `"lru"`.
+    pub eviction: EvictionPolicyKind,
+    /// Occupancy fraction at which eviction starts, in `(0, 1]`. Default `0.95`.
+    pub high_watermark: f64,
+    /// Occupancy fraction eviction brings the tier back to, in `(0, high_watermark]`.
+    /// Default `0.90`.
+    pub low_watermark: f64,
+    /// Write-through G1 → G2 flushes a batch at this many blocks (or after `write_batch_delay`).
+    /// Default `32`.
+    pub write_batch_blocks: usize,
+    /// Longest a completed block waits for its G2 batch to fill. Default `"2ms"`.
+    pub write_batch_delay: HumanDuration,
+}
+
+impl Default for G2Config {
+    fn default() -> Self {
+        G2Config {
+            enabled: true,
+            capacity: ByteSize::mib(256),
+            mlock: MlockMode::Try,
+            cuda_pinned: true,
+            eviction: EvictionPolicyKind::Lru,
+            high_watermark: 0.95,
+            low_watermark: 0.90,
+            write_batch_blocks: 32,
+            write_batch_delay: HumanDuration::millis(2),
+        }
+    }
+}
+
+/// `[tiers.g3]`: the node's NVMe store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct G3Config {
+    /// Whether the tier exists. Default `true`.
+    pub enabled: bool,
+    /// Store files or raw block devices, one slot file per path. Default: empty, meaning
+    /// `<node.data_dir>/g3/store.0`.
+    pub paths: Vec<PathBuf>,
+    /// Size of each path's store. Default `"2GiB"`.
+    pub capacity_per_path: ByteSize,
+    /// `"uring"` (io_uring) or `"psync"`. Default `"uring"`.
+    pub io_engine: IoEngineKind,
+    /// io_uring submission queue depth, `1..=4096`. Default `32`.
+    pub queue_depth: u32,
+    /// I/O threads (one ring each). Default `1`.
+    pub io_threads: usize,
+    /// Register G2 buffers with io_uring (fixed buffers). Default `true`.
+    pub register_buffers: bool,
+    /// Open with `O_DIRECT` (bypass the page cache; needs a filesystem that supports it).
+    /// Default `true`.
+    pub direct_io: bool,
+    /// `"lru"` or `"lfu"`, both priority-aware. Default `"lfu"`.
+    pub eviction: EvictionPolicyKind,
+    /// Occupancy fraction at which eviction starts, in `(0, 1]`. Default `0.95`.
+    pub high_watermark: f64,
+    /// Occupancy fraction eviction brings the tier back to, in `(0, high_watermark]`.
+    /// Default `0.90`.
+    pub low_watermark: f64,
+    /// Write-through G2 → G3 flushes a batch at this many blocks (or after `write_batch_delay`).
+    /// Default `64`.
+    pub write_batch_blocks: usize,
+    /// Longest a block waits for its G3 batch to fill. Default `"10ms"`.
+    pub write_batch_delay: HumanDuration,
+    /// Read bandwidth in GB/s for the cost model. Default: none (measured at start-up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_gb_s: Option<f64>,
+    /// Write bandwidth in GB/s for the cost model. Default: none (measured at start-up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_gb_s: Option<f64>,
+}
+
+impl Default for G3Config {
+    fn default() -> Self {
+        G3Config {
+            enabled: true,
+            paths: Vec::new(),
+            capacity_per_path: ByteSize::gib(2),
+            io_engine: IoEngineKind::Uring,
+            queue_depth: 32,
+            io_threads: 1,
+            register_buffers: true,
+            direct_io: true,
+            eviction: EvictionPolicyKind::Lfu,
+            high_watermark: 0.95,
+            low_watermark: 0.90,
+            write_batch_blocks: 64,
+            write_batch_delay: HumanDuration::millis(10),
+            read_gb_s: None,
+            write_gb_s: None,
+        }
+    }
+}
+
+/// `[tiers.g4]`: blocks served to and loaded from other nodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct G4Config {
+    /// Whether this node serves and fetches blocks over the network. Default `false`.
+    pub enabled: bool,
+    /// `"tcp"` or `"rdma"` (needs the `rdma` build feature). Default `"tcp"`.
+    pub transport: Transport,
+    /// Address the block server listens on, `ip:port`. Default `"127.0.0.1:7100"`.
+    pub listen: String,
+    /// Peers' block-server addresses, `host:port`. Default `[]`.
+    pub peers: Vec<String>,
+    /// A remote block request that takes longer fails and the blocks are recomputed.
+    /// Default `"2s"`.
+    pub request_timeout: HumanDuration,
+    /// Most requests in flight per peer. Default `64`.
+    pub max_inflight: usize,
+}
+
+impl Default for G4Config {
+    fn default() -> Self {
+        G4Config {
+            enabled: false,
+            transport: Transport::Tcp,
+            listen: "127.0.0.1:7100".to_owned(),
+            peers: Vec::new(),
+            request_timeout: HumanDuration::secs(2),
+            max_inflight: 64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_names_order_and_parse() {
+        assert!(TierName::G1 < TierName::G2 && TierName::G3 < TierName::G4);
+        assert_eq!("g3".parse::<TierName>(), Ok(TierName::G3));
+        assert_eq!(TierName::G4.as_str(), "g4");
+        let err = "g5".parse::<TierName>().unwrap_err().to_string();
+        assert_eq!(err, "unknown tier `g5`: expected one of g1, g2, g3, g4");
+    }
+}

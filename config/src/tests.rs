@@ -1,0 +1,323 @@
+//! Whole-file tests: the embedded files, round trips, and error locations.
+
+use std::path::{Path, PathBuf};
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn parse(src: &str) -> Result<NodeConfig, ConfigError> {
+    NodeConfig::parse(src, "cfg.toml")
+}
+
+/// Every dotted key path of the leaves (scalars and arrays) of `table`.
+fn leaf_keys(table: &toml::Table, prefix: &str, out: &mut Vec<String>) {
+    for (key, value) in table {
+        let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
+        match value {
+            toml::Value::Table(t) => leaf_keys(t, &path, out),
+            _ => out.push(path),
+        }
+    }
+}
+
+fn lookup<'a>(table: &'a toml::Table, path: &str) -> Option<&'a toml::Value> {
+    let mut segs = path.split('.');
+    let mut value = table.get(segs.next()?)?;
+    for seg in segs {
+        value = value.as_table()?.get(seg)?;
+    }
+    Some(value)
+}
+
+#[test]
+fn embedded_files_parse_and_validate() {
+    let default = parse(DEFAULT_TOML).unwrap();
+    let example = NodeConfig::parse(EXAMPLE_TOML, "example.toml").unwrap();
+    assert_eq!(example, NodeConfig::default());
+    assert_eq!(default, NodeConfig::default());
+    assert_eq!(NodeConfig::embedded_default(), default);
+    NodeConfig::default().validate().unwrap();
+}
+
+#[test]
+fn default_round_trips_through_toml() {
+    let config = NodeConfig::default();
+    let text = config.to_toml_string();
+    assert_eq!(parse(&text).unwrap(), config, "{text}");
+    assert!(text.contains("capacity = \"256MiB\""), "{text}");
+}
+
+#[test]
+fn non_default_values_round_trip() {
+    let mut config = NodeConfig::default();
+    config.model.path = Some(PathBuf::from("/models/llama"));
+    config.model.name = "my-llama".into();
+    config.model.lora = Some("adapter".into());
+    config.engine.calibration = Some(PathBuf::from("cal.toml"));
+    config.tiers.g3.paths = vec!["/nvme0/store".into(), "/nvme1/store".into()];
+    config.tiers.g3.read_gb_s = Some(6.5);
+    config.tiers.g4.peers = vec!["10.0.0.2:7100".into()];
+    config.retention.reasoning.priority = 5;
+    config.router.temperature = 0.5;
+    let text = config.to_toml_string();
+    assert_eq!(parse(&text).unwrap(), config, "{text}");
+}
+
+#[test]
+fn example_documents_every_key() {
+    let example: toml::Table = toml::from_str(EXAMPLE_TOML).unwrap();
+    let default: toml::Table = toml::from_str(&NodeConfig::default().to_toml_string()).unwrap();
+    let mut keys = Vec::new();
+    leaf_keys(&default, "", &mut keys);
+    assert!(keys.len() >= 80, "walked only {} keys", keys.len());
+    for key in &keys {
+        assert!(lookup(&example, key).is_some(), "example.toml does not set `{key}`");
+    }
+    // Optional keys (absent by default) appear commented out.
+    for key in ["path", "tokenizer", "chat_template", "lora", "calibration", "read_gb_s", "write_gb_s"] {
+        assert!(EXAMPLE_TOML.contains(&format!("\n# {key} = ")), "example.toml does not mention optional `{key}`");
+    }
+}
+
+#[test]
+fn example_comments_every_key() {
+    let lines: Vec<&str> = EXAMPLE_TOML.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        let is_key = !line.starts_with('#') && !line.starts_with('[') && line.contains(" = ");
+        if is_key {
+            assert!(
+                i > 0 && lines[i - 1].starts_with('#'),
+                "example.toml line {}: `{line}` has no comment above it",
+                i + 1
+            );
+        }
+    }
+}
+
+#[test]
+fn derived_values() {
+    let config = NodeConfig::default();
+    // tiny, f32: 2 layers × 2 × 2 kv heads × 32 × 4 bytes = 1KiB/token; 32 tokens.
+    assert_eq!(config.kv_bytes_per_block(), Some(32 * 1024));
+    assert_eq!(config.g3_paths(), vec![Path::new("dynamo-data").join("g3").join("store.0")]);
+    let mut from_path = config.clone();
+    from_path.model.path = Some("/models/x".into());
+    assert_eq!(from_path.kv_bytes_per_block(), None);
+    assert_eq!(config.calibration().unwrap(), Calibration::h200());
+}
+
+#[test]
+fn unknown_key_is_located_and_named() {
+    let src = "[node]\nname = \"a\"\n\n[tiers.g2]\nenabled = true\ncapcity = \"1GiB\"\n";
+    let err = parse(src).unwrap_err();
+    assert_eq!(err.kind(), "unknown_key");
+    assert_eq!(err.key(), Some("tiers.g2.capcity"));
+    assert_eq!((err.line(), err.column()), (Some(6), Some(1)));
+    let text = err.to_string();
+    assert!(
+        text.starts_with("cfg.toml:6:1: `tiers.g2.capcity`: unknown key; expected one of enabled, capacity, mlock"),
+        "{text}"
+    );
+}
+
+#[test]
+fn unknown_section_and_dotted_key() {
+    let err = parse("[tierz]\nx = 1\n").unwrap_err();
+    assert_eq!(err.key(), Some("tierz"));
+    assert_eq!((err.line(), err.column()), (Some(1), Some(2)));
+
+    let err = parse("[tiers]\ng2.capacity = \"1GiB\"\ng2.bogus = 1\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers.g2.bogus"));
+    assert_eq!((err.line(), err.column()), (Some(3), Some(4)));
+}
+
+#[test]
+fn wrong_type_points_at_the_value() {
+    let err = parse("[engine]\nworkers = \"two\"\n").unwrap_err();
+    assert_eq!(err.kind(), "invalid_value");
+    assert_eq!(err.key(), Some("engine.workers"));
+    assert_eq!((err.line(), err.column()), (Some(2), Some(11)));
+    assert!(err.to_string().starts_with("cfg.toml:2:11: `engine.workers`: invalid type"), "{err}");
+
+    let err = parse("tiers = 5\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers"));
+    assert!(err.to_string().contains("expected a table"), "{err}");
+}
+
+#[test]
+fn invalid_size_points_at_the_value() {
+    let err = parse("[tiers.g2]\n  capacity = \"12XB\"\n").unwrap_err();
+    assert_eq!(err.kind(), "invalid_value");
+    assert_eq!(err.key(), Some("tiers.g2.capacity"));
+    assert_eq!((err.line(), err.column()), (Some(2), Some(14)));
+    assert_eq!(
+        err.to_string(),
+        "cfg.toml:2:14: `tiers.g2.capacity`: invalid size `12XB`: expected a number followed by B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
+    );
+}
+
+#[test]
+fn unknown_enum_value_lists_choices() {
+    let err = parse("[tiers.g3]\neviction = \"fifo\"\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers.g3.eviction"));
+    assert_eq!(err.to_string(), "cfg.toml:2:12: `tiers.g3.eviction`: unknown value `fifo`; expected lru or lfu");
+}
+
+#[test]
+fn syntax_error_is_located() {
+    let err = parse("[node]\nname = \"a\"\nlog_level = \n").unwrap_err();
+    assert_eq!(err.kind(), "syntax");
+    assert_eq!(err.line(), Some(3));
+    assert!(err.to_string().starts_with("cfg.toml:3:"), "{err}");
+}
+
+#[test]
+fn g2_smaller_than_a_block() {
+    let src = "[model]\nname = \"llama-1b\"\ndtype = \"bf16\"\n\n[tiers.g2]\ncapacity = \"16KiB\"\n";
+    let err = parse(src).unwrap_err();
+    assert_eq!(err.kind(), "invalid");
+    assert_eq!(err.key(), Some("tiers.g2.capacity"));
+    assert_eq!((err.line(), err.column()), (Some(6), Some(1)));
+    assert_eq!(
+        err.to_string(),
+        "cfg.toml:6:1: `tiers.g2.capacity`: 16KiB is smaller than one block (32 tokens × 32KiB/token = 1MiB); raise it to at least 1MiB or lower blocks.block_size"
+    );
+}
+
+#[test]
+fn defaulted_key_is_reported_at_1_1() {
+    // A bigger block makes the default G1/G2 capacities too small for llama-8b f32.
+    let src = "[model]\nname = \"llama-8b\"\n\n[blocks]\nblock_size = 4096\n";
+    let err = parse(src).unwrap_err();
+    let problems = err.problems();
+    assert!(problems.len() >= 2, "{err}");
+    assert_eq!(err.key(), Some("tiers.g1.capacity"));
+    assert_eq!((err.line(), err.column()), (Some(1), Some(1)));
+    assert!(err.to_string().contains("(default"), "{err}");
+    assert!(problems.iter().any(|p| p.key.as_deref() == Some("tiers.g2.capacity")));
+}
+
+#[test]
+fn watermarks_must_be_ordered() {
+    let src = "[tiers.g3]\nhigh_watermark = 0.8\nlow_watermark = 0.9\n";
+    let err = parse(src).unwrap_err();
+    assert_eq!(err.kind(), "invalid");
+    assert_eq!(err.key(), Some("tiers.g3.low_watermark"));
+    assert_eq!((err.line(), err.column()), (Some(3), Some(1)));
+    let err = parse("[tiers.g1]\nhigh_watermark = 1.5\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers.g1.high_watermark"));
+}
+
+#[test]
+fn partial_retention_region_keeps_its_defaults() {
+    let config = parse("[retention.reasoning]\npriority = 5\n").unwrap();
+    assert_eq!(config.retention.reasoning.priority, 5);
+    assert_eq!(config.retention.reasoning.lowest_tier, TierName::G2);
+    assert_eq!(config.retention.reasoning.hold, HumanDuration::secs(0));
+    let config = parse("[retention.conversation]\npriority = 70\n").unwrap();
+    assert_eq!(config.retention.conversation.hold, HumanDuration::secs(30));
+    assert_eq!(config.retention.policy(RegionKind::System), &RegionPolicy::default_for(RegionKind::System));
+
+    let err = parse("[retention.reasoning]\npriority = 101\n").unwrap_err();
+    assert_eq!(err.key(), Some("retention.reasoning.priority"));
+    assert_eq!(err.line(), Some(2));
+    let err = parse("[retention.tools]\nhodl = \"1s\"\n").unwrap_err();
+    assert_eq!(err.kind(), "unknown_key");
+    assert_eq!(err.key(), Some("retention.tools.hodl"));
+}
+
+#[test]
+fn other_validation_rules() {
+    let cases: &[(&str, &str)] = &[
+        ("[blocks]\nblock_size = 0\n", "blocks.block_size"),
+        ("[blocks]\nblock_size = 8192\n", "blocks.block_size"),
+        ("[model]\nname = \"gpt-9\"\n", "model.name"),
+        ("[engine]\nworkers = 0\n", "engine.workers"),
+        ("[tiers.g3]\nqueue_depth = 0\n", "tiers.g3.queue_depth"),
+        ("[tiers.g3]\nqueue_depth = 8192\n", "tiers.g3.queue_depth"),
+        ("[tiers.g3]\nio_threads = 0\n", "tiers.g3.io_threads"),
+        ("[tiers.g3]\ncapacity_per_path = \"4KiB\"\n", "tiers.g3.capacity_per_path"),
+        ("[tiers.g3]\npaths = [\"a\", \"a\"]\n", "tiers.g3.paths[1]"),
+        ("[tiers.g1]\ncapacity = \"1KiB\"\n", "tiers.g1.capacity"),
+        ("[engine]\ndevice = \"cpu\"\n[tiers.g1]\ncapacity = 0\n", "tiers.g1.capacity"),
+        ("[tiers.g1]\ngpu_memory_fraction = 0.0\n", "tiers.g1.gpu_memory_fraction"),
+        ("[frontend]\nhttp = \"localhost\"\n", "frontend.http"),
+        ("[metrics]\nlisten = \"1.2.3.4\"\n", "metrics.listen"),
+        ("[tiers.g4]\nlisten = \"x:1\"\n", "tiers.g4.listen"),
+        ("[tiers.g4]\npeers = [\"nohost\"]\n", "tiers.g4.peers[0]"),
+        ("[metrics]\nlatency_buckets_seconds = [1.0, 0.5]\n", "metrics.latency_buckets_seconds"),
+        ("[metrics]\nlatency_buckets_seconds = [0.0, 1.0]\n", "metrics.latency_buckets_seconds"),
+        ("[router]\ntemperature = -1.0\n", "router.temperature"),
+    ];
+    for &(src, key) in cases {
+        let err = parse(src).expect_err(src);
+        assert_eq!(err.kind(), "invalid", "{src}: {err}");
+        assert_eq!(err.key(), Some(key), "{src}: {err}");
+    }
+    let err = parse("[model]\nname = \"gpt-9\"\n").unwrap_err();
+    assert!(err.to_string().contains("tiny, llama-1b, llama-8b"), "{err}");
+    assert_eq!(parse("[tiers.g3]\npaths = [\"a\", \"a\"]\n").unwrap_err().line(), Some(2));
+
+    // Allowed: a model from a path with any name, G1 = 0 on auto, RDMA transport, hostname peers.
+    parse("[model]\nname = \"mine\"\npath = \"/m\"\n[tiers.g1]\ncapacity = 0\n").unwrap();
+    parse("[tiers.g4]\nenabled = true\ntransport = \"rdma\"\npeers = [\"node-1:7100\"]\n").unwrap();
+    parse("[tiers.g2]\nenabled = false\ncapacity = 0\n").unwrap();
+}
+
+#[test]
+fn in_memory_validation_has_no_location() {
+    let mut config = NodeConfig::default();
+    config.engine.workers = 0;
+    let err = config.validate().unwrap_err();
+    assert_eq!(err.line(), None);
+    assert_eq!(err.to_string(), "`engine.workers`: must be at least 1");
+}
+
+#[test]
+fn duplicate_key_is_named() {
+    let err = parse("[tiers.g3]\nqueue_depth = 8\nqueue_depth = 16\n").unwrap_err();
+    assert_eq!(err.kind(), "syntax");
+    assert_eq!(err.key(), Some("tiers.g3.queue_depth"), "{err}");
+    assert_eq!((err.line(), err.column()), (Some(3), Some(1)));
+}
+
+#[test]
+fn io_error_is_its_own_kind() {
+    let err = NodeConfig::load(Path::new("/nonexistent/dynamo.toml")).unwrap_err();
+    assert_eq!(err.kind(), "io");
+    assert!(matches!(err, ConfigError::Io { .. }));
+    assert!(err.to_string().starts_with("/nonexistent/dynamo.toml: cannot read"), "{err}");
+}
+
+fn arb_size() -> impl Strategy<Value = ByteSize> {
+    (1u64..1 << 16, 20u32..34).prop_map(|(n, shift)| ByteSize(n << shift))
+}
+
+proptest! {
+    #[test]
+    fn configs_round_trip_through_toml(
+        g1 in arb_size(),
+        g2 in arb_size(),
+        g3 in arb_size(),
+        delay_us in 0u64..10_000_000,
+        priority in 0u8..=100,
+        workers in 1usize..64,
+        block_shift in 0u32..8,
+        eviction in prop::sample::select(EvictionPolicyKind::ALL),
+        tier in prop::sample::select(TierName::ALL),
+    ) {
+        let mut config = NodeConfig::default();
+        config.tiers.g1.capacity = g1;
+        config.tiers.g2.capacity = g2;
+        config.tiers.g3.capacity_per_path = g3;
+        config.tiers.g3.eviction = eviction;
+        config.tiers.g2.write_batch_delay = HumanDuration(std::time::Duration::from_micros(delay_us));
+        config.retention.tools.priority = priority;
+        config.retention.tools.lowest_tier = tier;
+        config.engine.workers = workers;
+        config.blocks.block_size = 1 << block_shift;
+        let text = config.to_toml_string();
+        prop_assert_eq!(parse(&text).unwrap(), config);
+    }
+}

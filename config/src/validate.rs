@@ -1,0 +1,241 @@
+//! [`NodeConfig::validate`]: the checks types cannot express, each naming its key path and
+//! saying how to fix it.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+
+use crate::error::{ConfigError, Problem};
+use crate::{ByteSize, DeviceKind, ModelShape, NodeConfig, RegionKind};
+
+/// Collects problems.
+#[derive(Debug, Default)]
+struct Checks {
+    problems: Vec<Problem>,
+}
+
+impl Checks {
+    fn fail(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(Problem::new(key, message));
+    }
+
+    fn at_least_one(&mut self, key: &str, value: usize) {
+        if value == 0 {
+            self.fail(key, "must be at least 1");
+        }
+    }
+
+    fn socket_addr(&mut self, key: &str, value: &str) {
+        if value.parse::<SocketAddr>().is_err() {
+            self.fail(
+                key,
+                format!("`{value}` is not a socket address; expected `ip:port`, e.g. `127.0.0.1:8000` or `[::1]:8000`"),
+            );
+        }
+    }
+
+    fn watermarks(&mut self, tier: &str, low: f64, high: f64) {
+        if !(high > 0.0 && high <= 1.0) {
+            self.fail(
+                format!("tiers.{tier}.high_watermark"),
+                format!("{high} is outside (0, 1]; it is the occupancy fraction at which eviction starts"),
+            );
+        } else if !(low > 0.0 && low <= high) {
+            self.fail(
+                format!("tiers.{tier}.low_watermark"),
+                format!("{low} must be in (0, high_watermark = {high}]; eviction stops at the low watermark"),
+            );
+        }
+    }
+
+    fn positive_rate(&mut self, key: &str, value: Option<f64>) {
+        if let Some(v) = value
+            && !(v.is_finite() && v > 0.0)
+        {
+            self.fail(key, format!("{v} must be a positive number of GB/s (or leave it unset to measure)"));
+        }
+    }
+
+    /// `capacity` must hold at least one block.
+    fn holds_a_block(&mut self, key: &str, capacity: ByteSize, block: Option<BlockSize>) {
+        if let Some(b) = block
+            && capacity.as_u64() < b.bytes
+        {
+            self.fail(
+                key,
+                format!(
+                    "{capacity} is smaller than one block ({} tokens × {}/token = {}); raise it to at least {} or lower blocks.block_size",
+                    b.tokens,
+                    ByteSize(b.per_token),
+                    ByteSize(b.bytes),
+                    ByteSize(b.bytes),
+                ),
+            );
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct BlockSize {
+    tokens: usize,
+    per_token: u64,
+    bytes: u64,
+}
+
+impl NodeConfig {
+    /// Checks the values that types cannot: ranges, watermarks, addresses, capacities against
+    /// the block size. Returns every problem at once as [`ConfigError::Invalid`], each naming its
+    /// key path (without a location; [`NodeConfig::parse`] adds those).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let problems = self.problems();
+        if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(problems)) }
+    }
+
+    fn problems(&self) -> Vec<Problem> {
+        let mut c = Checks::default();
+
+        // [node]
+        if self.node.name.trim().is_empty() {
+            c.fail("node.name", "must not be empty");
+        }
+        if self.node.log_level.trim().is_empty() {
+            c.fail("node.log_level", "must not be empty; e.g. \"info\"");
+        }
+
+        // [model]
+        if self.model.path.is_none() && ModelShape::named(&self.model.name).is_none() {
+            let known: Vec<&str> = ModelShape::ALL.iter().map(|s| s.name).collect();
+            c.fail(
+                "model.name",
+                format!(
+                    "unknown model shape `{}`; expected one of {}, or set model.path to a safetensors directory",
+                    self.model.name,
+                    known.join(", ")
+                ),
+            );
+        }
+        if self.model.seed > i64::MAX as u64 {
+            c.fail("model.seed", format!("must be at most {} (TOML integers are signed 64-bit)", i64::MAX));
+        }
+
+        // [engine]
+        c.at_least_one("engine.workers", self.engine.workers);
+        c.at_least_one("engine.max_batch_tokens", self.engine.max_batch_tokens);
+        c.at_least_one("engine.max_queued_requests", self.engine.max_queued_requests);
+
+        // [blocks]
+        let block_size = self.blocks.block_size;
+        if !(1..=4096).contains(&block_size) {
+            c.fail("blocks.block_size", format!("{block_size} is outside 1..=4096 tokens"));
+        }
+        let block = self.model_shape().filter(|_| (1..=4096).contains(&block_size)).map(|shape| {
+            let per_token = shape.kv_bytes_per_token(self.model.dtype);
+            BlockSize { tokens: block_size, per_token, bytes: per_token * block_size as u64 }
+        });
+
+        // [tiers]
+        let g1 = &self.tiers.g1;
+        if g1.capacity.as_u64() == 0 {
+            if self.engine.device == DeviceKind::Cpu {
+                c.fail(
+                    "tiers.g1.capacity",
+                    "0 derives the pool from GPU memory, but engine.device = \"cpu\"; set a size such as \"256MiB\"",
+                );
+            }
+        } else {
+            c.holds_a_block("tiers.g1.capacity", g1.capacity, block);
+        }
+        if !(g1.gpu_memory_fraction > 0.0 && g1.gpu_memory_fraction <= 1.0) {
+            c.fail("tiers.g1.gpu_memory_fraction", format!("{} is outside (0, 1]", g1.gpu_memory_fraction));
+        }
+        c.watermarks("g1", g1.low_watermark, g1.high_watermark);
+
+        let g2 = &self.tiers.g2;
+        if g2.enabled {
+            c.holds_a_block("tiers.g2.capacity", g2.capacity, block);
+        }
+        c.watermarks("g2", g2.low_watermark, g2.high_watermark);
+        c.at_least_one("tiers.g2.write_batch_blocks", g2.write_batch_blocks);
+
+        let g3 = &self.tiers.g3;
+        if g3.enabled {
+            c.holds_a_block("tiers.g3.capacity_per_path", g3.capacity_per_path, block);
+        }
+        let mut seen = HashSet::new();
+        for (i, path) in g3.paths.iter().enumerate() {
+            if path.as_os_str().is_empty() {
+                c.fail(format!("tiers.g3.paths[{i}]"), "must not be empty");
+            } else if !seen.insert(path) {
+                c.fail(
+                    format!("tiers.g3.paths[{i}]"),
+                    format!("`{}` is listed twice; each path is its own store", path.display()),
+                );
+            }
+        }
+        if !(1..=4096).contains(&g3.queue_depth) {
+            c.fail("tiers.g3.queue_depth", format!("{} is outside 1..=4096", g3.queue_depth));
+        }
+        c.at_least_one("tiers.g3.io_threads", g3.io_threads);
+        c.watermarks("g3", g3.low_watermark, g3.high_watermark);
+        c.at_least_one("tiers.g3.write_batch_blocks", g3.write_batch_blocks);
+        c.positive_rate("tiers.g3.read_gb_s", g3.read_gb_s);
+        c.positive_rate("tiers.g3.write_gb_s", g3.write_gb_s);
+
+        let g4 = &self.tiers.g4;
+        c.socket_addr("tiers.g4.listen", &g4.listen);
+        for (i, peer) in g4.peers.iter().enumerate() {
+            let ok = peer.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !ok {
+                c.fail(format!("tiers.g4.peers[{i}]"), format!("`{peer}` is not `host:port`, e.g. `10.0.0.2:7100`"));
+            }
+        }
+        c.at_least_one("tiers.g4.max_inflight", g4.max_inflight);
+        if g4.request_timeout.as_duration().is_zero() {
+            c.fail("tiers.g4.request_timeout", "must be longer than 0s");
+        }
+
+        // [retention]
+        for region in RegionKind::ALL {
+            let policy = self.retention.policy(region);
+            if policy.priority > 100 {
+                c.fail(format!("retention.{region}.priority"), format!("{} is outside 0..=100", policy.priority));
+            }
+        }
+
+        // [router]
+        let t = self.router.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            c.fail("router.temperature", format!("{t} must be a finite number >= 0"));
+        }
+        c.at_least_one("router.index_max_blocks", self.router.index_max_blocks);
+
+        // [frontend]
+        c.socket_addr("frontend.http", &self.frontend.http);
+        if self.frontend.max_body.as_u64() == 0 {
+            c.fail("frontend.max_body", "must be larger than 0B");
+        }
+        if self.frontend.request_timeout.as_duration().is_zero() {
+            c.fail("frontend.request_timeout", "must be longer than 0s");
+        }
+        c.at_least_one("frontend.default_max_tokens", self.frontend.default_max_tokens);
+
+        // [metrics]
+        c.socket_addr("metrics.listen", &self.metrics.listen);
+        let buckets = &self.metrics.latency_buckets_seconds;
+        if buckets.is_empty() {
+            c.fail("metrics.latency_buckets_seconds", "must list at least one bucket");
+        }
+        if let Some(i) = buckets.iter().position(|b| !(b.is_finite() && *b > 0.0)) {
+            c.fail(
+                "metrics.latency_buckets_seconds",
+                format!("bucket {} (index {i}) must be a positive number of seconds", buckets[i]),
+            );
+        } else if let Some(i) = buckets.windows(2).position(|w| w[0] >= w[1]) {
+            c.fail(
+                "metrics.latency_buckets_seconds",
+                format!("buckets must be strictly increasing, but {} is followed by {}", buckets[i], buckets[i + 1]),
+            );
+        }
+
+        c.problems
+    }
+}

@@ -1,0 +1,10 @@
+//! What a KV block is: its identity ([`hash`]) and its self-describing byte form ([`image`]).
+
+pub mod hash;
+pub mod image;
+
+pub use hash::{BlockHash, BlockHasher, HASH_SCHEME_VERSION, Salt, SaltInputs, TokenId};
+pub use image::{
+    BlockLayout, HEADER_LEN, ImageError, ImageHeader, ImageSpec, KvDtype, RetentionMeta, payload_mut, seal,
+    verify_image,
+};

@@ -1,0 +1,666 @@
+//! G3: the node's NVMe tier — block images in fixed-size, 4 KiB-aligned slots of files or raw
+//! block devices opened `O_DIRECT`.
+//!
+//! ```text
+//! file:  [superblock 4 KiB][slot 0][slot 1] … [slot n-1]      slot = align_up(header + payload)
+//! ```
+//!
+//! The store moves images between G2 slots and disk slots through an [`IoEngine`] (io_uring with
+//! the G2 pool as fixed buffers by default), keeps an in-memory index `hash → (file, slot)`, and
+//! stripes new blocks across files. It decides nothing about *which* blocks to keep: the tier's
+//! [`crate::registry::TierRegistry`] chooses victims and the caller [`G3Store::remove`]s them.
+//!
+//! Every read is verified (magic, header checksum, block hash, payload checksum) before the slot is
+//! handed out; a block that fails is counted, dropped from the index, and reported as an error, so
+//! the caller recomputes it. A failed write (a full disk, an I/O error) fails that block only.
+//!
+//! Headers make the store self-describing: on open, a tokio-uring scan ([`scan`]) reads every
+//! slot's header and rebuilds the index; what it finds is returned so the caller can rebuild its
+//! registry (retention metadata travels in the header).
+
+pub mod scan;
+pub mod superblock;
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::block::{BlockHash, ImageError, ImageHeader, verify_image};
+use crate::g2::{HostPool, SLOT_ALIGN, SlotMut, SlotRef, align_up};
+use crate::io::psync::PsyncEngine;
+use crate::io::uring::{UringEngine, UringOptions};
+use crate::io::{IoBuf, IoEngine, IoRequest};
+use superblock::{SUPERBLOCK_LEN, Superblock};
+
+/// Which engine a store drives its files with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineChoice {
+    /// io_uring (falls back to psync, with a warning, where io_uring is unavailable).
+    Uring(UringOptions),
+    /// `pread`/`pwrite` on this many threads.
+    Psync {
+        /// Threads, i.e. operations in flight.
+        threads: usize,
+    },
+}
+
+/// How a [`G3Store`] is opened.
+#[derive(Clone, Debug, PartialEq)]
+pub struct G3Options {
+    /// Files or block devices. Files are created (with parent directories) and sized.
+    pub paths: Vec<PathBuf>,
+    /// Bytes per file (ignored for block devices, which use their whole size).
+    pub capacity_per_path: u64,
+    /// Bytes per slot: at least the largest image, rounded up to 4 KiB.
+    pub slot_bytes: usize,
+    /// Open with `O_DIRECT` (bypass the page cache).
+    pub direct_io: bool,
+    /// The I/O engine.
+    pub engine: EngineChoice,
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum G3Error {
+    /// A file could not be opened or sized.
+    #[error("G3 file {path}: {source}")]
+    Open {
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The file system refuses `O_DIRECT` (tmpfs, some overlay file systems).
+    #[error(
+        "G3 file {path}: the file system does not support O_DIRECT; put G3 on a real disk or set tiers.g3.direct_io = false"
+    )]
+    DirectIoUnsupported {
+        /// The path.
+        path: PathBuf,
+    },
+    /// No free slot: the caller must evict first.
+    #[error("G3 is full ({slots} slots)")]
+    Full {
+        /// Slots in the store.
+        slots: u64,
+    },
+    /// The device has no space left (ENOSPC/EDQUOT).
+    #[error("G3 device is out of space: {0}")]
+    NoSpace(io::Error),
+    /// Any other I/O error.
+    #[error("G3 I/O error: {0}")]
+    Io(io::Error),
+    /// The block read back failed verification; it has been dropped.
+    #[error("G3 block {hash} failed verification ({source}); dropped")]
+    Corrupt {
+        /// The block.
+        hash: BlockHash,
+        /// What failed.
+        source: ImageError,
+    },
+    /// The block is not in the store.
+    #[error("block {0} is not in G3")]
+    NotFound(BlockHash),
+    /// The image does not fit a slot.
+    #[error("image of {image} bytes does not fit a {slot}-byte G3 slot")]
+    TooLarge {
+        /// Image bytes.
+        image: usize,
+        /// Slot bytes.
+        slot: usize,
+    },
+    /// The buffer to write is not a sealed image.
+    #[error("refusing to write an unsealed image: {0}")]
+    NotAnImage(ImageError),
+}
+
+impl G3Error {
+    /// A stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            G3Error::Open { .. } => "open",
+            G3Error::DirectIoUnsupported { .. } => "direct_io",
+            G3Error::Full { .. } => "full",
+            G3Error::NoSpace(_) => "no_space",
+            G3Error::Io(_) => "io",
+            G3Error::Corrupt { .. } => "corrupt",
+            G3Error::NotFound(_) => "not_found",
+            G3Error::TooLarge { .. } => "too_large",
+            G3Error::NotAnImage(_) => "not_an_image",
+        }
+    }
+
+    fn from_io(e: io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(libc::ENOSPC | libc::EDQUOT) => G3Error::NoSpace(e),
+            _ => G3Error::Io(e),
+        }
+    }
+}
+
+/// A failed read: the error, and the destination slot back when the engine returned it.
+#[derive(Debug)]
+pub struct ReadFailure {
+    /// The destination slot, for reuse.
+    pub buf: Option<SlotMut>,
+    /// What went wrong.
+    pub error: G3Error,
+}
+
+/// What a write did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// The image is on disk now.
+    Written,
+    /// The block was already present (or being written): nothing written.
+    AlreadyPresent,
+}
+
+/// What the store found when it opened.
+#[derive(Debug, Default)]
+pub struct Recovery {
+    /// Headers of the blocks recovered, for rebuilding the registry.
+    pub blocks: Vec<ImageHeader>,
+    /// Slots that held something invalid (torn or corrupt), now free.
+    pub invalid_slots: u64,
+    /// Duplicate images of one block (all but one freed).
+    pub duplicates: u64,
+    /// Files that were (re)formatted because they were new or had another slot size.
+    pub formatted_files: usize,
+}
+
+/// Counters of a store (monotonic).
+#[derive(Debug, Default)]
+pub struct G3Stats {
+    /// Images written.
+    pub writes: AtomicU64,
+    /// Bytes written.
+    pub write_bytes: AtomicU64,
+    /// Writes that failed (any reason but `Full`).
+    pub write_errors: AtomicU64,
+    /// Writes skipped because the block was present.
+    pub duplicate_writes: AtomicU64,
+    /// Images read and verified.
+    pub reads: AtomicU64,
+    /// Bytes read.
+    pub read_bytes: AtomicU64,
+    /// Reads that failed with an I/O error.
+    pub read_errors: AtomicU64,
+    /// Reads that failed verification.
+    pub corrupt: AtomicU64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Writing(BlockHash),
+    Live {
+        hash: BlockHash,
+        readers: u32,
+    },
+    /// Removed while being read; freed when the last reader finishes.
+    Retired {
+        readers: u32,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Loc {
+    file: u32,
+    slot: u32,
+}
+
+#[derive(Debug)]
+struct Index {
+    map: HashMap<BlockHash, Loc>,
+    slots: Vec<Vec<SlotState>>,
+    free: Vec<Vec<u32>>,
+    next_file: usize,
+    live: usize,
+}
+
+impl Index {
+    fn alloc(&mut self) -> Option<Loc> {
+        let n = self.free.len();
+        for i in 0..n {
+            let file = (self.next_file + i) % n;
+            if let Some(slot) = self.free[file].pop() {
+                self.next_file = (file + 1) % n;
+                return Some(Loc { file: file as u32, slot });
+            }
+        }
+        None
+    }
+
+    fn state(&mut self, loc: Loc) -> &mut SlotState {
+        &mut self.slots[loc.file as usize][loc.slot as usize]
+    }
+
+    fn free_slot(&mut self, loc: Loc) {
+        *self.state(loc) = SlotState::Free;
+        self.free[loc.file as usize].push(loc.slot);
+    }
+
+    /// Drops `hash` if it still lives at `loc`; frees the slot now or after its readers.
+    fn drop_entry(&mut self, hash: BlockHash, loc: Loc) -> bool {
+        if self.map.get(&hash) != Some(&loc) {
+            return false;
+        }
+        match *self.state(loc) {
+            SlotState::Live { readers, .. } => {
+                self.map.remove(&hash);
+                self.live -= 1;
+                if readers == 0 {
+                    self.free_slot(loc);
+                } else {
+                    *self.state(loc) = SlotState::Retired { readers };
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn end_read(&mut self, loc: Loc) {
+        match self.state(loc) {
+            SlotState::Live { readers, .. } => *readers -= 1,
+            SlotState::Retired { readers } => {
+                *readers -= 1;
+                if *readers == 0 {
+                    self.free_slot(loc);
+                }
+            }
+            other => debug_assert!(false, "reader finished on a {other:?} slot"),
+        }
+    }
+}
+
+/// The G3 store. Share it behind an `Arc`; every method takes `&self`.
+#[derive(Debug)]
+pub struct G3Store {
+    engine: Arc<dyn IoEngine>,
+    paths: Vec<PathBuf>,
+    slot_bytes: usize,
+    total_slots: u64,
+    index: Mutex<Index>,
+    stats: G3Stats,
+    _pool: HostPool,
+}
+
+impl G3Store {
+    /// Opens (creating and sizing as needed) the store's files, starts its engine, and rebuilds
+    /// the index from the slot headers. Blocks while it scans.
+    pub fn open(options: &G3Options, pool: &HostPool) -> Result<(Self, Recovery), G3Error> {
+        Self::open_wrapped(options, pool, |engine| engine)
+    }
+
+    /// Like [`G3Store::open`], with the engine passed through `wrap` (fault injection in tests).
+    pub fn open_wrapped(
+        options: &G3Options,
+        pool: &HostPool,
+        wrap: impl FnOnce(Arc<dyn IoEngine>) -> Arc<dyn IoEngine>,
+    ) -> Result<(Self, Recovery), G3Error> {
+        let slot_bytes = align_up(options.slot_bytes.max(SLOT_ALIGN));
+        if pool.slot_bytes() < slot_bytes {
+            return Err(G3Error::TooLarge { image: slot_bytes, slot: pool.slot_bytes() });
+        }
+        let mut files = Vec::new();
+        let mut per_file_slots = Vec::new();
+        let mut scan_list = Vec::new();
+        let mut recovery = Recovery::default();
+        for (i, path) in options.paths.iter().enumerate() {
+            let (file, bytes) = open_file(path, options.capacity_per_path, options.direct_io)?;
+            let slots = bytes.saturating_sub(SUPERBLOCK_LEN) / slot_bytes as u64;
+            let slots = slots.min(u32::MAX as u64);
+            let mut sb = AlignedSuper::new();
+            let existing = read_superblock(&file, &mut sb, path)?;
+            let wanted = Superblock { slot_bytes: slot_bytes as u64, slots, file_index: i as u32 };
+            match existing {
+                Some(old) if old.slot_bytes == wanted.slot_bytes => {
+                    scan_list.push(scan::ScanFile {
+                        path: path.clone(),
+                        slots: old.slots.min(slots),
+                        slot_bytes: slot_bytes as u64,
+                        direct: options.direct_io,
+                    });
+                    if old != wanted {
+                        write_superblock(&file, &mut sb, &wanted, path)?;
+                    }
+                }
+                _ => {
+                    if let Some(old) = existing {
+                        tracing::warn!(path = %path.display(), old_slot_bytes = old.slot_bytes, new_slot_bytes = slot_bytes, "G3 file was formatted for another slot size; its blocks are dropped");
+                    }
+                    write_superblock(&file, &mut sb, &wanted, path)?;
+                    recovery.formatted_files += 1;
+                    scan_list.push(scan::ScanFile {
+                        path: path.clone(),
+                        slots: 0,
+                        slot_bytes: slot_bytes as u64,
+                        direct: options.direct_io,
+                    });
+                }
+            }
+            per_file_slots.push(slots as u32);
+            files.push(Arc::new(file));
+        }
+        let found = scan::scan(scan_list).map_err(|source| G3Error::Open { path: options.paths[0].clone(), source })?;
+        let mut index = Index {
+            map: HashMap::new(),
+            slots: per_file_slots.iter().map(|&n| vec![SlotState::Free; n as usize]).collect(),
+            free: Vec::new(),
+            next_file: 0,
+            live: 0,
+        };
+        recovery.invalid_slots = found.invalid;
+        for f in found.found {
+            let loc = Loc { file: f.file, slot: f.slot };
+            if index.map.contains_key(&f.header.hash) {
+                recovery.duplicates += 1;
+                continue;
+            }
+            index.map.insert(f.header.hash, loc);
+            *index.state(loc) = SlotState::Live { hash: f.header.hash, readers: 0 };
+            index.live += 1;
+            recovery.blocks.push(f.header);
+        }
+        // Free lists hold the lowest slots last, so a fresh store fills each file front to back.
+        index.free = index
+            .slots
+            .iter()
+            .map(|states| (0..states.len() as u32).rev().filter(|&s| states[s as usize] == SlotState::Free).collect())
+            .collect();
+        let engine = wrap(make_engine(options.engine, &files, pool)?);
+        let total_slots = per_file_slots.iter().map(|&n| n as u64).sum();
+        Ok((
+            Self {
+                engine,
+                paths: options.paths.clone(),
+                slot_bytes,
+                total_slots,
+                index: Mutex::new(index),
+                stats: G3Stats::default(),
+                _pool: pool.clone(),
+            },
+            recovery,
+        ))
+    }
+
+    /// Writes a sealed image from a G2 slot. A block already present is not written again.
+    pub async fn write(&self, image: SlotRef) -> Result<WriteOutcome, G3Error> {
+        let header = ImageHeader::decode_header_only(image.as_slice()).map_err(G3Error::NotAnImage)?;
+        let len = align_up(header.image_bytes());
+        if len > self.slot_bytes {
+            return Err(G3Error::TooLarge { image: header.image_bytes(), slot: self.slot_bytes });
+        }
+        let hash = header.hash;
+        let loc = {
+            let mut index = self.lock();
+            if index.map.contains_key(&hash) {
+                self.stats.duplicate_writes.fetch_add(1, Ordering::Relaxed);
+                return Ok(WriteOutcome::AlreadyPresent);
+            }
+            let loc = index.alloc().ok_or(G3Error::Full { slots: self.total_slots })?;
+            index.map.insert(hash, loc);
+            *index.state(loc) = SlotState::Writing(hash);
+            loc
+        };
+        // If this future is dropped mid-write, the guard gives the slot back; a late write landing
+        // in a reused slot is caught by read verification, never served.
+        let mut guard = WriteGuard { store: self, hash, loc, armed: true };
+        let req = IoRequest { target: loc.file, offset: self.offset(loc), len, buf: IoBuf::Write(image) };
+        let result = self.engine.submit(req).await;
+        guard.armed = false;
+        let mut index = self.lock();
+        match result {
+            Ok(_) => {
+                *index.state(loc) = SlotState::Live { hash, readers: 0 };
+                index.live += 1;
+                self.stats.writes.fetch_add(1, Ordering::Relaxed);
+                self.stats.write_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                Ok(WriteOutcome::Written)
+            }
+            Err(failure) => {
+                index.map.remove(&hash);
+                index.free_slot(loc);
+                self.stats.write_errors.fetch_add(1, Ordering::Relaxed);
+                Err(G3Error::from_io(failure.error))
+            }
+        }
+    }
+
+    /// Reads and verifies block `hash` into `dst`. On success the slot holds the verified image.
+    /// A block that fails verification or hits an I/O error is dropped from the store.
+    pub async fn read(&self, hash: BlockHash, dst: SlotMut) -> Result<SlotRef, ReadFailure> {
+        let loc = {
+            let mut index = self.lock();
+            let loc = index.map.get(&hash).copied();
+            match loc.map(|l| (l, index.state(l))) {
+                Some((l, SlotState::Live { readers, .. })) => {
+                    *readers += 1;
+                    l
+                }
+                _ => return Err(ReadFailure { buf: Some(dst), error: G3Error::NotFound(hash) }),
+            }
+        };
+        let guard = ReadGuard { store: self, loc };
+        let req = IoRequest { target: loc.file, offset: self.offset(loc), len: self.slot_bytes, buf: IoBuf::Read(dst) };
+        let result = self.engine.submit(req).await;
+        drop(guard);
+        match result {
+            Ok(buf) => {
+                let slot = buf.into_read().expect("a read hands back its read buffer");
+                match verify_image(slot.as_slice(), hash) {
+                    Ok(_) => {
+                        self.stats.reads.fetch_add(1, Ordering::Relaxed);
+                        self.stats.read_bytes.fetch_add(self.slot_bytes as u64, Ordering::Relaxed);
+                        Ok(slot.freeze())
+                    }
+                    Err(source) => {
+                        self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
+                        self.lock().drop_entry(hash, loc);
+                        tracing::warn!(%hash, error = %source, "G3 block failed verification; dropped");
+                        Err(ReadFailure { buf: Some(slot), error: G3Error::Corrupt { hash, source } })
+                    }
+                }
+            }
+            Err(failure) => {
+                self.stats.read_errors.fetch_add(1, Ordering::Relaxed);
+                self.lock().drop_entry(hash, loc);
+                tracing::warn!(%hash, error = %failure.error, "G3 read failed; block dropped");
+                Err(ReadFailure { buf: failure.buf.and_then(IoBuf::into_read), error: G3Error::from_io(failure.error) })
+            }
+        }
+    }
+
+    /// Drops a block (eviction). Returns whether it was present. A block being read is freed when
+    /// its readers finish.
+    pub fn remove(&self, hash: BlockHash) -> bool {
+        let mut index = self.lock();
+        match index.map.get(&hash).copied() {
+            Some(loc) => index.drop_entry(hash, loc),
+            None => false,
+        }
+    }
+
+    /// Whether the block is stored (written and not removed).
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        let mut index = self.lock();
+        match index.map.get(&hash).copied() {
+            Some(loc) => matches!(index.state(loc), SlotState::Live { .. }),
+            None => false,
+        }
+    }
+
+    /// Blocks stored.
+    pub fn len(&self) -> usize {
+        self.lock().live
+    }
+
+    /// Whether no block is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Slots in all files.
+    pub fn capacity_slots(&self) -> u64 {
+        self.total_slots
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// The engine's name.
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    /// I/Os in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.engine.in_flight()
+    }
+
+    /// The store's counters.
+    pub fn stats(&self) -> &G3Stats {
+        &self.stats
+    }
+
+    /// The files of the store.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    fn offset(&self, loc: Loc) -> u64 {
+        SUPERBLOCK_LEN + loc.slot as u64 * self.slot_bytes as u64
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
+        // The index is updated in small critical sections that cannot panic half-way.
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+struct WriteGuard<'a> {
+    store: &'a G3Store,
+    hash: BlockHash,
+    loc: Loc,
+    armed: bool,
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut index = self.store.lock();
+            if index.map.get(&self.hash) == Some(&self.loc) {
+                index.map.remove(&self.hash);
+                index.free_slot(self.loc);
+            }
+        }
+    }
+}
+
+struct ReadGuard<'a> {
+    store: &'a G3Store,
+    loc: Loc,
+}
+
+impl Drop for ReadGuard<'_> {
+    fn drop(&mut self) {
+        self.store.lock().end_read(self.loc);
+    }
+}
+
+fn make_engine(choice: EngineChoice, files: &[Arc<File>], pool: &HostPool) -> Result<Arc<dyn IoEngine>, G3Error> {
+    let io_err = |source| G3Error::Io(source);
+    match choice {
+        EngineChoice::Uring(opts) => match UringEngine::new(files, Some(pool), opts) {
+            Ok(engine) => Ok(Arc::new(engine)),
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring is unavailable; G3 falls back to pread/pwrite");
+                Ok(Arc::new(PsyncEngine::new(files, opts.queue_depth as usize).map_err(io_err)?))
+            }
+        },
+        EngineChoice::Psync { threads } => Ok(Arc::new(PsyncEngine::new(files, threads).map_err(io_err)?)),
+    }
+}
+
+/// Opens (creating, sizing and reserving) a file, or opens a block device; returns it and its size.
+fn open_file(path: &Path, capacity: u64, direct: bool) -> Result<(File, u64), G3Error> {
+    let err = |source| G3Error::Open { path: path.to_path_buf(), source };
+    let is_device = std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false);
+    if !is_device {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(err)?;
+        }
+    }
+    let mut opts = OpenOptions::new();
+    opts.read(true).write(true).create(!is_device);
+    if direct {
+        opts.custom_flags(libc::O_DIRECT);
+    }
+    let file = match opts.open(path) {
+        Ok(f) => f,
+        Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+            return Err(G3Error::DirectIoUnsupported { path: path.to_path_buf() });
+        }
+        Err(e) => return Err(err(e)),
+    };
+    if is_device {
+        let mut bytes = 0u64;
+        // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live local.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut bytes as *mut u64) };
+        if rc != 0 {
+            return Err(err(io::Error::last_os_error()));
+        }
+        return Ok((file, bytes));
+    }
+    let bytes = (capacity / SLOT_ALIGN as u64) * SLOT_ALIGN as u64;
+    file.set_len(bytes).map_err(err)?;
+    // Reserve the space now so a full disk shows at start-up, not as write errors later.
+    // SAFETY: fallocate on a descriptor we own, with a valid range; the result is checked.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP) => {}
+            _ => return Err(err(e)),
+        }
+    }
+    Ok((file, bytes))
+}
+
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// A 4 KiB aligned buffer for the superblock.
+struct AlignedSuper(crate::io::aligned::AlignedBuf);
+
+impl AlignedSuper {
+    fn new() -> Self {
+        Self(crate::io::aligned::AlignedBuf::new(SUPERBLOCK_LEN as usize))
+    }
+}
+
+fn read_superblock(file: &File, buf: &mut AlignedSuper, path: &Path) -> Result<Option<Superblock>, G3Error> {
+    use std::os::unix::fs::FileExt;
+    match file.read_exact_at(buf.0.as_mut_slice(), 0) {
+        Ok(()) => Ok(Superblock::decode(buf.0.as_slice())),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(source) => Err(G3Error::Open { path: path.to_path_buf(), source }),
+    }
+}
+
+fn write_superblock(file: &File, buf: &mut AlignedSuper, sb: &Superblock, path: &Path) -> Result<(), G3Error> {
+    use std::os::unix::fs::FileExt;
+    sb.encode(buf.0.as_mut_slice());
+    file.write_all_at(buf.0.as_slice(), 0)
+        .and_then(|()| file.sync_data())
+        .map_err(|source| G3Error::Open { path: path.to_path_buf(), source })
+}
