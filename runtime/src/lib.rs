@@ -1,1 +1,21 @@
-//! placeholder
+//! # dynamo-node
+//!
+//! The node: the command line, configuration loading, logging, the tokio runtime, and the
+//! assembly of the tiers (and, as later work lands, the actor tree, the HTTP frontend, the
+//! Prometheus exporter, cluster membership and the trace-replay driver).
+//!
+//! - [`cli`] — `dynamo-node [serve]`, `config default|check`, `bench storage`; exit codes and error
+//!   printing.
+//! - [`node`] — resolves a [`dynamo_config::NodeConfig`] into concrete tiers (slot sizes, block
+//!   counts, files), builds G2 and G3, rebuilds the G3 registry from what the store recovered,
+//!   prints the resolved tiers, and runs until SIGINT/SIGTERM.
+//! - [`bench`] — operator-facing benchmarks; `bench storage` measures G3 against `fio` on the
+//!   same device and suggests a `[tiers.g3]` section.
+//! - [`logging`] — `tracing` set up from `[node]` (text or JSON to stderr).
+//!
+//! Binaries and tests use `anyhow` here; the library crates below keep typed errors.
+
+pub mod bench;
+pub mod cli;
+pub mod logging;
+pub mod node;

@@ -1,1 +1,5 @@
-fn main() {}
+//! The `dynamo-node` daemon. Everything lives in the library; see `dynamo_node::cli`.
+
+fn main() -> std::process::ExitCode {
+    dynamo_node::cli::main()
+}

@@ -6,13 +6,38 @@
 //! engines for failures. Shared helpers live here.
 
 use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
 
-/// Where the `dynamo-node` binary of this build is.
+/// The `dynamo-node` binary of this build, built first if needed.
+///
+/// Cargo builds a dependency's library for an integration test but not its binaries, so a test
+/// run straight after an edit could otherwise start a stale `dynamo-node`. The first call in a test
+/// process runs `cargo build --bin dynamo-node` for the profile the tests were built with (a no-op
+/// when it is fresh); a failure to build fails the test with cargo's output.
 pub fn node_binary() -> PathBuf {
-    let mut dir = std::env::current_exe().expect("test executable path");
-    dir.pop();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    dir.join("dynamo-node")
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let mut dir = std::env::current_exe().expect("test executable path");
+            dir.pop();
+            if dir.ends_with("deps") {
+                dir.pop();
+            }
+            let profile = dir.file_name().and_then(|p| p.to_str()).unwrap_or("debug").to_string();
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "--quiet", "-p", "dynamo-node", "--bin", "dynamo-node"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"));
+            if profile != "debug" {
+                cmd.args(["--profile", if profile == "release" { "release" } else { &profile }]);
+            }
+            if let Some(target) = dir.parent() {
+                cmd.env("CARGO_TARGET_DIR", target);
+            }
+            let out = cmd.output().expect("run cargo to build dynamo-node");
+            assert!(out.status.success(), "building dynamo-node failed:\n{}", String::from_utf8_lossy(&out.stderr));
+            dir.join("dynamo-node")
+        })
+        .clone()
 }

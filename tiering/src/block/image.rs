@@ -113,6 +113,20 @@ impl BlockLayout {
         Self { layers, kv_heads: 1, head_dim, dtype: KvDtype::Opaque, block_tokens: 1 }
     }
 
+    /// The largest opaque payload of at most `bytes` bytes that the header can describe (sizes
+    /// with a large prime factor are not representable as `layers × head_dim`; this steps down in
+    /// 64-byte units until one is).
+    pub fn opaque_at_most(bytes: usize) -> Self {
+        let mut b = bytes - bytes % 64;
+        while b >= 64 {
+            if let Some((layers, head_dim)) = try_split_opaque(b) {
+                return Self { layers, kv_heads: 1, head_dim, dtype: KvDtype::Opaque, block_tokens: 1 };
+            }
+            b -= 64;
+        }
+        Self::opaque(bytes.min(64))
+    }
+
     /// Payload bytes: `layers × 2 (K and V) × B × kv_heads × head_dim × dtype`, or the opaque size.
     pub fn payload_bytes(&self) -> usize {
         let elems = self.layers as usize * self.kv_heads as usize * self.head_dim as usize * self.block_tokens as usize;
@@ -138,13 +152,18 @@ impl BlockLayout {
 }
 
 /// Splits an opaque byte count into two u16 factors (`layers × head_dim`) when possible.
+fn try_split_opaque(bytes: usize) -> Option<(u16, u16)> {
+    (1..=u16::MAX as usize)
+        .find(|&layers| bytes % layers == 0 && bytes / layers <= u16::MAX as usize)
+        .map(|layers| (layers as u16, (bytes / layers) as u16))
+}
+
 fn split_opaque(bytes: usize) -> (u16, u16) {
-    for layers in 1..=u16::MAX as usize {
-        if bytes % layers == 0 && bytes / layers <= u16::MAX as usize {
-            return (layers as u16, (bytes / layers) as u16);
-        }
-    }
-    panic!("opaque payload of {bytes} bytes cannot be described as layers × head_dim; use a multiple of 64")
+    try_split_opaque(bytes).unwrap_or_else(|| {
+        panic!(
+            "opaque payload of {bytes} bytes cannot be described as layers × head_dim; see BlockLayout::opaque_at_most"
+        )
+    })
 }
 
 /// Retention metadata that travels with a block across tiers (DESIGN.md §3).

@@ -42,6 +42,16 @@ pub enum MlockPolicy {
     Require,
 }
 
+impl From<dynamo_config::MlockMode> for MlockPolicy {
+    fn from(mode: dynamo_config::MlockMode) -> Self {
+        match mode {
+            dynamo_config::MlockMode::Off => MlockPolicy::Off,
+            dynamo_config::MlockMode::Try => MlockPolicy::Try,
+            dynamo_config::MlockMode::Require => MlockPolicy::Require,
+        }
+    }
+}
+
 /// How a [`HostPool`] is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HostPoolOptions {

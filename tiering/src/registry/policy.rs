@@ -203,3 +203,12 @@ impl<K: Ord + Copy> KeyedSet<K> {
         self.keys.contains_key(&hash)
     }
 }
+
+impl From<dynamo_config::EvictionPolicyKind> for PolicyKind {
+    fn from(kind: dynamo_config::EvictionPolicyKind) -> Self {
+        match kind {
+            dynamo_config::EvictionPolicyKind::Lru => PolicyKind::Lru,
+            dynamo_config::EvictionPolicyKind::Lfu => PolicyKind::Lfu,
+        }
+    }
+}

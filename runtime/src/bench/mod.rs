@@ -1,0 +1,3 @@
+//! Operator-facing benchmarks, run from the `dynamo-node bench` subcommands.
+
+pub mod storage;

@@ -1,0 +1,151 @@
+//! The command line.
+//!
+//! ```text
+//! dynamo-node [serve] [--config FILE] [--data-dir DIR] [--http ADDR] [--metrics ADDR]
+//! dynamo-node config default             print the embedded default configuration
+//! dynamo-node config check FILE          validate FILE; errors as FILE:LINE:COL: `key`: message
+//! dynamo-node bench storage --dir DIR    G3 throughput against fio on the same device
+//! ```
+//!
+//! Exit codes: 0 success, 1 runtime failure, 2 invalid configuration or usage.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use dynamo_config::{ConfigError, DEFAULT_TOML, NodeConfig};
+
+use crate::bench::storage::StorageArgs;
+
+/// dynamo-node: KV-cache-aware LLM serving for agentic workloads.
+#[derive(Debug, Parser)]
+#[command(name = "dynamo-node", version, about, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// What to do; `serve` when omitted.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Options of `serve`, accepted without the subcommand too.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the node (the default).
+    Serve(ServeArgs),
+    /// Inspect or validate configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Benchmarks for operators.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `serve` options; each flag overrides its key in the configuration file.
+#[derive(Debug, Args, Default)]
+pub struct ServeArgs {
+    /// Configuration file (TOML); the embedded default when omitted.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Overrides `node.data_dir`.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Overrides `frontend.http`.
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<SocketAddr>,
+    /// Overrides `metrics.listen`.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<SocketAddr>,
+}
+
+/// `config` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print the embedded default configuration.
+    Default,
+    /// Validate a configuration file: exit 0 when valid, 2 with FILE:LINE:COL and the key otherwise.
+    Check {
+        /// The file to check.
+        file: PathBuf,
+    },
+}
+
+/// `bench` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Write and read block images through the G3 store and compare with fio on the same device.
+    Storage(StorageArgs),
+}
+
+/// Parses the command line and runs it.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        None => serve(cli.serve),
+        Some(Command::Serve(args)) => serve(args),
+        Some(Command::Config(ConfigCommand::Default)) => {
+            print!("{DEFAULT_TOML}");
+            ExitCode::SUCCESS
+        }
+        Some(Command::Config(ConfigCommand::Check { file })) => match NodeConfig::load(&file) {
+            Ok(_) => {
+                println!("{}: ok", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => config_error(&e),
+        },
+        Some(Command::Bench(BenchCommand::Storage(args))) => {
+            report(crate::bench::storage::run(&args).map(|table| print!("{table}")))
+        }
+    }
+}
+
+fn config_error(e: &ConfigError) -> ExitCode {
+    eprintln!("{e}");
+    ExitCode::from(2)
+}
+
+fn report(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Loads the configuration `serve` would run with: the file (or the embedded default) with the
+/// command-line overrides applied, validated again after them.
+pub fn serve_config(args: &ServeArgs) -> Result<NodeConfig, ConfigError> {
+    let mut cfg = match &args.config {
+        Some(path) => NodeConfig::load(path)?,
+        None => NodeConfig::embedded_default(),
+    };
+    if let Some(dir) = &args.data_dir {
+        cfg.node.data_dir = dir.clone();
+    }
+    if let Some(addr) = args.http {
+        cfg.frontend.http = addr.to_string();
+    }
+    if let Some(addr) = args.metrics {
+        cfg.metrics.listen = addr.to_string();
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn serve(args: ServeArgs) -> ExitCode {
+    let cfg = match serve_config(&args) {
+        Ok(cfg) => cfg,
+        Err(e) => return config_error(&e),
+    };
+    crate::logging::init(&cfg.node);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("dynamo-node").build() {
+        Ok(rt) => rt,
+        Err(e) => return report(Err(e.into())),
+    };
+    report(runtime.block_on(crate::node::run(cfg)))
+}

@@ -1,0 +1,409 @@
+//! The node's tiers, resolved from configuration and built.
+//!
+//! [`ResolvedTiers::resolve`] turns the operator's sizes into what the node will actually run:
+//! the block layout and image size of the model, slot sizes, block counts per tier, the G3 files
+//! and engine. [`Node::build`] then maps the G2 pool, opens the G3 store (rebuilding its index from
+//! slot headers), and rebuilds the G3 registry from what the store recovered, so a restarted node
+//! knows every block it had written — each of them verified again when it is read.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use dynamo_config::{ByteSize, DeviceKind, IoEngineKind, ModelShape, NodeConfig};
+use dynamo_tiering::block::BlockLayout;
+use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
+use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store, Recovery};
+use dynamo_tiering::io::uring::UringOptions;
+use dynamo_tiering::registry::{BlockMeta, PolicyKind, TierRegistry};
+
+/// One memory tier's plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryTierPlan {
+    /// Bytes configured.
+    pub capacity: u64,
+    /// Block images that fit.
+    pub blocks: u64,
+    /// Eviction policy.
+    pub policy: PolicyKind,
+}
+
+/// The G3 plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct G3Plan {
+    /// Files or devices.
+    pub paths: Vec<PathBuf>,
+    /// Bytes per file.
+    pub capacity_per_path: u64,
+    /// Slots per file.
+    pub slots_per_path: u64,
+    /// The engine and its settings.
+    pub engine: EngineChoice,
+    /// `O_DIRECT`.
+    pub direct_io: bool,
+    /// Eviction policy.
+    pub policy: PolicyKind,
+}
+
+/// What the node will run, derived from its configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResolvedTiers {
+    /// Node name.
+    pub node: String,
+    /// Model shape.
+    pub shape: ModelShape,
+    /// KV element type.
+    pub dtype: dynamo_config::Dtype,
+    /// Tokens per block.
+    pub block_tokens: usize,
+    /// Layout of one block's KV.
+    pub layout: BlockLayout,
+    /// Header + payload bytes of one image.
+    pub image_bytes: usize,
+    /// Bytes per G2/G3 slot (image rounded up to 4 KiB).
+    pub slot_bytes: usize,
+    /// Engine workers (each with its own G1).
+    pub workers: usize,
+    /// Where the engines run.
+    pub device: &'static str,
+    /// G1, per worker.
+    pub g1: MemoryTierPlan,
+    /// G2, shared by the workers.
+    pub g2: Option<(MemoryTierPlan, MlockPolicy)>,
+    /// G3.
+    pub g3: Option<G3Plan>,
+    /// G4: transport and peers, when enabled.
+    pub g4: Option<(String, String, Vec<String>)>,
+}
+
+impl ResolvedTiers {
+    /// Resolves a validated configuration.
+    pub fn resolve(cfg: &NodeConfig) -> anyhow::Result<Self> {
+        let shape = match cfg.model_shape() {
+            Some(shape) => shape,
+            None => {
+                let dir =
+                    cfg.model.path.as_deref().context("model.name is not a known shape and model.path is unset")?;
+                shape_from_hf_config(dir)?
+            }
+        };
+        let block_tokens = cfg.blocks.block_size;
+        let layout = BlockLayout::for_model(&shape, cfg.model.dtype, block_tokens);
+        let image_bytes = layout.image_bytes();
+        let slot_bytes = align_up(image_bytes);
+        let device = match cfg.engine.device {
+            // The CUDA backend comes with the reference-engine work; until then every engine is a CPU one.
+            DeviceKind::Auto | DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => {
+                bail!("engine.device = \"cuda\": this build has no CUDA backend yet; use \"auto\" or \"cpu\"")
+            }
+        };
+        // G1 on the CPU holds the paged layout, which has no header or alignment padding.
+        let g1_block_bytes = layout.payload_bytes() as u64;
+        let g1 = MemoryTierPlan {
+            capacity: cfg.tiers.g1.capacity.as_u64(),
+            blocks: cfg.tiers.g1.capacity.as_u64() / g1_block_bytes,
+            policy: cfg.tiers.g1.eviction.into(),
+        };
+        let g2 = cfg.tiers.g2.enabled.then(|| {
+            let plan = MemoryTierPlan {
+                capacity: cfg.tiers.g2.capacity.as_u64(),
+                blocks: cfg.tiers.g2.capacity.as_u64() / slot_bytes as u64,
+                policy: cfg.tiers.g2.eviction.into(),
+            };
+            (plan, MlockPolicy::from(cfg.tiers.g2.mlock))
+        });
+        let g3 = if cfg.tiers.g3.enabled {
+            if g2.is_none() {
+                bail!(
+                    "tiers.g3 is enabled but tiers.g2 is not: G3 reads and writes go through G2 slots; enable tiers.g2"
+                );
+            }
+            let c = &cfg.tiers.g3;
+            let engine = match c.io_engine {
+                IoEngineKind::Uring => EngineChoice::Uring(UringOptions {
+                    queue_depth: c.queue_depth,
+                    threads: c.io_threads,
+                    register_buffers: c.register_buffers,
+                }),
+                IoEngineKind::Psync => EngineChoice::Psync { threads: c.queue_depth as usize },
+            };
+            let data = c.capacity_per_path.as_u64().saturating_sub(dynamo_tiering::g3::superblock::SUPERBLOCK_LEN);
+            Some(G3Plan {
+                paths: cfg.g3_paths(),
+                capacity_per_path: c.capacity_per_path.as_u64(),
+                slots_per_path: data / slot_bytes as u64,
+                engine,
+                direct_io: c.direct_io,
+                policy: c.eviction.into(),
+            })
+        } else {
+            None
+        };
+        let g4 = cfg
+            .tiers
+            .g4
+            .enabled
+            .then(|| (cfg.tiers.g4.transport.to_string(), cfg.tiers.g4.listen.clone(), cfg.tiers.g4.peers.clone()));
+        Ok(Self {
+            node: cfg.node.name.clone(),
+            shape,
+            dtype: cfg.model.dtype,
+            block_tokens,
+            layout,
+            image_bytes,
+            slot_bytes,
+            workers: cfg.engine.workers,
+            device,
+            g1,
+            g2,
+            g3,
+            g4,
+        })
+    }
+
+    /// A table for operators: one line per tier.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "node {:?}: model {} ({}), {} tokens per block, {} of KV per block, image {} in {} slots",
+            self.node,
+            self.shape.name,
+            self.dtype,
+            self.block_tokens,
+            ByteSize(self.layout.payload_bytes() as u64),
+            ByteSize(self.image_bytes as u64),
+            ByteSize(self.slot_bytes as u64),
+        );
+        let _ = writeln!(out, "{:<4} {:<44} {:>10} {:>9} {:<6}", "tier", "medium", "capacity", "blocks", "policy");
+        let policy = |p: PolicyKind| if p == PolicyKind::Lru { "lru" } else { "lfu" };
+        let _ = writeln!(
+            out,
+            "{:<4} {:<44} {:>10} {:>9} {:<6}",
+            "G1",
+            format!("{} memory, per worker × {}", self.device, self.workers),
+            ByteSize(self.g1.capacity).to_string(),
+            self.g1.blocks,
+            policy(self.g1.policy)
+        );
+        match &self.g2 {
+            Some((g2, mlock)) => {
+                let _ = writeln!(
+                    out,
+                    "{:<4} {:<44} {:>10} {:>9} {:<6}",
+                    "G2",
+                    format!("host memory, mlock {mlock:?}").to_lowercase(),
+                    ByteSize(g2.capacity).to_string(),
+                    g2.blocks,
+                    policy(g2.policy)
+                );
+            }
+            None => {
+                let _ = writeln!(out, "G2   disabled");
+            }
+        }
+        match &self.g3 {
+            Some(g3) => {
+                let engine = match g3.engine {
+                    EngineChoice::Uring(u) => format!("io_uring qd {} × {} thread(s)", u.queue_depth, u.threads),
+                    EngineChoice::Psync { threads } => format!("pread/pwrite × {threads} threads"),
+                };
+                for path in &g3.paths {
+                    let _ = writeln!(
+                        out,
+                        "{:<4} {:<44} {:>10} {:>9} {:<6} {}{}",
+                        "G3",
+                        path.display().to_string(),
+                        ByteSize(g3.capacity_per_path).to_string(),
+                        g3.slots_per_path,
+                        policy(g3.policy),
+                        engine,
+                        if g3.direct_io { ", O_DIRECT" } else { "" }
+                    );
+                }
+            }
+            None => {
+                let _ = writeln!(out, "G3   disabled");
+            }
+        }
+        match &self.g4 {
+            Some((transport, listen, peers)) => {
+                let _ = writeln!(
+                    out,
+                    "G4   {transport} on {listen}, {} peer(s) (the peer link is not served yet)",
+                    peers.len()
+                );
+            }
+            None => {
+                let _ = writeln!(out, "G4   disabled");
+            }
+        }
+        out
+    }
+}
+
+/// Reads the attention shape from a Hugging Face `config.json`.
+fn shape_from_hf_config(dir: &Path) -> anyhow::Result<ModelShape> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let get = |key: &str| -> anyhow::Result<usize> {
+        v.get(key)
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as usize)
+            .with_context(|| format!("{}: missing integer `{key}`", path.display()))
+    };
+    let hidden = get("hidden_size")?;
+    let heads = get("num_attention_heads")?;
+    let name: &'static str = Box::leak(dir.display().to_string().into_boxed_str());
+    Ok(ModelShape {
+        name,
+        layers: get("num_hidden_layers")?,
+        hidden,
+        heads,
+        kv_heads: get("num_key_value_heads").unwrap_or(heads),
+        head_dim: get("head_dim").unwrap_or(hidden / heads.max(1)),
+        ffn: get("intermediate_size")?,
+        vocab: get("vocab_size")?,
+    })
+}
+
+/// Milliseconds since the Unix epoch: the clock of registries whose deadlines travel in headers.
+pub fn unix_millis() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// The node's built tiers.
+#[derive(Debug)]
+pub struct Node {
+    /// The plan.
+    pub tiers: ResolvedTiers,
+    /// The G2 pool.
+    pub g2: Option<HostPool>,
+    /// G2 bookkeeping.
+    pub g2_registry: Option<TierRegistry>,
+    /// The G3 store.
+    pub g3: Option<Arc<G3Store>>,
+    /// G3 bookkeeping, rebuilt from the store's headers.
+    pub g3_registry: Option<TierRegistry>,
+    /// What G3 recovered on open.
+    pub recovery: Recovery,
+}
+
+impl Node {
+    /// Maps G2, opens G3 (blocking while it scans), and rebuilds the G3 registry.
+    pub fn build(tiers: ResolvedTiers) -> anyhow::Result<Self> {
+        let mut g2 = None;
+        let mut g2_registry = None;
+        if let Some((plan, mlock)) = &tiers.g2 {
+            let slots = u32::try_from(plan.blocks).context("tiers.g2.capacity holds more than 2^32 slots")?;
+            let pool = HostPool::new(HostPoolOptions { slot_bytes: tiers.slot_bytes, slots, mlock: *mlock })
+                .context("building the G2 pool")?;
+            g2_registry = Some(TierRegistry::new(plan.blocks as usize, plan.policy));
+            g2 = Some(pool);
+        }
+        let mut g3 = None;
+        let mut g3_registry = None;
+        let mut recovery = Recovery::default();
+        if let (Some(plan), Some(pool)) = (&tiers.g3, &g2) {
+            let options = G3Options {
+                paths: plan.paths.clone(),
+                capacity_per_path: plan.capacity_per_path,
+                slot_bytes: tiers.slot_bytes,
+                direct_io: plan.direct_io,
+                engine: plan.engine,
+            };
+            let (store, found) = G3Store::open(&options, pool).context("opening the G3 store")?;
+            let mut registry = TierRegistry::new(store.capacity_slots() as usize, plan.policy);
+            let now = unix_millis();
+            for header in &found.blocks {
+                let meta = BlockMeta {
+                    parent: header.parent,
+                    region: header.retention.region,
+                    priority: header.retention.priority,
+                    retain_until: header.retention.retain_until_ms,
+                };
+                registry.insert(header.hash, meta, now).context("rebuilding the G3 registry")?;
+            }
+            g3 = Some(Arc::new(store));
+            g3_registry = Some(registry);
+            recovery = found;
+        }
+        Ok(Self { tiers, g2, g2_registry, g3, g3_registry, recovery })
+    }
+
+    /// One line on what G3 found at start-up.
+    pub fn recovery_line(&self) -> Option<String> {
+        let store = self.g3.as_ref()?;
+        Some(format!(
+            "G3 recovered {} block(s) of {} slots via {}; {} invalid slot(s) dropped, {} file(s) formatted",
+            self.recovery.blocks.len(),
+            store.capacity_slots(),
+            store.engine_name(),
+            self.recovery.invalid_slots,
+            self.recovery.formatted_files,
+        ))
+    }
+}
+
+/// Runs the node until SIGINT or SIGTERM. For now the node assembles its tiers and waits; the
+/// actor tree and the HTTP frontend are started here as they land.
+pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
+    // Handlers go in first: a signal that arrives while the tiers are being built still stops the
+    // node cleanly instead of killing it.
+    let shutdown = ShutdownSignals::install()?;
+    let tiers = ResolvedTiers::resolve(&cfg)?;
+    print!("{}", tiers.render());
+    let node = tokio::task::spawn_blocking(move || Node::build(tiers)).await.context("start-up task")??;
+    if let Some(line) = node.recovery_line() {
+        println!("{line}");
+    }
+    if let Some(pool) = &node.g2 {
+        if !pool.is_locked() {
+            println!("G2 is not locked in RAM (mlock refused); see the warning above");
+        }
+    }
+    println!("ready; stop with Ctrl-C (SIGINT) or SIGTERM");
+    shutdown.wait().await;
+    println!("shutting down");
+    let grace = cfg.node.shutdown_grace.as_duration();
+    drain(node, grace).await;
+    println!("stopped");
+    Ok(())
+}
+
+async fn drain(node: Node, grace: Duration) {
+    if let Some(store) = &node.g3 {
+        let deadline = tokio::time::Instant::now() + grace;
+        while store.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    drop(node);
+}
+
+/// SIGTERM and SIGINT, listened for from the moment they are installed.
+struct ShutdownSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
+    }
+
+    async fn wait(mut self) {
+        tokio::select! {
+            _ = self.term.recv() => tracing::info!("SIGTERM received"),
+            _ = self.int.recv() => tracing::info!("SIGINT received"),
+        }
+    }
+}
