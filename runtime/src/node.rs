@@ -361,10 +361,10 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     if let Some(line) = node.recovery_line() {
         println!("{line}");
     }
-    if let Some(pool) = &node.g2 {
-        if !pool.is_locked() {
-            println!("G2 is not locked in RAM (mlock refused); see the warning above");
-        }
+    if let Some(pool) = &node.g2
+        && !pool.is_locked()
+    {
+        println!("G2 is not locked in RAM (mlock refused); see the warning above");
     }
     println!("ready; stop with Ctrl-C (SIGINT) or SIGTERM");
     shutdown.wait().await;

@@ -340,5 +340,5 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the right type.
     let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
     // SAFETY: statvfs returned 0, so it initialised the struct.
-    (rc == 0).then(|| unsafe { st.assume_init() }).map(|s| s.f_bavail as u64 * s.f_frsize as u64)
+    (rc == 0).then(|| unsafe { st.assume_init() }).map(|s| s.f_bavail * s.f_frsize)
 }

@@ -154,7 +154,7 @@ impl BlockLayout {
 /// Splits an opaque byte count into two u16 factors (`layers × head_dim`) when possible.
 fn try_split_opaque(bytes: usize) -> Option<(u16, u16)> {
     (1..=u16::MAX as usize)
-        .find(|&layers| bytes % layers == 0 && bytes / layers <= u16::MAX as usize)
+        .find(|&layers| bytes.is_multiple_of(layers) && bytes / layers <= u16::MAX as usize)
         .map(|layers| (layers as u16, (bytes / layers) as u16))
 }
 

@@ -596,10 +596,8 @@ fn make_engine(choice: EngineChoice, files: &[Arc<File>], pool: &HostPool) -> Re
 fn open_file(path: &Path, capacity: u64, direct: bool) -> Result<(File, u64), G3Error> {
     let err = |source| G3Error::Open { path: path.to_path_buf(), source };
     let is_device = std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false);
-    if !is_device {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(err)?;
-        }
+    if !is_device && let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(err)?;
     }
     let mut opts = OpenOptions::new();
     opts.read(true).write(true).create(!is_device);

@@ -79,11 +79,11 @@ impl IoEngine for FaultyEngine {
                 tokio::time::sleep(latency).await;
             }
             let mut result = inner.await;
-            if let (Ok(IoBuf::Read(slot)), Some(at)) = (&mut result, plan.corrupt_reads_at) {
-                if let Some(byte) = slot.as_mut_slice().get_mut(at) {
-                    *byte ^= 1;
-                    injected.fetch_add(1, Ordering::Relaxed);
-                }
+            if let (Ok(IoBuf::Read(slot)), Some(at)) = (&mut result, plan.corrupt_reads_at)
+                && let Some(byte) = slot.as_mut_slice().get_mut(at)
+            {
+                *byte ^= 1;
+                injected.fetch_add(1, Ordering::Relaxed);
             }
             result
         })

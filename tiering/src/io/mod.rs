@@ -114,7 +114,7 @@ pub trait IoEngine: Send + Sync + fmt::Debug + 'static {
 
 /// Checks a request against the alignment O_DIRECT needs.
 pub(crate) fn check_aligned(req: &IoRequest) -> io::Result<()> {
-    if req.len == 0 || req.len % 4096 != 0 || req.offset % 4096 != 0 {
+    if req.len == 0 || !req.len.is_multiple_of(4096) || !req.offset.is_multiple_of(4096) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("unaligned I/O: offset {} len {} (both must be multiples of 4096)", req.offset, req.len),
