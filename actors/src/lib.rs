@@ -1,1 +1,20 @@
-//! placeholder
+//! # dynamo-actors
+//!
+//! The actors of a node (DESIGN.md §5), on `ractor` and `tokio`, one module per actor with
+//! `pub type XRef = ActorRef<XMsg>` and the reply contract of every message in its doc:
+//!
+//! - **NodeSupervisor** — the root; spawns and links the others with a restart policy per child
+//!   (a crashed worker restarts and reports its G1 blocks removed; a failed G3 store degrades the
+//!   node to G1+G2; the node never exits because one child did).
+//! - **SessionActor** — one per conversation: regions, holds across tool-call gaps, cache-control
+//!   TTLs, agent hints, sticky-worker preference.
+//! - **SchedulerActor** — the global prefix index, the TTFT cost model, the priority queue.
+//! - **WorkerActor** — one per engine instance: the engine, its G1 pool, onboarding and
+//!   write-through.
+//! - **Tier store actors** — the node's G2 and G3 stores, wrapping `dynamo_tiering`'s pool, store
+//!   and registry; their I/O runs on the engines' own threads, never inside a handler.
+//! - **PeerLink actors** — one per remote node.
+//!
+//! This crate is empty until the actor-runtime work lands; the tiers, their registries and their
+//! engines (everything the store actors will own) are in `dynamo-tiering` today, and the binary in
+//! `dynamo-node` assembles them directly.

@@ -1,1 +1,20 @@
-//! placeholder
+//! # dynamo-kernels
+//!
+//! Compute for dynamo-node: the device abstraction, the KV block copy and layout kernels, and the
+//! reference model's math. Every CUDA kernel (in `kernels/cuda/*.cu`, compiled at run time with
+//! NVRTC) has a CPU reference here that tests compare it against, and the CPU path is a complete
+//! backend of its own: a node without a GPU runs the same code with G1 in host memory.
+//!
+//! Layout of the crate:
+//! - [`kv_layout`] — the two KV layouts of DESIGN.md §3 and the gather/scatter between them: the
+//!   engine's paged, layer-separate G1 layout (per layer, K and V
+//!   `[num_blocks, B, kv_heads, head_dim]`) and the contiguous block-image payload
+//!   (`[layer][k|v][B][kv_heads][head_dim]`) that G2, G3 and the wire carry. Batched over many
+//!   blocks per call. This is the CPU reference; the CUDA gather/scatter kernels arrive with the
+//!   GPU backend.
+//!
+//! Still to come with the reference-engine work: the device trait (CPU and CUDA through `cudarc`
+//! with dynamic loading, GPU presence detected at run time), RMSNorm, RoPE, SwiGLU, paged
+//! attention, sampling.
+
+pub mod kv_layout;

@@ -136,6 +136,17 @@ impl BlockLayout {
         }
     }
 
+    /// The engine-side paged layout whose gather produces this payload (`None` for opaque payloads).
+    pub fn paged(&self) -> Option<dynamo_kernels::kv_layout::PagedLayout> {
+        (self.dtype != KvDtype::Opaque).then(|| dynamo_kernels::kv_layout::PagedLayout {
+            layers: self.layers as usize,
+            block_tokens: self.block_tokens as usize,
+            kv_heads: self.kv_heads as usize,
+            head_dim: self.head_dim as usize,
+            elem_bytes: self.dtype.size_bytes(),
+        })
+    }
+
     /// Header plus payload.
     pub fn image_bytes(&self) -> usize {
         HEADER_LEN + self.payload_bytes()
@@ -475,6 +486,9 @@ mod tests {
         let shape = dynamo_config::ModelShape::named("llama-8b").expect("known shape");
         let layout = BlockLayout::for_model(&shape, dynamo_config::Dtype::Bf16, 32);
         assert_eq!(layout.payload_bytes(), 32 * 131_072);
+        let paged = layout.paged().expect("a model layout is paged");
+        assert_eq!(paged.payload_bytes(), layout.payload_bytes(), "the gather fills exactly one payload");
+        assert_eq!(BlockLayout::opaque(4096).paged(), None);
     }
 
     #[test]
