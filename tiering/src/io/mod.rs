@@ -112,13 +112,16 @@ pub trait IoEngine: Send + Sync + fmt::Debug + 'static {
     fn in_flight(&self) -> usize;
 }
 
-/// Checks a request against the alignment O_DIRECT needs.
-pub(crate) fn check_aligned(req: &IoRequest) -> io::Result<()> {
+/// Checks a request against the alignment O_DIRECT needs and the engine's file table.
+pub(crate) fn check_request(req: &IoRequest, files: usize) -> io::Result<()> {
     if req.len == 0 || !req.len.is_multiple_of(4096) || !req.offset.is_multiple_of(4096) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("unaligned I/O: offset {} len {} (both must be multiples of 4096)", req.offset, req.len),
         ));
+    }
+    if req.target as usize >= files {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("no file {} in the io engine", req.target)));
     }
     Ok(())
 }

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::Sender;
 use tokio::sync::oneshot;
 
-use super::{IoBuf, IoEngine, IoFailure, IoFuture, IoRequest, IoResult, check_aligned, completion_future, failed};
+use super::{IoBuf, IoEngine, IoFailure, IoFuture, IoRequest, IoResult, check_request, completion_future, failed};
 
 struct Op {
     req: IoRequest,
@@ -70,11 +70,7 @@ impl IoEngine for PsyncEngine {
     }
 
     fn submit(&self, req: IoRequest) -> IoFuture {
-        if let Err(e) = check_aligned(&req) {
-            return failed(req.buf, e);
-        }
-        if req.target as usize >= self.files {
-            let e = io::Error::new(io::ErrorKind::InvalidInput, format!("no file {} in the io engine", req.target));
+        if let Err(e) = check_request(&req, self.files) {
             return failed(req.buf, e);
         }
         let (done, rx) = oneshot::channel();

@@ -19,7 +19,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{IoUring, opcode, squeue, types};
 use tokio::sync::oneshot;
 
-use super::{IoEngine, IoFailure, IoFuture, IoRequest, IoResult, check_aligned, completion_future, failed};
+use super::{IoEngine, IoFailure, IoFuture, IoRequest, IoResult, check_request, completion_future, failed};
 use crate::g2::HostPool;
 
 /// How the io_uring engine is set up.
@@ -172,11 +172,7 @@ impl IoEngine for UringEngine {
     }
 
     fn submit(&self, req: IoRequest) -> IoFuture {
-        if let Err(e) = check_aligned(&req) {
-            return failed(req.buf, e);
-        }
-        if req.target as usize >= self.files {
-            let e = io::Error::new(io::ErrorKind::InvalidInput, format!("no file {} in the io engine", req.target));
+        if let Err(e) = check_request(&req, self.files) {
             return failed(req.buf, e);
         }
         let (done, rx) = oneshot::channel();
