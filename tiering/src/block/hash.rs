@@ -122,16 +122,16 @@ impl BlockHasher {
     /// If `tokens.len()` is not the block size.
     pub fn hash_block(&mut self, parent: Option<BlockHash>, tokens: &[TokenId]) -> BlockHash {
         assert_eq!(tokens.len(), self.block_size, "a block hash covers exactly one complete block");
+        let prefix = if parent.is_some() { 32 } else { 16 };
+        let len = prefix + 4 * tokens.len();
         let buf = &mut self.scratch;
-        buf.clear();
-        buf.extend_from_slice(&self.salt.0.to_le_bytes());
+        buf.resize(len, 0);
+        buf[..16].copy_from_slice(&self.salt.0.to_le_bytes());
         if let Some(parent) = parent {
-            buf.extend_from_slice(&parent.0.to_le_bytes());
+            buf[16..32].copy_from_slice(&parent.0.to_le_bytes());
         }
-        for token in tokens {
-            buf.extend_from_slice(&token.to_le_bytes());
-        }
-        BlockHash(xxh3_128(buf))
+        copy_tokens_le(tokens, &mut buf[prefix..len]);
+        BlockHash(xxh3_128(&buf[..len]))
     }
 
     /// Hashes every complete block of `tokens`, continuing the chain after `parent`.
@@ -153,6 +153,16 @@ impl BlockHasher {
     }
 }
 
+/// Writes `tokens` as little-endian bytes: one `memcpy` on little-endian machines.
+fn copy_tokens_le(tokens: &[TokenId], out: &mut [u8]) {
+    #[cfg(target_endian = "little")]
+    out.copy_from_slice(bytemuck::cast_slice(tokens));
+    #[cfg(not(target_endian = "little"))]
+    for (chunk, token) in out.chunks_exact_mut(4).zip(tokens) {
+        chunk.copy_from_slice(&token.to_le_bytes());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
@@ -170,6 +180,21 @@ mod tests {
         let a = Salt::derive(&SaltInputs { model: "ab", weights_digest: "c", ..Default::default() });
         let b = Salt::derive(&SaltInputs { model: "a", weights_digest: "bc", ..Default::default() });
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn hash_is_xxh3_128_over_salt_parent_and_little_endian_tokens() {
+        let s = salt("x");
+        let mut h = BlockHasher::new(s, 2);
+        let first = h.hash_block(None, &[1, 0x0102_0304]);
+        let mut bytes = s.0.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[1, 0, 0, 0, 4, 3, 2, 1]);
+        assert_eq!(first, BlockHash(xxh3_128(&bytes)));
+        let second = h.hash_block(Some(first), &[5, 6]);
+        let mut bytes = s.0.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&first.0.to_le_bytes());
+        bytes.extend_from_slice(&[5, 0, 0, 0, 6, 0, 0, 0]);
+        assert_eq!(second, BlockHash(xxh3_128(&bytes)), "the documented scheme, byte for byte");
     }
 
     #[test]
