@@ -5,7 +5,8 @@
 //! them all back (each read verified: header, hash, payload checksum), and in the same run has fio
 //! do the same sequential write and read on the same file system with the same block size, queue
 //! depth, `O_DIRECT` and io_uring (fixed buffers, registered files). Repetitions interleave ours and
-//! fio's so drift on a shared machine hits both; the median of each is reported.
+//! fio's, alternating which goes first, so drift on a shared device hits both; throughputs are
+//! medians, and the ratio is the median of the per-repetition ratios (with their range).
 //!
 //! Image sealing (payload checksums) happens before the timed write, as it does in the node, where
 //! the producer seals an image once and every tier reuses it.
@@ -72,8 +73,12 @@ pub struct Row {
     pub ours_gb_s: f64,
     /// fio, GB/s; `None` without fio.
     pub fio_gb_s: Option<f64>,
-    /// ours / fio.
+    /// ours / fio: the median of the per-repetition ratios.
     pub ratio: Option<f64>,
+    /// Smallest per-repetition ratio.
+    pub ratio_min: Option<f64>,
+    /// Largest per-repetition ratio.
+    pub ratio_max: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -106,26 +111,37 @@ pub fn run(args: &StorageArgs) -> anyhow::Result<String> {
     for bs in &args.block_size {
         for &qd in &args.queue_depth {
             let (mut ow, mut or, mut fw, mut fr) = (vec![], vec![], vec![], vec![]);
-            for _ in 0..args.repeat {
-                let (w, r) =
-                    runtime.block_on(ours(work.path(), bs.as_u64() as usize, qd, args.total.as_u64(), args.psync))?;
+            let (bytes, total) = (bs.as_u64(), args.total.as_u64());
+            for rep in 0..args.repeat {
+                // Alternate who goes first (ABBA) so drift on a shared device hits both alike.
+                let fio_first = fio.is_some() && rep % 2 == 1;
+                if fio_first {
+                    fw.push(run_fio(work.path(), "write", bytes, qd, total)?);
+                    fr.push(run_fio(work.path(), "read", bytes, qd, total)?);
+                }
+                let (w, r) = runtime.block_on(ours(work.path(), bytes as usize, qd, total, args.psync))?;
                 ow.push(w);
                 or.push(r);
-                if fio.is_some() {
-                    fw.push(run_fio(work.path(), "write", bs.as_u64(), qd, args.total.as_u64())?);
-                    fr.push(run_fio(work.path(), "read", bs.as_u64(), qd, args.total.as_u64())?);
+                if fio.is_some() && !fio_first {
+                    fw.push(run_fio(work.path(), "write", bytes, qd, total)?);
+                    fr.push(run_fio(work.path(), "read", bytes, qd, total)?);
                 }
             }
             for (op, ours, fio) in [("write", ow, fw), ("read", or, fr)] {
-                let ours = median(ours);
-                let fio = (!fio.is_empty()).then(|| median(fio));
+                // The ratio is the median of the per-repetition ratios: each pair ran back to
+                // back, so it cancels slow drift that a ratio of two medians would not.
+                let ratios: Vec<f64> = ours.iter().zip(&fio).map(|(o, f)| o / f).collect();
+                let lo = ratios.iter().copied().reduce(f64::min);
+                let hi = ratios.iter().copied().reduce(f64::max);
                 rows.push(Row {
                     op,
-                    block_bytes: bs.as_u64(),
+                    block_bytes: bytes,
                     queue_depth: qd,
-                    ours_gb_s: ours,
-                    fio_gb_s: fio,
-                    ratio: fio.map(|f| ours / f),
+                    ours_gb_s: median(ours),
+                    fio_gb_s: (!fio.is_empty()).then(|| median(fio)),
+                    ratio: (!ratios.is_empty()).then(|| median(ratios)),
+                    ratio_min: lo,
+                    ratio_max: hi,
                 });
             }
         }
@@ -286,21 +302,26 @@ fn render(rows: &[Row], fio: Option<&str>, engine: &str, dir: &Path) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<6} {:>8} {:>4} {:>10} {:>10} {:>9}",
-        "op", "block", "qd", "ours GB/s", "fio GB/s", "ours/fio"
+        "{:<6} {:>8} {:>4} {:>10} {:>10} {:>9} {:>11}",
+        "op", "block", "qd", "ours GB/s", "fio GB/s", "ours/fio", "range"
     );
     for r in rows {
         let f = r.fio_gb_s.map(|f| format!("{f:.3}")).unwrap_or_else(|| "-".into());
         let ratio = r.ratio.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into());
+        let range = match (r.ratio_min, r.ratio_max) {
+            (Some(lo), Some(hi)) => format!("{lo:.2}-{hi:.2}"),
+            _ => "-".into(),
+        };
         let _ = writeln!(
             out,
-            "{:<6} {:>8} {:>4} {:>10.3} {:>10} {:>9}",
+            "{:<6} {:>8} {:>4} {:>10.3} {:>10} {:>9} {:>11}",
             r.op,
             ByteSize(r.block_bytes).to_string(),
             r.queue_depth,
             r.ours_gb_s,
             f,
-            ratio
+            ratio,
+            range
         );
     }
     if fio.is_none() {
