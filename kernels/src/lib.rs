@@ -17,4 +17,7 @@
 //! with dynamic loading, GPU presence detected at run time), RMSNorm, RoPE, SwiGLU, paged
 //! attention, sampling.
 
+pub mod backend;
 pub mod kv_layout;
+
+pub use backend::{AttentionSpec, Backend, KernelError};
