@@ -18,6 +18,10 @@
 //! attention, sampling.
 
 pub mod backend;
+pub mod cpu;
 pub mod kv_layout;
+pub mod model;
+pub mod sampling;
 
 pub use backend::{AttentionSpec, Backend, KernelError};
+pub use cpu::CpuBackend;
