@@ -117,8 +117,10 @@ impl SharedMut {
     /// The range must lie inside the buffer and no other thread may access it meanwhile.
     #[allow(clippy::mut_from_ref)]
     unsafe fn slice(&self, offset: usize, len: usize) -> &mut [f32] {
+        // SAFETY: the caller guarantees `offset` is inside the buffer.
+        let start = unsafe { self.0.add(offset) };
         // SAFETY: the caller guarantees the range is in bounds and exclusively ours.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), len) }
+        unsafe { std::slice::from_raw_parts_mut(start, len) }
     }
 }
 
