@@ -12,6 +12,9 @@
 //!   (`[layer][k|v][B][kv_heads][head_dim]`) that G2, G3 and the wire carry. Batched over many
 //!   blocks per call. This is the CPU reference; the CUDA gather/scatter kernels arrive with the
 //!   GPU backend.
+//! - [`model::weights`] — the reference model's weights in host memory: seeded random weights for
+//!   a named shape, or a Llama-format safetensors checkpoint (bf16/f16/f32 → f32), validated
+//!   against its `config.json`.
 //!
 //! Still to come with the reference-engine work: the device trait (CPU and CUDA through `cudarc`
 //! with dynamic loading, GPU presence detected at run time), RMSNorm, RoPE, SwiGLU, paged
@@ -19,5 +22,6 @@
 
 pub mod backend;
 pub mod kv_layout;
+pub mod model;
 
 pub use backend::{AttentionSpec, Backend, KernelError};
