@@ -6,16 +6,22 @@
 //! backend of its own: a node without a GPU runs the same code with G1 in host memory.
 //!
 //! Layout of the crate:
+//! - [`backend`] — the [`Backend`] trait (activations, weights and the paged KV pool of a device,
+//!   and every operation the model needs), with its determinism contract.
+//! - [`cpu`] — [`CpuBackend`]: `f32`, `matrixmultiply` GEMMs split across threads by rows or
+//!   output columns (never along a reduction), paged attention, RoPE, RMSNorm, SwiGLU.
+//! - [`model`] — the Llama reference model written once against [`Backend`] ([`model::Llama`]),
+//!   and its weights ([`model::weights`]).
+//! - [`sampling`] — greedy and seeded temperature sampling.
 //! - [`kv_layout`] — the two KV layouts of DESIGN.md §3 and the gather/scatter between them: the
 //!   engine's paged, layer-separate G1 layout (per layer, K and V
 //!   `[num_blocks, B, kv_heads, head_dim]`) and the contiguous block-image payload
 //!   (`[layer][k|v][B][kv_heads][head_dim]`) that G2, G3 and the wire carry. Batched over many
 //!   blocks per call. This is the CPU reference; the CUDA gather/scatter kernels arrive with the
 //!   GPU backend.
-//!
-//! Still to come with the reference-engine work: the device trait (CPU and CUDA through `cudarc`
-//! with dynamic loading, GPU presence detected at run time), RMSNorm, RoPE, SwiGLU, paged
-//! attention, sampling.
+//! - [`model::weights`] — the reference model's weights in host memory: seeded random weights for
+//!   a named shape, or a Llama-format safetensors checkpoint (bf16/f16/f32 → f32), validated
+//!   against its `config.json`.
 
 pub mod backend;
 pub mod cpu;

@@ -12,6 +12,8 @@
 //! - [`bench`] — operator-facing benchmarks; `bench storage` measures G3 against `fio` on the
 //!   same device and suggests a `[tiers.g3]` section.
 //! - [`logging`] — `tracing` set up from `[node]` (text or JSON to stderr).
+//! - [`tokenizer`] — text ↔ token ids: a checkpoint's `tokenizer.json`, or the built-in o200k BPE
+//!   for models with random weights.
 //!
 //! Binaries and tests use `anyhow` here; the library crates below keep typed errors.
 
@@ -19,3 +21,4 @@ pub mod bench;
 pub mod cli;
 pub mod logging;
 pub mod node;
+pub mod tokenizer;

@@ -7,12 +7,13 @@
 //! knows every block it had written — each of them verified again when it is read.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use dynamo_config::{ByteSize, DeviceKind, IoEngineKind, ModelShape, NodeConfig};
+use dynamo_kernels::model::weights::read_hf_config;
 use dynamo_tiering::block::BlockLayout;
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store, Recovery};
@@ -86,7 +87,7 @@ impl ResolvedTiers {
             None => {
                 let dir =
                     cfg.model.path.as_deref().context("model.name is not a known shape and model.path is unset")?;
-                shape_from_hf_config(dir)?
+                read_hf_config(dir)?.shape_for_dir(dir)
             }
         };
         let block_tokens = cfg.blocks.block_size;
@@ -245,32 +246,6 @@ impl ResolvedTiers {
     }
 }
 
-/// Reads the attention shape from a Hugging Face `config.json`.
-fn shape_from_hf_config(dir: &Path) -> anyhow::Result<ModelShape> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let get = |key: &str| -> anyhow::Result<usize> {
-        v.get(key)
-            .and_then(serde_json::Value::as_u64)
-            .map(|n| n as usize)
-            .with_context(|| format!("{}: missing integer `{key}`", path.display()))
-    };
-    let hidden = get("hidden_size")?;
-    let heads = get("num_attention_heads")?;
-    let name: &'static str = Box::leak(dir.display().to_string().into_boxed_str());
-    Ok(ModelShape {
-        name,
-        layers: get("num_hidden_layers")?,
-        hidden,
-        heads,
-        kv_heads: get("num_key_value_heads").unwrap_or(heads),
-        head_dim: get("head_dim").unwrap_or(hidden / heads.max(1)),
-        ffn: get("intermediate_size")?,
-        vocab: get("vocab_size")?,
-    })
-}
-
 /// Milliseconds since the Unix epoch: the clock of registries whose deadlines travel in headers.
 pub fn unix_millis() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -405,5 +380,29 @@ impl ShutdownSignals {
             _ = self.term.recv() => tracing::info!("SIGTERM received"),
             _ = self.int.recv() => tracing::info!("SIGINT received"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_shape_comes_from_its_config_json() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
+            "vocab_size": 128256, "rope_theta": 500000.0, "tie_word_embeddings": true}"#;
+        std::fs::write(dir.path().join("config.json"), config).unwrap();
+        let mut cfg = NodeConfig::default();
+        cfg.model.name = "my-llama".into();
+        cfg.model.path = Some(dir.path().to_owned());
+        let tiers = ResolvedTiers::resolve(&cfg).unwrap();
+        assert_eq!(tiers.shape, ModelShape { name: tiers.shape.name, ..ModelShape::LLAMA_1B });
+        assert_eq!(tiers.shape.name, dir.path().display().to_string());
+
+        std::fs::remove_file(dir.path().join("config.json")).unwrap();
+        let err = format!("{:#}", ResolvedTiers::resolve(&cfg).unwrap_err());
+        assert!(err.contains("config.json"), "{err}");
     }
 }

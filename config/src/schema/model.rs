@@ -22,7 +22,7 @@ pub struct ModelSection {
     pub dtype: Dtype,
     /// Seed of the random weights when there is no `path`. Default `0`.
     pub seed: u64,
-    /// `tokenizer.json` to use. Default: none (the one in `path`, else a byte-level tokenizer).
+    /// `tokenizer.json` to use. Default: none (the one in `path`, else the built-in o200k_base BPE).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
     /// Jinja chat template file. Default: none (the one in `path`, else a built-in template).

@@ -25,6 +25,24 @@ pub trait WeightSource {
     fn tensor(&self, name: &str) -> Option<(&[usize], &[f32])>;
 }
 
+impl WeightSource for super::weights::HostWeights {
+    fn shape(&self) -> ModelShape {
+        self.shape
+    }
+
+    fn rope_theta(&self) -> f32 {
+        self.rope_theta
+    }
+
+    fn rms_eps(&self) -> f32 {
+        self.rms_eps
+    }
+
+    fn tensor(&self, name: &str) -> Option<(&[usize], &[f32])> {
+        self.tensors.get(name).map(|t| (t.shape.as_slice(), t.data.as_slice()))
+    }
+}
+
 /// Why a model could not be built or run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

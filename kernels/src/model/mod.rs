@@ -1,5 +1,7 @@
 //! The reference model and where its weights come from.
 
 pub mod llama;
+pub mod weights;
 
 pub use llama::{Llama, ModelError, WeightSource};
+pub use weights::{HostTensor, HostWeights, WeightsError};
