@@ -18,6 +18,7 @@
 //! attention, sampling.
 
 pub mod backend;
+pub mod cuda;
 pub mod kv_layout;
 
 pub use backend::{AttentionSpec, Backend, KernelError};
