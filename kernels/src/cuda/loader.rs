@@ -36,7 +36,8 @@ pub(crate) struct Lib {
     pub(crate) deps: &'static [&'static str],
 }
 
-pub(crate) const DRIVER: Lib = Lib { what: "the NVIDIA driver library", names: &["libcuda.so.1", "libcuda.so"], deps: &[] };
+pub(crate) const DRIVER: Lib =
+    Lib { what: "the NVIDIA driver library", names: &["libcuda.so.1", "libcuda.so"], deps: &[] };
 pub(crate) const NVRTC: Lib =
     Lib { what: "NVRTC", names: &["libnvrtc.so.13", "libnvrtc.so"], deps: &["libnvrtc-builtins.so.13"] };
 pub(crate) const CUBLAS: Lib =
@@ -122,7 +123,8 @@ fn python_wheel_dirs() -> Vec<PathBuf> {
 
 /// Makes `lib` loadable by soname, from the search path or from [`library_dirs`]. Cached per process.
 pub(crate) fn require_library(lib: Lib) -> Result<(), KernelError> {
-    static DONE: OnceLock<Mutex<Vec<(&'static str, Result<(), String>)>>> = OnceLock::new();
+    type Outcomes = Mutex<Vec<(&'static str, Result<(), String>)>>;
+    static DONE: OnceLock<Outcomes> = OnceLock::new();
     let done = DONE.get_or_init(|| Mutex::new(Vec::new()));
     let mut done = done.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, r)) = done.iter().find(|(n, _)| *n == lib.names[0]) {

@@ -1,0 +1,1 @@
+//! GPU self-check (filled in next).
