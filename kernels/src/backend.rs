@@ -158,6 +158,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `out = silu(gate) * up` element-wise over `len` elements.
     fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf) -> Result<(), KernelError>;
 
+    /// A new buffer holding row `row` of `x: [rows, width]`.
+    ///
+    /// The default goes through the host; device backends should override it with a device copy.
+    fn row(&self, x: &Self::Buf, rows: usize, width: usize, row: usize) -> Result<Self::Buf, KernelError> {
+        if row >= rows {
+            return Err(KernelError::index("row", format!("row {row} of {rows}")));
+        }
+        let mut host = vec![0.0f32; rows * width];
+        self.download(x, &mut host)?;
+        self.upload(&host[row * width..(row + 1) * width])
+    }
+
     /// `x += y` element-wise over `len` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize) -> Result<(), KernelError>;
 

@@ -87,20 +87,39 @@ impl LayoutError {
 }
 
 /// A G1 pool in host memory: per layer, one K and one V array of `num_blocks` pages.
+///
+/// Storage is 4-byte aligned (pages are multiples of 4 bytes), so a backend can view a page of
+/// `f32` elements in place with [`HostKvPool::page_f32`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostKvPool {
     layout: PagedLayout,
     num_blocks: usize,
-    k: Vec<Vec<u8>>,
-    v: Vec<Vec<u8>>,
+    k: Vec<Vec<u32>>,
+    v: Vec<Vec<u32>>,
 }
 
 impl HostKvPool {
     /// A zeroed pool of `num_blocks` pages per layer.
+    ///
+    /// # Panics
+    /// If a page is not a multiple of 4 bytes (no model shape produces one).
     pub fn new(layout: PagedLayout, num_blocks: usize) -> Self {
         let page = layout.page_bytes();
-        let arrays = || (0..layout.layers).map(|_| vec![0u8; page * num_blocks]).collect();
+        assert!(page.is_multiple_of(4), "a KV page of {page} bytes is not a multiple of 4");
+        let arrays = || (0..layout.layers).map(|_| vec![0u32; page / 4 * num_blocks]).collect();
         Self { layout, num_blocks, k: arrays(), v: arrays() }
+    }
+
+    /// One page of `f32` elements (the pool must hold 4-byte elements).
+    pub fn page_f32(&self, layer: usize, v: bool, block: u32) -> &[f32] {
+        debug_assert_eq!(self.layout.elem_bytes, 4);
+        bytemuck::cast_slice(self.page(layer, v, block))
+    }
+
+    /// One page of `f32` elements, writable.
+    pub fn page_f32_mut(&mut self, layer: usize, v: bool, block: u32) -> &mut [f32] {
+        debug_assert_eq!(self.layout.elem_bytes, 4);
+        bytemuck::cast_slice_mut(self.page_mut(layer, v, block))
     }
 
     /// The layout.
@@ -116,14 +135,14 @@ impl HostKvPool {
     /// One page: `layer`'s K (`v = false`) or V page of `block`.
     pub fn page(&self, layer: usize, v: bool, block: u32) -> &[u8] {
         let page = self.layout.page_bytes();
-        let array = if v { &self.v[layer] } else { &self.k[layer] };
+        let array: &[u8] = bytemuck::cast_slice(if v { &self.v[layer] } else { &self.k[layer] });
         &array[block as usize * page..(block as usize + 1) * page]
     }
 
     /// One page, writable (the engine writes KV here as it prefills and decodes).
     pub fn page_mut(&mut self, layer: usize, v: bool, block: u32) -> &mut [u8] {
         let page = self.layout.page_bytes();
-        let array = if v { &mut self.v[layer] } else { &mut self.k[layer] };
+        let array: &mut [u8] = bytemuck::cast_slice_mut(if v { &mut self.v[layer] } else { &mut self.k[layer] });
         &mut array[block as usize * page..(block as usize + 1) * page]
     }
 

@@ -10,15 +10,18 @@
 //!   engine's paged, layer-separate G1 layout (per layer, K and V
 //!   `[num_blocks, B, kv_heads, head_dim]`) and the contiguous block-image payload
 //!   (`[layer][k|v][B][kv_heads][head_dim]`) that G2, G3 and the wire carry. Batched over many
-//!   blocks per call. This is the CPU reference; the CUDA gather/scatter kernels arrive with the
-//!   GPU backend.
+//!   blocks per call. This is the CPU reference of the CUDA gather/scatter kernels.
+//! - [`cpu`] — the CPU backend (f32 everywhere); [`cuda`] — the CUDA backend (bf16 weights and KV,
+//!   kernels compiled with NVRTC at run time, cuBLAS GEMM), detected at run time with
+//!   [`cuda::probe`], and [`cuda::check::gpu_check`], which compares every CUDA kernel with the CPU
+//!   backend and measures the KV copy paths.
 //!
-//! Still to come with the reference-engine work: the device trait (CPU and CUDA through `cudarc`
-//! with dynamic loading, GPU presence detected at run time), RMSNorm, RoPE, SwiGLU, paged
-//! attention, sampling.
-
 pub mod backend;
+pub mod cpu;
 pub mod cuda;
 pub mod kv_layout;
+pub mod model;
+pub mod sampling;
 
 pub use backend::{AttentionSpec, Backend, KernelError};
+pub use cpu::CpuBackend;

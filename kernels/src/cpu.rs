@@ -1,0 +1,558 @@
+//! The CPU backend: `f32` everywhere, the KV pool in host memory ([`HostKvPool`]), GEMMs by
+//! `matrixmultiply`, work split across threads by rows or by output columns — never along a
+//! reduction — so that every output value is computed by the same sequence of operations however
+//! many rows a call holds. That is the determinism contract of [`Backend`], and what makes a prefix
+//! loaded from any tier give bitwise the logits of a recomputed one.
+
+use crate::backend::{AttentionSpec, Backend, KernelError};
+use crate::kv_layout::{HostKvPool, PagedLayout};
+
+/// A weight tensor in host memory, row-major `[rows, cols]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpuWeight {
+    /// Rows (output features).
+    pub rows: usize,
+    /// Columns (input features).
+    pub cols: usize,
+    /// `rows × cols` elements.
+    pub data: Vec<f32>,
+}
+
+/// The CPU backend.
+#[derive(Clone, Debug)]
+pub struct CpuBackend {
+    threads: usize,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+    }
+}
+
+/// Below this many multiply-adds a GEMM runs on one thread: spawning costs more than it saves.
+const PARALLEL_MIN_FLOPS: usize = 1 << 20;
+
+impl CpuBackend {
+    /// A backend that uses up to `threads` threads per call.
+    pub fn new(threads: usize) -> Self {
+        Self { threads: threads.max(1) }
+    }
+
+    /// Threads per call.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f(chunk_index, range)` over `0..n` split into at most `self.threads` contiguous ranges.
+    fn split<F>(&self, n: usize, work: usize, f: F)
+    where
+        F: Fn(std::ops::Range<usize>) + Sync,
+    {
+        let parts = if work < PARALLEL_MIN_FLOPS { 1 } else { self.threads.min(n).max(1) };
+        if parts == 1 {
+            f(0..n);
+            return;
+        }
+        let per = n.div_ceil(parts);
+        std::thread::scope(|s| {
+            for p in 1..parts {
+                let range = (p * per).min(n)..((p + 1) * per).min(n);
+                let f = &f;
+                s.spawn(move || f(range));
+            }
+            f(0..per.min(n));
+        });
+    }
+}
+
+fn check_len(op: &'static str, what: &str, have: usize, need: usize) -> Result<(), KernelError> {
+    if have < need {
+        return Err(KernelError::shape(op, format!("{what} has {have} elements, needs {need}")));
+    }
+    Ok(())
+}
+
+/// One GEMM: `out[rows, n] = x[rows, k] · w[n, k]ᵀ` on the calling thread.
+fn sgemm(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
+    if rows == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the pointers and strides describe `x` ([rows, k], row-major), `wᵀ` ([k, n], read
+    // from the row-major [n, k] `w` with row stride 1 and column stride k) and `out` ([rows, n]);
+    // the callers check that every slice holds at least that many elements.
+    unsafe {
+        matrixmultiply::sgemm(
+            rows,
+            k,
+            n,
+            1.0,
+            x.as_ptr(),
+            k as isize,
+            1,
+            w.as_ptr(),
+            1,
+            k as isize,
+            0.0,
+            out.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// A raw pointer that may cross into scoped threads which write disjoint parts of its buffer.
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+// SAFETY: used only inside `std::thread::scope`, where each thread writes a disjoint range of the
+// buffer the pointer came from, and the buffer outlives the scope.
+unsafe impl Send for SharedMut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMut {}
+
+impl SharedMut {
+    /// `len` elements from `offset`, writable.
+    ///
+    /// # Safety
+    /// The range must lie inside the buffer and no other thread may access it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, offset: usize, len: usize) -> &mut [f32] {
+        // SAFETY: the caller guarantees `offset` is inside the buffer.
+        let start = unsafe { self.0.add(offset) };
+        // SAFETY: the caller guarantees the range is in bounds and exclusively ours.
+        unsafe { std::slice::from_raw_parts_mut(start, len) }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Weight = CpuWeight;
+    type Kv = HostKvPool;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn kv_elem_bytes(&self) -> usize {
+        4
+    }
+
+    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuWeight, KernelError> {
+        if data.len() != rows * cols {
+            return Err(KernelError::shape("weight", format!("{} elements for {rows}×{cols}", data.len())));
+        }
+        Ok(CpuWeight { rows, cols, data: data.to_vec() })
+    }
+
+    fn zeros(&self, len: usize) -> Result<Vec<f32>, KernelError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<Vec<f32>, KernelError> {
+        Ok(data.to_vec())
+    }
+
+    fn download(&self, buf: &Vec<f32>, out: &mut [f32]) -> Result<(), KernelError> {
+        check_len("download", "buffer", buf.len(), out.len())?;
+        out.copy_from_slice(&buf[..out.len()]);
+        Ok(())
+    }
+
+    fn embed(&self, table: &CpuWeight, tokens: &[u32], out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let dim = table.cols;
+        check_len("embed", "out", out.len(), tokens.len() * dim)?;
+        for (t, &tok) in tokens.iter().enumerate() {
+            let tok = tok as usize;
+            if tok >= table.rows {
+                return Err(KernelError::index("embed", format!("token {tok} of a {}-token vocabulary", table.rows)));
+            }
+            out[t * dim..(t + 1) * dim].copy_from_slice(&table.data[tok * dim..(tok + 1) * dim]);
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        w: &CpuWeight,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        check_len("rmsnorm", "x", x.len(), rows * dim)?;
+        check_len("rmsnorm", "out", out.len(), rows * dim)?;
+        if w.data.len() != dim {
+            return Err(KernelError::shape("rmsnorm", format!("weight has {} elements for dim {dim}", w.data.len())));
+        }
+        for r in 0..rows {
+            let row = &x[r * dim..(r + 1) * dim];
+            let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for ((o, v), g) in out[r * dim..(r + 1) * dim].iter_mut().zip(row).zip(&w.data) {
+                *o = v * inv * g;
+            }
+        }
+        Ok(())
+    }
+
+    fn matmul(&self, x: &Vec<f32>, rows: usize, w: &CpuWeight, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let (k, n) = (w.cols, w.rows);
+        check_len("matmul", "x", x.len(), rows * k)?;
+        check_len("matmul", "out", out.len(), rows * n)?;
+        let work = rows * k * n;
+        let dst = SharedMut(out.as_mut_ptr());
+        if rows >= self.threads && rows > 1 {
+            // Split by rows.
+            self.split(rows, work, |range| {
+                let (r0, r1) = (range.start, range.end);
+                // SAFETY: each range writes only rows r0..r1 of `out`, disjoint across threads,
+                // and `out` holds rows × n elements (checked above).
+                let out = unsafe { dst.slice(r0 * n, (r1 - r0) * n) };
+                sgemm(&x[r0 * k..r1 * k], r1 - r0, k, w.data.as_slice(), n, out);
+            });
+        } else {
+            // Few rows (decode): split the output columns, each thread computing whole dot products.
+            self.split(n, work, |range| {
+                let (c0, c1) = (range.start, range.end);
+                let cols = c1 - c0;
+                let mut part = vec![0.0f32; rows * cols];
+                sgemm(&x[..rows * k], rows, k, &w.data[c0 * k..c1 * k], cols, &mut part);
+                for r in 0..rows {
+                    // SAFETY: columns c0..c1 of every row are written by this range only.
+                    let out = unsafe { dst.slice(r * n + c0, cols) };
+                    out.copy_from_slice(&part[r * cols..(r + 1) * cols]);
+                }
+            });
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        theta: f32,
+    ) -> Result<(), KernelError> {
+        check_len("rope", "x", x.len(), rows * heads * head_dim)?;
+        if positions.len() != rows || !head_dim.is_multiple_of(2) {
+            return Err(KernelError::shape(
+                "rope",
+                format!("{} positions for {rows} rows, head_dim {head_dim}", positions.len()),
+            ));
+        }
+        let half = head_dim / 2;
+        let inv_freq: Vec<f64> = (0..half).map(|i| (theta as f64).powf(-((2 * i) as f64) / head_dim as f64)).collect();
+        for (r, &pos) in positions.iter().enumerate() {
+            let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq
+                .iter()
+                .map(|f| {
+                    let a = pos as f64 * f;
+                    (a.sin() as f32, a.cos() as f32)
+                })
+                .unzip();
+            for h in 0..heads {
+                let base = (r * heads + h) * head_dim;
+                for i in 0..half {
+                    let (x0, x1) = (x[base + i], x[base + i + half]);
+                    x[base + i] = x0 * cos[i] - x1 * sin[i];
+                    x[base + i + half] = x1 * cos[i] + x0 * sin[i];
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        check_len("swiglu", "gate", gate.len(), len)?;
+        check_len("swiglu", "up", up.len(), len)?;
+        check_len("swiglu", "out", out.len(), len)?;
+        for ((o, g), u) in out[..len].iter_mut().zip(&gate[..len]).zip(&up[..len]) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+        Ok(())
+    }
+
+    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) -> Result<(), KernelError> {
+        check_len("add_assign", "x", x.len(), len)?;
+        check_len("add_assign", "y", y.len(), len)?;
+        for (a, b) in x[..len].iter_mut().zip(&y[..len]) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn kv_pool(&self, layout: PagedLayout, num_blocks: usize) -> Result<HostKvPool, KernelError> {
+        if layout.elem_bytes != 4 {
+            return Err(KernelError::shape(
+                "kv_pool",
+                format!("the CPU pool holds f32, not {}-byte elements", layout.elem_bytes),
+            ));
+        }
+        Ok(HostKvPool::new(layout, num_blocks))
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut HostKvPool,
+        layer: usize,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        slots: &[u32],
+    ) -> Result<(), KernelError> {
+        let layout = kv.layout();
+        let width = layout.kv_heads * layout.head_dim;
+        check_len("kv_write", "k", k.len(), slots.len() * width)?;
+        check_len("kv_write", "v", v.len(), slots.len() * width)?;
+        if layer >= layout.layers {
+            return Err(KernelError::index("kv_write", format!("layer {layer} of {}", layout.layers)));
+        }
+        let b = layout.block_tokens;
+        for (r, &slot) in slots.iter().enumerate() {
+            let (block, off) = (slot as usize / b, slot as usize % b);
+            if block >= kv.num_blocks() {
+                return Err(KernelError::index(
+                    "kv_write",
+                    format!("slot {slot} in a pool of {} blocks", kv.num_blocks()),
+                ));
+            }
+            for (is_v, src) in [(false, k), (true, v)] {
+                kv.page_f32_mut(layer, is_v, block as u32)[off * width..(off + 1) * width]
+                    .copy_from_slice(&src[r * width..(r + 1) * width]);
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        kv: &HostKvPool,
+        layer: usize,
+        spec: AttentionSpec,
+        block_table: &[u32],
+        positions: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        let AttentionSpec { heads, kv_heads, head_dim, block_tokens } = spec;
+        let rows = positions.len();
+        check_len("attention", "q", q.len(), rows * heads * head_dim)?;
+        check_len("attention", "out", out.len(), rows * heads * head_dim)?;
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(KernelError::shape("attention", format!("{heads} heads over {kv_heads} kv heads")));
+        }
+        let layout = kv.layout();
+        if layout.block_tokens != block_tokens || layout.kv_heads != kv_heads || layout.head_dim != head_dim {
+            return Err(KernelError::shape("attention", "spec does not match the pool's layout"));
+        }
+        if layer >= layout.layers {
+            return Err(KernelError::index("attention", format!("layer {layer} of {}", layout.layers)));
+        }
+        for &p in positions {
+            let blocks_needed = p as usize / block_tokens + 1;
+            if blocks_needed > block_table.len() {
+                return Err(KernelError::index(
+                    "attention",
+                    format!("position {p} beyond a block table of {}", block_table.len()),
+                ));
+            }
+        }
+        if let Some(&b) = block_table.iter().find(|&&b| b as usize >= kv.num_blocks()) {
+            return Err(KernelError::index("attention", format!("block {b} in a pool of {}", kv.num_blocks())));
+        }
+        let group = heads / kv_heads;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let width = kv_heads * head_dim;
+        let dst = SharedMut(out.as_mut_ptr());
+        let longest = positions.iter().map(|&p| p as usize + 1).max().unwrap_or(0);
+        let work = rows * heads * longest * head_dim * 2;
+        self.split(rows * heads, work, |range| {
+            let mut scores = Vec::with_capacity(longest);
+            let mut acc = vec![0.0f32; head_dim];
+            for item in range {
+                let (r, h) = (item / heads, item % heads);
+                let g = h / group;
+                let qv = &q[(r * heads + h) * head_dim..(r * heads + h + 1) * head_dim];
+                let len = positions[r] as usize + 1;
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for p in 0..len {
+                    let page = kv.page_f32(layer, false, block_table[p / block_tokens]);
+                    let at = (p % block_tokens) * width + g * head_dim;
+                    let s = qv.iter().zip(&page[at..at + head_dim]).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+                let mut total = 0.0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    total += *s;
+                }
+                acc.fill(0.0);
+                for (p, s) in scores.iter().enumerate() {
+                    let page = kv.page_f32(layer, true, block_table[p / block_tokens]);
+                    let at = (p % block_tokens) * width + g * head_dim;
+                    let w = s / total;
+                    for (a, v) in acc.iter_mut().zip(&page[at..at + head_dim]) {
+                        *a += w * v;
+                    }
+                }
+                // SAFETY: item (r, h) owns out[(r*heads+h)*head_dim ..][..head_dim]; items are
+                // disjoint across ranges, and `out` holds rows × heads × head_dim (checked above).
+                let o = unsafe { dst.slice((r * heads + h) * head_dim, head_dim) };
+                o.copy_from_slice(&acc);
+            }
+        });
+        Ok(())
+    }
+
+    fn kv_gather(&self, kv: &HostKvPool, blocks: &[u32], out: &mut [&mut [u8]]) -> Result<(), KernelError> {
+        Ok(kv.gather(blocks, out)?)
+    }
+
+    fn kv_scatter(&self, kv: &mut HostKvPool, blocks: &[u32], payloads: &[&[u8]]) -> Result<(), KernelError> {
+        Ok(kv.scatter(blocks, payloads)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matmul_matches_naive_dot_products() {
+        let cpu = CpuBackend::new(2);
+        let (rows, k, n) = (5, 33, 7);
+        let x = rand_vec(1, rows * k);
+        let w = cpu.weight(&rand_vec(2, n * k), n, k).expect("weight");
+        let mut out = vec![0.0; rows * n];
+        cpu.matmul(&x, rows, &w, &mut out).expect("matmul");
+        for r in 0..rows {
+            for c in 0..n {
+                let want: f32 = (0..k).map(|i| x[r * k + i] * w.data[c * k + i]).sum();
+                assert!((out[r * n + c] - want).abs() < 1e-4, "({r},{c}): {} vs {want}", out[r * n + c]);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// The determinism contract: a row's result does not depend on the other rows in the call
+        /// or on the thread split (the whole batch, one row alone, any sub-batch — bitwise equal).
+        #[test]
+        fn matmul_rows_are_bitwise_independent_of_the_batch(
+            rows in 1usize..40, k in 1usize..300, n in 1usize..300, start in 0usize..40, seed in any::<u64>(),
+        ) {
+            let start = start % rows;
+            let cpu1 = CpuBackend::new(1);
+            let cpu4 = CpuBackend::new(4);
+            let x = rand_vec(seed, rows * k);
+            let w = cpu1.weight(&rand_vec(seed ^ 7, n * k), n, k).expect("weight");
+            let mut whole = vec![0.0; rows * n];
+            cpu4.matmul(&x, rows, &w, &mut whole).expect("matmul");
+            let tail = x[start * k..].to_vec();
+            let mut part = vec![0.0; (rows - start) * n];
+            cpu1.matmul(&tail, rows - start, &w, &mut part).expect("matmul");
+            prop_assert!(whole[start * n..].iter().zip(&part).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    #[test]
+    fn big_matmuls_split_by_rows_and_columns_bitwise_alike() {
+        let (k, n) = (512, 1024);
+        let w = CpuBackend::new(1).weight(&rand_vec(3, n * k), n, k).expect("weight");
+        let x = rand_vec(4, 8 * k);
+        let mut single = vec![0.0; 8 * n];
+        CpuBackend::new(1).matmul(&x, 8, &w, &mut single).expect("matmul");
+        for threads in [2, 3, 8, 16] {
+            let mut multi = vec![0.0; 8 * n];
+            CpuBackend::new(threads).matmul(&x, 8, &w, &mut multi).expect("matmul");
+            assert!(single.iter().zip(&multi).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads");
+            let mut one = vec![0.0; n];
+            CpuBackend::new(threads).matmul(&x[3 * k..4 * k].to_vec(), 1, &w, &mut one).expect("decode row");
+            assert!(single[3 * n..4 * n].iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    #[test]
+    fn rmsnorm_rope_swiglu_reference_values() {
+        let cpu = CpuBackend::new(1);
+        let w = cpu.weight(&[1.0, 2.0], 1, 2).expect("w");
+        let mut out = vec![0.0; 2];
+        cpu.rmsnorm(&vec![3.0, 4.0], &w, 1, 2, 0.0, &mut out).expect("rmsnorm");
+        let inv = 1.0 / (12.5f32).sqrt();
+        assert_eq!(out, vec![3.0 * inv, 8.0 * inv]);
+
+        // Position 0 is the identity; position p rotates pair (i, i+half) by p·θ^(-2i/d).
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        cpu.rope(&mut x, 1, 1, 4, &[0], 10000.0).expect("rope");
+        assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0]);
+        let mut x = vec![1.0, 0.0, 0.0, 0.0];
+        cpu.rope(&mut x, 1, 1, 4, &[1], 10000.0).expect("rope");
+        assert!((x[0] - 1f32.cos()).abs() < 1e-6 && (x[2] - 1f32.sin()).abs() < 1e-6);
+
+        let mut o = vec![0.0; 1];
+        cpu.swiglu(&vec![1.0], &vec![2.0], 1, &mut o).expect("swiglu");
+        assert!((o[0] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn attention_attends_causally_over_the_block_table() {
+        let cpu = CpuBackend::new(2);
+        let spec = AttentionSpec { heads: 4, kv_heads: 2, head_dim: 8, block_tokens: 4 };
+        let layout = PagedLayout { layers: 1, block_tokens: 4, kv_heads: 2, head_dim: 8, elem_bytes: 4 };
+        let mut kv = cpu.kv_pool(layout, 8).expect("pool");
+        let tokens = 10;
+        let table = [6u32, 1, 3];
+        let slots: Vec<u32> = (0..tokens).map(|p| table[p / 4] * 4 + (p % 4) as u32).collect();
+        let k = rand_vec(5, tokens * 16);
+        let v = rand_vec(6, tokens * 16);
+        cpu.kv_write(&mut kv, 0, &k, &v, &slots).expect("write");
+        let q = rand_vec(7, tokens * 32);
+        let positions: Vec<u32> = (0..tokens as u32).collect();
+        let mut out = vec![0.0; tokens * 32];
+        cpu.attention(&q, &kv, 0, spec, &table, &positions, &mut out).expect("attention");
+        // Naive reference over contiguous K/V.
+        for r in 0..tokens {
+            for h in 0..4 {
+                let g = h / 2;
+                let qv = &q[(r * 4 + h) * 8..][..8];
+                let s: Vec<f32> = (0..=r)
+                    .map(|p| qv.iter().zip(&k[p * 16 + g * 8..][..8]).map(|(a, b)| a * b).sum::<f32>() / 8f32.sqrt())
+                    .collect();
+                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for d in 0..8 {
+                    let want: f32 = (0..=r).map(|p| e[p] / z * v[p * 16 + g * 8 + d]).sum();
+                    assert!((out[(r * 4 + h) * 8 + d] - want).abs() < 1e-5);
+                }
+            }
+        }
+        // A decode step of the last row alone is bitwise the same as within the batch.
+        let mut one = vec![0.0; 32];
+        cpu.attention(&q[9 * 32..].to_vec(), &kv, 0, spec, &table, &[9], &mut one).expect("decode");
+        assert!(one.iter().zip(&out[9 * 32..]).all(|(a, b)| a.to_bits() == b.to_bits()));
+        // Out-of-range positions and blocks are errors, not reads.
+        assert_eq!(cpu.attention(&q, &kv, 0, spec, &table[..2], &positions, &mut out).unwrap_err().kind(), "index");
+        assert_eq!(cpu.attention(&q, &kv, 0, spec, &[6, 1, 99], &positions, &mut out).unwrap_err().kind(), "index");
+    }
+}

@@ -1,0 +1,372 @@
+//! The reference model: a Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention over
+//! the paged KV pool, SwiGLU MLP), written once against [`Backend`] and so run on the CPU or CUDA.
+//!
+//! The caller owns the sequence: it allocates pool blocks, keeps the block table (logical block
+//! `i` of the sequence lives in pool block `block_table[i]`), and asks [`Llama::forward`] to process
+//! a token range starting at any position whose earlier KV is already in the pool — computed by an
+//! earlier call, or loaded from G2/G3/a peer with [`Backend::kv_scatter`]. Prefill is a forward
+//! over many tokens; decode is a forward over one.
+
+use dynamo_config::ModelShape;
+
+use crate::backend::{AttentionSpec, Backend, KernelError};
+use crate::kv_layout::PagedLayout;
+
+/// Where the model's weights come from: named tensors in Hugging Face Llama naming
+/// (`model.layers.{i}.self_attn.q_proj.weight`, …) as `f32` host data.
+pub trait WeightSource {
+    /// The model's dimensions.
+    fn shape(&self) -> ModelShape;
+    /// RoPE base frequency.
+    fn rope_theta(&self) -> f32;
+    /// RMSNorm epsilon.
+    fn rms_eps(&self) -> f32;
+    /// A tensor's shape and data, or `None` when absent.
+    fn tensor(&self, name: &str) -> Option<(&[usize], &[f32])>;
+}
+
+/// Why a model could not be built or run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// A weight is missing from the source.
+    #[error("weight `{0}` is missing")]
+    MissingWeight(String),
+    /// A weight has another shape than the model needs.
+    #[error("weight `{name}` has shape {have:?}, expected {want:?}")]
+    WeightShape {
+        /// The tensor.
+        name: String,
+        /// Its shape.
+        have: Vec<usize>,
+        /// The expected shape.
+        want: Vec<usize>,
+    },
+    /// The block table does not cover the positions to compute.
+    #[error("block table of {blocks} blocks covers {covered} tokens; the forward needs {needed}")]
+    BlockTable {
+        /// Blocks in the table.
+        blocks: usize,
+        /// Tokens they cover.
+        covered: usize,
+        /// Tokens needed.
+        needed: usize,
+    },
+    /// Nothing to compute.
+    #[error("a forward needs at least one token")]
+    Empty,
+    /// A kernel failed.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+impl ModelError {
+    /// A stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ModelError::MissingWeight(_) => "missing_weight",
+            ModelError::WeightShape { .. } => "weight_shape",
+            ModelError::BlockTable { .. } => "block_table",
+            ModelError::Empty => "empty",
+            ModelError::Kernel(e) => e.kind(),
+        }
+    }
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Weight,
+    wq: B::Weight,
+    wk: B::Weight,
+    wv: B::Weight,
+    wo: B::Weight,
+    ffn_norm: B::Weight,
+    w_gate: B::Weight,
+    w_up: B::Weight,
+    w_down: B::Weight,
+}
+
+/// The reference model on backend `B`.
+pub struct Llama<B: Backend> {
+    backend: B,
+    shape: ModelShape,
+    rope_theta: f32,
+    rms_eps: f32,
+    embed: B::Weight,
+    layers: Vec<Layer<B>>,
+    norm: B::Weight,
+    lm_head: B::Weight,
+}
+
+impl<B: Backend> std::fmt::Debug for Llama<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama").field("backend", &self.backend.name()).field("shape", &self.shape).finish()
+    }
+}
+
+fn load<B: Backend>(backend: &B, src: &impl WeightSource, name: &str, want: &[usize]) -> Result<B::Weight, ModelError> {
+    let (shape, data) = src.tensor(name).ok_or_else(|| ModelError::MissingWeight(name.to_string()))?;
+    if shape != want {
+        return Err(ModelError::WeightShape { name: name.to_string(), have: shape.to_vec(), want: want.to_vec() });
+    }
+    let (rows, cols) = if want.len() == 2 { (want[0], want[1]) } else { (1, want[0]) };
+    Ok(backend.weight(data, rows, cols)?)
+}
+
+impl<B: Backend> Llama<B> {
+    /// Uploads the weights of `src` to `backend`. `lm_head.weight` falls back to the embedding
+    /// (tied embeddings) when absent.
+    pub fn new(backend: B, src: &impl WeightSource) -> Result<Self, ModelError> {
+        let s = src.shape();
+        let (h, q, kv, f, v) = (s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn, s.vocab);
+        let w = |name: &str, want: &[usize]| load(&backend, src, name, want);
+        let mut layers = Vec::with_capacity(s.layers);
+        for i in 0..s.layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                attn_norm: w(&format!("{p}.input_layernorm.weight"), &[h])?,
+                wq: w(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
+                wk: w(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
+                wv: w(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
+                wo: w(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
+                ffn_norm: w(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                w_gate: w(&format!("{p}.mlp.gate_proj.weight"), &[f, h])?,
+                w_up: w(&format!("{p}.mlp.up_proj.weight"), &[f, h])?,
+                w_down: w(&format!("{p}.mlp.down_proj.weight"), &[h, f])?,
+            });
+        }
+        let embed = w("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = match src.tensor("lm_head.weight") {
+            Some(_) => w("lm_head.weight", &[v, h])?,
+            None => w("model.embed_tokens.weight", &[v, h])?,
+        };
+        let norm = w("model.norm.weight", &[h])?;
+        Ok(Self {
+            shape: s,
+            rope_theta: src.rope_theta(),
+            rms_eps: src.rms_eps(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            backend,
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The model's dimensions.
+    pub fn shape(&self) -> ModelShape {
+        self.shape
+    }
+
+    /// The paged layout of this model's KV at `block_tokens` tokens per block on this backend.
+    pub fn paged_layout(&self, block_tokens: usize) -> PagedLayout {
+        PagedLayout {
+            layers: self.shape.layers,
+            block_tokens,
+            kv_heads: self.shape.kv_heads,
+            head_dim: self.shape.head_dim,
+            elem_bytes: self.backend.kv_elem_bytes(),
+        }
+    }
+
+    /// A KV pool of `num_blocks` blocks for this model.
+    pub fn kv_pool(&self, block_tokens: usize, num_blocks: usize) -> Result<B::Kv, ModelError> {
+        Ok(self.backend.kv_pool(self.paged_layout(block_tokens), num_blocks)?)
+    }
+
+    /// Runs `tokens` at positions `start..start + tokens.len()`, writing their KV into the pool
+    /// and attending to everything before them that the pool already holds; returns the logits of
+    /// the last token (`vocab` values).
+    ///
+    /// `block_table[i]` is the pool block of the sequence's logical block `i`; it must cover every
+    /// position up to the last token.
+    pub fn forward(
+        &self,
+        kv: &mut B::Kv,
+        tokens: &[u32],
+        start: usize,
+        block_table: &[u32],
+        block_tokens: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let t = tokens.len();
+        if t == 0 {
+            return Err(ModelError::Empty);
+        }
+        let end = start + t;
+        if block_table.len() * block_tokens < end {
+            return Err(ModelError::BlockTable {
+                blocks: block_table.len(),
+                covered: block_table.len() * block_tokens,
+                needed: end,
+            });
+        }
+        let s = self.shape;
+        let (hd, h, qd, kvd, f) = (s.head_dim, s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn);
+        let be = &self.backend;
+        let positions: Vec<u32> = (start as u32..end as u32).collect();
+        let slots: Vec<u32> = positions
+            .iter()
+            .map(|&p| block_table[p as usize / block_tokens] * block_tokens as u32 + p % block_tokens as u32)
+            .collect();
+        let spec = AttentionSpec { heads: s.heads, kv_heads: s.kv_heads, head_dim: hd, block_tokens };
+
+        let mut x = be.zeros(t * h)?;
+        be.embed(&self.embed, tokens, &mut x)?;
+        let mut normed = be.zeros(t * h)?;
+        let mut q = be.zeros(t * qd)?;
+        let mut k = be.zeros(t * kvd)?;
+        let mut v = be.zeros(t * kvd)?;
+        let mut attn = be.zeros(t * qd)?;
+        let mut proj = be.zeros(t * h)?;
+        let mut gate = be.zeros(t * f)?;
+        let mut up = be.zeros(t * f)?;
+        let mut act = be.zeros(t * f)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            be.rmsnorm(&x, &layer.attn_norm, t, h, self.rms_eps, &mut normed)?;
+            be.matmul(&normed, t, &layer.wq, &mut q)?;
+            be.matmul(&normed, t, &layer.wk, &mut k)?;
+            be.matmul(&normed, t, &layer.wv, &mut v)?;
+            be.rope(&mut q, t, s.heads, hd, &positions, self.rope_theta)?;
+            be.rope(&mut k, t, s.kv_heads, hd, &positions, self.rope_theta)?;
+            be.kv_write(kv, i, &k, &v, &slots)?;
+            be.attention(&q, kv, i, spec, block_table, &positions, &mut attn)?;
+            be.matmul(&attn, t, &layer.wo, &mut proj)?;
+            be.add_assign(&mut x, &proj, t * h)?;
+            be.rmsnorm(&x, &layer.ffn_norm, t, h, self.rms_eps, &mut normed)?;
+            be.matmul(&normed, t, &layer.w_gate, &mut gate)?;
+            be.matmul(&normed, t, &layer.w_up, &mut up)?;
+            be.swiglu(&gate, &up, t * f, &mut act)?;
+            be.matmul(&act, t, &layer.w_down, &mut proj)?;
+            be.add_assign(&mut x, &proj, t * h)?;
+        }
+        let last = be.row(&x, t, h, t - 1)?;
+        let mut last_normed = be.zeros(h)?;
+        be.rmsnorm(&last, &self.norm, 1, h, self.rms_eps, &mut last_normed)?;
+        let mut logits = be.zeros(s.vocab)?;
+        be.matmul(&last_normed, 1, &self.lm_head, &mut logits)?;
+        let mut out = vec![0.0f32; s.vocab];
+        be.download(&logits, &mut out)?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::cpu::CpuBackend;
+    use crate::sampling::{SeededRng, argmax};
+
+    /// A minimal random weight source for a toy shape (the real one is `model::weights`).
+    struct Toy {
+        shape: ModelShape,
+        tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    }
+
+    impl Toy {
+        fn new(seed: u64) -> Self {
+            let shape = ModelShape {
+                name: "toy",
+                layers: 2,
+                hidden: 32,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 8,
+                ffn: 48,
+                vocab: 64,
+            };
+            let mut rng = SeededRng::new(seed);
+            let mut tensors = HashMap::new();
+            let mut add = |name: String, dims: Vec<usize>, norm: bool| {
+                let n: usize = dims.iter().product();
+                let scale = (3.0 / *dims.last().expect("dims") as f64).sqrt();
+                let data =
+                    (0..n).map(|_| if norm { 1.0 } else { ((rng.next_f64() * 2.0 - 1.0) * scale) as f32 }).collect();
+                tensors.insert(name, (dims, data));
+            };
+            let (h, q, kv, f, v) = (32, 32, 16, 48, 64);
+            for i in 0..2 {
+                let p = format!("model.layers.{i}");
+                add(format!("{p}.input_layernorm.weight"), vec![h], true);
+                add(format!("{p}.self_attn.q_proj.weight"), vec![q, h], false);
+                add(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false);
+                add(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false);
+                add(format!("{p}.self_attn.o_proj.weight"), vec![h, q], false);
+                add(format!("{p}.post_attention_layernorm.weight"), vec![h], true);
+                add(format!("{p}.mlp.gate_proj.weight"), vec![f, h], false);
+                add(format!("{p}.mlp.up_proj.weight"), vec![f, h], false);
+                add(format!("{p}.mlp.down_proj.weight"), vec![h, f], false);
+            }
+            add("model.embed_tokens.weight".into(), vec![v, h], false);
+            add("model.norm.weight".into(), vec![h], true);
+            Self { shape, tensors }
+        }
+    }
+
+    impl WeightSource for Toy {
+        fn shape(&self) -> ModelShape {
+            self.shape
+        }
+        fn rope_theta(&self) -> f32 {
+            10000.0
+        }
+        fn rms_eps(&self) -> f32 {
+            1e-5
+        }
+        fn tensor(&self, name: &str) -> Option<(&[usize], &[f32])> {
+            self.tensors.get(name).map(|(s, d)| (s.as_slice(), d.as_slice()))
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn split_prefill_and_moved_blocks_give_bitwise_equal_logits() {
+        let model = Llama::new(CpuBackend::new(2), &Toy::new(1)).expect("model");
+        let b = 4;
+        let prompt: Vec<u32> = (0..19).map(|i| (i * 7 + 3) % 64).collect();
+        let mut pool = model.kv_pool(b, 16).expect("pool");
+        let table: Vec<u32> = (0..5).collect();
+        let whole = model.forward(&mut pool, &prompt, 0, &table, b).expect("forward");
+        assert_eq!(whole.len(), 64);
+        assert!(whole.iter().all(|x| x.is_finite()));
+
+        // The same prompt in three calls, in other pool blocks: bitwise the same logits.
+        let mut pool2 = model.kv_pool(b, 16).expect("pool");
+        let table2 = [9u32, 3, 12, 0, 7];
+        model.forward(&mut pool2, &prompt[..8], 0, &table2, b).expect("part 1");
+        model.forward(&mut pool2, &prompt[8..18], 8, &table2, b).expect("part 2");
+        let split = model.forward(&mut pool2, &prompt[18..], 18, &table2, b).expect("part 3");
+        assert_eq!(bits(&whole), bits(&split));
+
+        // Decoding continues identically from either pool.
+        let next = argmax(&whole);
+        let a = model.forward(&mut pool, &[next], 19, &table, b).expect("decode");
+        let c = model.forward(&mut pool2, &[next], 19, &table2, b).expect("decode");
+        assert_eq!(bits(&a), bits(&c));
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let toy = Toy::new(2);
+        let model = Llama::new(CpuBackend::new(1), &toy).expect("model");
+        let mut pool = model.kv_pool(4, 2).expect("pool");
+        assert_eq!(model.forward(&mut pool, &[], 0, &[0], 4).unwrap_err().kind(), "empty");
+        assert_eq!(model.forward(&mut pool, &[1; 5], 0, &[0], 4).unwrap_err().kind(), "block_table");
+        assert_eq!(model.forward(&mut pool, &[64], 0, &[0], 4).unwrap_err().kind(), "index");
+        assert_eq!(model.forward(&mut pool, &[1; 5], 0, &[0, 5], 4).unwrap_err().kind(), "index");
+        let mut broken = Toy::new(2);
+        broken.tensors.remove("model.norm.weight");
+        assert_eq!(Llama::new(CpuBackend::new(1), &broken).unwrap_err().kind(), "missing_weight");
+        let mut broken = Toy::new(2);
+        broken.tensors.get_mut("model.layers.1.mlp.up_proj.weight").expect("present").0 = vec![32, 48];
+        assert_eq!(Llama::new(CpuBackend::new(1), &broken).unwrap_err().kind(), "weight_shape");
+    }
+}
