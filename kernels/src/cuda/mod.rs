@@ -709,6 +709,18 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn row(&self, x: &CudaSlice<f32>, rows: usize, width: usize, row: usize) -> Result<CudaSlice<f32>, KernelError> {
+        if row >= rows {
+            return Err(KernelError::index("row", format!("row {row} of {rows}")));
+        }
+        check_len("row", "x", x.len(), rows * width)?;
+        let mut out = self.zeros(width)?;
+        self.stream
+            .memcpy_dtod(&x.slice(row * width..(row + 1) * width), &mut out)
+            .map_err(driver_err("cuMemcpyDtoD"))?;
+        Ok(out)
+    }
+
     fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) -> Result<(), KernelError> {
         check_len("add_assign", "x", x.len(), len)?;
         check_len("add_assign", "y", y.len(), len)?;
