@@ -8,23 +8,25 @@
 //! Layout of the crate:
 //! - [`backend`] — the [`Backend`] trait (activations, weights and the paged KV pool of a device,
 //!   and every operation the model needs), with its determinism contract.
-//! - [`cpu`] — [`CpuBackend`]: `f32`, `matrixmultiply` GEMMs split across threads by rows or
-//!   output columns (never along a reduction), paged attention, RoPE, RMSNorm, SwiGLU.
+//! - [`cpu`] — [`CpuBackend`]: `f32` everywhere, `matrixmultiply` GEMMs split across threads by
+//!   rows or output columns (never along a reduction), paged attention, RoPE, RMSNorm, SwiGLU.
 //! - [`model`] — the Llama reference model written once against [`Backend`] ([`model::Llama`]),
-//!   and its weights ([`model::weights`]).
+//!   and its weights ([`model::weights`]): seeded random weights for a named shape, or a
+//!   Llama-format safetensors checkpoint (bf16/f16/f32 → f32) validated against its `config.json`.
 //! - [`sampling`] — greedy and seeded temperature sampling.
 //! - [`kv_layout`] — the two KV layouts of DESIGN.md §3 and the gather/scatter between them: the
 //!   engine's paged, layer-separate G1 layout (per layer, K and V
 //!   `[num_blocks, B, kv_heads, head_dim]`) and the contiguous block-image payload
 //!   (`[layer][k|v][B][kv_heads][head_dim]`) that G2, G3 and the wire carry. Batched over many
-//!   blocks per call. This is the CPU reference; the CUDA gather/scatter kernels arrive with the
-//!   GPU backend.
-//! - [`model::weights`] — the reference model's weights in host memory: seeded random weights for
-//!   a named shape, or a Llama-format safetensors checkpoint (bf16/f16/f32 → f32), validated
-//!   against its `config.json`.
+//!   blocks per call. This is the CPU reference of the CUDA gather/scatter kernels.
+//! - [`cuda`] — the CUDA backend (bf16 weights and KV, kernels in `kernels/cuda/*.cu` compiled
+//!   with NVRTC at run time, cuBLAS GEMM), detected at run time with [`cuda::probe`] — a missing
+//!   driver or library is an error, never a panic — and [`cuda::check::gpu_check`], which compares
+//!   every CUDA kernel with the CPU backend and measures the KV copy paths.
 
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
 pub mod kv_layout;
 pub mod model;
 pub mod sampling;

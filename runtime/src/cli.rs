@@ -5,9 +5,11 @@
 //! dynamo-node config default             print the embedded default configuration
 //! dynamo-node config check FILE          validate FILE; errors as FILE:LINE:COL: `key`: message
 //! dynamo-node bench storage --dir DIR    G3 throughput against fio on the same device
+//! dynamo-node gpu-check [--device N]     CUDA kernels vs the CPU backend, KV copy bandwidth
 //! ```
 //!
-//! Exit codes: 0 success, 1 runtime failure, 2 invalid configuration or usage.
+//! Exit codes: 0 success, 1 runtime failure (for `gpu-check`: a kernel mismatch), 2 invalid
+//! configuration or usage, 3 no usable CUDA device (`gpu-check`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -41,6 +43,27 @@ pub enum Command {
     /// Benchmarks for operators.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Check the CUDA backend on this machine's GPU: every kernel against the CPU backend, and the
+    /// KV gather/scatter bandwidth against plain copies. Exit 0 when every kernel matches, 1 when
+    /// one does not, 3 when there is no usable CUDA device.
+    GpuCheck(GpuCheckArgs),
+}
+
+/// `gpu-check` options.
+#[derive(Debug, Args)]
+pub struct GpuCheckArgs {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Seed of the random kernel inputs.
+    #[arg(long, default_value_t = 0x5eed)]
+    pub seed: u64,
+    /// MiB moved per bandwidth measurement.
+    #[arg(long, default_value_t = 256)]
+    pub bandwidth_mib: usize,
+    /// Skip the reference-engine prefill table (llama-1b and llama-8b at 2K/8K/32K tokens).
+    #[arg(long)]
+    pub no_prefill: bool,
 }
 
 /// `serve` options; each flag overrides its key in the configuration file.
@@ -98,6 +121,33 @@ pub fn main() -> ExitCode {
         },
         Some(Command::Bench(BenchCommand::Storage(args))) => {
             report(crate::bench::storage::run(&args).map(|table| print!("{table}")))
+        }
+        Some(Command::GpuCheck(args)) => gpu_check(&args),
+    }
+}
+
+fn gpu_check(args: &GpuCheckArgs) -> ExitCode {
+    use dynamo_kernels::cuda::check::{GpuCheckOptions, ReferencePrefill, gpu_check};
+    let timer = ReferencePrefill::new(args.device, 32);
+    let opts = GpuCheckOptions {
+        ordinal: args.device,
+        seed: args.seed,
+        bandwidth_bytes: args.bandwidth_mib.max(1) << 20,
+        prefill: (!args.no_prefill).then_some(&timer as &dyn dynamo_kernels::cuda::check::PrefillTimer),
+        ..Default::default()
+    };
+    match gpu_check(&opts) {
+        Ok(report) => {
+            print!("{report}");
+            if report.all_passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+        }
+        Err(e @ dynamo_kernels::KernelError::CudaUnavailable(_)) => {
+            eprintln!("no usable CUDA device: {e}");
+            ExitCode::from(3)
+        }
+        Err(e) => {
+            eprintln!("error: gpu-check could not start: {e}");
+            ExitCode::FAILURE
         }
     }
 }

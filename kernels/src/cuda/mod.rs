@@ -1,0 +1,950 @@
+//! The CUDA backend: [`CudaBackend`] implements [`Backend`] on one NVIDIA GPU through `cudarc` with
+//! dynamic loading, so the crate builds without a CUDA toolkit and finds the driver, NVRTC and cuBLAS
+//! at run time ([`loader`]). Nothing here panics when they are missing: [`probe`] and
+//! [`CudaBackend::new`] answer [`KernelError::CudaUnavailable`] with the reason.
+//!
+//! - Activations ([`Backend::Buf`]) are `f32` device slices; weights are bf16 device matrices
+//!   ([`CudaWeight`], converted on upload with round-to-nearest-even); the paged KV pool
+//!   ([`CudaKv`]) keeps per layer one K and one V bf16 array `[num_blocks, B, kv_heads, head_dim]`.
+//! - The kernels are the CUDA C files in `kernels/cuda/`, compiled with NVRTC for the device's own
+//!   architecture (`sm_XY`) once per process ([`loader::compiled_sources`]).
+//! - `matmul` is `cublasGemmEx` with bf16 inputs and f32 accumulation and output; the activation is
+//!   converted to bf16 in a scratch buffer first.
+//! - Every call is queued on the backend's one stream; `download` and the gather/scatter calls wait
+//!   for it, so results are visible to the host when they return.
+//!
+//! **Gather/scatter and host memory.** `kv_gather` / `kv_scatter` move many blocks per launch. When
+//! every payload lies inside host memory registered with [`CudaBackend::register_host`] (the G2 pool
+//! registers its whole mapping once, `cuMemHostRegister` with `DEVICEMAP`), one kernel reads the
+//! pages and writes the payloads straight into host memory over PCIe (and the reverse): no staging,
+//! no extra copy. Any other host buffer goes through a bounce path: the kernel packs the pages into
+//! a device staging buffer, one DMA copies it into a pinned staging buffer (`cuMemHostAlloc`, not
+//! write-combined, so the CPU reads it at full speed) and the CPU copies the payloads out.
+//!
+//! Determinism: the attention kernel and the element-wise kernels give each row a value independent
+//! of the rows launched with it. cuBLAS may pick a different GEMM algorithm for a different number
+//! of rows, so on CUDA the per-row contract of [`Backend`] holds to rounding, not bitwise.
+
+pub mod check;
+pub mod loader;
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+
+use crate::backend::{AttentionSpec, Backend, KernelError};
+use crate::kv_layout::{LayoutError, PagedLayout};
+
+/// Every kernel entry point in `kernels/cuda/*.cu`.
+pub const KERNEL_NAMES: &[&str] = &[
+    "embed_bf16",
+    "swiglu_f32",
+    "add_assign_f32",
+    "f32_to_bf16_kernel",
+    "rmsnorm_f32",
+    "rope_f32",
+    "attention_paged",
+    "kv_write_bf16",
+    "kv_gather_pages",
+    "kv_scatter_pages",
+    "argmax_rows",
+];
+
+/// What [`probe`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Marketing name, e.g. "NVIDIA H200".
+    pub name: String,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
+    pub total_memory: usize,
+    /// Devices visible to the driver.
+    pub device_count: usize,
+}
+
+impl DeviceInfo {
+    /// The NVRTC target, e.g. `sm_90`.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cuda:{} {} ({}, {:.1} GiB, {} device(s) visible)",
+            self.ordinal,
+            self.name,
+            self.arch(),
+            self.total_memory as f64 / (1u64 << 30) as f64,
+            self.device_count
+        )
+    }
+}
+
+fn driver_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
+    move |e| KernelError::Cuda { op, detail: format!("{e:?}") }
+}
+
+/// Detects the first CUDA device: driver library, a visible device, its name, architecture and
+/// memory. Never panics; without a usable device the error says why.
+pub fn probe() -> Result<DeviceInfo, KernelError> {
+    probe_ordinal(0)
+}
+
+fn probe_ordinal(ordinal: usize) -> Result<DeviceInfo, KernelError> {
+    loader::require_library(loader::DRIVER)?;
+    loader::guarded("CUDA driver", || {
+        let count = CudaContext::device_count()
+            .map_err(|e| KernelError::CudaUnavailable(format!("the CUDA driver failed to initialise: {e:?}")))?;
+        if count <= 0 {
+            return Err(KernelError::CudaUnavailable("the CUDA driver is installed but sees no device".into()));
+        }
+        if ordinal >= count as usize {
+            return Err(KernelError::CudaUnavailable(format!("no device cuda:{ordinal}; {count} visible")));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| KernelError::CudaUnavailable(format!("cannot create a context on cuda:{ordinal}: {e:?}")))?;
+        Ok(DeviceInfo {
+            ordinal,
+            name: ctx.name().map_err(driver_err("cuDeviceGetName"))?,
+            compute_capability: ctx.compute_capability().map_err(driver_err("cuDeviceGetAttribute"))?,
+            total_memory: ctx.total_mem().map_err(driver_err("cuDeviceTotalMem"))?,
+            device_count: count as usize,
+        })
+    })
+}
+
+/// The loaded kernels of one context.
+#[derive(Debug)]
+struct Kernels {
+    embed: CudaFunction,
+    swiglu: CudaFunction,
+    add_assign: CudaFunction,
+    to_bf16: CudaFunction,
+    rmsnorm: CudaFunction,
+    rope: CudaFunction,
+    attention: CudaFunction,
+    kv_write: CudaFunction,
+    gather: CudaFunction,
+    scatter: CudaFunction,
+    argmax: CudaFunction,
+}
+
+impl Kernels {
+    fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Self, KernelError> {
+        let sources = loader::compiled_sources(arch)?;
+        let mut modules = Vec::new();
+        for (name, ptx) in sources {
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(|e| KernelError::Cuda { op: "cuModuleLoadData", detail: format!("{name}: {e:?}") })?;
+            modules.push((name, module));
+        }
+        let get = |file: &str, func: &str| -> Result<CudaFunction, KernelError> {
+            let (_, module) = modules.iter().find(|(n, _)| *n == file).expect("every source is compiled");
+            module
+                .load_function(func)
+                .map_err(|e| KernelError::Cuda { op: "cuModuleGetFunction", detail: format!("{func}: {e:?}") })
+        };
+        Ok(Self {
+            embed: get("elementwise.cu", "embed_bf16")?,
+            swiglu: get("elementwise.cu", "swiglu_f32")?,
+            add_assign: get("elementwise.cu", "add_assign_f32")?,
+            to_bf16: get("elementwise.cu", "f32_to_bf16_kernel")?,
+            rmsnorm: get("norm_rope.cu", "rmsnorm_f32")?,
+            rope: get("norm_rope.cu", "rope_f32")?,
+            attention: get("attention.cu", "attention_paged")?,
+            kv_write: get("kv_copy.cu", "kv_write_bf16")?,
+            gather: get("kv_copy.cu", "kv_gather_pages")?,
+            scatter: get("kv_copy.cu", "kv_scatter_pages")?,
+            argmax: get("sampling.cu", "argmax_rows")?,
+        })
+    }
+}
+
+/// A bf16 weight matrix `[rows, cols]` (a vector has `rows = 1`) in device memory.
+#[derive(Debug)]
+pub struct CudaWeight {
+    data: CudaSlice<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaWeight {
+    /// Rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// The paged G1 pool on the device: per layer one K and one V bf16 array of `num_blocks` pages.
+#[derive(Debug)]
+pub struct CudaKv {
+    layout: PagedLayout,
+    num_blocks: usize,
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    /// Device addresses of the arrays in payload order `[layer][k|v]`, for the gather/scatter kernels.
+    pages: CudaSlice<u64>,
+}
+
+impl CudaKv {
+    /// The layout (`elem_bytes = 2`).
+    pub fn layout(&self) -> PagedLayout {
+        self.layout
+    }
+
+    /// Pages per layer.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+}
+
+/// Host memory registered with the device ([`CudaBackend::register_host`]); unregistered on drop.
+#[derive(Debug)]
+pub struct HostRegistration {
+    ctx: Arc<CudaContext>,
+    regions: Arc<Mutex<Vec<Region>>>,
+    host: usize,
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        regions.retain(|r| r.host != self.host);
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `host` was registered by `register_host` and is unregistered exactly once, here;
+        // the backend waits for its stream after every launch that used it, so no copy is in flight.
+        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.host as *mut std::ffi::c_void) }.result();
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    host: usize,
+    len: usize,
+    device: u64,
+}
+
+/// A pinned (page-locked, not write-combined) host buffer from `cuMemHostAlloc`.
+#[derive(Debug)]
+struct PinnedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this struct; it is only touched under the
+// backend's staging mutex.
+unsafe impl Send for PinnedBuf {}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemHostAlloc and is freed once; the stream was synchronised
+        // after its last use.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+    }
+}
+
+#[derive(Debug, Default)]
+struct Staging {
+    device: Option<CudaSlice<u8>>,
+    host: Option<PinnedBuf>,
+}
+
+/// Largest bounce-path batch in bytes; bigger batches are moved in several rounds.
+const STAGING_BYTES: usize = 256 << 20;
+
+/// The CUDA backend on one device. See the module documentation.
+pub struct CudaBackend {
+    info: DeviceInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    max_smem_optin: usize,
+    /// bf16 copy of the GEMM's activation.
+    x_bf16: Mutex<Option<CudaSlice<u16>>>,
+    staging: Mutex<Staging>,
+    regions: Arc<Mutex<Vec<Region>>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("device", &self.info).finish()
+    }
+}
+
+fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(threads as usize).clamp(1, 65_535 * 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn check_len(op: &'static str, what: &str, have: usize, need: usize) -> Result<(), KernelError> {
+    if have < need {
+        return Err(KernelError::shape(op, format!("{what} has {have} elements, needs {need}")));
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`: context, stream, cuBLAS, and the kernels compiled for its architecture.
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        let info = probe_ordinal(ordinal)?;
+        loader::require_library(loader::NVRTC)?;
+        loader::require_library(loader::CUBLAS)?;
+        loader::guarded("CUDA backend", || {
+            let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+            // One stream, so cudarc's per-allocation events would only cost time.
+            // SAFETY: no allocation of this context exists yet, so none is tracked half-way.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+            let blas = CudaBlas::new(stream.clone())
+                .map_err(|e| KernelError::CudaUnavailable(format!("cuBLAS failed to initialise: {e:?}")))?;
+            let kernels = Kernels::load(&ctx, &info.arch())?;
+            let max_smem_optin = ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map_err(driver_err("cuDeviceGetAttribute"))? as usize;
+            Ok(Self {
+                info,
+                ctx,
+                stream,
+                blas,
+                kernels,
+                max_smem_optin,
+                x_bf16: Mutex::new(None),
+                staging: Mutex::new(Staging::default()),
+                regions: Arc::new(Mutex::new(Vec::new())),
+            })
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The stream every call is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Waits until every queued call has finished.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    fn upload_u32(&self, op: &'static str, data: &[u32]) -> Result<CudaSlice<u32>, KernelError> {
+        self.stream.clone_htod(data).map_err(|e| KernelError::Cuda { op, detail: format!("upload: {e:?}") })
+    }
+
+    /// Registers `len` bytes of host memory at `ptr` (page-locks it and maps it for the device), so
+    /// that gathers into and scatters from payloads inside it run as one kernel over PCIe.
+    ///
+    /// # Safety
+    /// The memory must stay mapped and must not be freed while the returned handle lives; the
+    /// caller must not hand the backend a payload in it that another thread writes concurrently.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<HostRegistration, KernelError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: the caller guarantees `ptr..ptr + len` is mapped host memory that outlives the handle.
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) }
+            .result()
+            .map_err(driver_err("cuMemHostRegister"))?;
+        let mut device = 0u64;
+        // SAFETY: `ptr` was registered just above with DEVICEMAP; `device` is a valid out-pointer.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, ptr.cast(), 0) }.result();
+        if let Err(e) = mapped {
+            // SAFETY: undoing the registration made above.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+            return Err(driver_err("cuMemHostGetDevicePointer")(e));
+        }
+        let host = ptr as usize;
+        self.regions.lock().unwrap_or_else(|e| e.into_inner()).push(Region { host, len, device });
+        Ok(HostRegistration { ctx: self.ctx.clone(), regions: self.regions.clone(), host })
+    }
+
+    /// Device addresses of `payloads` (each `len` bytes) when every one lies in a registered region.
+    fn mapped_addresses(&self, payloads: impl Iterator<Item = usize>, len: usize) -> Option<Vec<u64>> {
+        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        payloads
+            .map(|p| {
+                regions
+                    .iter()
+                    .find(|r| p >= r.host && p + len <= r.host + r.len)
+                    .map(|r| r.device + (p - r.host) as u64)
+            })
+            .collect()
+    }
+
+    /// Greedy sampling: the index of the largest logit of each of `rows` rows of `vocab` logits.
+    pub fn argmax(&self, logits: &CudaSlice<f32>, rows: usize, vocab: usize) -> Result<Vec<u32>, KernelError> {
+        check_len("argmax", "logits", logits.len(), rows * vocab)?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let mut out = self.stream.alloc_zeros::<u32>(rows).map_err(driver_err("alloc"))?;
+        let (r, v) = (rows as i32, vocab as i32);
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.kernels.argmax);
+        b.arg(logits).arg(&mut out).arg(&r).arg(&v);
+        // SAFETY: argmax_rows(const float*, unsigned*, int, int): logits holds rows × vocab (checked),
+        // out holds rows.
+        unsafe { b.launch(cfg) }.map_err(driver_err("argmax_rows"))?;
+        self.stream.clone_dtoh(&out).map_err(driver_err("download"))
+    }
+
+    /// `bf16(x)` for the first `len` elements of `x`, into `out`.
+    pub fn to_bf16(&self, x: &CudaSlice<f32>, len: usize, out: &mut CudaSlice<u16>) -> Result<(), KernelError> {
+        check_len("to_bf16", "x", x.len(), len)?;
+        check_len("to_bf16", "out", out.len(), len)?;
+        let n = len as i64;
+        let mut b = self.stream.launch_builder(&self.kernels.to_bf16);
+        b.arg(x).arg(out).arg(&n);
+        // SAFETY: f32_to_bf16_kernel(const float*, bf16*, long long): both hold `len` (checked).
+        unsafe { b.launch(grid_1d(len, 256)) }.map_err(driver_err("f32_to_bf16"))?;
+        Ok(())
+    }
+
+    /// Downloads `layer`'s K (`v = false`) or V page of `block` as f32 (for comparisons with the CPU).
+    pub fn kv_page_f32(&self, kv: &CudaKv, layer: usize, v: bool, block: u32) -> Result<Vec<f32>, KernelError> {
+        if layer >= kv.layout.layers || block as usize >= kv.num_blocks {
+            return Err(KernelError::index("kv_page_f32", format!("layer {layer} block {block}")));
+        }
+        let elems = kv.layout.page_bytes() / 2;
+        let array = if v { &kv.v[layer] } else { &kv.k[layer] };
+        let page = array.slice(block as usize * elems..(block as usize + 1) * elems);
+        let raw = self.stream.clone_dtoh(&page).map_err(driver_err("download"))?;
+        Ok(raw.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
+    }
+
+    fn launch_pages(
+        &self,
+        gather: bool,
+        kv: &CudaKv,
+        blocks: &[u32],
+        payload_addrs: &[u64],
+    ) -> Result<(), KernelError> {
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let page_bytes = kv.layout.page_bytes() as u64;
+        let n_pages = (kv.layout.layers * 2) as i32;
+        let vec16 = i32::from(page_bytes.is_multiple_of(16) && payload_addrs.iter().all(|a| a.is_multiple_of(16)));
+        let d_blocks = self.upload_u32("kv copy", blocks)?;
+        let d_addrs = self.stream.clone_htod(payload_addrs).map_err(driver_err("upload"))?;
+        let n_blocks = blocks.len() as i32;
+        let jobs = blocks.len() * kv.layout.layers * 2;
+        let cfg = LaunchConfig { grid_dim: (jobs as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let func = if gather { &self.kernels.gather } else { &self.kernels.scatter };
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&kv.pages).arg(&n_pages).arg(&d_blocks).arg(&d_addrs).arg(&n_blocks).arg(&page_bytes).arg(&vec16);
+        // SAFETY: kv_{gather,scatter}_pages(const u64*, int, const unsigned*, const u64*, int, u64, int):
+        // `pages` holds n_pages array addresses of num_blocks pages each, every block id is below
+        // num_blocks (checked by the caller), and every payload address is device-accessible memory of
+        // n_pages × page_bytes bytes (device staging or registered host memory).
+        unsafe { b.launch(cfg) }.map_err(driver_err(if gather { "kv_gather_pages" } else { "kv_scatter_pages" }))?;
+        Ok(())
+    }
+
+    fn check_batch(
+        kv: &CudaKv,
+        blocks: &[u32],
+        lens: impl Iterator<Item = usize>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        if blocks.len() != n {
+            return Err(LayoutError::BatchMismatch { blocks: blocks.len(), payloads: n }.into());
+        }
+        let need = kv.layout.payload_bytes();
+        for (index, len) in lens.enumerate() {
+            if len != need {
+                return Err(LayoutError::PayloadLength { index, len, need }.into());
+            }
+        }
+        if let Some(&block) = blocks.iter().find(|&&b| b as usize >= kv.num_blocks) {
+            return Err(LayoutError::BlockOutOfRange { block, num_blocks: kv.num_blocks }.into());
+        }
+        Ok(())
+    }
+
+    /// Runs `f` with device and pinned staging buffers of at least `bytes`.
+    fn with_staging<T>(
+        &self,
+        bytes: usize,
+        f: impl FnOnce(&mut CudaSlice<u8>, &mut PinnedBuf) -> Result<T, KernelError>,
+    ) -> Result<T, KernelError> {
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if staging.device.as_ref().is_none_or(|d| d.len() < bytes) {
+            staging.device = None;
+            // SAFETY: the staging buffer is always written (by a kernel or a copy) before it is read.
+            let d = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(|_| KernelError::OutOfMemory { bytes })?;
+            staging.device = Some(d);
+        }
+        if staging.host.as_ref().is_none_or(|h| h.len < bytes) {
+            staging.host = None;
+            self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+            // SAFETY: flags 0 = portable-less, not write-combined pinned memory; the result is checked.
+            let ptr = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(driver_err("cuMemHostAlloc"))?;
+            staging.host = Some(PinnedBuf { ptr: ptr.cast(), len: bytes });
+        }
+        let Staging { device: Some(d), host: Some(h) } = &mut *staging else { unreachable!("allocated above") };
+        f(d, h)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaSlice<f32>;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn kv_elem_bytes(&self) -> usize {
+        2
+    }
+
+    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaWeight, KernelError> {
+        if data.len() != rows * cols {
+            return Err(KernelError::shape("weight", format!("{} values for {rows} × {cols}", data.len())));
+        }
+        let bits: Vec<u16> = data.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+        let data = self.stream.clone_htod(&bits).map_err(|_| KernelError::OutOfMemory { bytes: bits.len() * 2 })?;
+        Ok(CudaWeight { data, rows, cols })
+    }
+
+    fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {
+        self.stream.alloc_zeros::<f32>(len).map_err(|_| KernelError::OutOfMemory { bytes: len * 4 })
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>, KernelError> {
+        self.stream.clone_htod(data).map_err(|_| KernelError::OutOfMemory { bytes: data.len() * 4 })
+    }
+
+    fn download(&self, buf: &CudaSlice<f32>, out: &mut [f32]) -> Result<(), KernelError> {
+        check_len("download", "buffer", buf.len(), out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_dtoh(&buf.slice(..out.len()), out).map_err(driver_err("cuMemcpyDtoH"))?;
+        self.synchronize()
+    }
+
+    fn embed(&self, table: &CudaWeight, tokens: &[u32], out: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        let dim = table.cols;
+        check_len("embed", "out", out.len(), tokens.len() * dim)?;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= table.rows) {
+            return Err(KernelError::index("embed", format!("token {t} outside a vocabulary of {}", table.rows)));
+        }
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let d_tokens = self.upload_u32("embed", tokens)?;
+        let (n, d) = (tokens.len() as i32, dim as i32);
+        let cfg = LaunchConfig { grid_dim: (tokens.len() as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.kernels.embed);
+        b.arg(&table.data).arg(&d_tokens).arg(out).arg(&n).arg(&d);
+        // SAFETY: embed_bf16(const bf16*, const unsigned*, float*, int, int): every token < rows
+        // (checked), out holds tokens × dim (checked).
+        unsafe { b.launch(cfg) }.map_err(driver_err("embed_bf16"))?;
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaWeight,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        if w.rows * w.cols != dim {
+            return Err(KernelError::shape("rmsnorm", format!("weight {}×{} for dim {dim}", w.rows, w.cols)));
+        }
+        check_len("rmsnorm", "x", x.len(), rows * dim)?;
+        check_len("rmsnorm", "out", out.len(), rows * dim)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r, d) = (rows as i32, dim as i32);
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.kernels.rmsnorm);
+        b.arg(x).arg(&w.data).arg(out).arg(&r).arg(&d).arg(&eps);
+        // SAFETY: rmsnorm_f32(const float*, const bf16*, float*, int, int, float): x and out hold
+        // rows × dim, w holds dim (checked).
+        unsafe { b.launch(cfg) }.map_err(driver_err("rmsnorm_f32"))?;
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        w: &CudaWeight,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+        let (n, k) = (w.rows, w.cols);
+        check_len("matmul", "x", x.len(), rows * k)?;
+        check_len("matmul", "out", out.len(), rows * n)?;
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        let mut scratch = self.x_bf16.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < rows * k) {
+            *scratch = None;
+            // SAFETY: the scratch is fully written by the conversion below before cuBLAS reads it.
+            let s = unsafe { self.stream.alloc::<u16>(rows * k) }
+                .map_err(|_| KernelError::OutOfMemory { bytes: rows * k * 2 })?;
+            *scratch = Some(s);
+        }
+        let xb = scratch.as_mut().expect("allocated above");
+        self.to_bf16(x, rows * k, xb)?;
+        // Row-major y[rows, n] = x[rows, k] · W[n, k]ᵀ is column-major C[n, rows] = Wᵀ · X with W seen
+        // as a column-major k × n matrix (lda = k) and X as k × rows (ldb = k).
+        let alpha = 1.0f32;
+        let beta = 0.0f32;
+        let (a_ptr, _ra) = w.data.device_ptr(&self.stream);
+        let (b_ptr, _rb) = xb.device_ptr(&self.stream);
+        let (c_ptr, _rc) = out.device_ptr_mut(&self.stream);
+        // SAFETY: A holds n × k bf16, B holds at least rows × k bf16, C holds at least rows × n f32
+        // (checked above); the handle is bound to this backend's stream; alpha/beta are host f32 as
+        // the default pointer mode and CUBLAS_COMPUTE_32F expect.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                rows as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                a_ptr as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k as i32,
+                b_ptr as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k as i32,
+                (&beta as *const f32).cast(),
+                c_ptr as *mut _,
+                cudaDataType::CUDA_R_32F,
+                n as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| KernelError::Cuda { op: "cublasGemmEx", detail: format!("{e:?}") })
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        theta: f32,
+    ) -> Result<(), KernelError> {
+        if !head_dim.is_multiple_of(2) || positions.len() != rows {
+            return Err(KernelError::shape(
+                "rope",
+                format!("head_dim {head_dim}, {} positions for {rows} rows", positions.len()),
+            ));
+        }
+        check_len("rope", "x", x.len(), rows * heads * head_dim)?;
+        if rows * heads * head_dim == 0 {
+            return Ok(());
+        }
+        let d_pos = self.upload_u32("rope", positions)?;
+        let (r, h, d) = (rows as i32, heads as i32, head_dim as i32);
+        let mut b = self.stream.launch_builder(&self.kernels.rope);
+        b.arg(x).arg(&d_pos).arg(&r).arg(&h).arg(&d).arg(&theta);
+        // SAFETY: rope_f32(float*, const unsigned*, int, int, int, float): x holds rows × heads ×
+        // head_dim, positions holds rows (checked).
+        unsafe { b.launch(grid_1d(rows * heads * head_dim / 2, 256)) }.map_err(driver_err("rope_f32"))?;
+        Ok(())
+    }
+
+    fn swiglu(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        len: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        check_len("swiglu", "gate", gate.len(), len)?;
+        check_len("swiglu", "up", up.len(), len)?;
+        check_len("swiglu", "out", out.len(), len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let n = len as i64;
+        let mut b = self.stream.launch_builder(&self.kernels.swiglu);
+        b.arg(gate).arg(up).arg(out).arg(&n);
+        // SAFETY: swiglu_f32(const float*, const float*, float*, long long): all hold `len` (checked).
+        unsafe { b.launch(grid_1d(len, 256)) }.map_err(driver_err("swiglu_f32"))?;
+        Ok(())
+    }
+
+    fn row(&self, x: &CudaSlice<f32>, rows: usize, width: usize, row: usize) -> Result<CudaSlice<f32>, KernelError> {
+        if row >= rows {
+            return Err(KernelError::index("row", format!("row {row} of {rows}")));
+        }
+        check_len("row", "x", x.len(), rows * width)?;
+        let mut out = self.zeros(width)?;
+        self.stream
+            .memcpy_dtod(&x.slice(row * width..(row + 1) * width), &mut out)
+            .map_err(driver_err("cuMemcpyDtoD"))?;
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) -> Result<(), KernelError> {
+        check_len("add_assign", "x", x.len(), len)?;
+        check_len("add_assign", "y", y.len(), len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let n = len as i64;
+        let mut b = self.stream.launch_builder(&self.kernels.add_assign);
+        b.arg(x).arg(y).arg(&n);
+        // SAFETY: add_assign_f32(float*, const float*, long long): both hold `len` (checked).
+        unsafe { b.launch(grid_1d(len, 256)) }.map_err(driver_err("add_assign_f32"))?;
+        Ok(())
+    }
+
+    fn kv_pool(&self, layout: PagedLayout, num_blocks: usize) -> Result<CudaKv, KernelError> {
+        let layout = PagedLayout { elem_bytes: 2, ..layout };
+        let elems = layout.page_bytes() / 2 * num_blocks;
+        let alloc = || self.stream.alloc_zeros::<u16>(elems).map_err(|_| KernelError::OutOfMemory { bytes: elems * 2 });
+        let mut k = Vec::with_capacity(layout.layers);
+        let mut v = Vec::with_capacity(layout.layers);
+        for _ in 0..layout.layers {
+            k.push(alloc()?);
+            v.push(alloc()?);
+        }
+        let mut addrs = Vec::with_capacity(layout.layers * 2);
+        for layer in 0..layout.layers {
+            for array in [&k[layer], &v[layer]] {
+                let (ptr, _sync) = array.device_ptr(&self.stream);
+                addrs.push(ptr);
+            }
+        }
+        let pages = self.stream.clone_htod(&addrs).map_err(driver_err("upload"))?;
+        Ok(CudaKv { layout, num_blocks, k, v, pages })
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut CudaKv,
+        layer: usize,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &[u32],
+    ) -> Result<(), KernelError> {
+        if layer >= kv.layout.layers {
+            return Err(KernelError::index("kv_write", format!("layer {layer} of {}", kv.layout.layers)));
+        }
+        let row_elems = kv.layout.kv_heads * kv.layout.head_dim;
+        check_len("kv_write", "k", k.len(), slots.len() * row_elems)?;
+        check_len("kv_write", "v", v.len(), slots.len() * row_elems)?;
+        let capacity = kv.num_blocks * kv.layout.block_tokens;
+        if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {
+            return Err(KernelError::index("kv_write", format!("slot {s} outside a pool of {capacity} token slots")));
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let d_slots = self.upload_u32("kv_write", slots)?;
+        let (rows, re) = (slots.len() as i32, row_elems as i32);
+        let (k_pages, v_pages) = (&mut kv.k[layer], &mut kv.v[layer]);
+        let mut b = self.stream.launch_builder(&self.kernels.kv_write);
+        b.arg(k).arg(v).arg(k_pages).arg(v_pages).arg(&d_slots).arg(&rows).arg(&re);
+        // SAFETY: kv_write_bf16(const float*, const float*, bf16*, bf16*, const unsigned*, int, int):
+        // k and v hold rows × row_elems, every slot < num_blocks × B (checked) and each page array
+        // holds num_blocks × B × row_elems.
+        unsafe { b.launch(grid_1d(slots.len() * row_elems, 256)) }.map_err(driver_err("kv_write_bf16"))?;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &CudaKv,
+        layer: usize,
+        spec: AttentionSpec,
+        block_table: &[u32],
+        positions: &[u32],
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        const QV_PER_CTA: usize = 16;
+        const KT: usize = 32;
+        let l = kv.layout;
+        if layer >= l.layers {
+            return Err(KernelError::index("attention", format!("layer {layer} of {}", l.layers)));
+        }
+        if spec.kv_heads != l.kv_heads || spec.head_dim != l.head_dim || spec.block_tokens != l.block_tokens {
+            return Err(KernelError::shape("attention", format!("{spec:?} against pool layout {l:?}")));
+        }
+        if spec.kv_heads == 0 || !spec.heads.is_multiple_of(spec.kv_heads) || spec.head_dim == 0 || spec.head_dim > 256
+        {
+            return Err(KernelError::shape(
+                "attention",
+                format!("heads {} / kv_heads {} / head_dim {} (at most 256)", spec.heads, spec.kv_heads, spec.head_dim),
+            ));
+        }
+        let rows = positions.len();
+        let width = spec.heads * spec.head_dim;
+        check_len("attention", "q", q.len(), rows * width)?;
+        check_len("attention", "out", out.len(), rows * width)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let max_pos = *positions.iter().max().expect("rows > 0") as usize;
+        let need_blocks = max_pos / spec.block_tokens + 1;
+        if block_table.len() < need_blocks {
+            return Err(KernelError::shape(
+                "attention",
+                format!("position {max_pos} needs {need_blocks} blocks, the table has {}", block_table.len()),
+            ));
+        }
+        if let Some(&b) = block_table[..need_blocks].iter().find(|&&b| b as usize >= kv.num_blocks) {
+            return Err(KernelError::index("attention", format!("block {b} outside a pool of {}", kv.num_blocks)));
+        }
+        let smem = ((2 * KT * (spec.head_dim + 1) + QV_PER_CTA * spec.head_dim) * 4) as u32;
+        if smem as usize > 48 * 1024 {
+            if smem as usize > self.max_smem_optin {
+                return Err(KernelError::shape(
+                    "attention",
+                    format!("head_dim {} needs {smem} B of shared memory", spec.head_dim),
+                ));
+            }
+            self.kernels
+                .attention
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(driver_err("cuFuncSetAttribute"))?;
+        }
+        let d_table = self.upload_u32("attention", &block_table[..need_blocks])?;
+        let d_pos = self.upload_u32("attention", positions)?;
+        let group = spec.heads / spec.kv_heads;
+        let ctas_x = (rows * group).div_ceil(QV_PER_CTA) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (ctas_x, spec.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let scale = 1.0 / (spec.head_dim as f32).sqrt();
+        let (r, h, kvh, hd, bt) =
+            (rows as i32, spec.heads as i32, spec.kv_heads as i32, spec.head_dim as i32, spec.block_tokens as i32);
+        let mut b = self.stream.launch_builder(&self.kernels.attention);
+        b.arg(q)
+            .arg(&kv.k[layer])
+            .arg(&kv.v[layer])
+            .arg(&d_table)
+            .arg(&d_pos)
+            .arg(out)
+            .arg(&r)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&bt)
+            .arg(&scale);
+        // SAFETY: attention_paged(const float*, const bf16*, const bf16*, const unsigned*,
+        // const unsigned*, float*, int × 5, float): q and out hold rows × heads × head_dim, the table
+        // covers every position up to the largest with in-range block ids (checked), head_dim ≤ 256
+        // and the dynamic shared memory matches the kernel's layout.
+        unsafe { b.launch(cfg) }.map_err(driver_err("attention_paged"))?;
+        Ok(())
+    }
+
+    fn kv_gather(&self, kv: &CudaKv, blocks: &[u32], out: &mut [&mut [u8]]) -> Result<(), KernelError> {
+        Self::check_batch(kv, blocks, out.iter().map(|p| p.len()), out.len())?;
+        let payload = kv.layout.payload_bytes();
+        if let Some(addrs) = self.mapped_addresses(out.iter().map(|p| p.as_ptr() as usize), payload) {
+            self.launch_pages(true, kv, blocks, &addrs)?;
+            return self.synchronize();
+        }
+        let per_round = (STAGING_BYTES / payload).max(1);
+        for (chunk, outs) in blocks.chunks(per_round).zip(out.chunks_mut(per_round)) {
+            let bytes = chunk.len() * payload;
+            self.with_staging(bytes, |dev, host| {
+                let (base, _s) = dev.device_ptr(&self.stream);
+                let addrs: Vec<u64> = (0..chunk.len()).map(|i| base + (i * payload) as u64).collect();
+                self.launch_pages(true, kv, chunk, &addrs)?;
+                // SAFETY: `host` is pinned memory of at least `bytes` that no copy is using (the
+                // previous round was synchronised).
+                let staged = unsafe { std::slice::from_raw_parts_mut(host.ptr, bytes) };
+                // SAFETY: the device staging holds `bytes` written by the kernel queued before on the
+                // same stream; `staged` is pinned, so the copy may run asynchronously until the sync.
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(staged, base, self.stream.cu_stream()) }
+                    .map_err(driver_err("cuMemcpyDtoHAsync"))?;
+                self.synchronize()?;
+                // SAFETY: the copy above has completed (synchronised) and wrote `bytes` bytes.
+                let staged = unsafe { std::slice::from_raw_parts(host.ptr, bytes) };
+                for (o, src) in outs.iter_mut().zip(staged.chunks_exact(payload)) {
+                    o.copy_from_slice(src);
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn kv_scatter(&self, kv: &mut CudaKv, blocks: &[u32], payloads: &[&[u8]]) -> Result<(), KernelError> {
+        Self::check_batch(kv, blocks, payloads.iter().map(|p| p.len()), payloads.len())?;
+        let mut seen = std::collections::HashSet::with_capacity(blocks.len());
+        if let Some(&dup) = blocks.iter().find(|&&b| !seen.insert(b)) {
+            return Err(LayoutError::DuplicateTarget(dup).into());
+        }
+        let payload = kv.layout.payload_bytes();
+        if let Some(addrs) = self.mapped_addresses(payloads.iter().map(|p| p.as_ptr() as usize), payload) {
+            self.launch_pages(false, kv, blocks, &addrs)?;
+            return self.synchronize();
+        }
+        let per_round = (STAGING_BYTES / payload).max(1);
+        for (chunk, ins) in blocks.chunks(per_round).zip(payloads.chunks(per_round)) {
+            let bytes = chunk.len() * payload;
+            self.with_staging(bytes, |dev, host| {
+                // SAFETY: `host` is pinned memory of at least `bytes` that no copy is using (the
+                // previous round was synchronised).
+                let staged = unsafe { std::slice::from_raw_parts_mut(host.ptr, bytes) };
+                for (src, dst) in ins.iter().zip(staged.chunks_exact_mut(payload)) {
+                    dst.copy_from_slice(src);
+                }
+                let (base, _s) = dev.device_ptr_mut(&self.stream);
+                // SAFETY: copies `bytes` from pinned host memory into the device staging of at least `bytes`.
+                unsafe { cudarc::driver::result::memcpy_htod_async(base, &*staged, self.stream.cu_stream()) }
+                    .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+                let addrs: Vec<u64> = (0..chunk.len()).map(|i| base + (i * payload) as u64).collect();
+                self.launch_pages(false, kv, chunk, &addrs)?;
+                self.synchronize()
+            })?;
+        }
+        Ok(())
+    }
+}
