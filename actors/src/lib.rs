@@ -11,10 +11,15 @@
 //! - **SchedulerActor** — the global prefix index, the TTFT cost model, the priority queue.
 //! - **WorkerActor** — one per engine instance: the engine, its G1 pool, onboarding and
 //!   write-through.
-//! - **Tier store actors** — the node's G2 and G3 stores, wrapping `dynamo_tiering`'s pool, store
-//!   and registry; their I/O runs on the engines' own threads, never inside a handler.
+//! - **Tier store actors** — the node's G2 and G3 stores; their I/O runs on the engines' own
+//!   threads, never inside a handler.
 //! - **PeerLink actors** — one per remote node.
 //!
-//! This crate is empty until the actor-runtime work lands; the tiers, their registries and their
-//! engines (everything the store actors will own) are in `dynamo-tiering` today, and the binary in
-//! `dynamo-node` assembles them directly.
+//! What is here today is the synchronous core those actors will own:
+//! - [`worker`] — [`worker::Worker`]: one engine and its G1 pool; reuse of G1-resident prefixes,
+//!   onboarding from G2/G3 (verified), prefill, decode, and write-through of every completed block.
+//! - [`tiers`] — [`tiers::NodeTiers`]: the G2 and G3 tiers the workers of a node share, with
+//!   admission that evicts by policy.
+
+pub mod tiers;
+pub mod worker;

@@ -1,0 +1,183 @@
+//! Workers sharing a node's G2 and G3: a prefix computed by worker A is loaded by worker B from
+//! G2 (or, when G2 is too small, from G3, verified) instead of recomputed, with the same greedy
+//! output as a worker that recomputed everything; a prefix already in a worker's G1 is reused in
+//! place; a corrupted G3 slot is detected, dropped and recomputed with the output unchanged.
+
+use std::sync::Arc;
+
+use dynamo_actors::tiers::{G2Tier, G3Tier, NodeTiers};
+use dynamo_actors::worker::{GenOutcome, GenRequest, Worker};
+use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection};
+use dynamo_kernels::CpuBackend;
+use dynamo_kernels::model::{HostWeights, Llama};
+use dynamo_kernels::sampling::Sampling;
+use dynamo_tiering::block::{BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs};
+use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
+use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
+use dynamo_tiering::io::uring::UringOptions;
+use dynamo_tiering::registry::{PolicyKind, TierRegistry};
+
+const B: usize = 16;
+
+struct Node {
+    tiers: Arc<NodeTiers>,
+    weights: Arc<HostWeights>,
+    g3_path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn node(g2_slots: u32) -> Node {
+    let shape = ModelShape::named("tiny").expect("tiny");
+    let layout = BlockLayout::for_model(&shape, Dtype::F32, B);
+    let slot_bytes = align_up(layout.image_bytes());
+    let pool = HostPool::new(HostPoolOptions { slot_bytes, slots: g2_slots, mlock: MlockPolicy::Try }).expect("G2");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let g3_path = dir.path().join("store.0");
+    let options = G3Options {
+        paths: vec![g3_path.clone()],
+        capacity_per_path: SUPERBLOCK_LEN + 64 * slot_bytes as u64,
+        slot_bytes,
+        direct_io: true,
+        engine: EngineChoice::Uring(UringOptions { queue_depth: 8, threads: 1, register_buffers: true }),
+    };
+    let (store, _) = G3Store::open(&options, &pool).expect("G3");
+    let store = Arc::new(store);
+    let g3_registry = TierRegistry::new(store.capacity_slots() as usize, PolicyKind::Lfu);
+    // G2 keeps a few slots of headroom for in-flight loads and gathers.
+    let g2_registry = TierRegistry::new(g2_slots.saturating_sub(4) as usize, PolicyKind::Lru);
+    let tiers = NodeTiers {
+        block_tokens: B,
+        salt: Salt::derive(&SaltInputs { model: "tiny/seed-9", ..Default::default() }),
+        layout,
+        retention: RetentionSection::default(),
+        g2: Some(G2Tier::new(pool, g2_registry)),
+        g3: Some(G3Tier::new(store, g3_registry)),
+    };
+    Node { tiers: Arc::new(tiers), weights: Arc::new(HostWeights::random(shape, 9)), g3_path, _dir: dir }
+}
+
+impl Node {
+    fn worker(&self) -> Worker<CpuBackend> {
+        let model = Llama::new(CpuBackend::default(), self.weights.as_ref()).expect("model");
+        Worker::new(model, self.tiers.clone(), 32, PolicyKind::Lru).expect("worker")
+    }
+}
+
+fn request(prompt: Vec<u32>) -> GenRequest {
+    GenRequest {
+        regions: vec![(0..B, RegionKind::System)],
+        prompt,
+        max_tokens: 6,
+        sampling: Sampling::Greedy,
+        seed: 0,
+        stop_tokens: vec![],
+    }
+}
+
+fn turn(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 7919 + seed * 104_729 + 11) % 199_000).collect()
+}
+
+async fn run(worker: &mut Worker<CpuBackend>, req: &GenRequest) -> GenOutcome {
+    let mut streamed = Vec::new();
+    let outcome = worker
+        .generate(req, &mut |t| {
+            streamed.push(t);
+            true
+        })
+        .await
+        .expect("generate");
+    assert_eq!(streamed, outcome.tokens, "the stream is the outcome");
+    outcome
+}
+
+/// The output of a fresh node that computes everything.
+async fn recomputed(req: &GenRequest) -> Vec<u32> {
+    let fresh = node(16);
+    let mut w = fresh.worker();
+    let out = run(&mut w, req).await;
+    assert_eq!(out.cached_tokens, 0);
+    out.tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_b_loads_worker_a_prefix_from_g2() {
+    let n = node(32);
+    let (mut a, mut b) = (n.worker(), n.worker());
+    let first = turn(3 * B + 9, 1);
+    let out_a = run(&mut a, &request(first.clone())).await;
+    assert_eq!(out_a.cached_tokens, 0);
+    assert_eq!(out_a.prefill_tokens, first.len());
+
+    // Turn 2 carries turn 1, its answer, and new input, and lands on worker B.
+    let mut second = first.clone();
+    second.extend(&out_a.tokens);
+    second.extend(turn(20, 2));
+    let req = request(second);
+    let out_b = run(&mut b, &req).await;
+    assert_eq!(out_b.hit_tokens, [0, 3 * B, 0], "the 3 complete prompt blocks come from G2");
+    assert_eq!(out_b.cached_tokens, 3 * B);
+    assert_eq!(out_b.tokens, recomputed(&req).await, "same greedy output as recomputing everything");
+
+    // The same request again on B: now its own G1 has the prefix.
+    let again = run(&mut b, &req).await;
+    assert_eq!(again.hit_tokens[0], (req.prompt.len() - 1) / B * B, "reused in place from G1");
+    assert_eq!(again.tokens, out_b.tokens);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_come_back_from_g3_when_g2_is_too_small() {
+    let n = node(8); // 4 usable G2 blocks: the prefix does not stay in G2
+    let (mut a, mut b) = (n.worker(), n.worker());
+    let first = turn(6 * B + 3, 3);
+    run(&mut a, &request(first.clone())).await;
+    a.flush().await;
+    // Push the prefix out of G2 with another conversation.
+    run(&mut a, &request(turn(6 * B + 3, 4))).await;
+    a.flush().await;
+    let req = request(first.iter().copied().chain(turn(5, 5)).collect());
+    let out = run(&mut b, &req).await;
+    assert!(out.hit_tokens[2] > 0, "some of the prefix came from G3: {:?}", out.hit_tokens);
+    assert_eq!(out.cached_tokens, 6 * B);
+    assert_eq!(out.corrupt_blocks, 0);
+    assert_eq!(out.tokens, recomputed(&req).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_g3_block_is_detected_and_recomputed() {
+    let n = node(8);
+    let (mut a, mut b) = (n.worker(), n.worker());
+    // Tool results (no hold, one priority), so the second conversation pushes the first out of G2.
+    let plain =
+        |prompt: Vec<u32>| GenRequest { regions: vec![(0..prompt.len(), RegionKind::ToolResult)], ..request(prompt) };
+    let first = turn(4 * B + 1, 6);
+    run(&mut a, &plain(first.clone())).await;
+    a.flush().await;
+    run(&mut a, &plain(turn(6 * B + 3, 7))).await;
+    a.flush().await;
+
+    // Flip a payload byte of the prefix's first block on disk (found by its header).
+    let hash = BlockHasher::new(n.tiers.salt, B).hash_sequence(&first)[0];
+    let bytes = std::fs::read(&n.g3_path).expect("read store");
+    let slot_bytes = align_up(n.tiers.layout.image_bytes());
+    let slot = (0..(bytes.len() - SUPERBLOCK_LEN as usize) / slot_bytes)
+        .find(|s| {
+            let at = SUPERBLOCK_LEN as usize + s * slot_bytes;
+            bytes[at + 16..at + 32] == hash.to_le_bytes()
+        })
+        .expect("the block is on disk");
+    let mut f = std::fs::OpenOptions::new().write(true).open(&n.g3_path).expect("open");
+    use std::io::{Seek, SeekFrom, Write};
+    let at = SUPERBLOCK_LEN + (slot * slot_bytes + HEADER_LEN + 999) as u64;
+    f.seek(SeekFrom::Start(at)).expect("seek");
+    f.write_all(&[bytes[at as usize] ^ 0xFF]).expect("flip");
+    f.sync_all().expect("sync");
+    drop(f);
+
+    let req = plain(first.iter().copied().chain(turn(3, 8)).collect());
+    let out = run(&mut b, &req).await;
+    assert_eq!(out.corrupt_blocks, 1, "the flipped block was read from G3 and caught: {out:?}");
+    assert_eq!(out.cached_tokens, 0, "the prefix ends at the corrupt block");
+    assert_eq!(out.tokens, recomputed(&req).await, "output unchanged");
+}
