@@ -51,6 +51,20 @@ pub struct GenRequest {
     pub stop_tokens: Vec<u32>,
 }
 
+/// What a request reports while it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerEvent {
+    /// The prompt is in G1: `cached_tokens` were reused or loaded instead of computed.
+    Prefilled {
+        /// Prompt tokens not computed.
+        cached_tokens: usize,
+        /// Of those, per tier: g1, g2, g3.
+        hit_tokens: [usize; 3],
+    },
+    /// A generated token.
+    Token(u32),
+}
+
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Finish {
@@ -197,11 +211,12 @@ impl<B: Backend> Worker<B> {
         req.regions.iter().find(|(r, _)| r.contains(&token)).map(|(_, k)| *k).unwrap_or(RegionKind::Conversation)
     }
 
-    /// Serves one request; `on_token` sees each generated token and returns false to stop early.
+    /// Serves one request; `on_event` sees the prefill result and then each generated token, and
+    /// returns false to stop early (the client went away).
     pub async fn generate(
         &mut self,
         req: &GenRequest,
-        on_token: &mut (dyn FnMut(u32) -> bool + Send),
+        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
     ) -> Result<GenOutcome, WorkerError> {
         let start_time = Instant::now();
         let b = self.tiers.block_tokens;
@@ -226,7 +241,7 @@ impl<B: Backend> Worker<B> {
             ttft: Duration::ZERO,
             corrupt_blocks: 0,
         };
-        let result = self.run(req, &hashes, &mut seq, &mut outcome, now, start_time, on_token).await;
+        let result = self.run(req, &hashes, &mut seq, &mut outcome, now, start_time, on_event).await;
         // Release the request's references whatever happened; private pages go back to the pool.
         let end = unix_millis();
         for (i, block) in seq.iter().enumerate() {
@@ -257,7 +272,7 @@ impl<B: Backend> Worker<B> {
         outcome: &mut GenOutcome,
         now: Millis,
         start_time: Instant,
-        on_token: &mut (dyn FnMut(u32) -> bool + Send),
+        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
     ) -> Result<(), WorkerError> {
         let b = self.tiers.block_tokens;
         let len = req.prompt.len();
@@ -293,6 +308,10 @@ impl<B: Backend> Worker<B> {
         for i in cached / b..hashes.len() {
             self.register(i, seq, hashes, Self::region_of(req, i * b), now, None);
         }
+        if !on_event(WorkerEvent::Prefilled { cached_tokens: cached, hit_tokens: outcome.hit_tokens }) {
+            outcome.finish = Finish::Stop;
+            return Ok(());
+        }
 
         // 3. Decode.
         let mut rng = SeededRng::new(req.seed);
@@ -309,7 +328,7 @@ impl<B: Backend> Worker<B> {
             }
             outcome.tokens.push(token);
             tokens_so_far.push(token);
-            if !on_token(token) {
+            if !on_event(WorkerEvent::Token(token)) {
                 outcome.finish = Finish::Stop;
                 return Ok(());
             }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use dynamo_actors::tiers::{G2Tier, G3Tier, NodeTiers};
-use dynamo_actors::worker::{GenOutcome, GenRequest, Worker};
+use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection};
 use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
@@ -81,14 +81,22 @@ fn turn(n: usize, seed: u32) -> Vec<u32> {
 
 async fn run(worker: &mut Worker<CpuBackend>, req: &GenRequest) -> GenOutcome {
     let mut streamed = Vec::new();
+    let mut prefilled = None;
     let outcome = worker
-        .generate(req, &mut |t| {
-            streamed.push(t);
+        .generate(req, &mut |event| {
+            match event {
+                WorkerEvent::Prefilled { cached_tokens, .. } => prefilled = Some(cached_tokens),
+                WorkerEvent::Token(t) => {
+                    assert!(prefilled.is_some(), "tokens come after the prefill event");
+                    streamed.push(t);
+                }
+            }
             true
         })
         .await
         .expect("generate");
     assert_eq!(streamed, outcome.tokens, "the stream is the outcome");
+    assert_eq!(prefilled, Some(outcome.cached_tokens));
     outcome
 }
 
