@@ -21,4 +21,5 @@ pub mod bench;
 pub mod cli;
 pub mod logging;
 pub mod node;
+pub mod serving;
 pub mod tokenizer;

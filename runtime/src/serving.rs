@@ -1,0 +1,179 @@
+//! The node's engine workers as the HTTP frontend reaches them: one OS thread per worker, each
+//! with its own current-thread tokio runtime (G3 reads and writes complete there) and a bounded
+//! queue in front of it. A full queue everywhere is an `Overloaded` answer, never an unbounded
+//! backlog. Requests go round-robin to the first worker with room; KV-aware routing replaces that
+//! with the scheduler.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use anyhow::Context;
+use dynamo_actors::tiers::{G2Tier, G3Tier, NodeTiers};
+use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerError, WorkerEvent};
+use dynamo_config::NodeConfig;
+use dynamo_kernels::CpuBackend;
+use dynamo_kernels::model::{HostWeights, Llama};
+use dynamo_tiering::block::{Salt, SaltInputs};
+use tokio::sync::mpsc;
+
+use crate::node::Node;
+
+/// What a worker reports for one request.
+#[derive(Debug)]
+pub enum JobEvent {
+    /// Prefill done, or a token.
+    Event(WorkerEvent),
+    /// The request finished.
+    Done(GenOutcome),
+    /// The request failed.
+    Failed(WorkerError),
+}
+
+struct Job {
+    req: GenRequest,
+    events: mpsc::UnboundedSender<JobEvent>,
+}
+
+/// Why a request was not queued.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// Every worker's queue is full.
+    #[error("every worker is busy ({workers} workers, {per_worker} queued requests each)")]
+    Overloaded {
+        /// Workers.
+        workers: usize,
+        /// Queue bound per worker.
+        per_worker: usize,
+    },
+    /// The pool is shutting down.
+    #[error("the node is shutting down")]
+    ShuttingDown,
+}
+
+/// The engine workers of a node.
+#[derive(Debug)]
+pub struct WorkerPool {
+    queues: Vec<mpsc::Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+    next: AtomicUsize,
+    per_worker: usize,
+    /// The model's name as clients address it.
+    pub model: String,
+    /// Longest prompt plus generation a request may have, in tokens.
+    pub max_context: usize,
+    tiers: Arc<NodeTiers>,
+}
+
+impl WorkerPool {
+    /// Builds the model and starts `engine.workers` workers over the node's tiers.
+    pub fn start(cfg: &NodeConfig, node: Node) -> anyhow::Result<Self> {
+        let plan = &node.tiers;
+        let weights = Arc::new(match &cfg.model.path {
+            Some(dir) => HostWeights::load(dir).with_context(|| format!("loading weights from {}", dir.display()))?,
+            None => HostWeights::random(plan.shape, cfg.model.seed),
+        });
+        let digest = match &cfg.model.path {
+            Some(dir) => dir.display().to_string(),
+            None => format!("random-seed-{}", cfg.model.seed),
+        };
+        let salt = Salt::derive(&SaltInputs {
+            model: plan.shape.name,
+            weights_digest: &digest,
+            lora: cfg.model.lora.as_deref().unwrap_or(""),
+            cache_salt: "",
+        });
+        let g2 = match (node.g2, node.g2_registry) {
+            (Some(pool), Some(registry)) => Some(G2Tier::new(pool, registry)),
+            _ => None,
+        };
+        let g3 = match (node.g3, node.g3_registry) {
+            (Some(store), Some(registry)) => Some(G3Tier::new(store, registry)),
+            _ => None,
+        };
+        let tiers = Arc::new(NodeTiers {
+            block_tokens: plan.block_tokens,
+            salt,
+            layout: plan.layout,
+            retention: cfg.retention.clone(),
+            g2,
+            g3,
+        });
+        let workers = cfg.engine.workers.max(1);
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let threads_each = (cores / workers).max(1);
+        let pages = plan.g1.blocks as usize;
+        let per_worker = cfg.engine.max_queued_requests.max(1);
+        let mut queues = Vec::new();
+        let mut threads = Vec::new();
+        for w in 0..workers {
+            let model = Llama::new(CpuBackend::new(threads_each), weights.as_ref()).context("building the model")?;
+            let worker = Worker::new(model, tiers.clone(), pages, plan.g1.policy).context("building a worker")?;
+            let (tx, rx) = mpsc::channel(per_worker);
+            queues.push(tx);
+            threads
+                .push(std::thread::Builder::new().name(format!("worker-{w}")).spawn(move || run_worker(worker, rx))?);
+        }
+        Ok(Self {
+            queues,
+            threads,
+            next: AtomicUsize::new(0),
+            per_worker,
+            model: cfg.model.name.clone(),
+            max_context: pages * plan.block_tokens,
+            tiers,
+        })
+    }
+
+    /// The tiers the workers share.
+    pub fn tiers(&self) -> &Arc<NodeTiers> {
+        &self.tiers
+    }
+
+    /// Queues a request on the next worker with room; its events arrive on the returned channel.
+    pub fn submit(&self, req: GenRequest) -> Result<mpsc::UnboundedReceiver<JobEvent>, SubmitError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let mut job = Job { req, events };
+        let n = self.queues.len();
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        for i in 0..n {
+            match self.queues[(first + i) % n].try_send(job) {
+                Ok(()) => return Ok(rx),
+                Err(mpsc::error::TrySendError::Full(j)) => job = j,
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(SubmitError::ShuttingDown),
+            }
+        }
+        Err(SubmitError::Overloaded { workers: n, per_worker: self.per_worker })
+    }
+
+    /// Stops taking requests, lets the workers finish the queued ones and flush their G3 writes,
+    /// and joins them.
+    pub fn shutdown(mut self) {
+        self.queues.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run_worker(mut worker: Worker<CpuBackend>, mut rx: mpsc::Receiver<Job>) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "a worker could not start its runtime");
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        while let Some(job) = rx.recv().await {
+            let events = job.events.clone();
+            let result = worker.generate(&job.req, &mut |e| events.send(JobEvent::Event(e)).is_ok()).await;
+            let _ = job.events.send(match result {
+                Ok(outcome) => JobEvent::Done(outcome),
+                Err(e) => JobEvent::Failed(e),
+            });
+        }
+        worker.flush().await;
+    });
+}
