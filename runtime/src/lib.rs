@@ -12,6 +12,8 @@
 //! - [`bench`] — operator-facing benchmarks; `bench storage` measures G3 against `fio` on the
 //!   same device and suggests a `[tiers.g3]` section.
 //! - [`logging`] — `tracing` set up from `[node]` (text or JSON to stderr).
+//! - [`metrics`] — every Prometheus metric name with typed recording functions, the `/metrics`
+//!   exporter on `metrics.listen`, and the poller that publishes the tiers' gauges and counters.
 //! - [`tokenizer`] — text ↔ token ids: a checkpoint's `tokenizer.json`, or the built-in o200k BPE
 //!   for models with random weights.
 //!
@@ -20,6 +22,7 @@
 pub mod bench;
 pub mod cli;
 pub mod logging;
+pub mod metrics;
 pub mod node;
 pub mod serving;
 pub mod tokenizer;

@@ -8,7 +8,7 @@
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
@@ -258,12 +258,12 @@ pub struct Node {
     pub tiers: ResolvedTiers,
     /// The G2 pool.
     pub g2: Option<HostPool>,
-    /// G2 bookkeeping.
-    pub g2_registry: Option<TierRegistry>,
+    /// G2 bookkeeping, shared with the metrics poller.
+    pub g2_registry: Option<Arc<Mutex<TierRegistry>>>,
     /// The G3 store.
     pub g3: Option<Arc<G3Store>>,
-    /// G3 bookkeeping, rebuilt from the store's headers.
-    pub g3_registry: Option<TierRegistry>,
+    /// G3 bookkeeping, rebuilt from the store's headers; shared with the metrics poller.
+    pub g3_registry: Option<Arc<Mutex<TierRegistry>>>,
     /// What G3 recovered on open.
     pub recovery: Recovery,
 }
@@ -277,7 +277,7 @@ impl Node {
             let slots = u32::try_from(plan.blocks).context("tiers.g2.capacity holds more than 2^32 slots")?;
             let pool = HostPool::new(HostPoolOptions { slot_bytes: tiers.slot_bytes, slots, mlock: *mlock })
                 .context("building the G2 pool")?;
-            g2_registry = Some(TierRegistry::new(plan.blocks as usize, plan.policy));
+            g2_registry = Some(Arc::new(Mutex::new(TierRegistry::new(plan.blocks as usize, plan.policy))));
             g2 = Some(pool);
         }
         let mut g3 = None;
@@ -304,7 +304,7 @@ impl Node {
                 registry.insert(header.hash, meta, now).context("rebuilding the G3 registry")?;
             }
             g3 = Some(Arc::new(store));
-            g3_registry = Some(registry);
+            g3_registry = Some(Arc::new(Mutex::new(registry)));
             recovery = found;
         }
         Ok(Self { tiers, g2, g2_registry, g3, g3_registry, recovery })
@@ -324,6 +324,9 @@ impl Node {
     }
 }
 
+/// How often the tiers' gauges and mirrored counters are published.
+const TIER_POLL_PERIOD: Duration = Duration::from_secs(1);
+
 /// Runs the node until SIGINT or SIGTERM. For now the node assembles its tiers and waits; the
 /// actor tree and the HTTP frontend are started here as they land.
 pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
@@ -331,6 +334,8 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     // node cleanly instead of killing it.
     let shutdown = ShutdownSignals::install()?;
     let tiers = ResolvedTiers::resolve(&cfg)?;
+    // Before the tiers are built: an address in use fails the start at once.
+    let metrics = crate::metrics::install(&cfg.metrics)?;
     print!("{}", tiers.render());
     let node = tokio::task::spawn_blocking(move || Node::build(tiers)).await.context("start-up task")??;
     if let Some(line) = node.recovery_line() {
@@ -341,9 +346,14 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     {
         println!("G2 is not locked in RAM (mlock refused); see the warning above");
     }
+    let poller = metrics.is_enabled().then(|| crate::metrics::spawn_tier_poller(&node, TIER_POLL_PERIOD));
+    println!("{}", metrics.line());
     println!("ready; stop with Ctrl-C (SIGINT) or SIGTERM");
     shutdown.wait().await;
     println!("shutting down");
+    if let Some(poller) = poller {
+        poller.abort();
+    }
     let grace = cfg.node.shutdown_grace.as_duration();
     drain(node, grace).await;
     println!("stopped");

@@ -16,6 +16,8 @@ struct Running {
 fn start(data_dir: &std::path::Path, extra: &[&str]) -> Running {
     let mut child = Command::new(node_binary())
         .args(extra)
+        // An ephemeral port: tests run in parallel, and the default 127.0.0.1:9090 may be taken.
+        .args(["--metrics", "127.0.0.1:0"])
         .arg("--data-dir")
         .arg(data_dir)
         .stdout(Stdio::piped())

@@ -1,0 +1,559 @@
+//! Prometheus metrics: every name the node exports, the typed functions that record them, the
+//! exporter, and the poller that mirrors the tiers' own counters.
+//!
+//! Metrics go through the [`metrics`] facade to a global [`metrics_exporter_prometheus`] recorder
+//! that serves `GET /metrics` on `metrics.listen`. Every histogram is a true Prometheus histogram
+//! with the buckets of `metrics.latency_buckets_seconds` (the exporter's default summaries lose
+//! samples between scrapes). Names follow DESIGN.md §8: prefix `dynamo_node_`, the unit in the
+//! name, counters end in `_total`, and every label value comes from a small closed set — tiers
+//! from [`Tier`] (`g1`..`g4`), regions from [`RegionKind::as_str`], error kinds from the library
+//! crates' `kind()`, APIs from [`Api`], HTTP status codes.
+//!
+//! Call sites never spell a name: they call the functions below (`record_*` add to counters and
+//! histograms, `set_*` and `publish_*` set gauges or mirror a monotonic source with
+//! `Counter::absolute`). A counter is either incremented here or mirrored from a source, never
+//! both. Without an installed recorder every function is a cheap no-op.
+//!
+//! | name | type | labels | meaning |
+//! |---|---|---|---|
+//! | `dynamo_node_build_info` | gauge | `version` | always 1 |
+//! | `dynamo_node_kv_blocks` | gauge | `tier` | blocks resident in the tier |
+//! | `dynamo_node_kv_capacity_blocks` | gauge | `tier` | blocks the tier can hold (G1: all workers) |
+//! | `dynamo_node_kv_prompt_tokens_total` | counter | | prompt tokens of admitted requests |
+//! | `dynamo_node_kv_hit_tokens_total` | counter | `tier` | prompt tokens whose KV came from the tier instead of being computed |
+//! | `dynamo_node_prefill_tokens_total` | counter | | prompt tokens computed by prefill |
+//! | `dynamo_node_kv_transfer_bytes_total` | counter | `src`, `dst` | bytes moved between tiers |
+//! | `dynamo_node_kv_transfer_seconds` | histogram | `src`, `dst` | duration of one batched transfer |
+//! | `dynamo_node_kv_evictions_total` | counter | `tier`, `region` | blocks evicted by the tier's policy (mirrors the registry) |
+//! | `dynamo_node_kv_corrupt_blocks_total` | counter | `tier` | reads that failed verification (G3: mirrors the store) |
+//! | `dynamo_node_kv_tier_writes_total` | counter | `tier` | block images written (mirrors the store) |
+//! | `dynamo_node_kv_tier_write_bytes_total` | counter | `tier` | bytes written (mirrors the store) |
+//! | `dynamo_node_kv_tier_duplicate_writes_total` | counter | `tier` | writes skipped, block already present |
+//! | `dynamo_node_kv_tier_reads_total` | counter | `tier` | block images read and verified |
+//! | `dynamo_node_kv_tier_read_bytes_total` | counter | `tier` | bytes read |
+//! | `dynamo_node_kv_tier_io_errors_total` | counter | `tier`, `op` | failed reads/writes counted by the store (`op`: `read`, `write`) |
+//! | `dynamo_node_tier_errors_total` | counter | `tier`, `kind` | errors seen by the node, by the crate error's `kind()` |
+//! | `dynamo_node_io_inflight` | gauge | `tier` | I/O operations submitted and not completed |
+//! | `dynamo_node_tier_degraded` | gauge | `tier` | 1 while the node runs without the tier after a failure |
+//! | `dynamo_node_requests_total` | counter | `api`, `status` | requests answered, by HTTP status |
+//! | `dynamo_node_request_ttft_seconds` | histogram | | time to first token |
+//! | `dynamo_node_inter_token_seconds` | histogram | | time between streamed tokens |
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use dynamo_config::{MetricsSection, RegionKind};
+use dynamo_tiering::g2::HostPool;
+use dynamo_tiering::g3::{G3Stats, G3Store};
+use dynamo_tiering::registry::{RegistryStats, TierRegistry};
+use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+pub use dynamo_config::TierName as Tier;
+
+/// Every metric name, in one place.
+pub mod names {
+    /// Gauge `{version}`, always 1.
+    pub const BUILD_INFO: &str = "dynamo_node_build_info";
+    /// Gauge `{tier}`.
+    pub const KV_BLOCKS: &str = "dynamo_node_kv_blocks";
+    /// Gauge `{tier}`.
+    pub const KV_CAPACITY_BLOCKS: &str = "dynamo_node_kv_capacity_blocks";
+    /// Counter.
+    pub const KV_PROMPT_TOKENS: &str = "dynamo_node_kv_prompt_tokens_total";
+    /// Counter `{tier}`.
+    pub const KV_HIT_TOKENS: &str = "dynamo_node_kv_hit_tokens_total";
+    /// Counter.
+    pub const PREFILL_TOKENS: &str = "dynamo_node_prefill_tokens_total";
+    /// Counter `{src,dst}`.
+    pub const KV_TRANSFER_BYTES: &str = "dynamo_node_kv_transfer_bytes_total";
+    /// Histogram `{src,dst}`.
+    pub const KV_TRANSFER_SECONDS: &str = "dynamo_node_kv_transfer_seconds";
+    /// Counter `{tier,region}`.
+    pub const KV_EVICTIONS: &str = "dynamo_node_kv_evictions_total";
+    /// Counter `{tier}`.
+    pub const KV_CORRUPT_BLOCKS: &str = "dynamo_node_kv_corrupt_blocks_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_WRITES: &str = "dynamo_node_kv_tier_writes_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_WRITE_BYTES: &str = "dynamo_node_kv_tier_write_bytes_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_DUPLICATE_WRITES: &str = "dynamo_node_kv_tier_duplicate_writes_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_READS: &str = "dynamo_node_kv_tier_reads_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_READ_BYTES: &str = "dynamo_node_kv_tier_read_bytes_total";
+    /// Counter `{tier,op}`.
+    pub const KV_TIER_IO_ERRORS: &str = "dynamo_node_kv_tier_io_errors_total";
+    /// Counter `{tier,kind}`.
+    pub const TIER_ERRORS: &str = "dynamo_node_tier_errors_total";
+    /// Gauge `{tier}`.
+    pub const IO_INFLIGHT: &str = "dynamo_node_io_inflight";
+    /// Gauge `{tier}`, 0 or 1.
+    pub const TIER_DEGRADED: &str = "dynamo_node_tier_degraded";
+    /// Counter `{api,status}`.
+    pub const REQUESTS: &str = "dynamo_node_requests_total";
+    /// Histogram.
+    pub const REQUEST_TTFT_SECONDS: &str = "dynamo_node_request_ttft_seconds";
+    /// Histogram.
+    pub const INTER_TOKEN_SECONDS: &str = "dynamo_node_inter_token_seconds";
+
+    /// Every histogram: each gets the configured buckets.
+    pub const HISTOGRAMS: [&str; 3] = [KV_TRANSFER_SECONDS, REQUEST_TTFT_SECONDS, INTER_TOKEN_SECONDS];
+}
+
+/// The API a request came in through: the `api` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `GET /v1/models`.
+    Models,
+}
+
+impl Api {
+    /// Every API, in declaration order.
+    pub const ALL: [Api; 3] = [Api::Completions, Api::ChatCompletions, Api::Models];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::ChatCompletions => "chat_completions",
+            Api::Models => "models",
+        }
+    }
+}
+
+/// The transfer paths whose series exist from start-up (at zero): write-through down the tiers and
+/// onboarding back up. [`record_transfer`] accepts any pair.
+pub const TRANSFER_PATHS: [(Tier, Tier); 6] = [
+    (Tier::G1, Tier::G2),
+    (Tier::G2, Tier::G3),
+    (Tier::G2, Tier::G1),
+    (Tier::G3, Tier::G2),
+    (Tier::G4, Tier::G2),
+    (Tier::G2, Tier::G4),
+];
+
+/// Registers help text and units of every metric with the current recorder.
+pub fn describe() {
+    use names::*;
+    describe_gauge!(BUILD_INFO, "Build information; always 1.");
+    describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
+    describe_gauge!(KV_CAPACITY_BLOCKS, Unit::Count, "KV blocks the tier can hold (G1: summed over workers).");
+    describe_counter!(KV_PROMPT_TOKENS, Unit::Count, "Prompt tokens of admitted requests.");
+    describe_counter!(
+        KV_HIT_TOKENS,
+        Unit::Count,
+        "Prompt tokens whose KV came from the tier instead of being computed."
+    );
+    describe_counter!(PREFILL_TOKENS, Unit::Count, "Prompt tokens computed by prefill.");
+    describe_counter!(KV_TRANSFER_BYTES, Unit::Bytes, "Bytes of KV moved from tier src to tier dst.");
+    describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "Duration of one batched KV transfer from src to dst.");
+    describe_counter!(KV_EVICTIONS, Unit::Count, "Blocks evicted by the tier's policy, by retention region.");
+    describe_counter!(KV_CORRUPT_BLOCKS, Unit::Count, "Block reads that failed verification.");
+    describe_counter!(KV_TIER_WRITES, Unit::Count, "Block images written to the tier's store.");
+    describe_counter!(KV_TIER_WRITE_BYTES, Unit::Bytes, "Bytes written to the tier's store.");
+    describe_counter!(KV_TIER_DUPLICATE_WRITES, Unit::Count, "Writes skipped because the block was present.");
+    describe_counter!(KV_TIER_READS, Unit::Count, "Block images read from the tier's store and verified.");
+    describe_counter!(KV_TIER_READ_BYTES, Unit::Bytes, "Bytes read from the tier's store.");
+    describe_counter!(KV_TIER_IO_ERRORS, Unit::Count, "Reads or writes (op) the tier's store failed.");
+    describe_counter!(TIER_ERRORS, Unit::Count, "Errors of a tier seen by the node, by error kind.");
+    describe_gauge!(IO_INFLIGHT, Unit::Count, "I/O operations submitted to the tier and not yet completed.");
+    describe_gauge!(TIER_DEGRADED, "1 while the node runs without the tier after a failure, else 0.");
+    describe_counter!(REQUESTS, Unit::Count, "Requests answered, by API and HTTP status.");
+    describe_histogram!(REQUEST_TTFT_SECONDS, Unit::Seconds, "Time from request arrival to the first token.");
+    describe_histogram!(INTER_TOKEN_SECONDS, Unit::Seconds, "Time between consecutive generated tokens.");
+}
+
+/// Creates the series whose label values are known up front, at zero, so that a scrape lists them
+/// (and a `rate()` has a starting point) before the first event.
+pub fn register_known_series() {
+    use names::*;
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    counter!(KV_PROMPT_TOKENS).increment(0);
+    counter!(PREFILL_TOKENS).increment(0);
+    for &tier in Tier::ALL {
+        counter!(KV_HIT_TOKENS, "tier" => tier.as_str()).increment(0);
+    }
+    for (src, dst) in TRANSFER_PATHS {
+        counter!(KV_TRANSFER_BYTES, "src" => src.as_str(), "dst" => dst.as_str()).increment(0);
+        let _ = histogram!(KV_TRANSFER_SECONDS, "src" => src.as_str(), "dst" => dst.as_str());
+    }
+    for api in Api::ALL {
+        counter!(REQUESTS, "api" => api.as_str(), "status" => "200").increment(0);
+    }
+    let _ = histogram!(REQUEST_TTFT_SECONDS);
+    let _ = histogram!(INTER_TOKEN_SECONDS);
+}
+
+/// Sets the tier's resident blocks.
+pub fn set_tier_blocks(tier: Tier, blocks: u64) {
+    gauge!(names::KV_BLOCKS, "tier" => tier.as_str()).set(blocks as f64);
+}
+
+/// Sets the tier's capacity in blocks.
+pub fn set_tier_capacity(tier: Tier, blocks: u64) {
+    gauge!(names::KV_CAPACITY_BLOCKS, "tier" => tier.as_str()).set(blocks as f64);
+}
+
+/// Counts an admitted request's prompt: all its tokens, and those prefill must compute.
+pub fn record_prompt(prompt_tokens: u64, prefill_tokens: u64) {
+    counter!(names::KV_PROMPT_TOKENS).increment(prompt_tokens);
+    counter!(names::PREFILL_TOKENS).increment(prefill_tokens);
+}
+
+/// Counts prompt tokens whose KV was reused from `tier` instead of computed.
+pub fn record_hit_tokens(tier: Tier, tokens: u64) {
+    counter!(names::KV_HIT_TOKENS, "tier" => tier.as_str()).increment(tokens);
+}
+
+/// Counts one batched transfer of `bytes` from `src` to `dst` that took `elapsed`.
+pub fn record_transfer(src: Tier, dst: Tier, bytes: u64, elapsed: Duration) {
+    counter!(names::KV_TRANSFER_BYTES, "src" => src.as_str(), "dst" => dst.as_str()).increment(bytes);
+    histogram!(names::KV_TRANSFER_SECONDS, "src" => src.as_str(), "dst" => dst.as_str()).record(elapsed.as_secs_f64());
+}
+
+/// Counts an error of `tier`; `kind` is the library error's `kind()`.
+pub fn record_tier_error(tier: Tier, kind: &'static str) {
+    counter!(names::TIER_ERRORS, "tier" => tier.as_str(), "kind" => kind).increment(1);
+}
+
+/// Sets the tier's in-flight I/O operations.
+pub fn set_io_inflight(tier: Tier, ops: u64) {
+    gauge!(names::IO_INFLIGHT, "tier" => tier.as_str()).set(ops as f64);
+}
+
+/// Marks the tier degraded (the node runs without it) or healthy.
+pub fn set_tier_degraded(tier: Tier, degraded: bool) {
+    gauge!(names::TIER_DEGRADED, "tier" => tier.as_str()).set(if degraded { 1.0 } else { 0.0 });
+}
+
+/// Counts one answered request, with its time to first token when it produced one.
+pub fn record_request(api: Api, status: u16, ttft: Option<Duration>) {
+    counter!(names::REQUESTS, "api" => api.as_str(), "status" => status.to_string()).increment(1);
+    if let Some(ttft) = ttft {
+        histogram!(names::REQUEST_TTFT_SECONDS).record(ttft.as_secs_f64());
+    }
+}
+
+/// Records the gap between two consecutive generated tokens.
+pub fn record_inter_token(gap: Duration) {
+    histogram!(names::INTER_TOKEN_SECONDS).record(gap.as_secs_f64());
+}
+
+/// Publishes a registry snapshot: resident blocks, capacity, and per-region evictions (mirrored).
+pub fn publish_registry(tier: Tier, stats: &RegistryStats) {
+    set_tier_blocks(tier, stats.total().resident as u64);
+    set_tier_capacity(tier, stats.capacity as u64);
+    for (region, s) in &stats.regions {
+        publish_evictions(tier, *region, s.evictions_total);
+    }
+}
+
+fn publish_evictions(tier: Tier, region: RegionKind, total: u64) {
+    counter!(names::KV_EVICTIONS, "tier" => tier.as_str(), "region" => region.as_str()).absolute(total);
+}
+
+/// Mirrors a block store's monotonic counters.
+pub fn publish_store_stats(tier: Tier, stats: &G3Stats) {
+    use names::*;
+    let t = tier.as_str();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    counter!(KV_TIER_WRITES, "tier" => t).absolute(load(&stats.writes));
+    counter!(KV_TIER_WRITE_BYTES, "tier" => t).absolute(load(&stats.write_bytes));
+    counter!(KV_TIER_DUPLICATE_WRITES, "tier" => t).absolute(load(&stats.duplicate_writes));
+    counter!(KV_TIER_READS, "tier" => t).absolute(load(&stats.reads));
+    counter!(KV_TIER_READ_BYTES, "tier" => t).absolute(load(&stats.read_bytes));
+    counter!(KV_TIER_IO_ERRORS, "tier" => t, "op" => "write").absolute(load(&stats.write_errors));
+    counter!(KV_TIER_IO_ERRORS, "tier" => t, "op" => "read").absolute(load(&stats.read_errors));
+    counter!(KV_CORRUPT_BLOCKS, "tier" => t).absolute(load(&stats.corrupt));
+}
+
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// What [`install`] set up: the exporter's address and a handle that renders what it serves, or
+/// nothing when `metrics.enabled = false`.
+#[derive(Clone)]
+pub struct MetricsHandle {
+    exporter: Option<(SocketAddr, PrometheusHandle)>,
+}
+
+impl MetricsHandle {
+    /// A handle for a node without metrics.
+    pub fn disabled() -> Self {
+        Self { exporter: None }
+    }
+
+    /// Whether an exporter is installed.
+    pub fn is_enabled(&self) -> bool {
+        self.exporter.is_some()
+    }
+
+    /// The address `/metrics` is served on.
+    pub fn listen(&self) -> Option<SocketAddr> {
+        self.exporter.as_ref().map(|(addr, _)| *addr)
+    }
+
+    /// The exposition text a scrape would get now.
+    pub fn render(&self) -> Option<String> {
+        self.exporter.as_ref().map(|(_, handle)| handle.render())
+    }
+
+    /// The start-up line: `metrics on http://ADDR/metrics` or `metrics disabled`.
+    pub fn line(&self) -> String {
+        match self.listen() {
+            Some(addr) => format!("metrics on http://{addr}/metrics"),
+            None => "metrics disabled".to_owned(),
+        }
+    }
+}
+
+impl fmt::Debug for MetricsHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MetricsHandle").field("listen", &self.listen()).finish()
+    }
+}
+
+/// Installs the global recorder and serves `/metrics` on `cfg.listen`, every histogram bucketed by
+/// `cfg.latency_buckets_seconds`; registers the descriptions and the known series. With
+/// `cfg.enabled = false` it installs nothing and returns [`MetricsHandle::disabled`].
+///
+/// Call it once per process, inside a tokio runtime (the listener runs on it). Errors: the address
+/// does not parse or cannot be bound (in use, not local), the buckets are empty, no runtime, or a
+/// recorder is already installed.
+pub fn install(cfg: &MetricsSection) -> anyhow::Result<MetricsHandle> {
+    if !cfg.enabled {
+        return Ok(MetricsHandle::disabled());
+    }
+    let addr: SocketAddr =
+        cfg.listen.parse().with_context(|| format!("metrics.listen = {:?} is not an ip:port", cfg.listen))?;
+    let runtime = tokio::runtime::Handle::try_current().context("metrics::install needs a tokio runtime")?;
+    if INSTALLED.swap(true, Ordering::SeqCst) {
+        bail!("the metrics recorder is already installed in this process");
+    }
+    let result = (|| {
+        let builder = PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .set_buckets(&cfg.latency_buckets_seconds)
+            .context("metrics.latency_buckets_seconds")?;
+        let (recorder, exporter) = {
+            let _guard = runtime.enter();
+            builder.build().with_context(|| format!("cannot serve metrics on {addr} (metrics.listen, --metrics)"))?
+        };
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).context("installing the metrics recorder")?;
+        runtime.spawn(async move {
+            if let Err(e) = exporter.await {
+                tracing::error!("the metrics exporter on {addr} stopped: {e:?}");
+            }
+        });
+        Ok(handle)
+    })();
+    let handle = match result {
+        Ok(handle) => handle,
+        Err(e) => {
+            INSTALLED.store(false, Ordering::SeqCst);
+            return Err(e);
+        }
+    };
+    describe();
+    register_known_series();
+    Ok(MetricsHandle { exporter: Some((addr, handle)) })
+}
+
+/// What the tier poller reads: shared handles to the node's tiers.
+#[derive(Clone, Debug)]
+pub struct TierSources {
+    /// G1 capacity in blocks, summed over workers.
+    pub g1_capacity: u64,
+    /// The G2 pool.
+    pub g2: Option<HostPool>,
+    /// G2 bookkeeping.
+    pub g2_registry: Option<Arc<Mutex<TierRegistry>>>,
+    /// The G3 store.
+    pub g3: Option<Arc<G3Store>>,
+    /// G3 bookkeeping.
+    pub g3_registry: Option<Arc<Mutex<TierRegistry>>>,
+}
+
+impl TierSources {
+    /// The node's tiers.
+    pub fn of(node: &crate::node::Node) -> Self {
+        Self {
+            g1_capacity: node.tiers.g1.blocks * node.tiers.workers as u64,
+            g2: node.g2.clone(),
+            g2_registry: node.g2_registry.clone(),
+            g3: node.g3.clone(),
+            g3_registry: node.g3_registry.clone(),
+        }
+    }
+
+    /// Publishes one snapshot: capacities, resident blocks, evictions, G3 in-flight I/O and the
+    /// G3 store's counters.
+    pub fn publish(&self) {
+        set_tier_capacity(Tier::G1, self.g1_capacity);
+        if let Some(registry) = &self.g2_registry {
+            let stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
+            publish_registry(Tier::G2, &stats);
+        }
+        if let Some(pool) = &self.g2 {
+            set_tier_capacity(Tier::G2, u64::from(pool.slots()));
+        }
+        if let Some(registry) = &self.g3_registry {
+            let stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
+            publish_registry(Tier::G3, &stats);
+        }
+        if let Some(store) = &self.g3 {
+            // The store is the truth on what G3 holds; the registry may lag it.
+            set_tier_blocks(Tier::G3, store.len() as u64);
+            set_tier_capacity(Tier::G3, store.capacity_slots());
+            set_io_inflight(Tier::G3, store.in_flight() as u64);
+            publish_store_stats(Tier::G3, store.stats());
+        }
+    }
+}
+
+/// Publishes the node's tiers now, marks the present ones healthy, and then every `period` on a
+/// tokio task until the handle is aborted.
+pub fn spawn_tier_poller(node: &crate::node::Node, period: Duration) -> tokio::task::JoinHandle<()> {
+    let sources = TierSources::of(node);
+    sources.publish();
+    if sources.g2.is_some() {
+        set_tier_degraded(Tier::G2, false);
+    }
+    if sources.g3.is_some() {
+        set_tier_degraded(Tier::G3, false);
+    }
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            sources.publish();
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dynamo_tiering::registry::PolicyKind;
+
+    fn render_with(buckets: &[f64], f: impl FnOnce()) -> String {
+        let recorder = PrometheusBuilder::new().set_buckets(buckets).unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe();
+            f();
+        });
+        handle.render()
+    }
+
+    #[test]
+    fn helpers_write_the_documented_names_and_labels() {
+        let text = render_with(&[0.01, 0.1, 1.0], || {
+            register_known_series();
+            record_transfer(Tier::G3, Tier::G2, 4096, Duration::from_millis(5));
+            record_transfer(Tier::G3, Tier::G2, 4096, Duration::from_millis(50));
+            record_request(Api::ChatCompletions, 429, None);
+            record_request(Api::Completions, 200, Some(Duration::from_millis(20)));
+            record_prompt(100, 36);
+            record_hit_tokens(Tier::G2, 64);
+            record_tier_error(Tier::G3, "no_space");
+            set_tier_degraded(Tier::G3, true);
+            set_io_inflight(Tier::G3, 3);
+            record_inter_token(Duration::from_millis(2));
+        });
+        for needle in [
+            "# TYPE dynamo_node_kv_transfer_seconds histogram",
+            "dynamo_node_kv_transfer_bytes_total{src=\"g3\",dst=\"g2\"} 8192",
+            "dynamo_node_kv_transfer_seconds_bucket{src=\"g3\",dst=\"g2\",le=\"0.01\"} 1",
+            "dynamo_node_kv_transfer_seconds_bucket{src=\"g3\",dst=\"g2\",le=\"0.1\"} 2",
+            "dynamo_node_kv_transfer_seconds_count{src=\"g3\",dst=\"g2\"} 2",
+            "dynamo_node_kv_transfer_bytes_total{src=\"g1\",dst=\"g2\"} 0",
+            "dynamo_node_requests_total{api=\"chat_completions\",status=\"429\"} 1",
+            "dynamo_node_requests_total{api=\"completions\",status=\"200\"} 1",
+            "dynamo_node_request_ttft_seconds_bucket{le=\"0.1\"} 1",
+            "dynamo_node_request_ttft_seconds_count 1",
+            "dynamo_node_kv_prompt_tokens_total 100",
+            "dynamo_node_prefill_tokens_total 36",
+            "dynamo_node_kv_hit_tokens_total{tier=\"g2\"} 64",
+            "dynamo_node_kv_hit_tokens_total{tier=\"g4\"} 0",
+            "dynamo_node_tier_errors_total{tier=\"g3\",kind=\"no_space\"} 1",
+            "dynamo_node_tier_degraded{tier=\"g3\"} 1",
+            "dynamo_node_io_inflight{tier=\"g3\"} 3",
+            "dynamo_node_inter_token_seconds_bucket{le=\"0.01\"} 1",
+            "# HELP dynamo_node_request_ttft_seconds Time from request arrival to the first token.",
+            "dynamo_node_build_info{version=\"",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+        }
+        assert!(!text.contains("quantile="), "histograms, not summaries:\n{text}");
+    }
+
+    #[test]
+    fn registry_evictions_are_mirrored_per_region() {
+        let mut registry = TierRegistry::new(2, PolicyKind::Lru);
+        let meta = |region| dynamo_tiering::registry::BlockMeta { parent: None, region, priority: 0, retain_until: 0 };
+        for (i, region) in [RegionKind::System, RegionKind::Reasoning, RegionKind::Reasoning].into_iter().enumerate() {
+            registry.insert(dynamo_tiering::block::BlockHash(i as u128 + 1), meta(region), 0).unwrap();
+        }
+        let stats = registry.stats();
+        let text = render_with(&[1.0], || {
+            publish_registry(Tier::G2, &stats);
+            // A second snapshot of the same source does not double the counter.
+            publish_registry(Tier::G2, &stats);
+        });
+        let evicted = stats.total().evictions_total;
+        assert_eq!(evicted, 1, "{stats:?}");
+        let system = stats.region(RegionKind::System).evictions_total;
+        for needle in [
+            format!("dynamo_node_kv_evictions_total{{tier=\"g2\",region=\"system\"}} {system}"),
+            "dynamo_node_kv_blocks{tier=\"g2\"} 2".to_owned(),
+            "dynamo_node_kv_capacity_blocks{tier=\"g2\"} 2".to_owned(),
+            "# TYPE dynamo_node_kv_evictions_total counter".to_owned(),
+        ] {
+            assert!(text.contains(&needle), "missing {needle:?} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn store_counters_are_mirrored_not_added() {
+        let stats = G3Stats::default();
+        stats.writes.store(7, Ordering::Relaxed);
+        stats.write_bytes.store(7 * 4096, Ordering::Relaxed);
+        stats.corrupt.store(2, Ordering::Relaxed);
+        stats.read_errors.store(1, Ordering::Relaxed);
+        let text = render_with(&[1.0], || {
+            publish_store_stats(Tier::G3, &stats);
+            publish_store_stats(Tier::G3, &stats);
+        });
+        for needle in [
+            "dynamo_node_kv_tier_writes_total{tier=\"g3\"} 7",
+            "dynamo_node_kv_tier_write_bytes_total{tier=\"g3\"} 28672",
+            "dynamo_node_kv_corrupt_blocks_total{tier=\"g3\"} 2",
+            "dynamo_node_kv_tier_io_errors_total{tier=\"g3\",op=\"read\"} 1",
+            "dynamo_node_kv_tier_io_errors_total{tier=\"g3\",op=\"write\"} 0",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn disabled_metrics_install_nothing() {
+        let cfg = MetricsSection { enabled: false, ..MetricsSection::default() };
+        let handle = install(&cfg).unwrap();
+        assert!(!handle.is_enabled());
+        assert_eq!(handle.line(), "metrics disabled");
+        assert!(handle.render().is_none());
+    }
+}
