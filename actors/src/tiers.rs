@@ -16,26 +16,34 @@ use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
 pub struct G2Tier {
     /// The pool.
     pub pool: HostPool,
+    registry: Arc<Mutex<TierRegistry>>,
     inner: Mutex<G2Inner>,
 }
 
 #[derive(Debug)]
 struct G2Inner {
-    registry: TierRegistry,
     slots: HashMap<BlockHash, SlotRef>,
 }
 
 impl G2Tier {
-    /// A G2 tier over `pool`, with `registry` deciding what stays.
-    pub fn new(pool: HostPool, registry: TierRegistry) -> Self {
-        Self { pool, inner: Mutex::new(G2Inner { registry, slots: HashMap::new() }) }
+    /// A G2 tier over `pool`, with `registry` deciding what stays (shared with whoever reports
+    /// its stats).
+    pub fn new(pool: HostPool, registry: Arc<Mutex<TierRegistry>>) -> Self {
+        Self { pool, registry, inner: Mutex::new(G2Inner { slots: HashMap::new() }) }
+    }
+
+    fn lock(&self) -> (std::sync::MutexGuard<'_, G2Inner>, std::sync::MutexGuard<'_, TierRegistry>) {
+        // Always slots first, then the registry: one order, no deadlock.
+        let inner = self.inner.lock().expect("G2 lock");
+        let registry = self.registry.lock().expect("G2 registry lock");
+        (inner, registry)
     }
 
     /// The image of `hash`, if resident (counts as an access).
     pub fn get(&self, hash: BlockHash, now: Millis) -> Option<SlotRef> {
-        let mut g = self.inner.lock().expect("G2 lock");
+        let (g, mut registry) = self.lock();
         let slot = g.slots.get(&hash).cloned()?;
-        let _ = g.registry.touch(hash, now);
+        let _ = registry.touch(hash, now);
         Some(slot)
     }
 
@@ -59,19 +67,19 @@ impl G2Tier {
         if let Some(slot) = self.pool.try_alloc() {
             return Some(slot);
         }
-        let mut g = self.inner.lock().expect("G2 lock");
-        for victim in g.registry.evict(1, now) {
+        let (mut g, mut registry) = self.lock();
+        for victim in registry.evict(1, now) {
             g.slots.remove(&victim.hash);
         }
-        drop(g);
+        drop((g, registry));
         self.pool.try_alloc()
     }
 
     /// Admits a sealed image. Returns false when the tier refused it (everything pinned) or
     /// already had it.
     pub fn admit(&self, hash: BlockHash, meta: BlockMeta, image: SlotRef, now: Millis) -> bool {
-        let mut g = self.inner.lock().expect("G2 lock");
-        match g.registry.insert(hash, meta, now) {
+        let (mut g, mut registry) = self.lock();
+        match registry.insert(hash, meta, now) {
             Ok(Admission::Inserted { evicted }) => {
                 for victim in evicted {
                     g.slots.remove(&victim.hash);
@@ -85,7 +93,7 @@ impl G2Tier {
 
     /// Extends the hold of a resident block.
     pub fn hold(&self, hash: BlockHash, until: Millis) {
-        let _ = self.inner.lock().expect("G2 lock").registry.hold(hash, until);
+        let _ = self.registry.lock().expect("G2 registry lock").hold(hash, until);
     }
 }
 
@@ -94,14 +102,14 @@ impl G2Tier {
 pub struct G3Tier {
     /// The store.
     pub store: Arc<G3Store>,
-    registry: Mutex<TierRegistry>,
+    registry: Arc<Mutex<TierRegistry>>,
 }
 
 impl G3Tier {
     /// A G3 tier over `store`, with `registry` (rebuilt from the store's recovery) deciding what
-    /// stays.
-    pub fn new(store: Arc<G3Store>, registry: TierRegistry) -> Self {
-        Self { store, registry: Mutex::new(registry) }
+    /// stays (shared with whoever reports its stats).
+    pub fn new(store: Arc<G3Store>, registry: Arc<Mutex<TierRegistry>>) -> Self {
+        Self { store, registry }
     }
 
     /// Registers `hash` for writing, evicting by policy; returns false when it is present or the

@@ -3,7 +3,7 @@
 //! output as a worker that recomputed everything; a prefix already in a worker's G1 is reused in
 //! place; a corrupted G3 slot is detected, dropped and recomputed with the output unchanged.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use dynamo_actors::tiers::{G2Tier, G3Tier, NodeTiers};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
@@ -51,8 +51,8 @@ fn node(g2_slots: u32) -> Node {
         salt: Salt::derive(&SaltInputs { model: "tiny/seed-9", ..Default::default() }),
         layout,
         retention: RetentionSection::default(),
-        g2: Some(G2Tier::new(pool, g2_registry)),
-        g3: Some(G3Tier::new(store, g3_registry)),
+        g2: Some(G2Tier::new(pool, Arc::new(Mutex::new(g2_registry)))),
+        g3: Some(G3Tier::new(store, Arc::new(Mutex::new(g3_registry)))),
     };
     Node { tiers: Arc::new(tiers), weights: Arc::new(HostWeights::random(shape, 9)), g3_path, _dir: dir }
 }
