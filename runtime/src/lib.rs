@@ -12,6 +12,9 @@
 //! - [`bench`] — operator-facing benchmarks; `bench storage` measures G3 against `fio` on the
 //!   same device and suggests a `[tiers.g3]` section.
 //! - [`logging`] — `tracing` set up from `[node]` (text or JSON to stderr).
+//! - [`frontend`] — the OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
+//!   `/v1/models`, `/health`) in front of a [`frontend::Generator`]: chat templates, regions,
+//!   streaming, errors in the OpenAI shape.
 //! - [`tokenizer`] — text ↔ token ids: a checkpoint's `tokenizer.json`, or the built-in o200k BPE
 //!   for models with random weights.
 //!
@@ -19,6 +22,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod frontend;
 pub mod logging;
 pub mod node;
 pub mod tokenizer;
