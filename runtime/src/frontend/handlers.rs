@@ -19,7 +19,7 @@ use super::detok::{IncrementalDecoder, StopMatcher};
 use super::error::ApiError;
 use super::generate::{FinishReason, GenerateError, GenerateEvent, GenerateRequest};
 use super::protocol::{ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, StopStrings};
-use super::template::{TemplateError, TemplateMessage, tokenize_pieces};
+use super::template::{TemplateError, TemplateMessage, escape_special_tokens, tokenize_pieces};
 
 /// Which API a request came through: decides the shape of the answer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -210,10 +210,11 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
                 Some(&format!("messages[{i}].content")),
             ));
         }
+        let escape = |text: String| escape_special_tokens(&text, &state.inner.specials).into_owned();
         messages.push(TemplateMessage {
             role: m.role,
-            content,
-            name: m.name,
+            content: content.map(escape),
+            name: m.name.map(escape),
             tool_calls: m.tool_calls,
             tool_call_id: m.tool_call_id,
         });

@@ -23,6 +23,10 @@
 //! `frontend.max_body`; 429 with `Retry-After` when the generator is overloaded; 504 when
 //! `frontend.request_timeout` passes; 500 otherwise.
 //!
+//! Special-token strings (the tokenizer's, the template's BOS and EOS) in chat messages are
+//! escaped before rendering ([`template::escape_special_tokens`]), so a message cannot forge the
+//! template's structure; a legacy completion's prompt is the client's own and is not escaped.
+//!
 //! The session of a request is the `x-session-id` header, else the `user` field. The `nvext`
 //! object (agent hints) is parsed into [`AgentHints`].
 
@@ -61,6 +65,8 @@ struct Inner {
     tokenizer: Tokenizer,
     template: ChatTemplate,
     stop_token_ids: Vec<u32>,
+    /// Special-token strings escaped in chat messages: the tokenizer's, BOS and EOS.
+    specials: Vec<String>,
     max_body: usize,
     default_max_tokens: usize,
     request_timeout: Duration,
@@ -96,9 +102,16 @@ impl FrontendState {
                 stop_token_ids.push(id);
             }
         }
+        let mut specials = tokenizer.special_tokens();
+        for token in [template.bos_token(), template.eos_token()] {
+            if !token.is_empty() && !specials.iter().any(|s| s == token) {
+                specials.push(token.to_owned());
+            }
+        }
         FrontendState {
             inner: Arc::new(Inner {
                 generator,
+                specials,
                 tokenizer,
                 template,
                 stop_token_ids,

@@ -196,6 +196,11 @@ impl ChatTemplate {
         ChatTemplate::new(&source, &token("bos_token"), &token("eos_token")).map(Some)
     }
 
+    /// The BOS string.
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
     /// The EOS string (the stop token of chat answers).
     pub fn eos_token(&self) -> &str {
         &self.eos_token
@@ -353,6 +358,25 @@ fn overlay(pieces: Vec<(String, RegionKind)>, span: Range<usize>, region: Region
     out
 }
 
+/// Neutralises special-token strings in untrusted text: a U+2060 WORD JOINER after the first
+/// character of every occurrence of one of `specials`, so that the tokenizer encodes it as plain
+/// text and a message cannot forge the template's structure (`<|eot_id|>` in a user message ends
+/// nothing). The same text always escapes the same way, so re-rendered turns stay token-identical.
+pub fn escape_special_tokens<'a>(text: &'a str, specials: &[String]) -> std::borrow::Cow<'a, str> {
+    let specials: Vec<&str> = specials.iter().map(String::as_str).filter(|s| s.chars().nth(1).is_some()).collect();
+    if !specials.iter().any(|s| text.contains(s)) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for (at, c) in text.char_indices() {
+        out.push(c);
+        if specials.iter().any(|s| text[at..].starts_with(s)) {
+            out.push('\u{2060}');
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Tokenizes each piece on its own and concatenates the ids; returns them with the token range
 /// of every region (adjacent pieces of the same region merged).
 pub fn tokenize_pieces(
@@ -477,6 +501,17 @@ mod tests {
         assert!(ChatTemplate::from_model_dir(dir.path()).unwrap().is_none());
         std::fs::write(dir.path().join("tokenizer_config.json"), "{").unwrap();
         assert_eq!(ChatTemplate::from_model_dir(dir.path()).unwrap_err().kind(), "config");
+    }
+
+    #[test]
+    fn special_token_strings_are_escaped() {
+        let specials = ["<|endoftext|>".to_owned(), "<|eot|>".to_owned(), "x".to_owned()];
+        assert!(matches!(escape_special_tokens("plain x text", &specials), std::borrow::Cow::Borrowed(_)));
+        let escaped = escape_special_tokens("a<|endoftext|>b<|eot|><|eot|>", &specials);
+        assert_eq!(escaped, "a<\u{2060}|endoftext|>b<\u{2060}|eot|><\u{2060}|eot|>");
+        let t = Tokenizer::builtin();
+        assert_eq!(t.encode("<|endoftext|>").unwrap(), [199_999]);
+        assert!(!t.encode(&escape_special_tokens("<|endoftext|>", &t.special_tokens())).unwrap().contains(&199_999));
     }
 
     #[test]
