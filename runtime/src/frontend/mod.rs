@@ -60,10 +60,11 @@ pub struct FrontendState {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     generator: Arc<dyn Generator>,
     tokenizer: Tokenizer,
-    template: ChatTemplate,
+    template: Arc<ChatTemplate>,
     stop_token_ids: Vec<u32>,
     /// Special-token strings escaped in chat messages: the tokenizer's, BOS and EOS.
     specials: Vec<String>,
@@ -113,7 +114,7 @@ impl FrontendState {
                 generator,
                 specials,
                 tokenizer,
-                template,
+                template: Arc::new(template),
                 stop_token_ids,
                 max_body: usize::try_from(config.max_body.0).unwrap_or(usize::MAX),
                 default_max_tokens: config.default_max_tokens.max(1),
@@ -123,9 +124,9 @@ impl FrontendState {
     }
 
     /// Replaces the stop tokens sent with every request (and dropped from the answer's text).
-    pub fn with_stop_token_ids(self, ids: Vec<u32>) -> FrontendState {
-        let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|_| panic!("with_stop_token_ids before cloning"));
-        FrontendState { inner: Arc::new(Inner { stop_token_ids: ids, ..inner }) }
+    pub fn with_stop_token_ids(mut self, ids: Vec<u32>) -> FrontendState {
+        Arc::make_mut(&mut self.inner).stop_token_ids = ids;
+        self
     }
 
     /// The stop tokens sent with every request.
