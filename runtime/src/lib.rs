@@ -14,6 +14,9 @@
 //! - [`logging`] — `tracing` set up from `[node]` (text or JSON to stderr).
 //! - [`metrics`] — every Prometheus metric name with typed recording functions, the `/metrics`
 //!   exporter on `metrics.listen`, and the poller that publishes the tiers' gauges and counters.
+//! - [`frontend`] — the OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
+//!   `/v1/models`, `/health`) in front of a [`frontend::Generator`]: chat templates, regions,
+//!   streaming, errors in the OpenAI shape.
 //! - [`tokenizer`] — text ↔ token ids: a checkpoint's `tokenizer.json`, or the built-in o200k BPE
 //!   for models with random weights.
 //!
@@ -21,6 +24,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod frontend;
 pub mod logging;
 pub mod metrics;
 pub mod node;

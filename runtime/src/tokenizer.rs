@@ -142,6 +142,25 @@ impl Tokenizer {
         }
     }
 
+    /// The strings of the special tokens, which [`encode`](Self::encode) turns into their ids
+    /// wherever they appear in the text: `<|endoftext|>` and `<|endofprompt|>` for o200k, the
+    /// added tokens marked `special` for a `tokenizer.json`.
+    pub fn special_tokens(&self) -> Vec<String> {
+        match &self.kind {
+            Kind::HuggingFace(t) => {
+                let mut specials: Vec<(u32, String)> = t
+                    .get_added_tokens_decoder()
+                    .into_iter()
+                    .filter(|(_, token)| token.special)
+                    .map(|(id, token)| (id, token.content))
+                    .collect();
+                specials.sort_unstable();
+                specials.into_iter().map(|(_, content)| content).collect()
+            }
+            Kind::Tiktoken(_) => vec!["<|endoftext|>".to_owned(), "<|endofprompt|>".to_owned()],
+        }
+    }
+
     /// The ids of `text`, without BOS/EOS; special tokens written in `text` are recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match &self.kind {
@@ -254,6 +273,8 @@ mod tests {
         assert_eq!(t.vocab_size(), 6);
         assert_eq!(t.encode("hello world").unwrap(), [1, 2]);
         assert_eq!(t.encode("hello <|eot|> world").unwrap(), [1, 5, 2]);
+        assert_eq!(t.special_tokens(), ["<|eot|>"]);
+        assert_eq!(Tokenizer::builtin().special_tokens(), ["<|endoftext|>", "<|endofprompt|>"]);
         assert_eq!(t.encode("hello there").unwrap(), [1, 0]);
         assert_eq!(t.decode(&[1, 2]).unwrap(), "hello world");
         assert_eq!(t.decode(&[1, 5, 2]).unwrap(), "hello <|eot|> world");

@@ -1,0 +1,148 @@
+//! The contract between the frontend and the generation backend.
+//!
+//! The frontend turns an API request into a [`GenerateRequest`] (token ids, with the retention
+//! region of every token range) and hands it to a [`Generator`]; the generator answers with a
+//! stream of [`GenerateEvent`]s: one [`GenerateEvent::Started`] once the prompt is admitted (with
+//! the number of prompt tokens whose KV was found cached), then one [`GenerateEvent::Token`] per
+//! generated token, then one [`GenerateEvent::Finished`]. An error may end the stream at any point;
+//! an error before `Started` (overload, unknown model, prompt too long) becomes an HTTP error
+//! status, a later one ends the response (an SSE error event when streaming).
+//!
+//! Dropping the stream cancels the request: the frontend drops it when the client goes away or
+//! when a stop string ends the answer early, so a generator must release what the request held
+//! when its stream is dropped.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use dynamo_config::RegionKind;
+use futures::stream::BoxStream;
+
+/// Agent hints of a request (the `nvext` object of the API). The frontend only parses them;
+/// the session and scheduler actors decide what they mean.
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default)]
+pub struct AgentHints {
+    /// Scheduling priority; higher is more urgent.
+    pub priority: Option<i32>,
+    /// How many tokens the caller expects the answer to have.
+    pub expected_output_tokens: Option<usize>,
+    /// Prefill the prompt into the cache without generating (a warm-up for the next call).
+    pub speculative_prefill: Option<bool>,
+}
+
+/// Token ranges of a prompt by region, in order, covering the whole prompt without overlap.
+pub type RegionRanges = Vec<(Range<usize>, RegionKind)>;
+
+/// One generation request: a tokenized prompt and how to continue it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateRequest {
+    /// Unique per request (`chatcmpl-…` / `cmpl-…`); also the `id` of the API response.
+    pub request_id: String,
+    /// The model named by the client (one of [`Generator::models`]).
+    pub model: String,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Token ranges of `prompt` by region, in order, covering the whole prompt without overlap.
+    pub regions: RegionRanges,
+    /// Most tokens to generate (at least 1; never more than `max_context - prompt.len()`).
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    pub temperature: f32,
+    /// Seed of the sampler, for reproducible sampling.
+    pub seed: Option<u64>,
+    /// Generation finishes with [`FinishReason::Stop`] after emitting one of these.
+    pub stop_token_ids: Vec<u32>,
+    /// The conversation this request continues: the `x-session-id` header, else the `user` field.
+    pub session_id: Option<String>,
+    /// Agent hints (`nvext`).
+    pub hints: AgentHints,
+}
+
+/// What a generation stream reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GenerateEvent {
+    /// The prompt was admitted; `cached_tokens` of its tokens were served from the KV cache.
+    Started {
+        /// Prompt tokens whose KV was loaded instead of computed.
+        cached_tokens: usize,
+    },
+    /// One generated token.
+    Token {
+        /// Its id.
+        id: u32,
+    },
+    /// Generation is over; nothing follows.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+    },
+}
+
+/// Why generation finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// A stop token was generated (or a stop string matched).
+    Stop,
+}
+
+impl FinishReason {
+    /// The API's `finish_reason`: `length` or `stop`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+        }
+    }
+}
+
+/// Why a generation failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GenerateError {
+    /// The node is saturated; the client should retry after the given time (HTTP 429).
+    #[error("the server is overloaded; retry in {}s", retry_after.as_secs().max(1))]
+    Overloaded {
+        /// When to retry.
+        retry_after: Duration,
+    },
+    /// No such model (HTTP 404).
+    #[error("the model `{0}` does not exist")]
+    ModelNotFound(String),
+    /// The prompt does not fit the model's context (HTTP 400).
+    #[error("the prompt has {tokens} tokens, more than the model's context of {limit} tokens allows")]
+    PromptTooLong {
+        /// Prompt tokens.
+        tokens: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// Anything else (HTTP 500).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl GenerateError {
+    /// A stable label for metrics: `overloaded`, `model_not_found`, `prompt_too_long` or `internal`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GenerateError::Overloaded { .. } => "overloaded",
+            GenerateError::ModelNotFound(_) => "model_not_found",
+            GenerateError::PromptTooLong { .. } => "prompt_too_long",
+            GenerateError::Internal(_) => "internal",
+        }
+    }
+}
+
+/// A generation backend: the actor tree in the node, a fake in tests.
+pub trait Generator: Send + Sync + 'static {
+    /// The models served, as clients name them.
+    fn models(&self) -> Vec<String>;
+    /// Most tokens (prompt + generated) of one request.
+    fn max_context(&self) -> usize;
+    /// Starts a generation; see the module doc for the event contract. Dropping the stream
+    /// cancels the request.
+    fn generate(&self, req: GenerateRequest) -> BoxStream<'static, Result<GenerateEvent, GenerateError>>;
+}

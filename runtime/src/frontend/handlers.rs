@@ -1,0 +1,524 @@
+//! The route handlers: request → [`GenerateRequest`] → JSON body or SSE stream.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use dynamo_config::RegionKind;
+use futures::stream::BoxStream;
+use futures::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::FrontendState;
+use super::detok::{IncrementalDecoder, StopMatcher};
+use super::error::ApiError;
+use super::generate::{FinishReason, GenerateError, GenerateEvent, GenerateRequest};
+use super::protocol::{ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, StopStrings};
+use super::template::{TemplateError, TemplateMessage, escape_special_tokens, tokenize_pieces};
+
+/// Which API a request came through: decides the shape of the answer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Api {
+    Chat,
+    Completion,
+}
+
+/// Everything the generic part of a generation route needs.
+struct Prepared {
+    api: Api,
+    request: GenerateRequest,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+pub(super) async fn health() -> impl IntoResponse {
+    axum::Json(json!({"status": "ok"}))
+}
+
+pub(super) async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        code: Some("unknown_url"),
+        ..ApiError::invalid("Unknown request URL; see /v1/models, /v1/chat/completions, /v1/completions.", None)
+    }
+}
+
+pub(super) async fn models(State(state): State<FrontendState>) -> impl IntoResponse {
+    let data: Vec<Value> = state
+        .inner
+        .generator
+        .models()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "dynamo-node"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data}))
+}
+
+pub(super) async fn chat_completions(
+    State(state): State<FrontendState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let prepared = parse::<ChatCompletionRequest>(body).and_then(|req| prepare_chat(&state, &headers, req));
+    match prepared {
+        Ok(prepared) => run(state, prepared).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn completions(
+    State(state): State<FrontendState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let prepared = parse::<CompletionRequest>(body).and_then(|req| prepare_completion(&state, &headers, req));
+    match prepared {
+        Ok(prepared) => run(state, prepared).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The body as `T`: 413 over the body limit, 400 for anything that is not a valid `T`.
+fn parse<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                code: Some("request_too_large"),
+                ..ApiError::invalid(format!("The request body is too large: {}", rejection.body_text()), None)
+            }
+        } else {
+            ApiError::invalid(format!("Could not read the request body: {}", rejection.body_text()), None)
+        }
+    })?;
+    serde_json::from_slice(&body).map_err(|e| {
+        let kind = match e.classify() {
+            serde_json::error::Category::Data => "The request body does not match the API",
+            _ => "The request body is not valid JSON",
+        };
+        ApiError::invalid(format!("{kind}: {e}"), None)
+    })
+}
+
+fn check_model(state: &FrontendState, model: &str) -> Result<(), ApiError> {
+    if state.inner.generator.models().iter().any(|m| m == model) {
+        Ok(())
+    } else {
+        Err(ApiError::model_not_found(model))
+    }
+}
+
+fn check_sampling(temperature: Option<f32>, n: Option<usize>) -> Result<f32, ApiError> {
+    let temperature = temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            format!("Invalid 'temperature': {temperature} is not between 0 and 2."),
+            Some("temperature"),
+        ));
+    }
+    if n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("Only n = 1 is supported.", Some("n")));
+    }
+    Ok(temperature)
+}
+
+fn check_stop(stop: Option<StopStrings>) -> Result<Vec<String>, ApiError> {
+    let stop = stop.map(StopStrings::into_vec).unwrap_or_default();
+    if stop.len() > 4 {
+        return Err(ApiError::invalid("At most 4 stop sequences are supported.", Some("stop")));
+    }
+    Ok(stop)
+}
+
+fn session_id(headers: &HeaderMap, user: Option<String>) -> Option<String> {
+    headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+        .or(user.filter(|u| !u.is_empty()))
+}
+
+/// Checks the prompt's length against the context and settles `max_tokens` (clamped to what
+/// the context leaves).
+fn fit(state: &FrontendState, prompt: usize, max_tokens: Option<usize>, param: &str) -> Result<usize, ApiError> {
+    let limit = state.inner.generator.max_context();
+    if prompt >= limit {
+        return Err(ApiError::context_length(prompt, limit, param));
+    }
+    let wanted = max_tokens.unwrap_or(state.inner.default_max_tokens);
+    if wanted == 0 {
+        return Err(ApiError::invalid("Invalid 'max_tokens': must be at least 1.", Some("max_tokens")));
+    }
+    Ok(wanted.min(limit - prompt))
+}
+
+fn request_id(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    format!("{prefix}-{nanos:016x}{:06x}", NEXT.fetch_add(1, Ordering::Relaxed) & 0xff_ffff)
+}
+
+fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
+    check_model(state, &req.model)?;
+    let temperature = check_sampling(req.temperature, req.n)?;
+    let stop = check_stop(req.stop)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid("'messages' must contain at least one message.", Some("messages")));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.into_iter().enumerate() {
+        if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+            return Err(ApiError::invalid(
+                format!(
+                    "Invalid 'messages[{i}].role': `{}` (expected system, developer, user, assistant or tool).",
+                    m.role
+                ),
+                Some(&format!("messages[{i}].role")),
+            ));
+        }
+        let content = match m.content {
+            None => None,
+            Some(MessageContent::Text(text)) => Some(text),
+            Some(MessageContent::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.into_iter().enumerate() {
+                    match (part.kind.as_str(), part.text) {
+                        ("text", Some(t)) => text.push_str(&t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
+                                format!(
+                                    "Unsupported content part `{kind}`: only `text` parts with a `text` field are supported."
+                                ),
+                                Some(&format!("messages[{i}].content[{j}]")),
+                            ));
+                        }
+                    }
+                }
+                Some(text)
+            }
+        };
+        if content.is_none() && !(m.role == "assistant" && m.tool_calls.is_some()) {
+            return Err(ApiError::invalid(
+                format!("'messages[{i}].content' is required for a `{}` message.", m.role),
+                Some(&format!("messages[{i}].content")),
+            ));
+        }
+        let escape = |text: String| escape_special_tokens(&text, &state.inner.specials).into_owned();
+        messages.push(TemplateMessage {
+            role: m.role,
+            content: content.map(escape),
+            name: m.name.map(escape),
+            tool_calls: m.tool_calls,
+            tool_call_id: m.tool_call_id,
+        });
+    }
+    let inner = &state.inner;
+    let pieces = inner.template.render_regions(&messages, req.tools.as_deref()).map_err(|e| match e {
+        TemplateError::Render(message) => ApiError::invalid(message, Some("messages")),
+        other => ApiError::internal(other.to_string()),
+    })?;
+    let (prompt, regions) =
+        tokenize_pieces(&inner.tokenizer, &pieces).map_err(|e| ApiError::internal(e.to_string()))?;
+    let max_tokens = fit(state, prompt.len(), req.max_completion_tokens.or(req.max_tokens), "messages")?;
+    Ok(Prepared {
+        api: Api::Chat,
+        request: GenerateRequest {
+            request_id: request_id("chatcmpl"),
+            model: req.model,
+            prompt,
+            regions,
+            max_tokens,
+            temperature,
+            seed: req.seed,
+            stop_token_ids: inner.stop_token_ids.clone(),
+            session_id: session_id(headers, req.user),
+            hints: req.nvext.unwrap_or_default(),
+        },
+        stop,
+        stream: req.stream,
+        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+fn prepare_completion(
+    state: &FrontendState,
+    headers: &HeaderMap,
+    req: CompletionRequest,
+) -> Result<Prepared, ApiError> {
+    check_model(state, &req.model)?;
+    let temperature = check_sampling(req.temperature, req.n)?;
+    let stop = check_stop(req.stop)?;
+    let inner = &state.inner;
+    let one = |n: usize| {
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::invalid("Only one prompt per request is supported.", Some("prompt")))
+        }
+    };
+    let prompt = match req.prompt {
+        Prompt::Text(text) => inner.tokenizer.encode(&text).map_err(|e| ApiError::internal(e.to_string()))?,
+        Prompt::Texts(mut texts) => {
+            one(texts.len())?;
+            inner.tokenizer.encode(&texts.remove(0)).map_err(|e| ApiError::internal(e.to_string()))?
+        }
+        Prompt::Tokens(ids) => ids,
+        Prompt::TokenLists(mut lists) => {
+            one(lists.len())?;
+            lists.remove(0)
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("'prompt' must not be empty.", Some("prompt")));
+    }
+    let vocab = inner.tokenizer.vocab_size();
+    if let Some(id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+        return Err(ApiError::invalid(
+            format!("Invalid 'prompt': token id {id} is not in the vocabulary ({vocab} ids)."),
+            Some("prompt"),
+        ));
+    }
+    let max_tokens = fit(state, prompt.len(), req.max_tokens, "prompt")?;
+    let regions = vec![(0..prompt.len(), RegionKind::Conversation)];
+    Ok(Prepared {
+        api: Api::Completion,
+        request: GenerateRequest {
+            request_id: request_id("cmpl"),
+            model: req.model,
+            prompt,
+            regions,
+            max_tokens,
+            temperature,
+            seed: req.seed,
+            stop_token_ids: inner.stop_token_ids.clone(),
+            session_id: session_id(headers, req.user),
+            hints: req.nvext.unwrap_or_default(),
+        },
+        stop,
+        stream: req.stream,
+        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+/// Turns generation events into text: detokenization, stop strings, usage.
+struct Answer {
+    api: Api,
+    id: String,
+    model: String,
+    created: u64,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+    decoder: IncrementalDecoder,
+    stop: StopMatcher,
+    deadline: Instant,
+    events: BoxStream<'static, Result<GenerateEvent, GenerateError>>,
+}
+
+impl Answer {
+    /// The next event, or a timeout / internal error.
+    async fn next_event(&mut self) -> Result<GenerateEvent, ApiError> {
+        match tokio::time::timeout_at(self.deadline, self.events.next()).await {
+            Err(_) => Err(ApiError {
+                status: StatusCode::GATEWAY_TIMEOUT,
+                kind: "timeout",
+                code: Some("request_timeout"),
+                ..ApiError::internal("The request did not finish within the server's request timeout.")
+            }),
+            Ok(None) => Err(ApiError::internal("the generator ended the stream before the answer finished")),
+            Ok(Some(event)) => event.map_err(ApiError::from),
+        }
+    }
+
+    /// Applies one event: the text it completes, and the finish reason once the answer is over.
+    fn apply(&mut self, event: GenerateEvent) -> Result<(String, Option<FinishReason>), ApiError> {
+        let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
+        match event {
+            GenerateEvent::Started { .. } => Ok((String::new(), None)),
+            GenerateEvent::Token { id } => {
+                self.completion_tokens += 1;
+                let piece = self.decoder.push(id).map_err(internal)?;
+                let (text, stopped) = self.stop.push(&piece);
+                Ok((text, stopped.then_some(FinishReason::Stop)))
+            }
+            GenerateEvent::Finished { reason } => {
+                let piece = self.decoder.flush().map_err(internal)?;
+                let (mut text, stopped) = self.stop.push(&piece);
+                if stopped {
+                    return Ok((text, Some(FinishReason::Stop)));
+                }
+                text.push_str(&self.stop.finish());
+                Ok((text, Some(reason)))
+            }
+        }
+    }
+
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+
+    fn envelope(&self, object: &str, choices: Value) -> Value {
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
+    }
+
+    /// The whole answer of a non-streaming request.
+    fn body(&self, text: String, reason: FinishReason) -> Value {
+        let mut body = match self.api {
+            Api::Chat => self.envelope(
+                "chat.completion",
+                json!([{"index": 0, "message": {"role": "assistant", "content": text},
+                        "logprobs": null, "finish_reason": reason.as_str()}]),
+            ),
+            Api::Completion => self.envelope(
+                "text_completion",
+                json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": reason.as_str()}]),
+            ),
+        };
+        body["usage"] = self.usage();
+        body
+    }
+
+    /// One SSE chunk: the assistant role (chat, first chunk), text, or the finish reason.
+    fn chunk(&self, role: bool, text: &str, reason: Option<FinishReason>) -> Value {
+        let reason = reason.map(FinishReason::as_str);
+        match self.api {
+            Api::Chat => {
+                let delta = if role {
+                    json!({"role": "assistant", "content": ""})
+                } else if text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                self.envelope(
+                    "chat.completion.chunk",
+                    json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason}]),
+                )
+            }
+            Api::Completion => self.envelope(
+                "text_completion",
+                json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": reason}]),
+            ),
+        }
+    }
+
+    /// The last chunk of `stream_options.include_usage`: no choices, the usage.
+    fn usage_chunk(&self) -> Value {
+        let object = if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let mut chunk = self.envelope(object, json!([]));
+        chunk["usage"] = self.usage();
+        chunk
+    }
+}
+
+fn sse(data: &Value) -> Bytes {
+    Bytes::from(format!("data: {data}\n\n"))
+}
+
+/// Starts the generation, waits for admission, then answers with JSON or SSE.
+async fn run(state: FrontendState, prepared: Prepared) -> Response {
+    let Prepared { api, request, stop, stream, include_usage } = prepared;
+    let inner = &state.inner;
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut answer = Answer {
+        api,
+        id: request.request_id.clone(),
+        model: request.model.clone(),
+        created,
+        prompt_tokens: request.prompt.len(),
+        cached_tokens: 0,
+        completion_tokens: 0,
+        decoder: IncrementalDecoder::new(inner.tokenizer.clone(), request.stop_token_ids.iter().copied()),
+        stop: StopMatcher::new(stop),
+        deadline: Instant::now() + inner.request_timeout,
+        events: inner.generator.generate(request),
+    };
+    // Admission: an error here is an HTTP status, even for a streaming request.
+    let mut pending = match answer.next_event().await {
+        Err(e) => return e.into_response(),
+        Ok(GenerateEvent::Started { cached_tokens }) => {
+            answer.cached_tokens = cached_tokens.min(answer.prompt_tokens);
+            None
+        }
+        Ok(other) => Some(other),
+    };
+    if !stream {
+        let mut text = String::new();
+        let reason = loop {
+            let event = match pending.take() {
+                Some(event) => Ok(event),
+                None => answer.next_event().await,
+            };
+            match event.and_then(|event| answer.apply(event)) {
+                Err(e) => return e.into_response(),
+                Ok((piece, done)) => {
+                    text.push_str(&piece);
+                    if let Some(reason) = done {
+                        break reason;
+                    }
+                }
+            }
+        };
+        // Dropping `answer` here cancels a generation that a stop string ended early.
+        return axum::Json(answer.body(text, reason)).into_response();
+    }
+
+    let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
+    tokio::spawn(async move {
+        if api == Api::Chat && tx.send(Ok(sse(&answer.chunk(true, "", None)))).await.is_err() {
+            return;
+        }
+        loop {
+            let event = match pending.take() {
+                Some(event) => Ok(event),
+                None => answer.next_event().await,
+            };
+            let (text, done) = match event.and_then(|event| answer.apply(event)) {
+                Ok(step) => step,
+                Err(e) => {
+                    tracing::warn!(request = %answer.id, error = %e.message, "generation failed mid-stream");
+                    let _ = tx.send(Ok(sse(&e.body()))).await;
+                    return;
+                }
+            };
+            // A send fails when the client has gone: returning drops the generation (cancels it).
+            if !text.is_empty() && tx.send(Ok(sse(&answer.chunk(false, &text, None)))).await.is_err() {
+                return;
+            }
+            if let Some(reason) = done {
+                let mut tail = vec![sse(&answer.chunk(false, "", Some(reason)))];
+                if include_usage {
+                    tail.push(sse(&answer.usage_chunk()));
+                }
+                tail.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                for bytes in tail {
+                    if tx.send(Ok(bytes)).await.is_err() {
+                        return;
+                    }
+                }
+                return;
+            }
+        }
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::HeaderName::from_static("x-accel-buffering"), "no"),
+        ],
+        Body::from_stream(rx),
+    )
+        .into_response()
+}

@@ -1,0 +1,159 @@
+//! The OpenAI-compatible HTTP API in front of a [`Generator`].
+//!
+//! Routes ([`router`]):
+//!
+//! | route | |
+//! |---|---|
+//! | `POST /v1/chat/completions` | messages → chat template ([`template`]) → tokens with regions → generation |
+//! | `POST /v1/completions` | a text or token-id prompt → generation |
+//! | `GET /v1/models` | [`Generator::models`] |
+//! | `GET /health` | `{"status": "ok"}` |
+//!
+//! Both generation routes answer with one JSON body, or with server-sent events (`stream: true`):
+//! `data: {chunk}\n\n` per piece of text, a last chunk with the `finish_reason`, a `usage` chunk
+//! when `stream_options.include_usage` is set, then `data: [DONE]`. `usage` reports
+//! `prompt_tokens_details.cached_tokens` from [`GenerateEvent::Started`]. Text is streamed as soon
+//! as it is complete UTF-8 ([`detok`]) and never shows part of a stop string.
+//!
+//! The first event of a generation is awaited before the response starts, so an error at
+//! admission (overload, unknown model, prompt too long) is an HTTP status even for a streaming
+//! request; an error after that ends the stream with a `data: {"error": …}` event. Errors have
+//! the OpenAI shape ([`error`]): 400 `invalid_request_error` for malformed JSON, missing or
+//! mistyped fields and over-long prompts; 404 `model_not_found`; 413 for a body over
+//! `frontend.max_body`; 429 with `Retry-After` when the generator is overloaded; 504 when
+//! `frontend.request_timeout` passes; 500 otherwise.
+//!
+//! Special-token strings (the tokenizer's, the template's BOS and EOS) in chat messages are
+//! escaped before rendering ([`template::escape_special_tokens`]), so a message cannot forge the
+//! template's structure; a legacy completion's prompt is the client's own and is not escaped.
+//!
+//! The session of a request is the `x-session-id` header, else the `user` field. The `nvext`
+//! object (agent hints) is parsed into [`AgentHints`].
+
+pub mod detok;
+pub mod error;
+pub mod generate;
+mod handlers;
+pub mod protocol;
+pub mod template;
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use dynamo_config::FrontendSection;
+
+pub use error::ApiError;
+pub use generate::{AgentHints, FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator, RegionRanges};
+pub use template::{ChatTemplate, TemplateError, TemplateMessage};
+
+use crate::tokenizer::Tokenizer;
+
+/// What the handlers share: the generator, the tokenizer and chat template of the served model,
+/// and the `[frontend]` limits. Cheap to clone.
+#[derive(Clone)]
+pub struct FrontendState {
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    generator: Arc<dyn Generator>,
+    tokenizer: Tokenizer,
+    template: Arc<ChatTemplate>,
+    stop_token_ids: Vec<u32>,
+    /// Special-token strings escaped in chat messages: the tokenizer's, BOS and EOS.
+    specials: Vec<String>,
+    max_body: usize,
+    default_max_tokens: usize,
+    request_timeout: Duration,
+}
+
+impl fmt::Debug for FrontendState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FrontendState")
+            .field("models", &self.inner.generator.models())
+            .field("tokenizer", &self.inner.tokenizer)
+            .field("stop_token_ids", &self.inner.stop_token_ids)
+            .field("max_body", &self.inner.max_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FrontendState {
+    /// The state for `generator`, with limits from `config`. The stop tokens are the template's
+    /// EOS and `<|endoftext|>`, each where the tokenizer encodes it as one token.
+    pub fn new(
+        generator: Arc<dyn Generator>,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        config: &FrontendSection,
+    ) -> FrontendState {
+        let mut stop_token_ids = Vec::new();
+        for candidate in [template.eos_token(), "<|endoftext|>"] {
+            if let Ok(ids) = tokenizer.encode(candidate)
+                && let [id] = ids[..]
+                && !candidate.is_empty()
+                && !stop_token_ids.contains(&id)
+            {
+                stop_token_ids.push(id);
+            }
+        }
+        let mut specials = tokenizer.special_tokens();
+        for token in [template.bos_token(), template.eos_token()] {
+            if !token.is_empty() && !specials.iter().any(|s| s == token) {
+                specials.push(token.to_owned());
+            }
+        }
+        FrontendState {
+            inner: Arc::new(Inner {
+                generator,
+                specials,
+                tokenizer,
+                template: Arc::new(template),
+                stop_token_ids,
+                max_body: usize::try_from(config.max_body.0).unwrap_or(usize::MAX),
+                default_max_tokens: config.default_max_tokens.max(1),
+                request_timeout: config.request_timeout.0,
+            }),
+        }
+    }
+
+    /// Replaces the stop tokens sent with every request (and dropped from the answer's text).
+    pub fn with_stop_token_ids(mut self, ids: Vec<u32>) -> FrontendState {
+        Arc::make_mut(&mut self.inner).stop_token_ids = ids;
+        self
+    }
+
+    /// The stop tokens sent with every request.
+    pub fn stop_token_ids(&self) -> &[u32] {
+        &self.inner.stop_token_ids
+    }
+}
+
+/// The API's routes over `state`, with the body limit of `frontend.max_body`.
+pub fn router(state: FrontendState) -> Router {
+    let max_body = state.inner.max_body;
+    Router::new()
+        .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/models", get(handlers::models))
+        .route("/health", get(handlers::health))
+        .fallback(handlers::not_found)
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+/// Serves [`router`]`(state)` on `listener` until `shutdown` completes, then stops accepting
+/// connections and returns once the requests in flight have finished (streams included).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: FrontendState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}

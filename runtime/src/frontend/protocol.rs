@@ -1,0 +1,168 @@
+//! The OpenAI request bodies the frontend accepts. Unknown fields are ignored (clients send many
+//! that do not apply here); fields of the wrong type are 400 errors.
+
+use serde::Deserialize;
+
+use super::generate::AgentHints;
+
+/// `POST /v1/chat/completions`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// The model.
+    pub model: String,
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Tool definitions, rendered by the chat template.
+    #[serde(default)]
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Deprecated alias of `max_completion_tokens`.
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// Most tokens to generate.
+    #[serde(default)]
+    pub max_completion_tokens: Option<usize>,
+    /// Sampling temperature, 0..=2; 0 is greedy. Default 1.
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// Sampler seed.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<StopStrings>,
+    /// Number of choices; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<usize>,
+    /// Stream server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// End-user id; the session id when no `x-session-id` header is sent.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Agent hints.
+    #[serde(default)]
+    pub nvext: Option<AgentHints>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    /// The model.
+    pub model: String,
+    /// The prompt: text, or token ids (a one-element list of either is accepted too).
+    pub prompt: Prompt,
+    /// Most tokens to generate.
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// Sampling temperature, 0..=2; 0 is greedy. Default 1.
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// Sampler seed.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<StopStrings>,
+    /// Number of choices; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<usize>,
+    /// Stream server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// End-user id; the session id when no `x-session-id` header is sent.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Agent hints.
+    #[serde(default)]
+    pub nvext: Option<AgentHints>,
+}
+
+/// A completion prompt.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A batch of texts (only one is supported).
+    Texts(Vec<String>),
+    /// A batch of token lists (only one is supported).
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopStrings {
+    /// One string.
+    One(String),
+    /// Up to four strings.
+    Many(Vec<String>),
+}
+
+impl StopStrings {
+    /// The non-empty strings.
+    pub fn into_vec(self) -> Vec<String> {
+        let all = match self {
+            StopStrings::One(s) => vec![s],
+            StopStrings::Many(v) => v,
+        };
+        all.into_iter().filter(|s| !s.is_empty()).collect()
+    }
+}
+
+/// `stream_options`.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and no choices) before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// One chat message.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Text, or a list of `{"type": "text", "text": …}` parts; absent or null for an assistant
+    /// turn that only calls tools.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    /// The participant's name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// An assistant turn's tool calls.
+    #[serde(default)]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+}
+
+/// Message content.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// A content part: only `text` parts are supported.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ContentPart {
+    /// `text` (others are refused).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: Option<String>,
+}

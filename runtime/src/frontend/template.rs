@@ -1,0 +1,530 @@
+//! Chat templates: messages → prompt text, and which retention region every piece of it holds.
+//!
+//! A [`ChatTemplate`] is a Hugging Face-style Jinja template (the `chat_template` of a model's
+//! `tokenizer_config.json`) rendered with `minijinja` the way `transformers` renders it:
+//! `trim_blocks` and `lstrip_blocks` on, loop controls, `tojson`, `raise_exception`, and Python
+//! string methods (`.strip()`, `.startswith()`, …) through `minijinja-contrib`'s pycompat layer.
+//! The context holds `messages`, `tools` (when the request has any), `add_generation_prompt`,
+//! `bos_token` and `eos_token`. [`ChatTemplate::builtin`] is a small Llama-3-style template for
+//! models that ship none.
+//!
+//! # Regions
+//!
+//! [`ChatTemplate::render_regions`] splits the rendered prompt into pieces, each with a
+//! [`RegionKind`], by rendering prefixes of the conversation:
+//!
+//! 1. `render(messages[..k])` for `k = 0..=n` (no generation prompt). The text that
+//!    `messages[..k]` adds to `messages[..k-1]` belongs to message `k-1`: `system`/`developer` →
+//!    [`RegionKind::System`], `user`/`assistant` → [`RegionKind::Conversation`], `tool` →
+//!    [`RegionKind::ToolResult`]. The text before the first message (BOS, a fixed preamble) is
+//!    `System`; the generation prompt after the last message is `Conversation`.
+//! 2. Templates that rewrite earlier text when a message is added (rare; e.g. one that treats the
+//!    last message specially) are handled by cutting at the longest common prefix: the rewritten
+//!    tail is given to the newer message.
+//! 3. When the request has tools, the full prompt is also rendered without them; the text between
+//!    the longest common prefix and the longest common suffix of the two renders is the tool
+//!    definitions ([`RegionKind::Tools`]), whatever message the template put them in.
+//!
+//! The prompt's tokens are the concatenation of each piece's tokens ([`tokenize_pieces`]), not the
+//! tokenization of the whole text: a turn's tokens then never depend on what follows it, so the
+//! next request of a conversation re-renders a token-identical prefix (what prefix caching needs).
+//! Pieces end at message boundaries, where templates put special tokens, so this rarely differs
+//! from tokenizing the whole text at all.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use dynamo_config::RegionKind;
+use serde::Serialize;
+
+use super::generate::RegionRanges;
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// The built-in template: Llama-3-style headers, tool definitions as JSON lines in a `tools`
+/// block after the BOS token, tool calls of assistant turns as JSON.
+pub const DEFAULT_TEMPLATE: &str = r#"{{- bos_token }}
+{%- if tools %}
+{{- '<|start_header_id|>tools<|end_header_id|>\n\n' }}
+{%- for tool in tools %}
+{{- tool | tojson }}{{ '\n' }}
+{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+{%- if message['content'] %}{{ message['content'] | trim }}{% endif %}
+{%- if message['tool_calls'] %}
+{%- for call in message['tool_calls'] %}{{ call['function'] | tojson }}{% endfor %}
+{%- endif %}
+{{- '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}"#;
+
+/// Why a template could not be loaded or rendered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TemplateError {
+    /// `tokenizer_config.json` could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `tokenizer_config.json` is not valid JSON, or its `chat_template` has an unexpected shape.
+    #[error("{}: {message}", path.display())]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// The template does not compile.
+    #[error("chat template: {0}")]
+    Syntax(String),
+    /// Rendering failed (often `raise_exception` refusing the conversation, e.g. roles that do
+    /// not alternate): a client error.
+    #[error("chat template: {0}")]
+    Render(String),
+}
+
+impl TemplateError {
+    /// A stable label for metrics: `io`, `config`, `syntax` or `render`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TemplateError::Io { .. } => "io",
+            TemplateError::Config { .. } => "config",
+            TemplateError::Syntax(_) => "syntax",
+            TemplateError::Render(_) => "render",
+        }
+    }
+}
+
+/// One message as the template sees it: content already flattened to text.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TemplateMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The text (`None` for an assistant turn that only calls tools).
+    pub content: Option<String>,
+    /// The participant's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An assistant turn's tool calls, as the API sent them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl TemplateMessage {
+    /// The region of this message's text.
+    pub fn region(&self) -> RegionKind {
+        match self.role.as_str() {
+            "system" | "developer" => RegionKind::System,
+            "tool" | "ipython" => RegionKind::ToolResult,
+            _ => RegionKind::Conversation,
+        }
+    }
+}
+
+/// A compiled chat template with its BOS and EOS strings.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+const NAME: &str = "chat_template";
+
+impl ChatTemplate {
+    /// [`DEFAULT_TEMPLATE`] with BOS `<|begin_of_text|>` and EOS `<|eot_id|>`.
+    pub fn builtin() -> ChatTemplate {
+        ChatTemplate::new(DEFAULT_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>").expect("the built-in template compiles")
+    }
+
+    /// Compiles `source`.
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, TemplateError> {
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
+        });
+        env.add_template_owned(NAME, source.to_owned()).map_err(|e| TemplateError::Syntax(e.to_string()))?;
+        Ok(ChatTemplate { env, bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned() })
+    }
+
+    /// The template of a checkpoint directory: `dir/tokenizer_config.json`'s `chat_template` (a
+    /// string, or a list of `{name, template}` of which `default` is taken) with its `bos_token`
+    /// and `eos_token`. `Ok(None)` when the file is absent or names no template.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<ChatTemplate>, TemplateError> {
+        let path = dir.join("tokenizer_config.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(TemplateError::Io { path, source }),
+        };
+        let config_error = |message: String| TemplateError::Config { path: path.clone(), message };
+        let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| config_error(e.to_string()))?;
+        let source = match config.get("chat_template") {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str())
+                .ok_or_else(|| config_error("`chat_template` is a list without a `default` template".into()))?
+                .to_owned(),
+            Some(_) => return Err(config_error("`chat_template` is neither a string nor a list".into())),
+        };
+        // `bos_token` is a string or an AddedToken object `{"content": ...}`.
+        let token = |key: &str| -> String {
+            match config.get(key) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(v) => v.get("content").and_then(|c| c.as_str()).unwrap_or_default().to_owned(),
+                None => String::new(),
+            }
+        };
+        ChatTemplate::new(&source, &token("bos_token"), &token("eos_token")).map(Some)
+    }
+
+    /// The BOS string.
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    /// The EOS string (the stop token of chat answers).
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
+    }
+
+    /// Renders `messages` (and `tools` when there are any); `add_generation_prompt` appends the
+    /// header of the assistant's answer.
+    pub fn render(
+        &self,
+        messages: &[TemplateMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        #[derive(Serialize)]
+        struct Context<'a> {
+            messages: &'a [TemplateMessage],
+            #[serde(skip_serializing_if = "Option::is_none")]
+            tools: Option<&'a [serde_json::Value]>,
+            add_generation_prompt: bool,
+            bos_token: &'a str,
+            eos_token: &'a str,
+        }
+        let template = self.env.get_template(NAME).map_err(|e| TemplateError::Syntax(e.to_string()))?;
+        let tools = tools.filter(|t| !t.is_empty());
+        let context =
+            Context { messages, tools, add_generation_prompt, bos_token: &self.bos_token, eos_token: &self.eos_token };
+        template.render(context).map_err(|e| TemplateError::Render(render_message(&e)))
+    }
+
+    /// Renders the prompt (with the generation prompt) as pieces tagged with their region; the
+    /// pieces concatenate to [`render`](Self::render)`(messages, tools, true)`. See the module doc
+    /// for the method.
+    pub fn render_regions(
+        &self,
+        messages: &[TemplateMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<Vec<(String, RegionKind)>, TemplateError> {
+        let full = self.render(messages, tools, true)?;
+        // Byte offsets into `full` where each piece ends, with the piece's region.
+        let mut cuts: Vec<(usize, RegionKind)> = Vec::with_capacity(messages.len() + 2);
+        let mut region = RegionKind::System;
+        for k in 0..=messages.len() {
+            let prefix = self.render(&messages[..k], tools, false)?;
+            let end = common_prefix(&full, &prefix);
+            // A rewrite of earlier text moves the boundary back: earlier cuts end there too.
+            for cut in cuts.iter_mut() {
+                cut.0 = cut.0.min(end);
+            }
+            cuts.push((end, region));
+            if let Some(message) = messages.get(k) {
+                region = message.region();
+            }
+        }
+        cuts.push((full.len(), if messages.is_empty() { RegionKind::System } else { RegionKind::Conversation }));
+        // The last message owns what it added; the generation prompt is conversation.
+        if let Some(last) = messages.last() {
+            let n = cuts.len();
+            cuts[n - 2].1 = last.region();
+        }
+
+        let mut pieces = Vec::with_capacity(cuts.len());
+        let mut start = 0;
+        for (end, region) in cuts {
+            if end > start {
+                pieces.push((full[start..end].to_owned(), region));
+                start = end;
+            }
+        }
+        if tools.is_some_and(|t| !t.is_empty()) {
+            let without = self.render(messages, None, true)?;
+            let lo = common_prefix(&full, &without);
+            let hi = full.len() - common_suffix(&full[lo..], &without[lo.min(without.len())..]);
+            if hi > lo {
+                let span = align_insertion(&full, lo..hi, &pieces);
+                pieces = overlay(pieces, span, RegionKind::Tools);
+            }
+        }
+        Ok(pieces)
+    }
+}
+
+/// The innermost cause of a render error, which names the template line (or carries the
+/// message of `raise_exception`).
+fn render_message(e: &minijinja::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(inner) = source {
+        message = format!("{message}: {inner}");
+        source = inner.source();
+    }
+    message
+}
+
+/// Length in bytes of the longest common prefix of `a` and `b`, on a char boundary of both.
+fn common_prefix(a: &str, b: &str) -> usize {
+    let mut n = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+    while !a.is_char_boundary(n) || !b.is_char_boundary(n) {
+        n -= 1;
+    }
+    n
+}
+
+/// Length in bytes of the longest common suffix of `a` and `b`, on a char boundary of both.
+fn common_suffix(a: &str, b: &str) -> usize {
+    let mut n = a.bytes().rev().zip(b.bytes().rev()).take_while(|(x, y)| x == y).count();
+    while !a.is_char_boundary(a.len() - n) || !b.is_char_boundary(b.len() - n) {
+        n -= 1;
+    }
+    n
+}
+
+/// An insertion found by common prefix and suffix is ambiguous when its text ends like the text
+/// before it (`<|start_header_id|>tools…<|start_header_id|>` inserted before
+/// `<|start_header_id|>system…` could start at either header). Of the equivalent spans, take one
+/// that starts or ends on a piece boundary, else the leftmost, so that no special-token string is
+/// split between two pieces that a template wrote as one.
+fn align_insertion(full: &str, span: Range<usize>, pieces: &[(String, RegionKind)]) -> Range<usize> {
+    let bytes = full.as_bytes();
+    let mut boundaries = std::collections::HashSet::new();
+    let mut offset = 0;
+    for (text, _) in pieces {
+        boundaries.insert(offset);
+        offset += text.len();
+    }
+    boundaries.insert(offset);
+    let mut candidates = vec![span.clone()];
+    let (mut lo, mut hi) = (span.start, span.end);
+    while lo > 0 && bytes[lo - 1] == bytes[hi - 1] {
+        lo -= 1;
+        hi -= 1;
+        if full.is_char_boundary(lo) && full.is_char_boundary(hi) {
+            candidates.push(lo..hi);
+        }
+    }
+    let on_boundary = |r: &Range<usize>| boundaries.contains(&r.start) as u8 + boundaries.contains(&r.end) as u8;
+    let best = candidates.iter().map(on_boundary).max().unwrap_or(0);
+    candidates.into_iter().rev().find(|r| on_boundary(r) == best).unwrap_or(span)
+}
+
+/// Re-tags the bytes `span` of the concatenated pieces as `region`, splitting pieces at its ends.
+fn overlay(pieces: Vec<(String, RegionKind)>, span: Range<usize>, region: RegionKind) -> Vec<(String, RegionKind)> {
+    let mut out = Vec::with_capacity(pieces.len() + 2);
+    let mut offset = 0;
+    for (text, r) in pieces {
+        let range = offset..offset + text.len();
+        offset = range.end;
+        let lo = span.start.clamp(range.start, range.end) - range.start;
+        let hi = span.end.clamp(range.start, range.end) - range.start;
+        for (part, tag) in [(&text[..lo], r), (&text[lo..hi], region), (&text[hi..], r)] {
+            if !part.is_empty() {
+                out.push((part.to_owned(), tag));
+            }
+        }
+    }
+    out
+}
+
+/// Neutralises special-token strings in untrusted text: a U+2060 WORD JOINER after the first
+/// character of every occurrence of one of `specials`, so that the tokenizer encodes it as plain
+/// text and a message cannot forge the template's structure (`<|eot_id|>` in a user message ends
+/// nothing). The same text always escapes the same way, so re-rendered turns stay token-identical.
+pub fn escape_special_tokens<'a>(text: &'a str, specials: &[String]) -> std::borrow::Cow<'a, str> {
+    let specials: Vec<&str> = specials.iter().map(String::as_str).filter(|s| s.chars().nth(1).is_some()).collect();
+    if !specials.iter().any(|s| text.contains(s)) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for (at, c) in text.char_indices() {
+        out.push(c);
+        if specials.iter().any(|s| text[at..].starts_with(s)) {
+            out.push('\u{2060}');
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Tokenizes each piece on its own and concatenates the ids; returns them with the token range
+/// of every region (adjacent pieces of the same region merged).
+pub fn tokenize_pieces(
+    tokenizer: &Tokenizer,
+    pieces: &[(String, RegionKind)],
+) -> Result<(Vec<u32>, RegionRanges), TokenizerError> {
+    let mut ids = Vec::new();
+    let mut regions: RegionRanges = Vec::new();
+    for (text, region) in pieces {
+        let start = ids.len();
+        ids.extend(tokenizer.encode(text)?);
+        let end = ids.len();
+        if end == start {
+            continue;
+        }
+        match regions.last_mut() {
+            Some((range, last)) if *last == *region && range.end == start => range.end = end,
+            _ => regions.push((start..end, *region)),
+        }
+    }
+    Ok((ids, regions))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> TemplateMessage {
+        TemplateMessage { role: role.into(), content: Some(content.into()), ..Default::default() }
+    }
+
+    fn joined(pieces: &[(String, RegionKind)]) -> String {
+        pieces.iter().map(|(t, _)| t.as_str()).collect()
+    }
+
+    #[test]
+    fn builtin_renders_llama3_style() {
+        let t = ChatTemplate::builtin();
+        let messages = [msg("system", "Be brief."), msg("user", "  Hi!  ")];
+        let text = t.render(&messages, None, true).unwrap();
+        assert_eq!(
+            text,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+             <|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        assert!(!t.render(&messages, None, false).unwrap().ends_with("<|end_header_id|>\n\n"));
+        assert_eq!(t.eos_token(), "<|eot_id|>");
+    }
+
+    #[test]
+    fn regions_follow_the_messages() {
+        let t = ChatTemplate::builtin();
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "ls", "parameters": {}}})];
+        let messages = [
+            msg("system", "You are a coding agent."),
+            msg("user", "List the files."),
+            TemplateMessage {
+                role: "assistant".into(),
+                content: None,
+                tool_calls: Some(serde_json::json!([{"id": "c1", "type": "function",
+                    "function": {"name": "ls", "arguments": "{}"}}])),
+                ..Default::default()
+            },
+            TemplateMessage { tool_call_id: Some("c1".into()), ..msg("tool", "a.rs b.rs") },
+        ];
+        let pieces = t.render_regions(&messages, Some(&tools)).unwrap();
+        assert_eq!(joined(&pieces), t.render(&messages, Some(&tools), true).unwrap());
+        let regions: Vec<RegionKind> = pieces.iter().map(|p| p.1).collect();
+        use RegionKind::*;
+        assert_eq!(regions, [System, Tools, System, Conversation, Conversation, ToolResult, Conversation]);
+        assert_eq!(pieces[0].0, "<|begin_of_text|>");
+        assert!(pieces[1].0.starts_with("<|start_header_id|>tools") && pieces[1].0.contains("\"ls\""));
+        assert!(pieces[1].0.ends_with("<|eot_id|>"), "{:?}", pieces[1].0);
+        assert!(pieces[2].0.contains("You are a coding agent.") && pieces[2].0.ends_with("<|eot_id|>"));
+        assert!(pieces[3].0.contains("List the files."));
+        assert!(pieces[5].0.contains("a.rs b.rs"));
+        assert_eq!(pieces[6].0, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    }
+
+    #[test]
+    fn a_template_that_rewrites_earlier_text_still_covers_the_prompt() {
+        // Marks the last message: adding a message rewrites the previous one's text.
+        let source = "{% for m in messages %}{% if loop.last %}[LAST {{ m.role }}]{% else %}[{{ m.role }}]{% endif %}\
+                      {{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}";
+        let t = ChatTemplate::new(source, "", "").unwrap();
+        let messages = [msg("system", "s"), msg("user", "u")];
+        let pieces = t.render_regions(&messages, None).unwrap();
+        assert_eq!(joined(&pieces), "[system]s[LAST user]u>");
+        assert_eq!(pieces.last().unwrap().1, RegionKind::Conversation);
+        // Rendered alone, the system message was `[LAST system]s`: only `[` is certainly its own.
+        assert_eq!(pieces[0], ("[".to_owned(), RegionKind::System));
+    }
+
+    #[test]
+    fn hugging_face_features_work() {
+        let source = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'].strip() }}\
+                      {% elif m['role'] == 'assistant' %}{{ m.content | tojson }}{% else %}\
+                      {{ raise_exception('roles must be user or assistant') }}{% endif %}{% endfor %}";
+        let t = ChatTemplate::new(source, "<s>", "</s>").unwrap();
+        assert_eq!(t.render(&[msg("user", " hi "), msg("assistant", "ok")], None, true).unwrap(), "<s>hi\"ok\"");
+        let err = t.render(&[msg("system", "x")], None, true).unwrap_err();
+        assert_eq!(err.kind(), "render");
+        assert!(err.to_string().contains("roles must be user or assistant"), "{err}");
+        assert_eq!(ChatTemplate::new("{% for %}", "", "").unwrap_err().kind(), "syntax");
+    }
+
+    #[test]
+    fn loads_the_template_of_a_model_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(ChatTemplate::from_model_dir(dir.path()).unwrap().is_none());
+        let config = serde_json::json!({
+            "bos_token": {"content": "<s>", "lstrip": false},
+            "eos_token": "</s>",
+            "chat_template": [{"name": "tool_use", "template": "T"},
+                              {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}],
+        });
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(t.render(&[msg("user", "x")], None, true).unwrap(), "<s>x</s>");
+        std::fs::write(dir.path().join("tokenizer_config.json"), "{\"eos_token\": \"</s>\"}").unwrap();
+        assert!(ChatTemplate::from_model_dir(dir.path()).unwrap().is_none());
+        std::fs::write(dir.path().join("tokenizer_config.json"), "{").unwrap();
+        assert_eq!(ChatTemplate::from_model_dir(dir.path()).unwrap_err().kind(), "config");
+    }
+
+    #[test]
+    fn special_token_strings_are_escaped() {
+        let specials = ["<|endoftext|>".to_owned(), "<|eot|>".to_owned(), "x".to_owned()];
+        assert!(matches!(escape_special_tokens("plain x text", &specials), std::borrow::Cow::Borrowed(_)));
+        let escaped = escape_special_tokens("a<|endoftext|>b<|eot|><|eot|>", &specials);
+        assert_eq!(escaped, "a<\u{2060}|endoftext|>b<\u{2060}|eot|><\u{2060}|eot|>");
+        let t = Tokenizer::builtin();
+        assert_eq!(t.encode("<|endoftext|>").unwrap(), [199_999]);
+        assert!(!t.encode(&escape_special_tokens("<|endoftext|>", &t.special_tokens())).unwrap().contains(&199_999));
+    }
+
+    #[test]
+    fn pieces_tokenize_into_region_ranges() {
+        let tokenizer = Tokenizer::builtin();
+        let t = ChatTemplate::builtin();
+        let messages = [msg("system", "Be brief."), msg("user", "Hello there, how are you?")];
+        let pieces = t.render_regions(&messages, None).unwrap();
+        let (ids, regions) = tokenize_pieces(&tokenizer, &pieces).unwrap();
+        assert_eq!(tokenizer.decode(&ids).unwrap(), t.render(&messages, None, true).unwrap());
+        assert_eq!(regions.first().unwrap().0.start, 0);
+        assert_eq!(regions.last().unwrap().0.end, ids.len());
+        assert!(regions.windows(2).all(|w| w[0].0.end == w[1].0.start && w[0].1 != w[1].1));
+        assert_eq!(regions.iter().map(|r| r.1).collect::<Vec<_>>(), [RegionKind::System, RegionKind::Conversation]);
+    }
+}

@@ -1,0 +1,121 @@
+//! A deterministic fake [`Generator`] and an in-process server for the frontend tests.
+//!
+//! Models: `fake` (and `fake-2`) answer [`ANSWER`] a token at a time, report half the prompt as
+//! cached, and stop with `length` at `max_tokens`; `slow` does the same with 30 ms between events;
+//! `overloaded`, `vanishing` (listed, but the generator says it does not exist), `too-long` and
+//! `broken` fail at admission with the matching [`GenerateError`]; `midstream` fails after two
+//! tokens. The last request of every model is kept for inspection.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dynamo_config::FrontendSection;
+use dynamo_node::frontend::{
+    ChatTemplate, FinishReason, FrontendState, GenerateError, GenerateEvent, GenerateRequest, Generator, serve,
+};
+use dynamo_node::tokenizer::Tokenizer;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+/// What the fake generator answers: a split 4-byte character included.
+pub const ANSWER: &str = "Hello, world! 🦀 done.";
+/// The fake's context.
+pub const MAX_CONTEXT: usize = 256;
+
+#[derive(Debug)]
+pub struct FakeGenerator {
+    answer: Vec<u32>,
+    pub last: Mutex<Option<GenerateRequest>>,
+}
+
+impl FakeGenerator {
+    pub fn new() -> FakeGenerator {
+        FakeGenerator { answer: Tokenizer::builtin().encode(ANSWER).unwrap(), last: Mutex::new(None) }
+    }
+
+    pub fn last(&self) -> GenerateRequest {
+        self.last.lock().unwrap().clone().expect("a request reached the generator")
+    }
+}
+
+impl Generator for FakeGenerator {
+    fn models(&self) -> Vec<String> {
+        ["fake", "fake-2", "slow", "overloaded", "vanishing", "too-long", "broken", "midstream"]
+            .map(String::from)
+            .to_vec()
+    }
+
+    fn max_context(&self) -> usize {
+        MAX_CONTEXT
+    }
+
+    fn generate(&self, req: GenerateRequest) -> BoxStream<'static, Result<GenerateEvent, GenerateError>> {
+        *self.last.lock().unwrap() = Some(req.clone());
+        let fail = |e: GenerateError| futures::stream::iter([Err(e)]).boxed();
+        match req.model.as_str() {
+            "overloaded" => return fail(GenerateError::Overloaded { retry_after: Duration::from_millis(2500) }),
+            "vanishing" => return fail(GenerateError::ModelNotFound(req.model.clone())),
+            "too-long" => return fail(GenerateError::PromptTooLong { tokens: req.prompt.len(), limit: 4 }),
+            "broken" => return fail(GenerateError::Internal("the worker crashed".into())),
+            _ => {}
+        }
+        let mut events = vec![Ok(GenerateEvent::Started { cached_tokens: req.prompt.len() / 2 })];
+        let n = self.answer.len().min(req.max_tokens);
+        events.extend(self.answer[..n].iter().map(|&id| Ok(GenerateEvent::Token { id })));
+        if req.model == "midstream" {
+            events.truncate(3);
+            events.push(Err(GenerateError::Internal("the worker crashed mid-answer".into())));
+        } else {
+            let reason = if n < self.answer.len() { FinishReason::Length } else { FinishReason::Stop };
+            if reason == FinishReason::Stop {
+                events.push(Ok(GenerateEvent::Token { id: req.stop_token_ids[0] }));
+            }
+            events.push(Ok(GenerateEvent::Finished { reason }));
+        }
+        let stream = futures::stream::iter(events);
+        if req.model == "slow" {
+            stream
+                .then(|e| async move {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    e
+                })
+                .boxed()
+        } else {
+            stream.boxed()
+        }
+    }
+}
+
+/// A frontend serving a [`FakeGenerator`] on 127.0.0.1 (a free port).
+pub struct Server {
+    pub base: String,
+    pub fake: Arc<FakeGenerator>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Server {
+    pub async fn start(config: FrontendSection) -> Server {
+        let fake = Arc::new(FakeGenerator::new());
+        let state = FrontendState::new(fake.clone(), Tokenizer::builtin(), ChatTemplate::builtin(), &config);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, state, async move {
+            let _ = rx.await;
+        }));
+        Server { base, fake, shutdown: Some(tx), task: Some(task) }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Asks the server to stop; returns what `serve` returned once in-flight requests drained.
+    pub async fn stop(&mut self) -> std::io::Result<()> {
+        let _ = self.shutdown.take().expect("running").send(());
+        self.task.take().expect("running").await.expect("serve task")
+    }
+}
