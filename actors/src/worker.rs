@@ -49,6 +49,9 @@ pub struct GenRequest {
     pub seed: u64,
     /// Tokens that end generation (not emitted).
     pub stop_tokens: Vec<u32>,
+    /// Sample only among token ids below this (the tokenizer's vocabulary, when the model's is
+    /// larger); 0 for the whole vocabulary.
+    pub vocab_limit: usize,
 }
 
 /// What a request reports while it runs.
@@ -318,7 +321,8 @@ impl<B: Backend> Worker<B> {
         let mut tokens_so_far = req.prompt.clone();
         let mut chain: Vec<BlockHash> = hashes.to_vec();
         for step in 0..req.max_tokens {
-            let token = sample(&logits, req.sampling, &mut rng);
+            let allowed = if req.vocab_limit == 0 { &logits[..] } else { &logits[..req.vocab_limit.min(logits.len())] };
+            let token = sample(allowed, req.sampling, &mut rng);
             if step == 0 {
                 outcome.ttft = start_time.elapsed();
             }

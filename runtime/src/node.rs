@@ -336,6 +336,9 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     let tiers = ResolvedTiers::resolve(&cfg)?;
     // Before the tiers are built: an address in use fails the start at once.
     let metrics = crate::metrics::install(&cfg.metrics)?;
+    let listener = tokio::net::TcpListener::bind(&cfg.frontend.http)
+        .await
+        .with_context(|| format!("cannot serve the API on {} (frontend.http, --http)", cfg.frontend.http))?;
     print!("{}", tiers.render());
     let node = tokio::task::spawn_blocking(move || Node::build(tiers)).await.context("start-up task")??;
     if let Some(line) = node.recovery_line() {
@@ -347,27 +350,65 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         println!("G2 is not locked in RAM (mlock refused); see the warning above");
     }
     let poller = metrics.is_enabled().then(|| crate::metrics::spawn_tier_poller(&node, TIER_POLL_PERIOD));
+    let pool_cfg = cfg.clone();
+    let pool = tokio::task::spawn_blocking(move || crate::serving::WorkerPool::start(&pool_cfg, node))
+        .await
+        .context("start-up task")??;
+    let pool = Arc::new(pool);
+    let (tokenizer, template) = frontend_parts(&cfg)?;
+    let generator = crate::serving::NodeGenerator::new(pool.clone(), tokenizer.vocab_size());
+    let state = crate::frontend::FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
     println!("{}", metrics.line());
+    println!("serving the OpenAI API on http://{}/v1", listener.local_addr()?);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(crate::frontend::serve(listener, state, async move {
+        let _ = stop_rx.await;
+    }));
     println!("ready; stop with Ctrl-C (SIGINT) or SIGTERM");
     shutdown.wait().await;
     println!("shutting down");
+    let _ = stop_tx.send(());
+    let grace = cfg.node.shutdown_grace.as_duration();
+    match tokio::time::timeout(grace, server).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the HTTP server stopped with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "the HTTP server task failed"),
+        Err(_) => tracing::warn!(?grace, "requests still running after the shutdown grace; stopping anyway"),
+    }
     if let Some(poller) = poller {
         poller.abort();
     }
-    let grace = cfg.node.shutdown_grace.as_duration();
-    drain(node, grace).await;
+    // The workers finish what they hold and flush their G3 writes before they exit.
+    if let Ok(pool) = Arc::try_unwrap(pool) {
+        tokio::task::spawn_blocking(move || pool.shutdown()).await.context("worker shutdown")?;
+    }
     println!("stopped");
     Ok(())
 }
 
-async fn drain(node: Node, grace: Duration) {
-    if let Some(store) = &node.g3 {
-        let deadline = tokio::time::Instant::now() + grace;
-        while store.in_flight() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+/// The tokenizer and chat template the frontend uses: the model directory's own when it has
+/// them (or the files `model.tokenizer` / `model.chat_template` name), else the built-in ones.
+fn frontend_parts(cfg: &NodeConfig) -> anyhow::Result<(crate::tokenizer::Tokenizer, crate::frontend::ChatTemplate)> {
+    use crate::frontend::ChatTemplate;
+    use crate::tokenizer::Tokenizer;
+    let tokenizer = match (&cfg.model.tokenizer, &cfg.model.path) {
+        (Some(file), _) => Tokenizer::from_file(file).with_context(|| format!("loading {}", file.display()))?,
+        (None, Some(dir)) if dir.join("tokenizer.json").exists() => {
+            Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?
         }
-    }
-    drop(node);
+        _ => Tokenizer::builtin(),
+    };
+    let template = match (&cfg.model.chat_template, &cfg.model.path) {
+        (Some(file), _) => {
+            let src = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+            ChatTemplate::new(&src, "", "").with_context(|| format!("parsing {}", file.display()))?
+        }
+        (None, Some(dir)) => ChatTemplate::from_model_dir(dir)
+            .with_context(|| format!("reading the chat template of {}", dir.display()))?
+            .unwrap_or_else(ChatTemplate::builtin),
+        (None, None) => ChatTemplate::builtin(),
+    };
+    Ok((tokenizer, template))
 }
 
 /// SIGTERM and SIGINT, listened for from the moment they are installed.

@@ -10,13 +10,18 @@ use std::thread::JoinHandle;
 
 use anyhow::Context;
 use dynamo_actors::tiers::{G2Tier, G3Tier, NodeTiers};
-use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerError, WorkerEvent};
+use dynamo_actors::worker::{Finish, GenOutcome, GenRequest, Worker, WorkerError, WorkerEvent};
 use dynamo_config::NodeConfig;
 use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
+use dynamo_kernels::sampling::Sampling;
 use dynamo_tiering::block::{Salt, SaltInputs};
+use futures::StreamExt;
+use futures::stream::BoxStream;
 use tokio::sync::mpsc;
 
+use crate::frontend::{FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator};
+use crate::metrics;
 use crate::node::Node;
 
 /// What a worker reports for one request.
@@ -176,4 +181,105 @@ fn run_worker(mut worker: Worker<CpuBackend>, mut rx: mpsc::Receiver<Job>) {
         }
         worker.flush().await;
     });
+}
+
+/// The worker pool as the HTTP frontend's [`Generator`]: requests are queued on a worker and its
+/// events become the frontend's stream; dropping the stream stops the request at its next token.
+#[derive(Debug, Clone)]
+pub struct NodeGenerator {
+    pool: Arc<WorkerPool>,
+    vocab_limit: usize,
+}
+
+impl NodeGenerator {
+    /// A generator over `pool` that samples only ids the tokenizer can decode (`vocab_limit`).
+    pub fn new(pool: Arc<WorkerPool>, vocab_limit: usize) -> Self {
+        Self { pool, vocab_limit }
+    }
+}
+
+fn api_of(request_id: &str) -> metrics::Api {
+    if request_id.starts_with("chatcmpl") { metrics::Api::ChatCompletions } else { metrics::Api::Completions }
+}
+
+impl Generator for NodeGenerator {
+    fn models(&self) -> Vec<String> {
+        vec![self.pool.model.clone()]
+    }
+
+    fn max_context(&self) -> usize {
+        self.pool.max_context
+    }
+
+    fn generate(&self, req: GenerateRequest) -> BoxStream<'static, Result<GenerateEvent, GenerateError>> {
+        let api = api_of(&req.request_id);
+        if req.model != self.pool.model {
+            metrics::record_request(api, 404, None);
+            return futures::stream::once(std::future::ready(Err(GenerateError::ModelNotFound(req.model)))).boxed();
+        }
+        let prompt_len = req.prompt.len();
+        let job = GenRequest {
+            prompt: req.prompt,
+            regions: req.regions,
+            max_tokens: req.max_tokens,
+            sampling: if req.temperature > 0.0 {
+                Sampling::Temperature { temperature: req.temperature }
+            } else {
+                Sampling::Greedy
+            },
+            seed: req.seed.unwrap_or(0),
+            stop_tokens: req.stop_token_ids,
+            vocab_limit: self.vocab_limit,
+        };
+        let rx = match self.pool.submit(job) {
+            Ok(rx) => rx,
+            Err(e) => {
+                metrics::record_request(api, 429, None);
+                tracing::debug!(error = %e, "request refused");
+                let err = GenerateError::Overloaded { retry_after: std::time::Duration::from_secs(1) };
+                return futures::stream::once(std::future::ready(Err(err))).boxed();
+            }
+        };
+        futures::stream::unfold(Some(rx), move |rx| async move {
+            let mut rx = rx?;
+            let item = match rx.recv().await? {
+                JobEvent::Event(WorkerEvent::Prefilled { cached_tokens, .. }) => {
+                    Ok(GenerateEvent::Started { cached_tokens })
+                }
+                JobEvent::Event(WorkerEvent::Token(id)) => Ok(GenerateEvent::Token { id }),
+                JobEvent::Done(outcome) => {
+                    metrics::record_prompt(prompt_len as u64, outcome.prefill_tokens as u64);
+                    for (tier, tokens) in
+                        [metrics::Tier::G1, metrics::Tier::G2, metrics::Tier::G3].into_iter().zip(outcome.hit_tokens)
+                    {
+                        if tokens > 0 {
+                            metrics::record_hit_tokens(tier, tokens as u64);
+                        }
+                    }
+                    let ttft = (!outcome.tokens.is_empty()).then_some(outcome.ttft);
+                    metrics::record_request(api, 200, ttft);
+                    let reason = match outcome.finish {
+                        Finish::Length => FinishReason::Length,
+                        Finish::Stop => FinishReason::Stop,
+                    };
+                    return Some((Ok(GenerateEvent::Finished { reason }), None));
+                }
+                JobEvent::Failed(e) => {
+                    let (status, err) = match e {
+                        WorkerError::TooLong { prompt, capacity, .. } => {
+                            (400, GenerateError::PromptTooLong { tokens: prompt, limit: capacity })
+                        }
+                        WorkerError::Overloaded => {
+                            (429, GenerateError::Overloaded { retry_after: std::time::Duration::from_secs(1) })
+                        }
+                        other => (500, GenerateError::Internal(other.to_string())),
+                    };
+                    metrics::record_request(api, status, None);
+                    return Some((Err(err), None));
+                }
+            };
+            Some((item, Some(rx)))
+        })
+        .boxed()
+    }
 }

@@ -16,7 +16,7 @@ fn free_port() -> u16 {
 
 fn start(data_dir: &std::path::Path, metrics: &str) -> (Child, Vec<String>) {
     let mut child = Command::new(node_binary())
-        .args(["serve", "--metrics", metrics, "--data-dir"])
+        .args(["serve", "--http", "127.0.0.1:0", "--metrics", metrics, "--data-dir"])
         .arg(data_dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -133,7 +133,7 @@ fn a_metrics_address_in_use_is_a_clear_error() {
     let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = taken.local_addr().expect("addr").to_string();
     let out = Command::new(node_binary())
-        .args(["serve", "--metrics", &addr, "--data-dir"])
+        .args(["serve", "--http", "127.0.0.1:0", "--metrics", &addr, "--data-dir"])
         .arg(dir.path())
         .output()
         .expect("run dynamo-node");
@@ -151,7 +151,7 @@ fn disabled_metrics_serve_nothing() {
     let cfg = dir.path().join("node.toml");
     std::fs::write(&cfg, "[metrics]\nenabled = false\n").expect("write");
     let mut child = Command::new(node_binary())
-        .args(["--config", cfg.to_str().expect("utf-8"), "--data-dir"])
+        .args(["--config", cfg.to_str().expect("utf-8"), "--http", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -17,7 +17,7 @@ fn start(data_dir: &std::path::Path, extra: &[&str]) -> Running {
     let mut child = Command::new(node_binary())
         .args(extra)
         // An ephemeral port: tests run in parallel, and the default 127.0.0.1:9090 may be taken.
-        .args(["--metrics", "127.0.0.1:0"])
+        .args(["--metrics", "127.0.0.1:0", "--http", "127.0.0.1:0"])
         .arg("--data-dir")
         .arg(data_dir)
         .stdout(Stdio::piped())
@@ -92,7 +92,7 @@ fn a_config_file_and_flags_override_the_defaults() {
     let cfg = dir.path().join("node.toml");
     std::fs::write(&cfg, "[tiers.g3]\nio_engine = \"psync\"\nqueue_depth = 4\n[tiers.g2]\ncapacity = \"64MiB\"\n")
         .expect("write");
-    let node = start(dir.path(), &["--config", cfg.to_str().expect("utf-8"), "--http", "127.0.0.1:0"]);
+    let node = start(dir.path(), &["--config", cfg.to_str().expect("utf-8")]);
     let text = node.lines.join("\n");
     assert!(text.contains("pread/pwrite × 4 threads"), "{text}");
     assert!(text.contains("64MiB"), "{text}");

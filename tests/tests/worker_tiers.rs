@@ -72,6 +72,7 @@ fn request(prompt: Vec<u32>) -> GenRequest {
         sampling: Sampling::Greedy,
         seed: 0,
         stop_tokens: vec![],
+        vocab_limit: 0,
     }
 }
 

@@ -1,0 +1,133 @@
+//! The node as a client sees it: the real `dynamo-node` binary on its default configuration,
+//! driven over HTTP. Turn 2 of a conversation lands on the other worker and loads turn 1's prefix
+//! from G2 instead of recomputing it (`cached_tokens`, `dynamo_node_kv_hit_tokens_total{tier="g2"}`),
+//! with the same greedy answer as a fresh node that recomputed everything; bad requests get the
+//! OpenAI error shape.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dynamo_tests::node_binary;
+use serde_json::{Value, json};
+
+struct Node {
+    child: Child,
+    api: String,
+    metrics: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").to_string()
+}
+
+fn start() -> Node {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let metrics = free_port();
+    let mut child = Command::new(node_binary())
+        .args(["serve", "--http", "127.0.0.1:0", "--metrics", &metrics, "--data-dir"])
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn dynamo-node");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut api = None;
+    loop {
+        let mut line = String::new();
+        assert!(reader.read_line(&mut line).expect("read") > 0, "dynamo-node exited before it was ready");
+        if let Some(rest) = line.trim().strip_prefix("serving the OpenAI API on ") {
+            api = Some(rest.to_string());
+        }
+        if line.starts_with("ready") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not ready in time");
+    }
+    std::thread::spawn(move || for _ in reader.lines() {});
+    Node { child, api: api.expect("the API address is printed"), metrics, _dir: dir }
+}
+
+impl Node {
+    async fn chat(&self, body: Value) -> (u16, Value) {
+        let resp = reqwest::Client::new()
+            .post(format!("{}/chat/completions", self.api))
+            .json(&body)
+            .send()
+            .await
+            .expect("request");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.expect("json body"))
+    }
+
+    async fn metric(&self, series: &str) -> f64 {
+        let text =
+            reqwest::get(format!("http://{}/metrics", self.metrics)).await.expect("scrape").text().await.expect("body");
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    fn stop(mut self) -> i32 {
+        // SAFETY: signalling our own child, whose pid is valid until we wait on it.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) }, 0);
+        let status = self.child.wait().expect("wait");
+        status.code().expect("exited on its own")
+    }
+}
+
+fn conversation(turns: &[(&str, String)]) -> Value {
+    let messages: Vec<Value> = turns.iter().map(|(role, content)| json!({"role": role, "content": content})).collect();
+    json!({"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_two_loads_turn_one_from_g2_with_the_same_answer() {
+    let node = start();
+    let history: String = (0..180).map(|i| format!("file{i}.rs ")).collect();
+    let turn1 = vec![("system", "You are a coding agent.".to_string()), ("user", history)];
+    let (status, first) = node.chat(conversation(&turn1)).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let answer = first["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+
+    let mut turn2 = turn1.clone();
+    turn2.push(("assistant", answer));
+    turn2.push(("user", "Now run the tests.".to_string()));
+    let (status, second) = node.chat(conversation(&turn2)).await;
+    assert_eq!(status, 200, "{second}");
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
+    let prompt = second["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(cached >= 128 && cached < prompt, "turn 1's blocks are reused: {cached} of {prompt}");
+    let g2_hits = node.metric("dynamo_node_kv_hit_tokens_total{tier=\"g2\"}").await;
+    assert_eq!(g2_hits as u64, cached, "the other worker loaded them from G2");
+
+    // A fresh node computes turn 2 from scratch: the same greedy answer.
+    let fresh = start();
+    let (_, recomputed) = fresh.chat(conversation(&turn2)).await;
+    assert_eq!(recomputed["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(second["choices"][0]["message"], recomputed["choices"][0]["message"]);
+
+    // Bad requests get the OpenAI error shape.
+    let (status, err) = node.chat(json!({"model": "tiny", "messages": "not a list"})).await;
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["type"], "invalid_request_error");
+    let (status, err) = node.chat(json!({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(status, 404, "{err}");
+
+    assert_eq!(fresh.stop(), 0);
+    assert_eq!(node.stop(), 0);
+}
