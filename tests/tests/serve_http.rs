@@ -16,7 +16,7 @@ struct Node {
     child: Child,
     api: String,
     metrics: String,
-    _dir: tempfile::TempDir,
+    dir: std::sync::Arc<tempfile::TempDir>,
 }
 
 impl Drop for Node {
@@ -32,7 +32,10 @@ fn free_port() -> String {
 }
 
 fn start() -> Node {
-    let dir = tempfile::tempdir().expect("tempdir");
+    start_in(std::sync::Arc::new(tempfile::tempdir().expect("tempdir")))
+}
+
+fn start_in(dir: std::sync::Arc<tempfile::TempDir>) -> Node {
     let metrics = free_port();
     let mut child = Command::new(node_binary())
         .args(["serve", "--http", "127.0.0.1:0", "--metrics", &metrics, "--data-dir"])
@@ -56,7 +59,7 @@ fn start() -> Node {
         assert!(Instant::now() < deadline, "not ready in time");
     }
     std::thread::spawn(move || for _ in reader.lines() {});
-    Node { child, api: api.expect("the API address is printed"), metrics, _dir: dir }
+    Node { child, api: api.expect("the API address is printed"), metrics, dir }
 }
 
 impl Node {
@@ -130,4 +133,33 @@ async fn turn_two_loads_turn_one_from_g2_with_the_same_answer() {
 
     assert_eq!(fresh.stop(), 0);
     assert_eq!(node.stop(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_serves_the_prefix_it_wrote_to_g3() {
+    let node = start();
+    let history: String = (0..150).map(|i| format!("crate{i}::module ")).collect();
+    let turn1 = vec![("system", "You review Rust code.".to_string()), ("user", history)];
+    let (status, first) = node.chat(conversation(&turn1)).await;
+    assert_eq!(status, 200, "{first}");
+    let answer = first["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+    let dir = node.dir.clone();
+    assert_eq!(node.stop(), 0, "SIGTERM flushes the write-through");
+
+    let restarted = start_in(dir);
+    let mut turn2 = turn1.clone();
+    turn2.push(("assistant", answer));
+    turn2.push(("user", "Any unsafe code?".to_string()));
+    let (status, second) = restarted.chat(conversation(&turn2)).await;
+    assert_eq!(status, 200, "{second}");
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
+    assert!(cached >= 128, "the prefix came back from G3 after the restart: {cached}");
+    let g3_hits = restarted.metric("dynamo_node_kv_hit_tokens_total{tier=\"g3\"}").await;
+    assert_eq!(g3_hits as u64, cached, "loaded from G3, verified");
+
+    let fresh = start();
+    let (_, recomputed) = fresh.chat(conversation(&turn2)).await;
+    assert_eq!(second["choices"][0]["message"], recomputed["choices"][0]["message"]);
+    assert_eq!(fresh.stop(), 0);
+    assert_eq!(restarted.stop(), 0);
 }
