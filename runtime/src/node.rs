@@ -251,6 +251,12 @@ pub fn unix_millis() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// G2 slots kept out of the registry's reach for transfers in flight: 1/16 of the pool, between
+/// 4 and 256 slots (never more than half a small pool).
+pub fn g2_reserve(slots: usize) -> usize {
+    (slots / 16).clamp(4, 256).min(slots / 2)
+}
+
 /// The node's built tiers.
 #[derive(Debug)]
 pub struct Node {
@@ -277,7 +283,11 @@ impl Node {
             let slots = u32::try_from(plan.blocks).context("tiers.g2.capacity holds more than 2^32 slots")?;
             let pool = HostPool::new(HostPoolOptions { slot_bytes: tiers.slot_bytes, slots, mlock: *mlock })
                 .context("building the G2 pool")?;
-            g2_registry = Some(Arc::new(Mutex::new(TierRegistry::new(plan.blocks as usize, plan.policy))));
+            // The registry may fill all but a small reserve of slots: in-flight loads from G3 and
+            // gathers for write-through always find a slot, so a G2 full of held blocks still lets
+            // new blocks reach G3.
+            let resident = (plan.blocks as usize).saturating_sub(g2_reserve(plan.blocks as usize));
+            g2_registry = Some(Arc::new(Mutex::new(TierRegistry::new(resident, plan.policy))));
             g2 = Some(pool);
         }
         let mut g3 = None;

@@ -163,3 +163,32 @@ async fn a_restarted_node_serves_the_prefix_it_wrote_to_g3() {
     assert_eq!(fresh.stop(), 0);
     assert_eq!(restarted.stop(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_during_write_through_serves_only_verified_blocks() {
+    let mut node = start();
+    let history: String = (0..400).map(|i| format!("line {i}: let x{i} = {i};\n")).collect();
+    let turn1 = vec![("system", "You are a coding agent.".to_string()), ("user", history)];
+    let (status, first) = node.chat(conversation(&turn1)).await;
+    assert_eq!(status, 200, "{first}");
+    let answer = first["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+    // SIGKILL right after the answer, while write-through to G3 is still running.
+    node.child.kill().expect("kill -9");
+    node.child.wait().expect("reap");
+    let dir = node.dir.clone();
+
+    let restarted = start_in(dir);
+    let mut turn2 = turn1.clone();
+    turn2.push(("assistant", answer));
+    turn2.push(("user", "Continue.".to_string()));
+    let (status, second) = restarted.chat(conversation(&turn2)).await;
+    assert_eq!(status, 200, "{second}");
+    let fresh = start();
+    let (_, recomputed) = fresh.chat(conversation(&turn2)).await;
+    assert_eq!(
+        second["choices"][0]["message"], recomputed["choices"][0]["message"],
+        "whatever survived the kill was verified before use: the answer is the recomputed one"
+    );
+    assert_eq!(fresh.stop(), 0);
+    assert_eq!(restarted.stop(), 0);
+}
