@@ -123,6 +123,9 @@ pub enum WorkerError {
     /// The engine failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The worker panicked while serving the request; it was reset (its G1 blocks dropped).
+    #[error("the worker failed while serving this request and was restarted: {0}")]
+    Panicked(String),
 }
 
 impl WorkerError {
@@ -133,9 +136,15 @@ impl WorkerError {
             WorkerError::TooLong { .. } => "too_long",
             WorkerError::Overloaded => "overloaded",
             WorkerError::Model(e) => e.kind(),
+            WorkerError::Panicked(_) => "panicked",
         }
     }
 }
+
+/// With the `failpoints` feature, a request for exactly this many tokens panics the worker (tests
+/// of supervision only; never compiled into a release build without the feature).
+#[cfg(feature = "failpoints")]
+pub const FAILPOINT_PANIC_MAX_TOKENS: usize = 31_337;
 
 fn unix_millis() -> Millis {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -147,6 +156,7 @@ pub struct Worker<B: Backend> {
     kv: B::Kv,
     tiers: Arc<NodeTiers>,
     pages: usize,
+    policy: PolicyKind,
     free: Vec<u32>,
     by_hash: HashMap<BlockHash, u32>,
     registry: TierRegistry,
@@ -175,6 +185,7 @@ impl<B: Backend> Worker<B> {
             kv,
             tiers,
             pages,
+            policy,
             free: (0..pages as u32).rev().collect(),
             by_hash: HashMap::new(),
             registry: TierRegistry::new(pages, policy),
@@ -195,6 +206,17 @@ impl<B: Backend> Worker<B> {
     /// The model.
     pub fn model(&self) -> &Llama<B> {
         &self.model
+    }
+
+    /// Forgets everything in G1, as a restarted worker would: every page is free again and no
+    /// block is resident (after a panic, the pool's contents cannot be trusted). Returns how many
+    /// registered blocks were dropped, to be reported removed.
+    pub fn reset(&mut self) -> usize {
+        let dropped = self.by_hash.len();
+        self.free = (0..self.pages as u32).rev().collect();
+        self.by_hash.clear();
+        self.registry = TierRegistry::new(self.pages, self.policy);
+        dropped
     }
 
     /// Waits for every background G3 write started so far.
@@ -222,6 +244,10 @@ impl<B: Backend> Worker<B> {
         on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
     ) -> Result<GenOutcome, WorkerError> {
         let start_time = Instant::now();
+        #[cfg(feature = "failpoints")]
+        if req.max_tokens == FAILPOINT_PANIC_MAX_TOKENS {
+            panic!("failpoint: injected worker panic");
+        }
         let b = self.tiers.block_tokens;
         let len = req.prompt.len();
         if len == 0 {

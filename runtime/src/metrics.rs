@@ -101,6 +101,8 @@ pub mod names {
     pub const REQUEST_TTFT_SECONDS: &str = "dynamo_node_request_ttft_seconds";
     /// Histogram.
     pub const INTER_TOKEN_SECONDS: &str = "dynamo_node_inter_token_seconds";
+    /// Counter.
+    pub const WORKER_RESTARTS: &str = "dynamo_node_worker_restarts_total";
 
     /// Every histogram: each gets the configured buckets.
     pub const HISTOGRAMS: [&str; 3] = [KV_TRANSFER_SECONDS, REQUEST_TTFT_SECONDS, INTER_TOKEN_SECONDS];
@@ -146,6 +148,7 @@ pub const TRANSFER_PATHS: [(Tier, Tier); 6] = [
 pub fn describe() {
     use names::*;
     describe_gauge!(BUILD_INFO, "Build information; always 1.");
+    describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
     describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
     describe_gauge!(KV_CAPACITY_BLOCKS, Unit::Count, "KV blocks the tier can hold (G1: summed over workers).");
     describe_counter!(KV_PROMPT_TOKENS, Unit::Count, "Prompt tokens of admitted requests.");
@@ -229,6 +232,12 @@ pub fn record_tier_error(tier: Tier, kind: &'static str) {
 /// Sets the tier's in-flight I/O operations.
 pub fn set_io_inflight(tier: Tier, ops: u64) {
     gauge!(names::IO_INFLIGHT, "tier" => tier.as_str()).set(ops as f64);
+}
+
+/// Counts one worker restarted after a panic, and the G1 blocks it dropped as evictions.
+pub fn record_worker_restart(g1_blocks_removed: u64) {
+    counter!(names::WORKER_RESTARTS).increment(1);
+    counter!(names::KV_EVICTIONS, "tier" => Tier::G1.as_str(), "region" => "restart").increment(g1_blocks_removed);
 }
 
 /// Marks the tier degraded (the node runs without it) or healthy.

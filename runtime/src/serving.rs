@@ -4,6 +4,7 @@
 //! backlog. Requests go round-robin to the first worker with room; KV-aware routing replaces that
 //! with the scheduler.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -16,8 +17,8 @@ use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::Sampling;
 use dynamo_tiering::block::{Salt, SaltInputs};
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
 use crate::frontend::{FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator};
@@ -173,7 +174,23 @@ fn run_worker(mut worker: Worker<CpuBackend>, mut rx: mpsc::Receiver<Job>) {
     runtime.block_on(async move {
         while let Some(job) = rx.recv().await {
             let events = job.events.clone();
-            let result = worker.generate(&job.req, &mut |e| events.send(JobEvent::Event(e)).is_ok()).await;
+            let mut forward = |e| events.send(JobEvent::Event(e)).is_ok();
+            let run = worker.generate(&job.req, &mut forward);
+            // A panic fails this request, not the node: the worker restarts with an empty G1.
+            let result = match AssertUnwindSafe(run).catch_unwind().await {
+                Ok(result) => result,
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".to_string());
+                    let dropped = worker.reset();
+                    tracing::error!(panic = %what, g1_blocks_removed = dropped, "worker panicked; restarted with an empty G1");
+                    metrics::record_worker_restart(dropped as u64);
+                    Err(WorkerError::Panicked(what))
+                }
+            };
             let _ = job.events.send(match result {
                 Ok(outcome) => JobEvent::Done(outcome),
                 Err(e) => JobEvent::Failed(e),

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-/// The `dynamo-node` binary of this build, built first if needed.
+/// The `dynamo-node` binary of this build (with the test-only `failpoints` feature), built first if
+/// needed.
 ///
 /// Cargo builds a dependency's library for an integration test but not its binaries, so a test
 /// run straight after an edit could otherwise start a stale `dynamo-node`. The first call in a test
@@ -27,7 +28,8 @@ pub fn node_binary() -> PathBuf {
             let profile = dir.file_name().and_then(|p| p.to_str()).unwrap_or("debug").to_string();
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let mut cmd = Command::new(cargo);
-            cmd.args(["build", "--quiet", "-p", "dynamo-node", "--bin", "dynamo-node"])
+            // With the test-only failpoints, as the tests' own build of the library has them.
+            cmd.args(["build", "--quiet", "-p", "dynamo-node", "--bin", "dynamo-node", "--features", "failpoints"])
                 .current_dir(env!("CARGO_MANIFEST_DIR"));
             if profile != "debug" {
                 cmd.args(["--profile", if profile == "release" { "release" } else { &profile }]);

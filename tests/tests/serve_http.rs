@@ -192,3 +192,23 @@ async fn a_node_killed_during_write_through_serves_only_verified_blocks() {
     assert_eq!(fresh.stop(), 0);
     assert_eq!(restarted.stop(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_panic_fails_its_request_and_the_node_goes_on() {
+    let node = start();
+    let hello = || vec![("user", "hello".to_string())];
+    let mut boom = conversation(&hello());
+    // The test-only failpoint (feature `failpoints`): this many tokens panics the worker.
+    boom["max_tokens"] = json!(31_337);
+    let (status, err) = node.chat(boom).await;
+    assert_eq!(status, 500, "{err}");
+    assert_eq!(err["error"]["type"], "server_error", "{err}");
+    assert!(err["error"]["message"].as_str().expect("message").contains("restarted"), "{err}");
+    // Both workers keep serving (one of them was restarted).
+    for _ in 0..3 {
+        let (status, ok) = node.chat(conversation(&hello())).await;
+        assert_eq!(status, 200, "{ok}");
+    }
+    assert_eq!(node.metric("dynamo_node_worker_restarts_total").await, 1.0);
+    assert_eq!(node.stop(), 0);
+}
