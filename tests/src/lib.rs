@@ -43,3 +43,31 @@ pub fn node_binary() -> PathBuf {
         })
         .clone()
 }
+
+/// Starts `cmd` (a `dynamo-node serve` command line) with piped stdout, reads its start-up lines
+/// up to and including the `ready` line, and keeps draining stdout afterwards so the node never
+/// blocks on a full pipe. Panics with the lines seen if the node exits first or is not ready in
+/// two minutes.
+pub fn spawn_until_ready(mut cmd: Command) -> (std::process::Child, Vec<String>) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn dynamo-node");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut line = String::new();
+        let n = reader.read_line(&mut line).expect("read stdout");
+        assert!(n > 0, "dynamo-node exited before it was ready; output: {lines:#?}");
+        let ready = line.starts_with("ready");
+        lines.push(line.trim_end().to_string());
+        if ready {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not ready within 120 s; output: {lines:#?}");
+    }
+    std::thread::spawn(move || for _ in reader.lines() {});
+    (child, lines)
+}

@@ -7,7 +7,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dynamo_tests::node_binary;
+use dynamo_tests::{node_binary, spawn_until_ready};
 
 /// A port that was free a moment ago.
 fn free_port() -> u16 {
@@ -15,29 +15,9 @@ fn free_port() -> u16 {
 }
 
 fn start(data_dir: &std::path::Path, metrics: &str) -> (Child, Vec<String>) {
-    let mut child = Command::new(node_binary())
-        .args(["serve", "--http", "127.0.0.1:0", "--metrics", metrics, "--data-dir"])
-        .arg(data_dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn dynamo-node");
-    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut lines = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut line = String::new();
-        let n = reader.read_line(&mut line).expect("read stdout");
-        assert!(n > 0, "dynamo-node exited before it was ready; output: {lines:#?}");
-        let ready = line.starts_with("ready");
-        lines.push(line.trim_end().to_string());
-        if ready {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not ready within 60 s");
-    }
-    std::thread::spawn(move || for _ in reader.lines() {});
-    (child, lines)
+    let mut cmd = Command::new(node_binary());
+    cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", metrics, "--data-dir"]).arg(data_dir);
+    spawn_until_ready(cmd)
 }
 
 fn scrape(addr: &str) -> String {

@@ -2,11 +2,10 @@
 //! private data directory), print the resolved tiers, stop cleanly on SIGTERM and SIGINT, and find
 //! its G3 store again on restart.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use dynamo_tests::node_binary;
+use dynamo_tests::{node_binary, spawn_until_ready};
 
 struct Running {
     child: Child,
@@ -14,32 +13,10 @@ struct Running {
 }
 
 fn start(data_dir: &std::path::Path, extra: &[&str]) -> Running {
-    let mut child = Command::new(node_binary())
-        .args(extra)
-        // An ephemeral port: tests run in parallel, and the default 127.0.0.1:9090 may be taken.
-        .args(["--metrics", "127.0.0.1:0", "--http", "127.0.0.1:0"])
-        .arg("--data-dir")
-        .arg(data_dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn dynamo-node");
-    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut lines = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut line = String::new();
-        let n = reader.read_line(&mut line).expect("read stdout");
-        assert!(n > 0, "dynamo-node exited before it was ready; output: {lines:#?}");
-        let ready = line.starts_with("ready");
-        lines.push(line.trim_end().to_string());
-        if ready {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not ready within 60 s");
-    }
-    // Keep draining stdout so the node never blocks on a full pipe.
-    std::thread::spawn(move || for _ in reader.lines() {});
+    let mut cmd = Command::new(node_binary());
+    // Ephemeral ports: tests run in parallel, and the default ports may be taken.
+    cmd.args(extra).args(["--metrics", "127.0.0.1:0", "--http", "127.0.0.1:0"]).arg("--data-dir").arg(data_dir);
+    let (child, lines) = spawn_until_ready(cmd);
     Running { child, lines }
 }
 

@@ -4,12 +4,10 @@
 //! with the same greedy answer as a fresh node that recomputed everything; bad requests get the
 //! OpenAI error shape.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command};
 
-use dynamo_tests::node_binary;
+use dynamo_tests::{node_binary, spawn_until_ready};
 use serde_json::{Value, json};
 
 struct Node {
@@ -37,29 +35,15 @@ fn start() -> Node {
 
 fn start_in(dir: std::sync::Arc<tempfile::TempDir>) -> Node {
     let metrics = free_port();
-    let mut child = Command::new(node_binary())
-        .args(["serve", "--http", "127.0.0.1:0", "--metrics", &metrics, "--data-dir"])
-        .arg(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn dynamo-node");
-    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut api = None;
-    loop {
-        let mut line = String::new();
-        assert!(reader.read_line(&mut line).expect("read") > 0, "dynamo-node exited before it was ready");
-        if let Some(rest) = line.trim().strip_prefix("serving the OpenAI API on ") {
-            api = Some(rest.to_string());
-        }
-        if line.starts_with("ready") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not ready in time");
-    }
-    std::thread::spawn(move || for _ in reader.lines() {});
-    Node { child, api: api.expect("the API address is printed"), metrics, dir }
+    let mut cmd = Command::new(node_binary());
+    cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", &metrics, "--data-dir"]).arg(dir.path());
+    let (child, lines) = spawn_until_ready(cmd);
+    let api = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("serving the OpenAI API on "))
+        .expect("the API address is printed")
+        .to_string();
+    Node { child, api, metrics, dir }
 }
 
 impl Node {
