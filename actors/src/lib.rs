@@ -3,23 +3,31 @@
 //! The actors of a node (DESIGN.md §5), on `ractor` and `tokio`, one module per actor with
 //! `pub type XRef = ActorRef<XMsg>` and the reply contract of every message in its doc:
 //!
-//! - **NodeSupervisor** — the root; spawns and links the others with a restart policy per child
-//!   (a crashed worker restarts and reports its G1 blocks removed; a failed G3 store degrades the
-//!   node to G1+G2; the node never exits because one child did).
-//! - **SessionActor** — one per conversation: regions, holds across tool-call gaps, cache-control
-//!   TTLs, agent hints, sticky-worker preference.
-//! - **SchedulerActor** — the global prefix index, the TTFT cost model, the priority queue.
-//! - **WorkerActor** — one per engine instance: the engine, its G1 pool, onboarding and
-//!   write-through.
-//! - **Tier store actors** — the node's G2 and G3 stores; their I/O runs on the engines' own
-//!   threads, never inside a handler.
-//! - **PeerLink actors** — one per remote node.
+//! - [`supervisor`] — **NodeSupervisor**, the root: spawns and links the others with a restart
+//!   policy per child (a crashed worker restarts and reports its G1 blocks removed; a failed G3
+//!   store degrades the node to G1+G2; the node never exits because one child did).
+//! - [`session`] — **SessionActor**, one per conversation: turns, the sticky-worker preference,
+//!   the idle timeout.
+//! - [`scheduler`] — **SchedulerActor**: routing policy, bounded admission (a full node answers
+//!   "overloaded" at once), sessions.
+//! - [`worker`] — **WorkerActor**, one per engine instance: the engine on its own thread, its G1
+//!   pool, onboarding and write-through ([`worker::Worker`] is the engine loop it drives).
+//! - [`stores`] — the **G2 and G3 store actors**: background reclaim between the watermarks, G3
+//!   health (degrade to G1+G2 and recover by probing).
 //!
-//! What is here today is the synchronous core those actors will own:
-//! - [`worker`] — [`worker::Worker`]: one engine and its G1 pool; reuse of G1-resident prefixes,
-//!   onboarding from G2/G3 (verified), prefill, decode, and write-through of every completed block.
+//! Shared pieces that are not actors:
 //! - [`tiers`] — [`tiers::NodeTiers`]: the G2 and G3 tiers the workers of a node share, with
-//!   admission that evicts by policy.
+//!   admission that evicts by policy, G3 health, and the [`tiers::KvObserver`] that turns every
+//!   change of where blocks are into KV events.
+//! - [`telemetry`] — every metric name and the functions that record them.
+//!
+//! Blocking work never runs inside a handler: engines run on their workers' threads, G3 I/O on
+//! the store's ring threads.
 
+pub mod scheduler;
+pub mod session;
+pub mod stores;
+pub mod supervisor;
+pub mod telemetry;
 pub mod tiers;
 pub mod worker;

@@ -1,15 +1,57 @@
 //! The node's shared tiers below G1, as the workers use them: G2 (host pool + registry + the
 //! hash → slot map) and G3 (store + registry), each behind its own lock, with admission that
-//! evicts by the tier's policy and frees exactly what the registry gave up.
+//! evicts by the tier's policy and frees exactly what the registry gave up. G3 also carries its
+//! [`G3Health`]: workers report I/O outcomes there and the G3 store actor decides when the node
+//! runs without G3 and when it comes back.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use dynamo_config::{RegionKind, RetentionSection, TierName};
+use dynamo_config::{RegionKind, RetentionSection, TierName, TiersSection};
 use dynamo_tiering::block::{BlockHash, BlockLayout, Salt};
 use dynamo_tiering::g2::{HostPool, SlotMut, SlotRef};
-use dynamo_tiering::g3::G3Store;
+use dynamo_tiering::g3::{G3Error, G3Store};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
+
+/// Where a block is: one worker's G1, or one of the node's shared tiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockSite {
+    /// The G1 pool of worker `worker`.
+    G1 {
+        /// The worker's index in the node.
+        worker: usize,
+    },
+    /// A node-shared tier (G2, G3).
+    Node(TierName),
+}
+
+/// Sees every change of where blocks are: the source of KV events. Calls come from worker
+/// threads and I/O completions, so they must be cheap and must not block; a `stored` is sent only
+/// once the tier acknowledged the block (G3: after the write completed).
+pub trait KvObserver: Send + Sync + std::fmt::Debug {
+    /// `hashes` (in prefix order; the first one's parent is `parent`) are now in `site`.
+    fn stored(&self, site: BlockSite, parent: Option<BlockHash>, hashes: &[BlockHash]);
+    /// `hashes` are no longer in `site`.
+    fn removed(&self, site: BlockSite, hashes: &[BlockHash]);
+    /// Everything worker `worker` had in G1 is gone (it restarted).
+    fn cleared(&self, worker: usize);
+}
+
+/// A [`KvObserver`] that ignores everything.
+#[derive(Debug, Default)]
+pub struct NoObserver;
+
+impl KvObserver for NoObserver {
+    fn stored(&self, _: BlockSite, _: Option<BlockHash>, _: &[BlockHash]) {}
+    fn removed(&self, _: BlockSite, _: &[BlockHash]) {}
+    fn cleared(&self, _: usize) {}
+}
+
+fn victims(evicted: &[dynamo_tiering::registry::Evicted]) -> Vec<BlockHash> {
+    evicted.iter().map(|v| v.hash).collect()
+}
 
 /// G2: the pool and what it holds.
 #[derive(Debug)]
@@ -18,6 +60,7 @@ pub struct G2Tier {
     pub pool: HostPool,
     registry: Arc<Mutex<TierRegistry>>,
     inner: Mutex<G2Inner>,
+    observer: Arc<dyn KvObserver>,
 }
 
 #[derive(Debug)]
@@ -29,7 +72,19 @@ impl G2Tier {
     /// A G2 tier over `pool`, with `registry` deciding what stays (shared with whoever reports
     /// its stats).
     pub fn new(pool: HostPool, registry: Arc<Mutex<TierRegistry>>) -> Self {
-        Self { pool, registry, inner: Mutex::new(G2Inner { slots: HashMap::new() }) }
+        Self { pool, registry, inner: Mutex::new(G2Inner { slots: HashMap::new() }), observer: Arc::new(NoObserver) }
+    }
+
+    /// Reports what this tier stores and drops to `observer`.
+    pub fn with_observer(mut self, observer: Arc<dyn KvObserver>) -> Self {
+        self.observer = observer;
+        self
+    }
+
+    fn report_removed(&self, hashes: Vec<BlockHash>) {
+        if !hashes.is_empty() {
+            self.observer.removed(BlockSite::Node(TierName::G2), &hashes);
+        }
     }
 
     fn lock(&self) -> (std::sync::MutexGuard<'_, G2Inner>, std::sync::MutexGuard<'_, TierRegistry>) {
@@ -68,10 +123,12 @@ impl G2Tier {
             return Some(slot);
         }
         let (mut g, mut registry) = self.lock();
-        for victim in registry.evict(1, now) {
+        let evicted = registry.evict(1, now);
+        for victim in &evicted {
             g.slots.remove(&victim.hash);
         }
         drop((g, registry));
+        self.report_removed(victims(&evicted));
         self.pool.try_alloc()
     }
 
@@ -81,10 +138,13 @@ impl G2Tier {
         let (mut g, mut registry) = self.lock();
         match registry.insert(hash, meta, now) {
             Ok(Admission::Inserted { evicted }) => {
-                for victim in evicted {
+                for victim in &evicted {
                     g.slots.remove(&victim.hash);
                 }
                 g.slots.insert(hash, image);
+                drop((g, registry));
+                self.report_removed(victims(&evicted));
+                self.observer.stored(BlockSite::Node(TierName::G2), meta.parent, &[hash]);
                 true
             }
             Ok(Admission::AlreadyPresent) | Err(_) => false,
@@ -95,6 +155,76 @@ impl G2Tier {
     pub fn hold(&self, hash: BlockHash, until: Millis) {
         let _ = self.registry.lock().expect("G2 registry lock").hold(hash, until);
     }
+
+    /// Evicts by policy until at most `target` blocks are resident (background eviction between
+    /// the watermarks, so the hot path rarely has to). Returns the blocks evicted.
+    pub fn evict_to(&self, target: usize, now: Millis) -> usize {
+        let (mut g, mut registry) = self.lock();
+        let evicted = registry.evict_to(target, now);
+        for victim in &evicted {
+            g.slots.remove(&victim.hash);
+        }
+        drop((g, registry));
+        let n = evicted.len();
+        self.report_removed(victims(&evicted));
+        n
+    }
+
+    /// Blocks the registry may keep resident.
+    pub fn capacity(&self) -> usize {
+        self.registry.lock().expect("G2 registry lock").capacity()
+    }
+}
+
+/// G3's health as the node sees it. Workers report every I/O outcome; the G3 store actor turns a
+/// run of failures into a degraded node (G1+G2 only) and probes the disk until it answers again.
+/// Capacity (`Full`), missing blocks and corrupt images are not disk failures: only I/O errors
+/// and a full device count.
+#[derive(Debug, Default)]
+pub struct G3Health {
+    degraded: AtomicBool,
+    consecutive_failures: AtomicU32,
+    last_error: Mutex<Option<String>>,
+}
+
+impl G3Health {
+    /// Whether the node runs without G3 now: no reads, no writes.
+    pub fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::Acquire)
+    }
+
+    /// Marks G3 degraded or healthy; returns whether that changed anything.
+    pub fn set_degraded(&self, degraded: bool) -> bool {
+        if !degraded {
+            self.consecutive_failures.store(0, Ordering::Relaxed);
+        }
+        self.degraded.swap(degraded, Ordering::AcqRel) != degraded
+    }
+
+    /// An operation succeeded: the failure run is over.
+    pub fn record_ok(&self) {
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+    }
+
+    /// An operation failed with `error`; returns whether it counts as a disk failure.
+    pub fn record_error(&self, error: &G3Error) -> bool {
+        if !matches!(error, G3Error::NoSpace(_) | G3Error::Io(_)) {
+            return false;
+        }
+        self.consecutive_failures.fetch_add(1, Ordering::Relaxed);
+        *self.last_error.lock().expect("G3 health lock") = Some(error.to_string());
+        true
+    }
+
+    /// Disk failures in a row since the last success.
+    pub fn consecutive_failures(&self) -> u32 {
+        self.consecutive_failures.load(Ordering::Relaxed)
+    }
+
+    /// The last disk failure, for the log line.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().expect("G3 health lock").clone()
+    }
 }
 
 /// G3: the store and what it holds.
@@ -102,14 +232,85 @@ impl G2Tier {
 pub struct G3Tier {
     /// The store.
     pub store: Arc<G3Store>,
+    /// Whether the node may use it now.
+    pub health: G3Health,
     registry: Arc<Mutex<TierRegistry>>,
+    observer: Arc<dyn KvObserver>,
+    read_bandwidth: Mutex<Option<f64>>,
 }
 
 impl G3Tier {
     /// A G3 tier over `store`, with `registry` (rebuilt from the store's recovery) deciding what
     /// stays (shared with whoever reports its stats).
     pub fn new(store: Arc<G3Store>, registry: Arc<Mutex<TierRegistry>>) -> Self {
-        Self { store, registry }
+        Self {
+            store,
+            health: G3Health::default(),
+            registry,
+            observer: Arc::new(NoObserver),
+            read_bandwidth: Mutex::new(None),
+        }
+    }
+
+    /// Reports what this tier stores and drops to `observer`.
+    pub fn with_observer(mut self, observer: Arc<dyn KvObserver>) -> Self {
+        self.observer = observer;
+        self
+    }
+
+    /// Every block the store holds now (for a snapshot, after recovery).
+    pub fn report_resident(&self, hashes: &[BlockHash]) {
+        if !hashes.is_empty() {
+            self.observer.stored(BlockSite::Node(TierName::G3), None, hashes);
+        }
+    }
+
+    /// The write of `hash` completed: G3 acknowledges it.
+    pub fn acknowledge(&self, hash: BlockHash, parent: Option<BlockHash>) {
+        self.observer.stored(BlockSite::Node(TierName::G3), parent, &[hash]);
+    }
+
+    /// Folds one batched read of `bytes` in `elapsed` into the measured read bandwidth (an
+    /// exponentially weighted mean, so the cost model follows the disk as it is now).
+    pub fn observe_read(&self, bytes: usize, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        if secs <= 0.0 || bytes == 0 {
+            return;
+        }
+        let sample = bytes as f64 / secs;
+        let mut bw = self.read_bandwidth.lock().expect("G3 bandwidth lock");
+        *bw = Some(match *bw {
+            Some(old) => 0.8 * old + 0.2 * sample,
+            None => sample,
+        });
+    }
+
+    /// Measured read bandwidth in bytes per second, once a read was timed.
+    pub fn measured_read_bandwidth(&self) -> Option<f64> {
+        *self.read_bandwidth.lock().expect("G3 bandwidth lock")
+    }
+
+    /// Whether reads and writes may go to G3 now (false while the node is degraded).
+    pub fn usable(&self) -> bool {
+        !self.health.is_degraded()
+    }
+
+    /// Evicts by policy until at most `target` blocks are registered, removing them from the store.
+    pub fn evict_to(&self, target: usize, now: Millis) -> usize {
+        let evicted = self.registry.lock().expect("G3 lock").evict_to(target, now);
+        for victim in &evicted {
+            self.store.remove(victim.hash);
+        }
+        if !evicted.is_empty() {
+            self.observer.removed(BlockSite::Node(TierName::G3), &victims(&evicted));
+        }
+        evicted.len()
+    }
+
+    /// Blocks registered, and the most the registry may keep.
+    pub fn occupancy(&self) -> (usize, usize) {
+        let r = self.registry.lock().expect("G3 lock");
+        (r.len(), r.capacity())
     }
 
     /// Registers `hash` for writing, evicting by policy; returns false when it is present or the
@@ -118,8 +319,12 @@ impl G3Tier {
         let mut r = self.registry.lock().expect("G3 lock");
         match r.insert(hash, meta, now) {
             Ok(Admission::Inserted { evicted }) => {
-                for victim in evicted {
+                drop(r);
+                for victim in &evicted {
                     self.store.remove(victim.hash);
+                }
+                if !evicted.is_empty() {
+                    self.observer.removed(BlockSite::Node(TierName::G3), &victims(&evicted));
                 }
                 true
             }
@@ -130,7 +335,9 @@ impl G3Tier {
     /// Forgets `hash` (its write failed, or it failed verification).
     pub fn forget(&self, hash: BlockHash) {
         let _ = self.registry.lock().expect("G3 lock").remove(hash);
-        self.store.remove(hash);
+        if self.store.remove(hash) {
+            self.observer.removed(BlockSite::Node(TierName::G3), &[hash]);
+        }
     }
 }
 
@@ -149,6 +356,72 @@ pub struct NodeTiers {
     pub g2: Option<G2Tier>,
     /// G3, when enabled.
     pub g3: Option<G3Tier>,
+    /// Write-through batch bounds.
+    pub write_batch: WriteBatch,
+    /// What loading costs against recomputing.
+    pub cost: LoadCost,
+    /// Where G1 changes are reported (G2 and G3 report through their own observer).
+    pub observer: Arc<dyn KvObserver>,
+}
+
+/// Write-through batch bounds: a batch leaves when it has this many blocks or its oldest block
+/// waited this long (`tiers.g2.write_batch_*` for G1 → G2 gathers, `tiers.g3.write_batch_*` for
+/// G2 → G3 writes). The end of every turn flushes both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteBatch {
+    /// Most blocks per G1 → G2 gather.
+    pub g2_blocks: usize,
+    /// Longest wait of a block for its gather.
+    pub g2_delay: Duration,
+    /// Most blocks per G2 → G3 write batch.
+    pub g3_blocks: usize,
+    /// Longest wait of a block for its G3 write.
+    pub g3_delay: Duration,
+}
+
+impl Default for WriteBatch {
+    fn default() -> Self {
+        Self { g2_blocks: 32, g2_delay: Duration::from_millis(2), g3_blocks: 64, g3_delay: Duration::from_millis(10) }
+    }
+}
+
+impl WriteBatch {
+    /// The bounds of `tiers`.
+    pub fn from_config(tiers: &TiersSection) -> Self {
+        Self {
+            g2_blocks: tiers.g2.write_batch_blocks.max(1),
+            g2_delay: tiers.g2.write_batch_delay.as_duration(),
+            g3_blocks: tiers.g3.write_batch_blocks.max(1),
+            g3_delay: tiers.g3.write_batch_delay.as_duration(),
+        }
+    }
+}
+
+/// The numbers behind "never load a run of blocks slower than recomputing it": the engine's
+/// prefill throughput and each tier's read bandwidth. A zero throughput means unmeasured: loading
+/// is then always taken (it is on every machine this runs on without a GPU).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoadCost {
+    /// Prompt tokens per second the engine prefills (measured at start-up).
+    pub prefill_tokens_per_s: f64,
+    /// G2 → G1 bytes per second (the host link, or memcpy on a CPU engine); 0 = unknown.
+    pub g2_read_bytes_per_s: f64,
+    /// G3 → G2 bytes per second from configuration (`tiers.g3.read_gb_s`); 0 = use the measured
+    /// bandwidth.
+    pub g3_read_bytes_per_s: f64,
+}
+
+impl LoadCost {
+    /// Whether loading one block image of `image_bytes` at `bytes_per_s` beats computing its
+    /// `block_tokens` tokens. Unknown numbers favour loading.
+    pub fn load_beats_recompute(&self, image_bytes: usize, bytes_per_s: f64, block_tokens: usize) -> bool {
+        if self.prefill_tokens_per_s <= 0.0 || bytes_per_s <= 0.0 {
+            return true;
+        }
+        let load = image_bytes as f64 / bytes_per_s;
+        let recompute = block_tokens as f64 / self.prefill_tokens_per_s;
+        load < recompute
+    }
 }
 
 impl NodeTiers {

@@ -360,13 +360,14 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         println!("G2 is not locked in RAM (mlock refused); see the warning above");
     }
     let poller = metrics.is_enabled().then(|| crate::metrics::spawn_tier_poller(&node, TIER_POLL_PERIOD));
-    let pool_cfg = cfg.clone();
-    let pool = tokio::task::spawn_blocking(move || crate::serving::WorkerPool::start(&pool_cfg, node))
-        .await
-        .context("start-up task")??;
-    let pool = Arc::new(pool);
+    let serving = crate::serving::Serving::start(&cfg, node).await?;
+    println!(
+        "actor tree up: {} worker(s), prefill measured at {:.0} tokens/s per worker",
+        cfg.engine.workers.max(1),
+        serving.prefill_tokens_per_s
+    );
     let (tokenizer, template) = frontend_parts(&cfg)?;
-    let generator = crate::serving::NodeGenerator::new(pool.clone(), tokenizer.vocab_size());
+    let generator = serving.generator(tokenizer.vocab_size()).await?;
     let state = crate::frontend::FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
     println!("{}", metrics.line());
     println!("serving the OpenAI API on http://{}/v1", listener.local_addr()?);
@@ -389,9 +390,7 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         poller.abort();
     }
     // The workers finish what they hold and flush their G3 writes before they exit.
-    if let Ok(pool) = Arc::try_unwrap(pool) {
-        tokio::task::spawn_blocking(move || pool.shutdown()).await.context("worker shutdown")?;
-    }
+    serving.shutdown().await;
     println!("stopped");
     Ok(())
 }

@@ -1,85 +1,75 @@
-//! The node's engine workers as the HTTP frontend reaches them: one OS thread per worker, each
-//! with its own current-thread tokio runtime (G3 reads and writes complete there) and a bounded
-//! queue in front of it. A full queue everywhere is an `Overloaded` answer, never an unbounded
-//! backlog. Requests go round-robin to the first worker with room; KV-aware routing replaces that
-//! with the scheduler.
+//! The serving side of a node: the actor tree over the node's tiers, and the HTTP frontend's
+//! [`Generator`] on top of it.
+//!
+//! [`Serving::start`] loads the model once, measures its prefill throughput (the cost model's
+//! "is loading faster than recomputing?"), and starts the NodeSupervisor with one WorkerActor per
+//! `engine.workers`, the SchedulerActor and the G2/G3 store actors. [`NodeGenerator`] hands each
+//! request to the scheduler, which queues it on a worker or answers "overloaded" at once.
 
-use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use dynamo_actors::tiers::{G2Tier, G3Tier, NodeTiers};
-use dynamo_actors::worker::{Finish, GenOutcome, GenRequest, Worker, WorkerError, WorkerEvent};
+use dynamo_actors::scheduler::{SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
+use dynamo_actors::stores::{StoreArgs, Watermarks};
+use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
+use dynamo_actors::tiers::{G2Tier, G3Tier, LoadCost, NoObserver, NodeTiers, WriteBatch};
+use dynamo_actors::worker::{
+    Engine, EngineFactory, Finish, GenRequest, JobEvent, Worker, WorkerArgs, WorkerError, WorkerEvent,
+};
 use dynamo_config::NodeConfig;
 use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::Sampling;
 use dynamo_tiering::block::{Salt, SaltInputs};
+use futures::StreamExt;
 use futures::stream::BoxStream;
-use futures::{FutureExt, StreamExt};
-use tokio::sync::mpsc;
+use ractor::Actor;
+use ractor::rpc::CallResult;
 
 use crate::frontend::{FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator};
-use crate::metrics;
 use crate::node::Node;
 
-/// What a worker reports for one request.
+/// How often the store actors check occupancy and G3 health.
+const STORE_PERIOD: Duration = Duration::from_millis(500);
+/// G3 disk failures in a row that degrade the node to G1+G2.
+const G3_FAILURES_TO_DEGRADE: u32 = 4;
+/// What a client is told to wait before retrying a refused request.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The node's running actor tree.
 #[derive(Debug)]
-pub enum JobEvent {
-    /// Prefill done, or a token.
-    Event(WorkerEvent),
-    /// The request finished.
-    Done(GenOutcome),
-    /// The request failed.
-    Failed(WorkerError),
-}
-
-struct Job {
-    req: GenRequest,
-    events: mpsc::UnboundedSender<JobEvent>,
-}
-
-/// Why a request was not queued.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum SubmitError {
-    /// Every worker's queue is full.
-    #[error("every worker is busy ({workers} workers, {per_worker} queued requests each)")]
-    Overloaded {
-        /// Workers.
-        workers: usize,
-        /// Queue bound per worker.
-        per_worker: usize,
-    },
-    /// The pool is shutting down.
-    #[error("the node is shutting down")]
-    ShuttingDown,
-}
-
-/// The engine workers of a node.
-#[derive(Debug)]
-pub struct WorkerPool {
-    queues: Vec<mpsc::Sender<Job>>,
-    threads: Vec<JoinHandle<()>>,
-    next: AtomicUsize,
-    per_worker: usize,
+pub struct Serving {
+    /// The root of the tree.
+    pub node: NodeRef,
+    /// The tiers the workers share.
+    pub tiers: Arc<NodeTiers>,
     /// The model's name as clients address it.
     pub model: String,
     /// Longest prompt plus generation a request may have, in tokens.
     pub max_context: usize,
-    tiers: Arc<NodeTiers>,
+    /// Measured prefill throughput of one worker, tokens per second.
+    pub prefill_tokens_per_s: f64,
+    join: tokio::task::JoinHandle<()>,
 }
 
-impl WorkerPool {
-    /// Builds the model and starts `engine.workers` workers over the node's tiers.
-    pub fn start(cfg: &NodeConfig, node: Node) -> anyhow::Result<Self> {
-        let plan = &node.tiers;
-        let weights = Arc::new(match &cfg.model.path {
-            Some(dir) => HostWeights::load(dir).with_context(|| format!("loading weights from {}", dir.display()))?,
-            None => HostWeights::random(plan.shape, cfg.model.seed),
-        });
+impl Serving {
+    /// Loads the model, measures it, and starts the actor tree over `node`'s tiers.
+    pub async fn start(cfg: &NodeConfig, node: Node) -> anyhow::Result<Self> {
+        let plan = node.tiers.clone();
+        let model_cfg = cfg.model.clone();
+        let shape = plan.shape;
+        let weights = tokio::task::spawn_blocking(move || -> anyhow::Result<HostWeights> {
+            Ok(match &model_cfg.path {
+                Some(dir) => {
+                    HostWeights::load(dir).with_context(|| format!("loading weights from {}", dir.display()))?
+                }
+                None => HostWeights::random(shape, model_cfg.seed),
+            })
+        })
+        .await
+        .context("start-up task")??;
+        let weights = Arc::new(weights);
         let digest = match &cfg.model.path {
             Some(dir) => dir.display().to_string(),
             None => format!("random-seed-{}", cfg.model.seed),
@@ -90,6 +80,18 @@ impl WorkerPool {
             lora: cfg.model.lora.as_deref().unwrap_or(""),
             cache_salt: "",
         });
+        let workers = cfg.engine.workers.max(1);
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let threads_each = (cores / workers).max(1);
+        let pages = plan.g1.blocks as usize;
+        let block_tokens = plan.block_tokens;
+
+        let measure_weights = weights.clone();
+        let prefill_tokens_per_s =
+            tokio::task::spawn_blocking(move || measure_prefill(&measure_weights, threads_each, block_tokens))
+                .await
+                .context("start-up task")??;
+
         let g2 = match (node.g2, node.g2_registry) {
             (Some(pool), Some(registry)) => Some(G2Tier::new(pool, registry)),
             _ => None,
@@ -99,142 +101,159 @@ impl WorkerPool {
             _ => None,
         };
         let tiers = Arc::new(NodeTiers {
-            block_tokens: plan.block_tokens,
+            block_tokens,
             salt,
             layout: plan.layout,
             retention: cfg.retention.clone(),
             g2,
             g3,
+            write_batch: WriteBatch::from_config(&cfg.tiers),
+            cost: LoadCost {
+                prefill_tokens_per_s,
+                // G2 → G1 on a CPU engine is a memcpy: never slower than compute.
+                g2_read_bytes_per_s: 0.0,
+                g3_read_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
+            },
+            observer: Arc::new(NoObserver),
         });
-        let workers = cfg.engine.workers.max(1);
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        let threads_each = (cores / workers).max(1);
-        let pages = plan.g1.blocks as usize;
-        let per_worker = cfg.engine.max_queued_requests.max(1);
-        let mut queues = Vec::new();
-        let mut threads = Vec::new();
-        for w in 0..workers {
-            let model = Llama::new(CpuBackend::new(threads_each), weights.as_ref()).context("building the model")?;
-            let worker = Worker::new(model, tiers.clone(), pages, plan.g1.policy).context("building a worker")?;
-            let (tx, rx) = mpsc::channel(per_worker);
-            queues.push(tx);
-            threads
-                .push(std::thread::Builder::new().name(format!("worker-{w}")).spawn(move || run_worker(worker, rx))?);
-        }
+
+        let factory_tiers = tiers.clone();
+        let policy = plan.g1.policy;
+        let factory: EngineFactory = Arc::new(move |id| {
+            let model = Llama::new(CpuBackend::new(threads_each), weights.as_ref())?;
+            let worker = Worker::new(model, factory_tiers.clone(), pages, policy)?.with_id(id);
+            Ok(Box::new(worker) as Box<dyn Engine>)
+        });
+        let queue_bound = cfg.engine.max_queued_requests.max(1);
+        let store = |high: f64, low: f64| StoreArgs {
+            tiers: tiers.clone(),
+            watermarks: Watermarks { high, low },
+            period: STORE_PERIOD,
+            failures_to_degrade: G3_FAILURES_TO_DEGRADE,
+        };
+        let args = NodeArgs {
+            workers: (0..workers).map(|id| WorkerArgs { id, factory: factory.clone(), queue_bound }).collect(),
+            scheduler: SchedulerArgs {
+                policy: cfg.router.policy,
+                session_idle_timeout: cfg.frontend.session_idle_timeout.as_duration(),
+                seed: cfg.model.seed,
+            },
+            g2: tiers.g2.as_ref().map(|_| store(cfg.tiers.g2.high_watermark, cfg.tiers.g2.low_watermark)),
+            g3: tiers.g3.as_ref().map(|_| store(cfg.tiers.g3.high_watermark, cfg.tiers.g3.low_watermark)),
+        };
+        let (node, join) = Actor::spawn(None, NodeSupervisor, args).await.context("starting the actor tree")?;
         Ok(Self {
-            queues,
-            threads,
-            next: AtomicUsize::new(0),
-            per_worker,
-            model: cfg.model.name.clone(),
-            max_context: pages * plan.block_tokens,
+            node,
             tiers,
+            model: cfg.model.name.clone(),
+            max_context: pages * block_tokens,
+            prefill_tokens_per_s,
+            join,
         })
     }
 
-    /// The tiers the workers share.
-    pub fn tiers(&self) -> &Arc<NodeTiers> {
-        &self.tiers
+    /// The frontend's generator over this tree; it samples only ids the tokenizer can decode.
+    pub async fn generator(&self, vocab_limit: usize) -> anyhow::Result<NodeGenerator> {
+        let scheduler = scheduler_of(&self.node).await?;
+        Ok(NodeGenerator {
+            node: self.node.clone(),
+            scheduler: Arc::new(Mutex::new(scheduler)),
+            model: self.model.clone(),
+            max_context: self.max_context,
+            vocab_limit,
+        })
     }
 
-    /// Queues a request on the next worker with room; its events arrive on the returned channel.
-    pub fn submit(&self, req: GenRequest) -> Result<mpsc::UnboundedReceiver<JobEvent>, SubmitError> {
-        let (events, rx) = mpsc::unbounded_channel();
-        let mut job = Job { req, events };
-        let n = self.queues.len();
-        let first = self.next.fetch_add(1, Ordering::Relaxed);
-        for i in 0..n {
-            match self.queues[(first + i) % n].try_send(job) {
-                Ok(()) => return Ok(rx),
-                Err(mpsc::error::TrySendError::Full(j)) => job = j,
-                Err(mpsc::error::TrySendError::Closed(_)) => return Err(SubmitError::ShuttingDown),
-            }
-        }
-        Err(SubmitError::Overloaded { workers: n, per_worker: self.per_worker })
-    }
-
-    /// Stops taking requests, lets the workers finish the queued ones and flush their G3 writes,
-    /// and joins them.
-    pub fn shutdown(mut self) {
-        self.queues.clear();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+    /// Stops taking requests, lets the workers finish their queues and flush write-through, and
+    /// waits for the tree to stop.
+    pub async fn shutdown(self) {
+        let _ = self.node.call(NodeMsg::Shutdown, None).await;
+        let _ = self.join.await;
     }
 }
 
-fn run_worker(mut worker: Worker<CpuBackend>, mut rx: mpsc::Receiver<Job>) {
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "a worker could not start its runtime");
-            return;
-        }
-    };
-    runtime.block_on(async move {
-        while let Some(job) = rx.recv().await {
-            let events = job.events.clone();
-            let mut forward = |e| events.send(JobEvent::Event(e)).is_ok();
-            let run = worker.generate(&job.req, &mut forward);
-            // A panic fails this request, not the node: the worker restarts with an empty G1.
-            let result = match AssertUnwindSafe(run).catch_unwind().await {
-                Ok(result) => result,
-                Err(panic) => {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "unknown panic".to_string());
-                    let dropped = worker.reset();
-                    tracing::error!(panic = %what, g1_blocks_removed = dropped, "worker panicked; restarted with an empty G1");
-                    metrics::record_worker_restart(dropped as u64);
-                    Err(WorkerError::Panicked(what))
-                }
-            };
-            let _ = job.events.send(match result {
-                Ok(outcome) => JobEvent::Done(outcome),
-                Err(e) => JobEvent::Failed(e),
-            });
-        }
-        worker.flush().await;
-    });
+/// Times one block's prefill on a scratch KV pool: the engine's throughput for the cost model.
+fn measure_prefill(weights: &HostWeights, threads: usize, block_tokens: usize) -> anyhow::Result<f64> {
+    let model = Llama::new(CpuBackend::new(threads), weights).context("building the model")?;
+    let mut kv = model.kv_pool(block_tokens, 1).context("a scratch KV pool")?;
+    let tokens: Vec<u32> = (0..block_tokens as u32).collect();
+    let started = Instant::now();
+    model.forward(&mut kv, &tokens, 0, &[0], block_tokens).context("measuring prefill")?;
+    Ok(block_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9))
 }
 
-/// The worker pool as the HTTP frontend's [`Generator`]: requests are queued on a worker and its
-/// events become the frontend's stream; dropping the stream stops the request at its next token.
+async fn scheduler_of(node: &NodeRef) -> anyhow::Result<SchedulerRef> {
+    match node.call(NodeMsg::Scheduler, Some(Duration::from_secs(5))).await {
+        Ok(CallResult::Success(scheduler)) => Ok(scheduler),
+        Ok(_) => anyhow::bail!("the node supervisor did not answer"),
+        Err(e) => anyhow::bail!("the node supervisor is gone: {e}"),
+    }
+}
+
+/// The actor tree as the HTTP frontend's [`Generator`]: each request is routed and queued by the
+/// scheduler, and its worker's events become the frontend's stream; dropping the stream stops
+/// the request at its next token.
 #[derive(Debug, Clone)]
 pub struct NodeGenerator {
-    pool: Arc<WorkerPool>,
+    node: NodeRef,
+    scheduler: Arc<Mutex<SchedulerRef>>,
+    model: String,
+    max_context: usize,
     vocab_limit: usize,
 }
 
 impl NodeGenerator {
-    /// A generator over `pool` that samples only ids the tokenizer can decode (`vocab_limit`).
-    pub fn new(pool: Arc<WorkerPool>, vocab_limit: usize) -> Self {
-        Self { pool, vocab_limit }
+    /// Submits `job` through the current scheduler; if the scheduler was restarted in between,
+    /// asks the supervisor for the new one and tries once more.
+    async fn submit(
+        &self,
+        job: GenRequest,
+        session: Option<String>,
+    ) -> Result<dynamo_actors::scheduler::Submitted, GenerateError> {
+        let mut retried = false;
+        loop {
+            let scheduler = self.scheduler.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            let job = job.clone();
+            let session = session.clone();
+            match scheduler.call(|reply| SchedulerMsg::Submit { req: job, session, reply }, None).await {
+                Ok(CallResult::Success(Ok(submitted))) => return Ok(submitted),
+                Ok(CallResult::Success(Err(SubmitError::Overloaded { .. }))) => {
+                    return Err(GenerateError::Overloaded { retry_after: RETRY_AFTER });
+                }
+                Ok(CallResult::Success(Err(e))) => {
+                    return Err(GenerateError::Unavailable { message: e.to_string(), retry_after: RETRY_AFTER });
+                }
+                _ if !retried => {
+                    retried = true;
+                    let fresh = scheduler_of(&self.node)
+                        .await
+                        .map_err(|e| GenerateError::Unavailable { message: e.to_string(), retry_after: RETRY_AFTER })?;
+                    *self.scheduler.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
+                }
+                _ => {
+                    return Err(GenerateError::Unavailable {
+                        message: "the scheduler is restarting".into(),
+                        retry_after: RETRY_AFTER,
+                    });
+                }
+            }
+        }
     }
-}
-
-fn api_of(request_id: &str) -> metrics::Api {
-    if request_id.starts_with("chatcmpl") { metrics::Api::ChatCompletions } else { metrics::Api::Completions }
 }
 
 impl Generator for NodeGenerator {
     fn models(&self) -> Vec<String> {
-        vec![self.pool.model.clone()]
+        vec![self.model.clone()]
     }
 
     fn max_context(&self) -> usize {
-        self.pool.max_context
+        self.max_context
     }
 
     fn generate(&self, req: GenerateRequest) -> BoxStream<'static, Result<GenerateEvent, GenerateError>> {
-        let api = api_of(&req.request_id);
-        if req.model != self.pool.model {
-            metrics::record_request(api, 404, None);
+        if req.model != self.model {
             return futures::stream::once(std::future::ready(Err(GenerateError::ModelNotFound(req.model)))).boxed();
         }
-        let prompt_len = req.prompt.len();
         let job = GenRequest {
             prompt: req.prompt,
             regions: req.regions,
@@ -248,55 +267,48 @@ impl Generator for NodeGenerator {
             stop_tokens: req.stop_token_ids,
             vocab_limit: self.vocab_limit,
         };
-        let rx = match self.pool.submit(job) {
-            Ok(rx) => rx,
-            Err(e) => {
-                metrics::record_request(api, 429, None);
-                tracing::debug!(error = %e, "request refused");
-                let err = GenerateError::Overloaded { retry_after: std::time::Duration::from_secs(1) };
-                return futures::stream::once(std::future::ready(Err(err))).boxed();
+        let this = self.clone();
+        let session = req.session_id;
+        futures::stream::once(async move { this.submit(job, session).await })
+            .flat_map(|submitted| match submitted {
+                Err(e) => futures::stream::once(std::future::ready(Err(e))).boxed(),
+                Ok(submitted) => events(submitted.events).boxed(),
+            })
+            .boxed()
+    }
+}
+
+fn events(
+    rx: tokio::sync::mpsc::UnboundedReceiver<JobEvent>,
+) -> impl futures::Stream<Item = Result<GenerateEvent, GenerateError>> + Send {
+    futures::stream::unfold(Some(rx), move |rx| async move {
+        let mut rx = rx?;
+        let item = match rx.recv().await? {
+            JobEvent::Event(WorkerEvent::Prefilled { cached_tokens, .. }) => {
+                Ok(GenerateEvent::Started { cached_tokens })
+            }
+            JobEvent::Event(WorkerEvent::Token(id)) => Ok(GenerateEvent::Token { id }),
+            JobEvent::Done(outcome) => {
+                let reason = match outcome.finish {
+                    Finish::Length => FinishReason::Length,
+                    Finish::Stop => FinishReason::Stop,
+                };
+                return Some((Ok(GenerateEvent::Finished { reason }), None));
+            }
+            JobEvent::Failed(e) => {
+                let err = match e {
+                    WorkerError::TooLong { prompt, capacity, .. } => {
+                        GenerateError::PromptTooLong { tokens: prompt, limit: capacity }
+                    }
+                    WorkerError::Overloaded => GenerateError::Overloaded { retry_after: RETRY_AFTER },
+                    WorkerError::Restarting => {
+                        GenerateError::Unavailable { message: e.to_string(), retry_after: RETRY_AFTER }
+                    }
+                    other => GenerateError::Internal(other.to_string()),
+                };
+                return Some((Err(err), None));
             }
         };
-        futures::stream::unfold(Some(rx), move |rx| async move {
-            let mut rx = rx?;
-            let item = match rx.recv().await? {
-                JobEvent::Event(WorkerEvent::Prefilled { cached_tokens, .. }) => {
-                    Ok(GenerateEvent::Started { cached_tokens })
-                }
-                JobEvent::Event(WorkerEvent::Token(id)) => Ok(GenerateEvent::Token { id }),
-                JobEvent::Done(outcome) => {
-                    metrics::record_prompt(prompt_len as u64, outcome.prefill_tokens as u64);
-                    for (tier, tokens) in
-                        [metrics::Tier::G1, metrics::Tier::G2, metrics::Tier::G3].into_iter().zip(outcome.hit_tokens)
-                    {
-                        if tokens > 0 {
-                            metrics::record_hit_tokens(tier, tokens as u64);
-                        }
-                    }
-                    let ttft = (!outcome.tokens.is_empty()).then_some(outcome.ttft);
-                    metrics::record_request(api, 200, ttft);
-                    let reason = match outcome.finish {
-                        Finish::Length => FinishReason::Length,
-                        Finish::Stop => FinishReason::Stop,
-                    };
-                    return Some((Ok(GenerateEvent::Finished { reason }), None));
-                }
-                JobEvent::Failed(e) => {
-                    let (status, err) = match e {
-                        WorkerError::TooLong { prompt, capacity, .. } => {
-                            (400, GenerateError::PromptTooLong { tokens: prompt, limit: capacity })
-                        }
-                        WorkerError::Overloaded => {
-                            (429, GenerateError::Overloaded { retry_after: std::time::Duration::from_secs(1) })
-                        }
-                        other => (500, GenerateError::Internal(other.to_string())),
-                    };
-                    metrics::record_request(api, status, None);
-                    return Some((Err(err), None));
-                }
-            };
-            Some((item, Some(rx)))
-        })
-        .boxed()
-    }
+        Some((item, Some(rx)))
+    })
 }

@@ -5,16 +5,18 @@
 
 use std::sync::{Arc, Mutex};
 
-use dynamo_actors::tiers::{G2Tier, G3Tier, NodeTiers};
+use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Watermarks};
+use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NoObserver, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
-use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection};
+use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::Sampling;
-use dynamo_tiering::block::{BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs};
+use dynamo_tiering::block::{BlockHash, BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
+use dynamo_tiering::io::faulty::{FaultPlan, FaultyEngine};
 use dynamo_tiering::io::uring::UringOptions;
 use dynamo_tiering::registry::{PolicyKind, TierRegistry};
 
@@ -24,10 +26,17 @@ struct Node {
     tiers: Arc<NodeTiers>,
     weights: Arc<HostWeights>,
     g3_path: std::path::PathBuf,
+    faults: Option<Arc<FaultyEngine>>,
     _dir: tempfile::TempDir,
 }
 
 fn node(g2_slots: u32) -> Node {
+    node_with(g2_slots, Arc::new(NoObserver), false)
+}
+
+/// A node whose G3 reports to `observer`, with its I/O engine behind a [`FaultyEngine`] when
+/// `faulty` (reachable as `Node::faults`).
+fn node_with(g2_slots: u32, observer: Arc<dyn KvObserver>, faulty: bool) -> Node {
     let shape = ModelShape::named("tiny").expect("tiny");
     let layout = BlockLayout::for_model(&shape, Dtype::F32, B);
     let slot_bytes = align_up(layout.image_bytes());
@@ -41,7 +50,16 @@ fn node(g2_slots: u32) -> Node {
         direct_io: true,
         engine: EngineChoice::Uring(UringOptions { queue_depth: 8, threads: 1, register_buffers: true }),
     };
-    let (store, _) = G3Store::open(&options, &pool).expect("G3");
+    let mut faults = None;
+    let (store, _) = G3Store::open_wrapped(&options, &pool, |inner| {
+        if !faulty {
+            return inner;
+        }
+        let engine = Arc::new(FaultyEngine::new(inner, FaultPlan::default()));
+        faults = Some(engine.clone());
+        engine
+    })
+    .expect("G3");
     let store = Arc::new(store);
     let g3_registry = TierRegistry::new(store.capacity_slots() as usize, PolicyKind::Lfu);
     // G2 keeps a few slots of headroom for in-flight loads and gathers.
@@ -51,16 +69,48 @@ fn node(g2_slots: u32) -> Node {
         salt: Salt::derive(&SaltInputs { model: "tiny/seed-9", ..Default::default() }),
         layout,
         retention: RetentionSection::default(),
-        g2: Some(G2Tier::new(pool, Arc::new(Mutex::new(g2_registry)))),
-        g3: Some(G3Tier::new(store, Arc::new(Mutex::new(g3_registry)))),
+        g2: Some(G2Tier::new(pool, Arc::new(Mutex::new(g2_registry))).with_observer(observer.clone())),
+        g3: Some(G3Tier::new(store, Arc::new(Mutex::new(g3_registry))).with_observer(observer.clone())),
+        write_batch: WriteBatch::default(),
+        cost: LoadCost::default(),
+        observer,
     };
-    Node { tiers: Arc::new(tiers), weights: Arc::new(HostWeights::random(shape, 9)), g3_path, _dir: dir }
+    Node { tiers: Arc::new(tiers), weights: Arc::new(HostWeights::random(shape, 9)), g3_path, faults, _dir: dir }
 }
 
 impl Node {
     fn worker(&self) -> Worker<CpuBackend> {
         let model = Llama::new(CpuBackend::default(), self.weights.as_ref()).expect("model");
         Worker::new(model, self.tiers.clone(), 32, PolicyKind::Lru).expect("worker")
+    }
+}
+
+/// Records every KV event, in order.
+#[derive(Debug, Default)]
+struct Recorder {
+    events: Mutex<Vec<(BlockSite, &'static str, Vec<BlockHash>)>>,
+}
+
+impl Recorder {
+    fn stored(&self, site: BlockSite) -> Vec<BlockHash> {
+        let events = self.events.lock().unwrap();
+        events.iter().filter(|(s, kind, _)| *s == site && *kind == "stored").flat_map(|(_, _, h)| h.clone()).collect()
+    }
+
+    fn kinds(&self, site: BlockSite) -> Vec<&'static str> {
+        self.events.lock().unwrap().iter().filter(|(s, ..)| *s == site).map(|(_, k, _)| *k).collect()
+    }
+}
+
+impl KvObserver for Recorder {
+    fn stored(&self, site: BlockSite, _: Option<BlockHash>, hashes: &[BlockHash]) {
+        self.events.lock().unwrap().push((site, "stored", hashes.to_vec()));
+    }
+    fn removed(&self, site: BlockSite, hashes: &[BlockHash]) {
+        self.events.lock().unwrap().push((site, "removed", hashes.to_vec()));
+    }
+    fn cleared(&self, worker: usize) {
+        self.events.lock().unwrap().push((BlockSite::G1 { worker }, "cleared", vec![]));
     }
 }
 
@@ -189,4 +239,89 @@ async fn a_corrupted_g3_block_is_detected_and_recomputed() {
     assert_eq!(out.corrupt_blocks, 1, "the flipped block was read from G3 and caught: {out:?}");
     assert_eq!(out.cached_tokens, 0, "the prefix ends at the corrupt block");
     assert_eq!(out.tokens, recomputed(&req).await, "output unchanged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_tier_acknowledges_blocks_as_kv_events() {
+    let recorder = Arc::new(Recorder::default());
+    let n = node_with(32, recorder.clone(), false);
+    let (mut a, mut b) = (n.worker().with_id(0), n.worker().with_id(1));
+    let first = turn(3 * B + 9, 11);
+    let prefix = BlockHasher::new(n.tiers.salt, B).hash_sequence(&first);
+    assert_eq!(prefix.len(), 3);
+    run(&mut a, &request(first.clone())).await;
+    a.flush().await;
+    assert_eq!(recorder.stored(BlockSite::G1 { worker: 0 }), prefix, "G1 of worker 0, in prefix order");
+    assert_eq!(recorder.stored(BlockSite::Node(TierName::G2)), prefix, "gathered to G2");
+    assert_eq!(recorder.stored(BlockSite::Node(TierName::G3)), prefix, "acknowledged by G3 once written");
+
+    // Worker 1 loads the prefix from G2: its G1 now has it too; G2 and G3 are not written again.
+    let second: Vec<u32> = first.iter().copied().chain(turn(B, 12)).collect();
+    run(&mut b, &request(second)).await;
+    b.flush().await;
+    assert_eq!(recorder.stored(BlockSite::G1 { worker: 1 })[..3], prefix[..]);
+    assert_eq!(recorder.stored(BlockSite::Node(TierName::G3)).len(), 4, "only the new block reached G3");
+
+    // A restarted worker reports its G1 cleared.
+    assert_eq!(a.reset(), 3, "worker 0 held the three prompt blocks");
+    assert_eq!(recorder.kinds(BlockSite::G1 { worker: 0 }).last(), Some(&"cleared"));
+}
+
+async fn g3_status(actor: &ractor::ActorRef<StoreMsg>) -> StoreStatus {
+    actor.call(StoreMsg::Status, None).await.expect("call").expect("answer")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_disk_degrades_the_node_to_g1_g2_and_a_probe_brings_g3_back() {
+    let n = node_with(32, Arc::new(NoObserver), true);
+    let faults = n.faults.clone().expect("faulty engine");
+    let args = StoreArgs {
+        tiers: n.tiers.clone(),
+        watermarks: Watermarks { high: 0.95, low: 0.9 },
+        period: std::time::Duration::from_millis(20),
+        failures_to_degrade: 2,
+    };
+    let (actor, handle) = ractor::Actor::spawn(None, G3StoreActor, args).await.expect("G3 store actor");
+    let mut w = n.worker();
+    let g3 = n.tiers.g3.as_ref().expect("G3");
+
+    // The disk fills up: write-through fails, the actor degrades the node.
+    faults.set_plan(FaultPlan { fail_writes: Some(libc::ENOSPC), ..FaultPlan::default() });
+    let req = request(turn(4 * B + 1, 21));
+    let out = run(&mut w, &req).await;
+    w.flush().await;
+    assert_eq!(out.tokens, recomputed(&req).await, "serving goes on while G3 fails");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !g3_status(&actor).await.degraded {
+        assert!(std::time::Instant::now() < deadline, "G3 never degraded");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(!g3.usable());
+    assert_eq!(g3.store.len(), 0);
+
+    // Degraded: requests skip G3 entirely, the probes keep failing.
+    let injected = faults.injected_total();
+    run(&mut w, &request(turn(3 * B + 1, 22))).await;
+    w.flush().await;
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let status = g3_status(&actor).await;
+    assert!(status.degraded && status.recoveries == 0, "{status:?}");
+    assert!(faults.injected_total() > injected, "the probes still try the disk");
+    assert_eq!(g3.store.len(), 0, "nothing was written while degraded");
+
+    // The disk heals: a probe passes and write-through reaches G3 again.
+    faults.set_plan(FaultPlan::default());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while g3_status(&actor).await.degraded {
+        assert!(std::time::Instant::now() < deadline, "G3 never came back");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let status = g3_status(&actor).await;
+    assert_eq!((status.degradations, status.recoveries), (1, 1), "{status:?}");
+    assert!(g3.usable());
+    run(&mut w, &request(turn(3 * B + 1, 23))).await;
+    w.flush().await;
+    assert_eq!(g3.store.len(), 3, "the new turn's blocks are on disk");
+    actor.stop(None);
+    handle.await.expect("actor stops");
 }

@@ -96,6 +96,14 @@ impl From<GenerateError> for ApiError {
             },
             GenerateError::ModelNotFound(model) => ApiError::model_not_found(&model),
             GenerateError::PromptTooLong { tokens, limit } => ApiError::context_length(tokens, limit, "messages"),
+            GenerateError::Unavailable { retry_after, .. } => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: e.to_string(),
+                kind: "service_unavailable",
+                param: None,
+                code: Some("unavailable"),
+                retry_after: Some(retry_after),
+            },
             GenerateError::Internal(message) => ApiError::internal(message),
         }
     }

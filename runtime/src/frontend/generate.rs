@@ -119,18 +119,29 @@ pub enum GenerateError {
         /// The limit.
         limit: usize,
     },
+    /// The node cannot take the request right now (a worker restarting, shutdown); the client
+    /// should retry after the given time (HTTP 503).
+    #[error("the service is unavailable: {message}")]
+    Unavailable {
+        /// Why.
+        message: String,
+        /// When to retry.
+        retry_after: Duration,
+    },
     /// Anything else (HTTP 500).
     #[error("internal error: {0}")]
     Internal(String),
 }
 
 impl GenerateError {
-    /// A stable label for metrics: `overloaded`, `model_not_found`, `prompt_too_long` or `internal`.
+    /// A stable label for metrics: `overloaded`, `model_not_found`, `prompt_too_long`, `unavailable` or
+    /// `internal`.
     pub fn kind(&self) -> &'static str {
         match self {
             GenerateError::Overloaded { .. } => "overloaded",
             GenerateError::ModelNotFound(_) => "model_not_found",
             GenerateError::PromptTooLong { .. } => "prompt_too_long",
+            GenerateError::Unavailable { .. } => "unavailable",
             GenerateError::Internal(_) => "internal",
         }
     }

@@ -20,6 +20,7 @@ use super::error::ApiError;
 use super::generate::{FinishReason, GenerateError, GenerateEvent, GenerateRequest};
 use super::protocol::{ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, StopStrings};
 use super::template::{TemplateError, TemplateMessage, escape_special_tokens, tokenize_pieces};
+use crate::metrics;
 
 /// Which API a request came through: decides the shape of the answer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,6 +51,7 @@ pub(super) async fn not_found() -> ApiError {
 }
 
 pub(super) async fn models(State(state): State<FrontendState>) -> impl IntoResponse {
+    metrics::record_request(metrics::Api::Models, 200, None);
     let data: Vec<Value> = state
         .inner
         .generator
@@ -65,11 +67,13 @@ pub(super) async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let arrived = Instant::now();
     let prepared = parse::<ChatCompletionRequest>(body).and_then(|req| prepare_chat(&state, &headers, req));
-    match prepared {
-        Ok(prepared) => run(state, prepared).await,
+    let response = match prepared {
+        Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
-    }
+    };
+    counted(metrics::Api::ChatCompletions, response)
 }
 
 pub(super) async fn completions(
@@ -77,11 +81,19 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let arrived = Instant::now();
     let prepared = parse::<CompletionRequest>(body).and_then(|req| prepare_completion(&state, &headers, req));
-    match prepared {
-        Ok(prepared) => run(state, prepared).await,
+    let response = match prepared {
+        Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
-    }
+    };
+    counted(metrics::Api::Completions, response)
+}
+
+/// Counts an answered request by API and HTTP status (a stream counts once its headers go out).
+fn counted(api: metrics::Api, response: Response) -> Response {
+    metrics::record_request(api, response.status().as_u16(), None);
+    response
 }
 
 /// The body as `T`: 413 over the body limit, 400 for anything that is not a valid `T`.
@@ -319,6 +331,10 @@ struct Answer {
     decoder: IncrementalDecoder,
     stop: StopMatcher,
     deadline: Instant,
+    /// When the request arrived: the time to first token counts from here.
+    arrived: Instant,
+    /// When the last token came, for the inter-token latency.
+    last_token: Option<Instant>,
     events: BoxStream<'static, Result<GenerateEvent, GenerateError>>,
 }
 
@@ -344,6 +360,11 @@ impl Answer {
             GenerateEvent::Started { .. } => Ok((String::new(), None)),
             GenerateEvent::Token { id } => {
                 self.completion_tokens += 1;
+                let now = Instant::now();
+                match self.last_token.replace(now) {
+                    None => metrics::record_ttft(now - self.arrived),
+                    Some(previous) => metrics::record_inter_token(now - previous),
+                }
                 let piece = self.decoder.push(id).map_err(internal)?;
                 let (text, stopped) = self.stop.push(&piece);
                 Ok((text, stopped.then_some(FinishReason::Stop)))
@@ -428,7 +449,7 @@ fn sse(data: &Value) -> Bytes {
 }
 
 /// Starts the generation, waits for admission, then answers with JSON or SSE.
-async fn run(state: FrontendState, prepared: Prepared) -> Response {
+async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Response {
     let Prepared { api, request, stop, stream, include_usage } = prepared;
     let inner = &state.inner;
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -442,7 +463,9 @@ async fn run(state: FrontendState, prepared: Prepared) -> Response {
         completion_tokens: 0,
         decoder: IncrementalDecoder::new(inner.tokenizer.clone(), request.stop_token_ids.iter().copied()),
         stop: StopMatcher::new(stop),
-        deadline: Instant::now() + inner.request_timeout,
+        deadline: arrived + inner.request_timeout,
+        arrived,
+        last_token: None,
         events: inner.generator.generate(request),
     };
     // Admission: an error here is an HTTP status, even for a streaming request.

@@ -1,0 +1,304 @@
+//! The node's metrics as every crate records them: every name the node exports and the typed
+//! functions that record them. The exporter and the tier poller live in the runtime.
+//!
+//! Metrics go through the [`metrics`] facade to a global [`metrics_exporter_prometheus`] recorder
+//! that serves `GET /metrics` on `metrics.listen`. Every histogram is a true Prometheus histogram
+//! with the buckets of `metrics.latency_buckets_seconds` (the exporter's default summaries lose
+//! samples between scrapes). Names follow DESIGN.md §8: prefix `dynamo_node_`, the unit in the
+//! name, counters end in `_total`, and every label value comes from a small closed set — tiers
+//! from [`Tier`] (`g1`..`g4`), regions from [`RegionKind::as_str`], error kinds from the library
+//! crates' `kind()`, APIs from [`Api`], HTTP status codes.
+//!
+//! Call sites never spell a name: they call the functions below (`record_*` add to counters and
+//! histograms, `set_*` and `publish_*` set gauges or mirror a monotonic source with
+//! `Counter::absolute`). A counter is either incremented here or mirrored from a source, never
+//! both. Without an installed recorder every function is a cheap no-op.
+//!
+//! | name | type | labels | meaning |
+//! |---|---|---|---|
+//! | `dynamo_node_build_info` | gauge | `version` | always 1 |
+//! | `dynamo_node_kv_blocks` | gauge | `tier` | blocks resident in the tier |
+//! | `dynamo_node_kv_capacity_blocks` | gauge | `tier` | blocks the tier can hold (G1: all workers) |
+//! | `dynamo_node_kv_prompt_tokens_total` | counter | | prompt tokens of admitted requests |
+//! | `dynamo_node_kv_hit_tokens_total` | counter | `tier` | prompt tokens whose KV came from the tier instead of being computed |
+//! | `dynamo_node_prefill_tokens_total` | counter | | prompt tokens computed by prefill |
+//! | `dynamo_node_kv_transfer_bytes_total` | counter | `src`, `dst` | bytes moved between tiers |
+//! | `dynamo_node_kv_transfer_seconds` | histogram | `src`, `dst` | duration of one batched transfer |
+//! | `dynamo_node_kv_evictions_total` | counter | `tier`, `region` | blocks evicted by the tier's policy (mirrors the registry) |
+//! | `dynamo_node_kv_corrupt_blocks_total` | counter | `tier` | reads that failed verification (G3: mirrors the store) |
+//! | `dynamo_node_kv_tier_writes_total` | counter | `tier` | block images written (mirrors the store) |
+//! | `dynamo_node_kv_tier_write_bytes_total` | counter | `tier` | bytes written (mirrors the store) |
+//! | `dynamo_node_kv_tier_duplicate_writes_total` | counter | `tier` | writes skipped, block already present |
+//! | `dynamo_node_kv_tier_reads_total` | counter | `tier` | block images read and verified |
+//! | `dynamo_node_kv_tier_read_bytes_total` | counter | `tier` | bytes read |
+//! | `dynamo_node_kv_tier_io_errors_total` | counter | `tier`, `op` | failed reads/writes counted by the store (`op`: `read`, `write`) |
+//! | `dynamo_node_tier_errors_total` | counter | `tier`, `kind` | errors seen by the node, by the crate error's `kind()` |
+//! | `dynamo_node_io_inflight` | gauge | `tier` | I/O operations submitted and not completed |
+//! | `dynamo_node_tier_degraded` | gauge | `tier` | 1 while the node runs without the tier after a failure |
+//! | `dynamo_node_requests_total` | counter | `api`, `status` | requests answered, by HTTP status |
+//! | `dynamo_node_request_ttft_seconds` | histogram | | time to first token |
+//! | `dynamo_node_inter_token_seconds` | histogram | | time between streamed tokens |
+//! | `dynamo_node_kv_write_through_lag_seconds` | histogram | `tier` | block completion in G1 to the tier's acknowledgment |
+//! | `dynamo_node_worker_restarts_total` | counter | | workers restarted by the supervisor |
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use dynamo_config::RegionKind;
+use dynamo_tiering::g3::G3Stats;
+use dynamo_tiering::registry::RegistryStats;
+use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+
+pub use dynamo_config::TierName as Tier;
+
+/// Every metric name, in one place.
+pub mod names {
+    /// Gauge `{version}`, always 1.
+    pub const BUILD_INFO: &str = "dynamo_node_build_info";
+    /// Gauge `{tier}`.
+    pub const KV_BLOCKS: &str = "dynamo_node_kv_blocks";
+    /// Gauge `{tier}`.
+    pub const KV_CAPACITY_BLOCKS: &str = "dynamo_node_kv_capacity_blocks";
+    /// Counter.
+    pub const KV_PROMPT_TOKENS: &str = "dynamo_node_kv_prompt_tokens_total";
+    /// Counter `{tier}`.
+    pub const KV_HIT_TOKENS: &str = "dynamo_node_kv_hit_tokens_total";
+    /// Counter.
+    pub const PREFILL_TOKENS: &str = "dynamo_node_prefill_tokens_total";
+    /// Counter `{src,dst}`.
+    pub const KV_TRANSFER_BYTES: &str = "dynamo_node_kv_transfer_bytes_total";
+    /// Histogram `{src,dst}`.
+    pub const KV_TRANSFER_SECONDS: &str = "dynamo_node_kv_transfer_seconds";
+    /// Counter `{tier,region}`.
+    pub const KV_EVICTIONS: &str = "dynamo_node_kv_evictions_total";
+    /// Counter `{tier}`.
+    pub const KV_CORRUPT_BLOCKS: &str = "dynamo_node_kv_corrupt_blocks_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_WRITES: &str = "dynamo_node_kv_tier_writes_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_WRITE_BYTES: &str = "dynamo_node_kv_tier_write_bytes_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_DUPLICATE_WRITES: &str = "dynamo_node_kv_tier_duplicate_writes_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_READS: &str = "dynamo_node_kv_tier_reads_total";
+    /// Counter `{tier}`.
+    pub const KV_TIER_READ_BYTES: &str = "dynamo_node_kv_tier_read_bytes_total";
+    /// Counter `{tier,op}`.
+    pub const KV_TIER_IO_ERRORS: &str = "dynamo_node_kv_tier_io_errors_total";
+    /// Counter `{tier,kind}`.
+    pub const TIER_ERRORS: &str = "dynamo_node_tier_errors_total";
+    /// Gauge `{tier}`.
+    pub const IO_INFLIGHT: &str = "dynamo_node_io_inflight";
+    /// Gauge `{tier}`, 0 or 1.
+    pub const TIER_DEGRADED: &str = "dynamo_node_tier_degraded";
+    /// Counter `{api,status}`.
+    pub const REQUESTS: &str = "dynamo_node_requests_total";
+    /// Histogram.
+    pub const REQUEST_TTFT_SECONDS: &str = "dynamo_node_request_ttft_seconds";
+    /// Histogram.
+    pub const INTER_TOKEN_SECONDS: &str = "dynamo_node_inter_token_seconds";
+    /// Counter.
+    pub const WORKER_RESTARTS: &str = "dynamo_node_worker_restarts_total";
+    /// Histogram `{tier}`.
+    pub const WRITE_THROUGH_LAG_SECONDS: &str = "dynamo_node_kv_write_through_lag_seconds";
+
+    /// Every histogram: each gets the configured buckets.
+    pub const HISTOGRAMS: [&str; 4] =
+        [KV_TRANSFER_SECONDS, REQUEST_TTFT_SECONDS, INTER_TOKEN_SECONDS, WRITE_THROUGH_LAG_SECONDS];
+}
+
+/// The API a request came in through: the `api` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `GET /v1/models`.
+    Models,
+}
+
+impl Api {
+    /// Every API, in declaration order.
+    pub const ALL: [Api; 3] = [Api::Completions, Api::ChatCompletions, Api::Models];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::ChatCompletions => "chat_completions",
+            Api::Models => "models",
+        }
+    }
+}
+
+/// The transfer paths whose series exist from start-up (at zero): write-through down the tiers and
+/// onboarding back up. [`record_transfer`] accepts any pair.
+pub const TRANSFER_PATHS: [(Tier, Tier); 6] = [
+    (Tier::G1, Tier::G2),
+    (Tier::G2, Tier::G3),
+    (Tier::G2, Tier::G1),
+    (Tier::G3, Tier::G2),
+    (Tier::G4, Tier::G2),
+    (Tier::G2, Tier::G4),
+];
+
+/// Registers help text and units of every metric with the current recorder.
+pub fn describe() {
+    use names::*;
+    describe_gauge!(BUILD_INFO, "Build information; always 1.");
+    describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
+    describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
+    describe_gauge!(KV_CAPACITY_BLOCKS, Unit::Count, "KV blocks the tier can hold (G1: summed over workers).");
+    describe_counter!(KV_PROMPT_TOKENS, Unit::Count, "Prompt tokens of admitted requests.");
+    describe_counter!(
+        KV_HIT_TOKENS,
+        Unit::Count,
+        "Prompt tokens whose KV came from the tier instead of being computed."
+    );
+    describe_counter!(PREFILL_TOKENS, Unit::Count, "Prompt tokens computed by prefill.");
+    describe_counter!(KV_TRANSFER_BYTES, Unit::Bytes, "Bytes of KV moved from tier src to tier dst.");
+    describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "Duration of one batched KV transfer from src to dst.");
+    describe_counter!(KV_EVICTIONS, Unit::Count, "Blocks evicted by the tier's policy, by retention region.");
+    describe_counter!(KV_CORRUPT_BLOCKS, Unit::Count, "Block reads that failed verification.");
+    describe_counter!(KV_TIER_WRITES, Unit::Count, "Block images written to the tier's store.");
+    describe_counter!(KV_TIER_WRITE_BYTES, Unit::Bytes, "Bytes written to the tier's store.");
+    describe_counter!(KV_TIER_DUPLICATE_WRITES, Unit::Count, "Writes skipped because the block was present.");
+    describe_counter!(KV_TIER_READS, Unit::Count, "Block images read from the tier's store and verified.");
+    describe_counter!(KV_TIER_READ_BYTES, Unit::Bytes, "Bytes read from the tier's store.");
+    describe_counter!(KV_TIER_IO_ERRORS, Unit::Count, "Reads or writes (op) the tier's store failed.");
+    describe_counter!(TIER_ERRORS, Unit::Count, "Errors of a tier seen by the node, by error kind.");
+    describe_gauge!(IO_INFLIGHT, Unit::Count, "I/O operations submitted to the tier and not yet completed.");
+    describe_gauge!(TIER_DEGRADED, "1 while the node runs without the tier after a failure, else 0.");
+    describe_counter!(REQUESTS, Unit::Count, "Requests answered, by API and HTTP status.");
+    describe_histogram!(REQUEST_TTFT_SECONDS, Unit::Seconds, "Time from request arrival to the first token.");
+    describe_histogram!(INTER_TOKEN_SECONDS, Unit::Seconds, "Time between consecutive generated tokens.");
+    describe_histogram!(
+        WRITE_THROUGH_LAG_SECONDS,
+        Unit::Seconds,
+        "Time from a block's completion in G1 to its acknowledgment by the tier."
+    );
+}
+
+/// Creates the series whose label values are known up front, at zero, so that a scrape lists them
+/// (and a `rate()` has a starting point) before the first event.
+pub fn register_known_series() {
+    use names::*;
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    counter!(KV_PROMPT_TOKENS).increment(0);
+    counter!(PREFILL_TOKENS).increment(0);
+    for &tier in Tier::ALL {
+        counter!(KV_HIT_TOKENS, "tier" => tier.as_str()).increment(0);
+    }
+    for (src, dst) in TRANSFER_PATHS {
+        counter!(KV_TRANSFER_BYTES, "src" => src.as_str(), "dst" => dst.as_str()).increment(0);
+        let _ = histogram!(KV_TRANSFER_SECONDS, "src" => src.as_str(), "dst" => dst.as_str());
+    }
+    for api in Api::ALL {
+        counter!(REQUESTS, "api" => api.as_str(), "status" => "200").increment(0);
+    }
+    let _ = histogram!(REQUEST_TTFT_SECONDS);
+    let _ = histogram!(INTER_TOKEN_SECONDS);
+    for tier in [Tier::G2, Tier::G3] {
+        let _ = histogram!(WRITE_THROUGH_LAG_SECONDS, "tier" => tier.as_str());
+    }
+}
+
+/// Records how long a completed block took to be acknowledged by `tier` (write-through lag).
+pub fn record_write_lag(tier: Tier, lag: Duration) {
+    histogram!(names::WRITE_THROUGH_LAG_SECONDS, "tier" => tier.as_str()).record(lag.as_secs_f64());
+}
+
+/// Sets the tier's resident blocks.
+pub fn set_tier_blocks(tier: Tier, blocks: u64) {
+    gauge!(names::KV_BLOCKS, "tier" => tier.as_str()).set(blocks as f64);
+}
+
+/// Sets the tier's capacity in blocks.
+pub fn set_tier_capacity(tier: Tier, blocks: u64) {
+    gauge!(names::KV_CAPACITY_BLOCKS, "tier" => tier.as_str()).set(blocks as f64);
+}
+
+/// Counts an admitted request's prompt: all its tokens, and those prefill must compute.
+pub fn record_prompt(prompt_tokens: u64, prefill_tokens: u64) {
+    counter!(names::KV_PROMPT_TOKENS).increment(prompt_tokens);
+    counter!(names::PREFILL_TOKENS).increment(prefill_tokens);
+}
+
+/// Counts prompt tokens whose KV was reused from `tier` instead of computed.
+pub fn record_hit_tokens(tier: Tier, tokens: u64) {
+    counter!(names::KV_HIT_TOKENS, "tier" => tier.as_str()).increment(tokens);
+}
+
+/// Counts one batched transfer of `bytes` from `src` to `dst` that took `elapsed`.
+pub fn record_transfer(src: Tier, dst: Tier, bytes: u64, elapsed: Duration) {
+    counter!(names::KV_TRANSFER_BYTES, "src" => src.as_str(), "dst" => dst.as_str()).increment(bytes);
+    histogram!(names::KV_TRANSFER_SECONDS, "src" => src.as_str(), "dst" => dst.as_str()).record(elapsed.as_secs_f64());
+}
+
+/// Counts an error of `tier`; `kind` is the library error's `kind()`.
+pub fn record_tier_error(tier: Tier, kind: &'static str) {
+    counter!(names::TIER_ERRORS, "tier" => tier.as_str(), "kind" => kind).increment(1);
+}
+
+/// Sets the tier's in-flight I/O operations.
+pub fn set_io_inflight(tier: Tier, ops: u64) {
+    gauge!(names::IO_INFLIGHT, "tier" => tier.as_str()).set(ops as f64);
+}
+
+/// Counts one worker restarted after a panic, and the G1 blocks it dropped as evictions.
+pub fn record_worker_restart(g1_blocks_removed: u64) {
+    counter!(names::WORKER_RESTARTS).increment(1);
+    counter!(names::KV_EVICTIONS, "tier" => Tier::G1.as_str(), "region" => "restart").increment(g1_blocks_removed);
+}
+
+/// Marks the tier degraded (the node runs without it) or healthy.
+pub fn set_tier_degraded(tier: Tier, degraded: bool) {
+    gauge!(names::TIER_DEGRADED, "tier" => tier.as_str()).set(if degraded { 1.0 } else { 0.0 });
+}
+
+/// Counts one answered request, with its time to first token when it produced one.
+pub fn record_request(api: Api, status: u16, ttft: Option<Duration>) {
+    counter!(names::REQUESTS, "api" => api.as_str(), "status" => status.to_string()).increment(1);
+    if let Some(ttft) = ttft {
+        histogram!(names::REQUEST_TTFT_SECONDS).record(ttft.as_secs_f64());
+    }
+}
+
+/// Records one request's time to first token, from its arrival.
+pub fn record_ttft(ttft: Duration) {
+    histogram!(names::REQUEST_TTFT_SECONDS).record(ttft.as_secs_f64());
+}
+
+/// Records the gap between two consecutive generated tokens.
+pub fn record_inter_token(gap: Duration) {
+    histogram!(names::INTER_TOKEN_SECONDS).record(gap.as_secs_f64());
+}
+
+/// Publishes a registry snapshot: resident blocks, capacity, and per-region evictions (mirrored).
+pub fn publish_registry(tier: Tier, stats: &RegistryStats) {
+    set_tier_blocks(tier, stats.total().resident as u64);
+    set_tier_capacity(tier, stats.capacity as u64);
+    for (region, s) in &stats.regions {
+        publish_evictions(tier, *region, s.evictions_total);
+    }
+}
+
+fn publish_evictions(tier: Tier, region: RegionKind, total: u64) {
+    counter!(names::KV_EVICTIONS, "tier" => tier.as_str(), "region" => region.as_str()).absolute(total);
+}
+
+/// Mirrors a block store's monotonic counters.
+pub fn publish_store_stats(tier: Tier, stats: &G3Stats) {
+    use names::*;
+    let t = tier.as_str();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    counter!(KV_TIER_WRITES, "tier" => t).absolute(load(&stats.writes));
+    counter!(KV_TIER_WRITE_BYTES, "tier" => t).absolute(load(&stats.write_bytes));
+    counter!(KV_TIER_DUPLICATE_WRITES, "tier" => t).absolute(load(&stats.duplicate_writes));
+    counter!(KV_TIER_READS, "tier" => t).absolute(load(&stats.reads));
+    counter!(KV_TIER_READ_BYTES, "tier" => t).absolute(load(&stats.read_bytes));
+    counter!(KV_TIER_IO_ERRORS, "tier" => t, "op" => "write").absolute(load(&stats.write_errors));
+    counter!(KV_TIER_IO_ERRORS, "tier" => t, "op" => "read").absolute(load(&stats.read_errors));
+    counter!(KV_CORRUPT_BLOCKS, "tier" => t).absolute(load(&stats.corrupt));
+}

@@ -1,0 +1,302 @@
+//! The WorkerActor: one engine instance (reference model on the CPU or a GPU, or the simulated
+//! engine), its G1 pool, onboarding and write-through.
+//!
+//! The forward pass is blocking work, so the engine lives on its own OS thread with a
+//! current-thread tokio runtime (where its G3 reads and writes complete), fed by a bounded queue:
+//! the actor owns the thread and hands the queue to the scheduler ([`WorkerMsg::Connect`]).
+//! Requests never wait in an actor mailbox.
+//!
+//! Supervision: a panic inside the engine fails the request that caused it
+//! ([`WorkerError::Panicked`]) and every request still queued ([`WorkerError::Restarting`], to be
+//! retried), reports the worker's G1 blocks cleared, and then fails the actor so that the
+//! NodeSupervisor restarts it with a fresh engine. The node goes on with its other workers.
+
+mod core;
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures::FutureExt;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::sync::{mpsc, oneshot};
+
+#[cfg(feature = "failpoints")]
+pub use self::core::FAILPOINT_PANIC_MAX_TOKENS;
+pub use self::core::{Finish, GenOutcome, GenRequest, Worker, WorkerError, WorkerEvent, unix_millis};
+use crate::telemetry::{self, Tier};
+
+/// A future the engine thread polls (engines need not be `Send`: they never leave their thread).
+pub type LocalFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+/// What a WorkerActor drives: one engine and its G1 pool.
+pub trait Engine: 'static {
+    /// Serves one request; `on_event` sees the prefill result, then each token, and returns false
+    /// to stop early.
+    fn generate<'a>(
+        &'a mut self,
+        req: &'a GenRequest,
+        on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
+    ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>>;
+    /// Drops everything in G1 (after a panic its contents cannot be trusted) and reports it
+    /// cleared; returns how many blocks were dropped.
+    fn reset(&mut self) -> usize;
+    /// Waits until every write-through started so far is acknowledged or failed.
+    fn flush(&mut self) -> LocalFuture<'_, ()>;
+}
+
+impl<B: dynamo_kernels::Backend + 'static> Engine for Worker<B> {
+    fn generate<'a>(
+        &'a mut self,
+        req: &'a GenRequest,
+        on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
+    ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>> {
+        Box::pin(Worker::generate(self, req, on_event))
+    }
+
+    fn reset(&mut self) -> usize {
+        Worker::reset(self)
+    }
+
+    fn flush(&mut self) -> LocalFuture<'_, ()> {
+        Box::pin(Worker::flush(self))
+    }
+}
+
+/// Builds worker `id`'s engine, on the engine's own thread.
+pub type EngineFactory = Arc<dyn Fn(usize) -> Result<Box<dyn Engine>, WorkerError> + Send + Sync>;
+
+/// What a worker reports for one request.
+#[derive(Debug)]
+pub enum JobEvent {
+    /// Prefill done, or a token.
+    Event(WorkerEvent),
+    /// The request finished.
+    Done(GenOutcome),
+    /// The request failed.
+    Failed(WorkerError),
+}
+
+/// One queued request and where its events go.
+#[derive(Debug)]
+pub struct Job {
+    /// The request.
+    pub req: GenRequest,
+    /// Its events; a closed receiver stops the request at its next token.
+    pub events: mpsc::UnboundedSender<JobEvent>,
+}
+
+/// A worker's load as the scheduler sees it: requests and prompt tokens queued or running.
+#[derive(Debug, Default)]
+pub struct WorkerLoad {
+    requests: AtomicUsize,
+    prompt_tokens: AtomicUsize,
+}
+
+impl WorkerLoad {
+    /// Requests queued or running.
+    pub fn requests(&self) -> usize {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens of the requests queued or running.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens.load(Ordering::Relaxed)
+    }
+
+    /// A request of `tokens` prompt tokens was queued.
+    pub fn add(&self, tokens: usize) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// A request of `tokens` prompt tokens left (finished, failed, or was never queued).
+    pub fn remove(&self, tokens: usize) {
+        self.requests.fetch_sub(1, Ordering::Relaxed);
+        self.prompt_tokens.fetch_sub(tokens, Ordering::Relaxed);
+    }
+}
+
+/// How the scheduler reaches a worker: its bounded queue and its load.
+#[derive(Clone, Debug)]
+pub struct WorkerHandle {
+    /// The worker's index in the node.
+    pub id: usize,
+    /// Its queue; `try_send` fails when it is full (backpressure) or the worker is gone.
+    pub queue: mpsc::Sender<Job>,
+    /// Its load.
+    pub load: Arc<WorkerLoad>,
+}
+
+/// The WorkerActor.
+#[derive(Debug)]
+pub struct WorkerActor;
+
+/// A reference to a WorkerActor.
+pub type WorkerRef = ActorRef<WorkerMsg>;
+
+/// What a WorkerActor starts from.
+#[derive(Clone)]
+pub struct WorkerArgs {
+    /// The worker's index in the node.
+    pub id: usize,
+    /// Builds its engine.
+    pub factory: EngineFactory,
+    /// Requests queued at most (running included) before the scheduler sees it full.
+    pub queue_bound: usize,
+}
+
+impl std::fmt::Debug for WorkerArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerArgs").field("id", &self.id).field("queue_bound", &self.queue_bound).finish()
+    }
+}
+
+/// A WorkerActor's state.
+#[derive(Debug)]
+pub struct WorkerState {
+    handle: WorkerHandle,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Messages of the WorkerActor.
+#[derive(Debug)]
+pub enum WorkerMsg {
+    /// Reply: the handle through which the scheduler queues requests. Always answered.
+    Connect(RpcReplyPort<WorkerHandle>),
+    /// From the engine thread, no reply: the engine panicked; the request and the queue have been
+    /// failed and G1 reported cleared. The actor then fails so that its supervisor restarts it.
+    EngineFailed {
+        /// The panic message.
+        panic: String,
+        /// G1 blocks dropped.
+        g1_blocks_removed: usize,
+    },
+}
+
+impl Actor for WorkerActor {
+    type Msg = WorkerMsg;
+    type State = WorkerState;
+    type Arguments = WorkerArgs;
+
+    async fn pre_start(&self, myself: WorkerRef, args: WorkerArgs) -> Result<WorkerState, ActorProcessingErr> {
+        let (queue, rx) = mpsc::channel(args.queue_bound.max(1));
+        let load = Arc::new(WorkerLoad::default());
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let thread_load = load.clone();
+        let id = args.id;
+        let thread = std::thread::Builder::new()
+            .name(format!("worker-{id}"))
+            .spawn(move || engine_thread(id, args.factory, rx, ready_tx, myself, thread_load))?;
+        match ready_rx.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("worker {id} could not build its engine: {e}").into()),
+            Err(_) => return Err(format!("worker {id}'s engine thread died while starting").into()),
+        }
+        Ok(WorkerState { handle: WorkerHandle { id, queue, load }, thread: Some(thread) })
+    }
+
+    async fn handle(&self, _: WorkerRef, msg: WorkerMsg, state: &mut WorkerState) -> Result<(), ActorProcessingErr> {
+        match msg {
+            WorkerMsg::Connect(reply) => {
+                let _ = reply.send(state.handle.clone());
+                Ok(())
+            }
+            WorkerMsg::EngineFailed { panic, g1_blocks_removed } => {
+                Err(format!("worker {} panicked ({panic}); {g1_blocks_removed} G1 block(s) dropped", state.handle.id)
+                    .into())
+            }
+        }
+    }
+
+    async fn post_stop(&self, _: WorkerRef, state: &mut WorkerState) -> Result<(), ActorProcessingErr> {
+        // The thread ends once every sender is gone (the scheduler drops its own first); it
+        // finishes the queued requests and flushes write-through before it does.
+        let (closed_tx, _) = mpsc::channel(1);
+        state.handle.queue = closed_tx;
+        if let Some(thread) = state.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        Ok(())
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+fn engine_thread(
+    id: usize,
+    factory: EngineFactory,
+    mut rx: mpsc::Receiver<Job>,
+    ready: oneshot::Sender<Result<(), String>>,
+    actor: WorkerRef,
+    load: Arc<WorkerLoad>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ready.send(Err(format!("cannot start the worker's runtime: {e}")));
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let mut engine = match std::panic::catch_unwind(AssertUnwindSafe(|| factory(id))) {
+            Ok(Ok(engine)) => engine,
+            Ok(Err(e)) => {
+                let _ = ready.send(Err(e.to_string()));
+                return;
+            }
+            Err(panic) => {
+                let _ = ready.send(Err(panic_message(panic.as_ref())));
+                return;
+            }
+        };
+        let _ = ready.send(Ok(()));
+        while let Some(job) = rx.recv().await {
+            let tokens = job.req.prompt.len();
+            let events = job.events.clone();
+            let mut forward = |e| events.send(JobEvent::Event(e)).is_ok();
+            let result = AssertUnwindSafe(engine.generate(&job.req, &mut forward)).catch_unwind().await;
+            load.remove(tokens);
+            match result {
+                Ok(result) => {
+                    if let Ok(outcome) = &result {
+                        telemetry::record_prompt(tokens as u64, outcome.prefill_tokens as u64);
+                        for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3].into_iter().zip(outcome.hit_tokens) {
+                            if hit > 0 {
+                                telemetry::record_hit_tokens(tier, hit as u64);
+                            }
+                        }
+                    }
+                    let _ = job.events.send(match result {
+                        Ok(outcome) => JobEvent::Done(outcome),
+                        Err(e) => JobEvent::Failed(e),
+                    });
+                }
+                Err(panic) => {
+                    let what = panic_message(panic.as_ref());
+                    let dropped = engine.reset();
+                    tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
+                    telemetry::record_worker_restart(dropped as u64);
+                    let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
+                    rx.close();
+                    while let Some(queued) = rx.recv().await {
+                        load.remove(queued.req.prompt.len());
+                        let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
+                    }
+                    engine.flush().await;
+                    let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
+                    return;
+                }
+            }
+        }
+        engine.flush().await;
+    });
+}
