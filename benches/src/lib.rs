@@ -21,5 +21,21 @@
 //!   must support `O_DIRECT`, so not tmpfs) and `DYNAMO_BENCH_PASS_MIB` to change the bytes written
 //!   and read per pass (default 256).
 //!
+//! - `index_replay` — the global prefix index's workload: the Mooncake conversation trace
+//!   (`../shared/traces/mooncake_conversation.jsonl`) turned by [`index_workload`] into a fixed stream
+//!   of lookups and `Stored`/`Removed` events for 8, 64 and 256 workers, replayed by [`index_replay`]
+//!   on one and two threads; prints block ops/s and requests/s per index after checking every
+//!   lookup's answer against a brute-force reference.
+//!
+//!   `cargo bench -p dynamo-benches --bench index_replay`
+//!
+//!   The same harness against NVIDIA Dynamo's `dynamo-kv-router` indexes (`RadixTree`,
+//!   `PositionalIndexer`, `ConcurrentRadixTreeCompressed` behind `ThreadPoolIndexer`) runs in its own
+//!   workspace, because that crate pins `tokio = "=1.52.4"`, which would downgrade this workspace's
+//!   lockfile: `cd benches/peers/kv-router && cargo bench`.
+//!
 //! Append `-- <filter>` to run part of a bench, e.g. `-- g3_vs_foyer/read`; the printed ratio table
 //! is skipped under `--test` and `--list`.
+
+pub mod index_replay;
+pub mod index_workload;

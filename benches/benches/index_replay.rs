@@ -1,0 +1,41 @@
+//! Replays the Mooncake conversation trace through prefix indexes of ours (see
+//! `dynamo_benches::index_replay`): 8, 64 and 256 workers, one and two threads, block ops/s and
+//! requests/s, each row checked for exact answers first.
+//!
+//! The side-by-side comparison with NVIDIA Dynamo's `dynamo-kv-router` indexes runs the same harness
+//! from its own workspace, `benches/peers/kv-router` (its exact `tokio` pin would move this
+//! workspace's lockfile): `cd benches/peers/kv-router && cargo bench`.
+//!
+//! `cargo bench -p dynamo-benches --bench index_replay`; `DYNAMO_BENCH_TRACE`, `DYNAMO_BENCH_WORKERS`
+//! and `DYNAMO_BENCH_PASSES` change the trace, worker counts and passes per row.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dynamo_benches::index_replay::{
+    BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
+};
+use dynamo_benches::index_workload::{Workload, WorkloadConfig};
+
+fn main() {
+    let settings = BenchSettings::from_env(&Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+    if !settings.run {
+        return;
+    }
+    let prompts = dynamo_benches::index_workload::read_trace(&settings.trace).expect("reading the trace");
+    let mut rows = Vec::new();
+    for &workers in &settings.workers {
+        let workload = Workload::from_prompts(&prompts, WorkloadConfig::new(workers)).expect("building the workload");
+        describe(&workload);
+        let reference = workload.reference_answers();
+        let seq: Arc<[u64]> = workload.seq_hashes.clone().into();
+        let make = || HashBaseline::new(seq.clone());
+        let name = "ours: HashBaseline (sharded RwLock<HashMap>)";
+        rows.push(measure_single(name, false, &make, &workload, &reference, settings.passes));
+        let lanes = workload.lanes(2);
+        rows.push(measure_parallel(name, false, &make, &workload, &lanes, &reference, settings.passes));
+        // The place for `dynamo_actors::index::PrefixIndex`: implement `BenchIndex` for it and add its
+        // rows here and in `benches/peers/kv-router/benches/index_vs_kv_router.rs`.
+    }
+    print_table(&rows);
+}

@@ -1,0 +1,94 @@
+//! The Mooncake conversation trace replayed through our prefix index harness and NVIDIA Dynamo's
+//! `dynamo-kv-router` 1.6.1 indexes, side by side in one run.
+//!
+//! For 8, 64 and 256 workers the same fixed stream (`index_workload`: per request a lookup of the
+//! prompt, then the routed worker's `Removed` and `Stored` events from its LRU capacity model) is
+//! replayed by every row; each row is first checked against the brute-force reference answers, then
+//! timed (best of `DYNAMO_BENCH_PASSES`, default 5). Columns: block ops/s (looked-up + stored +
+//! removed blocks per second), requests/s, and the ratio to the best Dynamo row of the same group.
+//!
+//! Threads: "1" rows replay the whole stream on one thread; "2" rows split it into two lanes by the
+//! routed worker's parity (a request's lookup and events on its worker's lane), so every worker's
+//! events stay ordered on one thread and both lanes carry about half the block ops. Dynamo's
+//! `ThreadPoolIndexer` rows also run its own pool threads (named in the row), which apply the events
+//! the replay threads enqueue; `RadixTree` is single-threaded (`Rc` nodes, `&mut self` writes), so it
+//! has no 2-thread row. See `kv_router_peer_bench::dynamo` for how each index is driven.
+//!
+//! `cargo bench --bench index_vs_kv_router` in `benches/peers/kv-router`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dynamo_kv_router::indexer::positional::SearchMode;
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer};
+use kv_router_peer_bench::dynamo::{JUMP_SIZE, PositionalDirect, Radix, ThreadPool, dynamo_chain, local_arena};
+use kv_router_peer_bench::index_replay::{
+    BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
+};
+use kv_router_peer_bench::index_workload::{Workload, WorkloadConfig, read_trace};
+
+fn main() {
+    let settings = BenchSettings::from_env(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.."));
+    if !settings.run {
+        return;
+    }
+    let prompts = read_trace(&settings.trace).expect("reading the trace");
+    let passes = settings.passes;
+    let mut rows = Vec::new();
+    for &workers in &settings.workers {
+        let config = WorkloadConfig { chain: dynamo_chain, ..WorkloadConfig::new(workers) };
+        let w = Workload::from_prompts(&prompts, config).expect("building the workload");
+        describe(&w);
+        let reference = w.reference_answers();
+        let seq: Arc<[u64]> = w.seq_hashes.clone().into();
+        let local = local_arena(&w);
+        let lanes = w.lanes(2);
+
+        let baseline = || HashBaseline::new(seq.clone());
+        let radix = || Radix::new(local.clone());
+        let positional = || PositionalDirect::new(local.clone());
+        let crtc_pool = |threads| {
+            let local = local.clone();
+            move || ThreadPool::new(ConcurrentRadixTreeCompressed::new(), threads, local.clone())
+        };
+        let positional_pool = |threads| {
+            let local = local.clone();
+            move || {
+                ThreadPool::new(
+                    PositionalIndexer::new_with_mode(JUMP_SIZE, SearchMode::Strided),
+                    threads,
+                    local.clone(),
+                )
+            }
+        };
+
+        // One replay thread.
+        rows.push(measure_single(
+            "ours: HashBaseline (sharded RwLock<HashMap>)",
+            false,
+            &baseline,
+            &w,
+            &reference,
+            passes,
+        ));
+        // Our index's rows go here: `measure_single` / `measure_parallel` of a `BenchIndex` over
+        // `dynamo_actors::index::PrefixIndex`, fed `w.seq_hashes` (chained hashes) per lookup.
+        rows.push(measure_single("Dynamo RadixTree", true, &radix, &w, &reference, passes));
+        rows.push(measure_single("Dynamo PositionalIndexer (direct)", true, &positional, &w, &reference, passes));
+        let name = "Dynamo ThreadPool<CRTC> (+1 pool thread)";
+        rows.push(measure_single(name, true, &crtc_pool(1), &w, &reference, passes));
+        let name = "Dynamo ThreadPool<PositionalIndexer> (+1 pool thread)";
+        rows.push(measure_single(name, true, &positional_pool(1), &w, &reference, passes));
+
+        // Two replay threads.
+        let name = "ours: HashBaseline (sharded RwLock<HashMap>)";
+        rows.push(measure_parallel(name, false, &baseline, &w, &lanes, &reference, passes));
+        let name = "Dynamo PositionalIndexer (direct)";
+        rows.push(measure_parallel(name, true, &positional, &w, &lanes, &reference, passes));
+        let name = "Dynamo ThreadPool<CRTC> (+2 pool threads)";
+        rows.push(measure_parallel(name, true, &crtc_pool(2), &w, &lanes, &reference, passes));
+        let name = "Dynamo ThreadPool<PositionalIndexer> (+2 pool threads)";
+        rows.push(measure_parallel(name, true, &positional_pool(2), &w, &lanes, &reference, passes));
+    }
+    print_table(&rows);
+}
