@@ -16,10 +16,14 @@
 //! - **PeerLink actors** — one per remote node.
 //!
 //! What is here today is the synchronous core those actors will own:
+//! - [`index`] — [`index::PrefixIndex`]: the global prefix index fed by [`index::KvEvent`]s
+//!   (per-source sequence numbers, gap detection and resync, approximate mode), answering per
+//!   location and tier the longest cached prefix of a request.
 //! - [`worker`] — [`worker::Worker`]: one engine and its G1 pool; reuse of G1-resident prefixes,
 //!   onboarding from G2/G3 (verified), prefill, decode, and write-through of every completed block.
 //! - [`tiers`] — [`tiers::NodeTiers`]: the G2 and G3 tiers the workers of a node share, with
 //!   admission that evicts by policy.
 
+pub mod index;
 pub mod tiers;
 pub mod worker;
