@@ -16,6 +16,9 @@
 //!   health (degrade to G1+G2 and recover by probing).
 //!
 //! Shared pieces that are not actors:
+//! - [`index`] — [`index::PrefixIndex`]: the global prefix index fed by [`index::KvEvent`]s
+//!   (per-source sequence numbers, gap detection and resync, approximate mode), answering per
+//!   location and tier the longest cached prefix of a request.
 //! - [`tiers`] — [`tiers::NodeTiers`]: the G2 and G3 tiers the workers of a node share, with
 //!   admission that evicts by policy, G3 health, and the [`tiers::KvObserver`] that turns every
 //!   change of where blocks are into KV events.
@@ -24,6 +27,7 @@
 //! Blocking work never runs inside a handler: engines run on their workers' threads, G3 I/O on
 //! the store's ring threads.
 
+pub mod index;
 pub mod scheduler;
 pub mod session;
 pub mod stores;

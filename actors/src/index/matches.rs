@@ -1,0 +1,110 @@
+//! The answer of a prefix lookup, and its per-worker view for the cost model.
+
+use dynamo_config::TierName;
+
+use super::events::SourceId;
+use super::store::LocId;
+
+/// Where blocks are held: one source's tier. A worker's G1 fed by
+/// [`record_routing`](super::PrefixIndex::record_routing) is a separate, *approximate* location.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Location {
+    /// The source that reports (or, if approximate, is assumed to hold) the blocks.
+    pub source: SourceId,
+    /// The tier.
+    pub tier: TierName,
+    /// Inferred from routing decisions rather than reported by KV events.
+    pub approximate: bool,
+}
+
+/// One location's longest cached prefix of a query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocationMatch {
+    /// Where.
+    pub location: Location,
+    /// How many leading blocks of the query it holds contiguously from block 0 (at least 1).
+    pub blocks: usize,
+}
+
+/// How much of a query a given worker can get from each tier, in blocks from block 0.
+///
+/// The tiers nest in the cost model: blocks `[0, g1)` are reused in place, `[g1, max(g1, g2))`
+/// load from G2, then G3, then G4; each length is that tier's own longest prefix, so a later
+/// tier only contributes where it reaches further.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WorkerPrefix {
+    /// The worker's own G1, as reported by its KV events.
+    pub g1: usize,
+    /// The worker's own G1, as inferred from requests recently routed to it (approximate mode).
+    pub g1_approximate: usize,
+    /// The worker's node's G2.
+    pub g2: usize,
+    /// The worker's node's G3.
+    pub g3: usize,
+    /// The best G2 or G3 of any other node (reached through a peer link).
+    pub g4: usize,
+}
+
+/// The result of [`PrefixIndex::find_matches`](super::PrefixIndex::find_matches), reusable
+/// across lookups so a hot loop allocates nothing.
+#[derive(Debug, Default)]
+pub struct Matches {
+    pub(crate) results: Vec<LocationMatch>,
+    /// Scratch of the lookup: locations still matching, split at each probe.
+    pub(crate) alive: Vec<LocId>,
+    pub(crate) next: Vec<LocId>,
+    pub(crate) dropped: Vec<LocId>,
+    /// Locations that are not prefix-closed, walked block by block.
+    pub(crate) walk: Vec<LocId>,
+    /// (location, prefix length) before the locations are resolved.
+    pub(crate) found: Vec<(LocId, usize)>,
+}
+
+impl Matches {
+    /// An empty result.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.results.clear();
+        self.alive.clear();
+        self.next.clear();
+        self.dropped.clear();
+        self.walk.clear();
+        self.found.clear();
+    }
+
+    /// Every location holding at least the first block of the query, with its prefix length.
+    pub fn locations(&self) -> &[LocationMatch] {
+        &self.results
+    }
+
+    /// The prefix length `location` holds (0 if none).
+    pub fn blocks_at(&self, location: Location) -> usize {
+        self.results.iter().find(|m| m.location == location).map_or(0, |m| m.blocks)
+    }
+
+    /// The longest prefix any location holds.
+    pub fn longest(&self) -> usize {
+        self.results.iter().map(|m| m.blocks).max().unwrap_or(0)
+    }
+
+    /// What `worker` (a worker source, not a node store) can reuse or load, tier by tier.
+    pub fn for_worker(&self, worker: SourceId) -> WorkerPrefix {
+        let mut view = WorkerPrefix::default();
+        for m in &self.results {
+            let Location { source, tier, approximate } = m.location;
+            let slot = match (tier, approximate) {
+                (TierName::G1, false) if source == worker => &mut view.g1,
+                (TierName::G1, true) if source == worker => &mut view.g1_approximate,
+                (TierName::G2 | TierName::G3, false) if source.node != worker.node => &mut view.g4,
+                (TierName::G2, false) if source.is_node_store() => &mut view.g2,
+                (TierName::G3, false) if source.is_node_store() => &mut view.g3,
+                _ => continue,
+            };
+            *slot = (*slot).max(m.blocks);
+        }
+        view
+    }
+}
