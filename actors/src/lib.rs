@@ -22,12 +22,17 @@
 //! - [`tiers`] — [`tiers::NodeTiers`]: the G2 and G3 tiers the workers of a node share, with
 //!   admission that evicts by policy, G3 health, and the [`tiers::KvObserver`] that turns every
 //!   change of where blocks are into KV events.
+//! - [`publisher`] — [`publisher::KvPublisher`]: the node's KV observer, sequencing events per
+//!   source into the index.
+//! - [`cost`] — [`cost::CostModel`]: estimated time to first token per worker.
 //! - [`telemetry`] — every metric name and the functions that record them.
 //!
 //! Blocking work never runs inside a handler: engines run on their workers' threads, G3 I/O on
 //! the store's ring threads.
 
+pub mod cost;
 pub mod index;
+pub mod publisher;
 pub mod scheduler;
 pub mod session;
 pub mod stores;

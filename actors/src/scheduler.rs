@@ -5,19 +5,29 @@
 //! in the routing policy's order whose queue has room; when none has, the answer is
 //! [`SubmitError::Overloaded`] at once: the node never builds an unbounded backlog.
 //!
-//! Routing policies (`router.policy`): `round_robin`, `random`, and `kv_aware`. Until the global
-//! prefix index lands, `kv_aware` prefers the session's previous worker (whose G1 holds the
-//! conversation) and otherwise the least loaded worker; the node's shared G2/G3 make any other
-//! worker's load of the prefix cheap either way.
+//! Routing policies (`router.policy`): `round_robin`, `random`, and `kv_aware`. With `kv_aware`
+//! the scheduler hashes the prompt's blocks, asks the global prefix index how much of that prefix
+//! each worker's G1 and its node's G2/G3 hold, and ranks the workers by the [`CostModel`]'s
+//! estimated time to first token (queue + loads + prefill of the rest). The session's previous
+//! worker wins unless another is better by more than `router.sticky_bonus`; a `temperature`
+//! above 0 samples among workers by a softmax over their estimates, spreading load between
+//! near-equal choices. Without an index (`kv_aware` with no KV routing set up) it falls back to
+//! the session's worker, then the least loaded.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use dynamo_config::RoutingPolicy;
+use dynamo_tiering::block::{BlockHasher, Salt};
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 
+use crate::cost::{CostModel, Queued};
+use crate::index::{Matches, PrefixIndex, SourceId};
 use crate::session::{SessionActor, SessionArgs, SessionMsg, SessionRef};
+use crate::telemetry;
+use crate::tiers::NodeTiers;
 use crate::worker::{GenRequest, Job, JobEvent, WorkerHandle};
 
 /// The SchedulerActor.
@@ -34,8 +44,31 @@ pub struct SchedulerArgs {
     pub policy: RoutingPolicy,
     /// A session ends after this long without a turn.
     pub session_idle_timeout: Duration,
-    /// Seed of the `random` policy.
+    /// Seed of the `random` policy and of temperature sampling.
     pub seed: u64,
+    /// What `kv_aware` routing needs; `None` falls back to sessions and load.
+    pub kv: Option<KvRouting>,
+}
+
+/// The pieces of KV-aware routing.
+#[derive(Clone, Debug)]
+pub struct KvRouting {
+    /// The global prefix index, fed by the node's KV events.
+    pub index: Arc<PrefixIndex>,
+    /// This node's id in the index.
+    pub node: u16,
+    /// The salt and block size requests are hashed with (the workers' own).
+    pub salt: Salt,
+    /// Tokens per block.
+    pub block_tokens: usize,
+    /// The cost model; its G3 rate is replaced by the measured one once G3 has been read.
+    pub cost: CostModel,
+    /// The node's tiers, for live measurements.
+    pub tiers: Arc<NodeTiers>,
+    /// The session's previous worker wins unless another is estimated better by more than this.
+    pub sticky_bonus: Duration,
+    /// Softmax temperature over the estimates in milliseconds; 0 picks the best.
+    pub temperature: f64,
 }
 
 /// Why a request was not queued.
@@ -108,6 +141,7 @@ pub struct SchedulerState {
     rng: u64,
     sessions: HashMap<String, SessionEntry>,
     session_of: HashMap<ActorId, String>,
+    matches: Matches,
 }
 
 impl std::fmt::Debug for SchedulerState {
@@ -120,6 +154,59 @@ impl std::fmt::Debug for SchedulerState {
 }
 
 impl SchedulerState {
+    fn next_random(&mut self) -> u64 {
+        // xorshift64*: enough for spreading load, seeded for reproducible tests.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// KV-aware order: workers by estimated time to first token, with the session's worker and
+    /// temperature sampling applied; also the predicted cached tokens per worker.
+    fn kv_order(&mut self, kv: &KvRouting, req: &GenRequest, sticky: Option<usize>) -> Vec<(usize, usize)> {
+        let started = Instant::now();
+        let hashes = BlockHasher::new(kv.salt, kv.block_tokens).hash_sequence(&req.prompt);
+        kv.index.find_matches(&hashes, &mut self.matches);
+        let mut cost = kv.cost;
+        if let Some(measured) = kv.tiers.g3.as_ref().and_then(|g3| g3.measured_read_bandwidth()) {
+            cost.g3_bytes_per_s = measured;
+        }
+        let mut ranked: Vec<(usize, f64, usize)> = Vec::with_capacity(self.workers.len());
+        for (i, w) in self.workers.iter().enumerate() {
+            let Some(w) = w else { continue };
+            let prefix = self.matches.for_worker(SourceId::worker(kv.node, i as u16));
+            let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
+            let e = cost.estimate(req.prompt.len(), prefix, queued);
+            ranked.push((i, e.ttft_s, e.cached_blocks * kv.block_tokens));
+        }
+        ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
+        if let (Some(s), Some(best)) = (sticky, ranked.first().map(|r| r.1))
+            && let Some(pos) = ranked.iter().position(|r| r.0 == s)
+            && ranked[pos].1 <= best + kv.sticky_bonus.as_secs_f64()
+        {
+            let chosen = ranked.remove(pos);
+            ranked.insert(0, chosen);
+        } else if kv.temperature > 0.0 && ranked.len() > 1 {
+            let best = ranked[0].1;
+            let weights: Vec<f64> = ranked.iter().map(|r| (-(r.1 - best) * 1e3 / kv.temperature).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            let mut pick = (self.next_random() >> 11) as f64 / (1u64 << 53) as f64 * total;
+            let mut chosen = ranked.len() - 1;
+            for (k, w) in weights.iter().enumerate() {
+                if pick < *w {
+                    chosen = k;
+                    break;
+                }
+                pick -= w;
+            }
+            let first = ranked.remove(chosen);
+            ranked.insert(0, first);
+        }
+        telemetry::record_router_decision(started.elapsed());
+        ranked.into_iter().map(|(i, _, cached)| (i, cached)).collect()
+    }
+
     /// Workers in the order the policy would try them.
     fn order(&mut self, sticky: Option<usize>) -> Vec<usize> {
         let up: Vec<usize> = (0..self.workers.len()).filter(|&i| self.workers[i].is_some()).collect();
@@ -128,13 +215,7 @@ impl SchedulerState {
         }
         let n = up.len();
         let start = match self.args.policy {
-            RoutingPolicy::Random => {
-                // xorshift64*: enough for spreading load, seeded for reproducible tests.
-                self.rng ^= self.rng >> 12;
-                self.rng ^= self.rng << 25;
-                self.rng ^= self.rng >> 27;
-                (self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
-            }
+            RoutingPolicy::Random => (self.next_random() >> 33) as usize % n,
             _ => {
                 self.next = self.next.wrapping_add(1);
                 self.next % n
@@ -159,16 +240,23 @@ impl SchedulerState {
         session: Option<String>,
     ) -> Result<Submitted, SubmitError> {
         let sticky = session.as_ref().and_then(|s| self.sessions.get(s)).and_then(|e| e.last_worker);
-        let order = self.order(sticky);
+        let order: Vec<(usize, Option<usize>)> = match (&self.args.kv, self.args.policy) {
+            (Some(kv), RoutingPolicy::KvAware) => {
+                let kv = kv.clone();
+                self.kv_order(&kv, &req, sticky).into_iter().map(|(i, c)| (i, Some(c))).collect()
+            }
+            _ => self.order(sticky).into_iter().map(|i| (i, None)).collect(),
+        };
         if order.is_empty() {
             return Err(SubmitError::NoWorkers);
         }
         let prompt_tokens = req.prompt.len();
         let (events, rx) = mpsc::unbounded_channel();
-        let mut job = Job { req, events };
-        for &i in &order {
+        let mut job = Job { req, predicted_cached: None, events };
+        for &(i, predicted) in &order {
             let Some(handle) = &self.workers[i] else { continue };
-            handle.load.add(prompt_tokens);
+            job.predicted_cached = predicted;
+            handle.load.add(&job.req);
             match handle.queue.try_send(job) {
                 Ok(()) => {
                     if let Some(id) = session {
@@ -176,12 +264,8 @@ impl SchedulerState {
                     }
                     return Ok(Submitted { events: rx, worker: i });
                 }
-                Err(mpsc::error::TrySendError::Full(j)) => {
-                    handle.load.remove(prompt_tokens);
-                    job = j;
-                }
-                Err(mpsc::error::TrySendError::Closed(j)) => {
-                    handle.load.remove(prompt_tokens);
+                Err(mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j)) => {
+                    handle.load.remove(&j.req);
                     job = j;
                 }
             }
@@ -224,6 +308,7 @@ impl Actor for SchedulerActor {
             rng,
             sessions: HashMap::new(),
             session_of: HashMap::new(),
+            matches: Matches::new(),
         })
     }
 

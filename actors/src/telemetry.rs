@@ -40,6 +40,13 @@
 //! | `dynamo_node_inter_token_seconds` | histogram | | time between streamed tokens |
 //! | `dynamo_node_kv_write_through_lag_seconds` | histogram | `tier` | block completion in G1 to the tier's acknowledgment |
 //! | `dynamo_node_worker_restarts_total` | counter | | workers restarted by the supervisor |
+//! | `dynamo_node_router_decision_seconds` | histogram | | time to choose a worker |
+//! | `dynamo_node_index_events_total` | counter | `kind`, `result` | KV events offered to the prefix index |
+//! | `dynamo_node_index_blocks` | gauge | | distinct blocks in the prefix index |
+//! | `dynamo_node_index_resyncs_total` | counter | | index sources resynchronised after a gap |
+//! | `dynamo_node_router_predicted_cached_tokens_total` | counter | | cached tokens the router predicted |
+//! | `dynamo_node_router_actual_cached_tokens_total` | counter | | cached tokens found, for predicted requests |
+//! | `dynamo_node_router_mispredictions_total` | counter | | requests whose prediction was off |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -101,10 +108,29 @@ pub mod names {
     pub const WORKER_RESTARTS: &str = "dynamo_node_worker_restarts_total";
     /// Histogram `{tier}`.
     pub const WRITE_THROUGH_LAG_SECONDS: &str = "dynamo_node_kv_write_through_lag_seconds";
+    /// Histogram.
+    pub const ROUTER_DECISION_SECONDS: &str = "dynamo_node_router_decision_seconds";
+    /// Counter `{kind,result}`.
+    pub const INDEX_EVENTS: &str = "dynamo_node_index_events_total";
+    /// Gauge.
+    pub const INDEX_BLOCKS: &str = "dynamo_node_index_blocks";
+    /// Counter.
+    pub const INDEX_RESYNCS: &str = "dynamo_node_index_resyncs_total";
+    /// Counter.
+    pub const ROUTER_PREDICTED_CACHED_TOKENS: &str = "dynamo_node_router_predicted_cached_tokens_total";
+    /// Counter.
+    pub const ROUTER_ACTUAL_CACHED_TOKENS: &str = "dynamo_node_router_actual_cached_tokens_total";
+    /// Counter.
+    pub const ROUTER_MISPREDICTIONS: &str = "dynamo_node_router_mispredictions_total";
 
     /// Every histogram: each gets the configured buckets.
-    pub const HISTOGRAMS: [&str; 4] =
-        [KV_TRANSFER_SECONDS, REQUEST_TTFT_SECONDS, INTER_TOKEN_SECONDS, WRITE_THROUGH_LAG_SECONDS];
+    pub const HISTOGRAMS: [&str; 5] = [
+        KV_TRANSFER_SECONDS,
+        REQUEST_TTFT_SECONDS,
+        INTER_TOKEN_SECONDS,
+        WRITE_THROUGH_LAG_SECONDS,
+        ROUTER_DECISION_SECONDS,
+    ];
 }
 
 /// The API a request came in through: the `api` label.
@@ -173,6 +199,25 @@ pub fn describe() {
     describe_counter!(REQUESTS, Unit::Count, "Requests answered, by API and HTTP status.");
     describe_histogram!(REQUEST_TTFT_SECONDS, Unit::Seconds, "Time from request arrival to the first token.");
     describe_histogram!(INTER_TOKEN_SECONDS, Unit::Seconds, "Time between consecutive generated tokens.");
+    describe_histogram!(ROUTER_DECISION_SECONDS, Unit::Seconds, "Time the router took to choose a worker.");
+    describe_counter!(INDEX_EVENTS, Unit::Count, "KV events offered to the global prefix index, by kind and result.");
+    describe_gauge!(INDEX_BLOCKS, Unit::Count, "Distinct blocks in the global prefix index.");
+    describe_counter!(INDEX_RESYNCS, Unit::Count, "Sources of the global prefix index resynchronised after a gap.");
+    describe_counter!(
+        ROUTER_PREDICTED_CACHED_TOKENS,
+        Unit::Count,
+        "Prompt tokens the router expected to be cached on the chosen worker."
+    );
+    describe_counter!(
+        ROUTER_ACTUAL_CACHED_TOKENS,
+        Unit::Count,
+        "Prompt tokens that were cached on the chosen worker, for requests the router predicted."
+    );
+    describe_counter!(
+        ROUTER_MISPREDICTIONS,
+        Unit::Count,
+        "Requests whose cached tokens differed from the router's prediction."
+    );
     describe_histogram!(
         WRITE_THROUGH_LAG_SECONDS,
         Unit::Seconds,
@@ -201,6 +246,31 @@ pub fn register_known_series() {
     let _ = histogram!(INTER_TOKEN_SECONDS);
     for tier in [Tier::G2, Tier::G3] {
         let _ = histogram!(WRITE_THROUGH_LAG_SECONDS, "tier" => tier.as_str());
+    }
+}
+
+/// Records one routing decision's duration.
+pub fn record_router_decision(elapsed: Duration) {
+    histogram!(names::ROUTER_DECISION_SECONDS).record(elapsed.as_secs_f64());
+}
+
+/// Counts one KV event offered to the index: its kind and what the index did with it.
+pub fn record_index_event(kind: &'static str, result: &'static str) {
+    counter!(names::INDEX_EVENTS, "kind" => kind, "result" => result).increment(1);
+}
+
+/// Sets the index's size and mirrors its resync count.
+pub fn publish_index(blocks: u64, resyncs: u64) {
+    gauge!(names::INDEX_BLOCKS).set(blocks as f64);
+    counter!(names::INDEX_RESYNCS).absolute(resyncs);
+}
+
+/// Compares the router's prediction of a request's cached tokens with what the worker found.
+pub fn record_prediction(predicted: u64, actual: u64) {
+    counter!(names::ROUTER_PREDICTED_CACHED_TOKENS).increment(predicted);
+    counter!(names::ROUTER_ACTUAL_CACHED_TOKENS).increment(actual);
+    if predicted != actual {
+        counter!(names::ROUTER_MISPREDICTIONS).increment(1);
     }
 }
 

@@ -10,14 +10,17 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use dynamo_actors::scheduler::{SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
+use dynamo_actors::cost::CostModel;
+use dynamo_actors::index::{IndexConfig, PrefixIndex};
+use dynamo_actors::publisher::KvPublisher;
+use dynamo_actors::scheduler::{KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::stores::{StoreArgs, Watermarks};
 use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
-use dynamo_actors::tiers::{G2Tier, G3Tier, LoadCost, NoObserver, NodeTiers, WriteBatch};
+use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{
     Engine, EngineFactory, Finish, GenRequest, JobEvent, Worker, WorkerArgs, WorkerError, WorkerEvent,
 };
-use dynamo_config::NodeConfig;
+use dynamo_config::{NodeConfig, TierName};
 use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::Sampling;
@@ -50,12 +53,17 @@ pub struct Serving {
     pub max_context: usize,
     /// Measured prefill throughput of one worker, tokens per second.
     pub prefill_tokens_per_s: f64,
+    /// Measured time of one decode step of one worker.
+    pub decode_step: Duration,
+    /// The global prefix index the scheduler routes by.
+    pub index: Arc<PrefixIndex>,
     join: tokio::task::JoinHandle<()>,
+    index_poller: tokio::task::JoinHandle<()>,
 }
 
 impl Serving {
     /// Loads the model, measures it, and starts the actor tree over `node`'s tiers.
-    pub async fn start(cfg: &NodeConfig, node: Node) -> anyhow::Result<Self> {
+    pub async fn start(cfg: &NodeConfig, mut node: Node) -> anyhow::Result<Self> {
         let plan = node.tiers.clone();
         let model_cfg = cfg.model.clone();
         let shape = plan.shape;
@@ -87,19 +95,36 @@ impl Serving {
         let block_tokens = plan.block_tokens;
 
         let measure_weights = weights.clone();
-        let prefill_tokens_per_s =
-            tokio::task::spawn_blocking(move || measure_prefill(&measure_weights, threads_each, block_tokens))
+        let (prefill_tokens_per_s, decode_step) =
+            tokio::task::spawn_blocking(move || measure_engine(&measure_weights, threads_each, block_tokens))
                 .await
                 .context("start-up task")??;
 
+        // Every change of where blocks are becomes a KV event in the index the scheduler reads.
+        let index = Arc::new(PrefixIndex::new(IndexConfig {
+            max_blocks: cfg.router.index_max_blocks,
+            approximate_ttl: cfg.router.approximate_ttl.as_duration(),
+        }));
+        let epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::new(0, epoch, index.clone()));
+        let recovered = std::mem::take(&mut node.recovery.blocks);
         let g2 = match (node.g2, node.g2_registry) {
-            (Some(pool), Some(registry)) => Some(G2Tier::new(pool, registry)),
+            (Some(pool), Some(registry)) => Some(G2Tier::new(pool, registry).with_observer(publisher.clone())),
             _ => None,
         };
         let g3 = match (node.g3, node.g3_registry) {
-            (Some(store), Some(registry)) => Some(G3Tier::new(store, registry)),
+            (Some(store), Some(registry)) => Some(G3Tier::new(store, registry).with_observer(publisher.clone())),
             _ => None,
         };
+        // What G3 recovered at start-up is already there: the index learns it first.
+        if g3.is_some() {
+            for header in &recovered {
+                publisher.stored(BlockSite::Node(TierName::G3), header.parent, &[header.hash]);
+            }
+        }
         let tiers = Arc::new(NodeTiers {
             block_tokens,
             salt,
@@ -114,7 +139,7 @@ impl Serving {
                 g2_read_bytes_per_s: 0.0,
                 g3_read_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
             },
-            observer: Arc::new(NoObserver),
+            observer: publisher,
         });
 
         let factory_tiers = tiers.clone();
@@ -137,18 +162,48 @@ impl Serving {
                 policy: cfg.router.policy,
                 session_idle_timeout: cfg.frontend.session_idle_timeout.as_duration(),
                 seed: cfg.model.seed,
+                kv: Some(KvRouting {
+                    index: index.clone(),
+                    node: 0,
+                    salt,
+                    block_tokens,
+                    cost: CostModel {
+                        block_tokens,
+                        image_bytes: plan.layout.image_bytes(),
+                        prefill_tokens_per_s,
+                        decode_s_per_token: decode_step.as_secs_f64(),
+                        // G2 → G1 on a CPU engine is a memcpy, far above any prefill rate.
+                        g2_bytes_per_s: 0.0,
+                        g3_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
+                    },
+                    tiers: tiers.clone(),
+                    sticky_bonus: cfg.router.sticky_bonus.as_duration(),
+                    temperature: cfg.router.temperature,
+                }),
             },
             g2: tiers.g2.as_ref().map(|_| store(cfg.tiers.g2.high_watermark, cfg.tiers.g2.low_watermark)),
             g3: tiers.g3.as_ref().map(|_| store(cfg.tiers.g3.high_watermark, cfg.tiers.g3.low_watermark)),
         };
         let (node, join) = Actor::spawn(None, NodeSupervisor, args).await.context("starting the actor tree")?;
+        let polled = index.clone();
+        let index_poller = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let stats = polled.stats();
+                dynamo_actors::telemetry::publish_index(stats.blocks, stats.resyncs);
+            }
+        });
         Ok(Self {
             node,
             tiers,
             model: cfg.model.name.clone(),
             max_context: pages * block_tokens,
             prefill_tokens_per_s,
+            decode_step,
+            index,
             join,
+            index_poller,
         })
     }
 
@@ -167,19 +222,24 @@ impl Serving {
     /// Stops taking requests, lets the workers finish their queues and flush write-through, and
     /// waits for the tree to stop.
     pub async fn shutdown(self) {
+        self.index_poller.abort();
         let _ = self.node.call(NodeMsg::Shutdown, None).await;
         let _ = self.join.await;
     }
 }
 
-/// Times one block's prefill on a scratch KV pool: the engine's throughput for the cost model.
-fn measure_prefill(weights: &HostWeights, threads: usize, block_tokens: usize) -> anyhow::Result<f64> {
+/// Times one block's prefill and one decode step on a scratch KV pool: the engine's rates for
+/// the cost model.
+fn measure_engine(weights: &HostWeights, threads: usize, block_tokens: usize) -> anyhow::Result<(f64, Duration)> {
     let model = Llama::new(CpuBackend::new(threads), weights).context("building the model")?;
-    let mut kv = model.kv_pool(block_tokens, 1).context("a scratch KV pool")?;
+    let mut kv = model.kv_pool(block_tokens, 2).context("a scratch KV pool")?;
     let tokens: Vec<u32> = (0..block_tokens as u32).collect();
     let started = Instant::now();
-    model.forward(&mut kv, &tokens, 0, &[0], block_tokens).context("measuring prefill")?;
-    Ok(block_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9))
+    model.forward(&mut kv, &tokens, 0, &[0, 1], block_tokens).context("measuring prefill")?;
+    let prefill = block_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    let started = Instant::now();
+    model.forward(&mut kv, &[1], block_tokens, &[0, 1], block_tokens).context("measuring decode")?;
+    Ok((prefill, started.elapsed()))
 }
 
 async fn scheduler_of(node: &NodeRef) -> anyhow::Result<SchedulerRef> {

@@ -34,9 +34,19 @@ fn start() -> Node {
 }
 
 fn start_in(dir: std::sync::Arc<tempfile::TempDir>) -> Node {
+    start_with(dir, "")
+}
+
+/// A node on its defaults plus `toml` (a config file written into `dir`).
+fn start_with(dir: std::sync::Arc<tempfile::TempDir>, toml: &str) -> Node {
     let metrics = free_port();
     let mut cmd = Command::new(node_binary());
     cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", &metrics, "--data-dir"]).arg(dir.path());
+    if !toml.is_empty() {
+        let file = dir.path().join("node.toml");
+        std::fs::write(&file, toml).expect("write config");
+        cmd.arg("--config").arg(file);
+    }
     let (child, lines) = spawn_until_ready(cmd);
     let api = lines
         .iter()
@@ -83,7 +93,9 @@ fn conversation(turns: &[(&str, String)]) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turn_two_loads_turn_one_from_g2_with_the_same_answer() {
-    let node = start();
+    // Round-robin sends turn 2 to the other worker, whose G1 does not have turn 1.
+    let node =
+        start_with(std::sync::Arc::new(tempfile::tempdir().expect("tempdir")), "[router]\npolicy = \"round_robin\"\n");
     let history: String = (0..180).map(|i| format!("file{i}.rs ")).collect();
     let turn1 = vec![("system", "You are a coding agent.".to_string()), ("user", history)];
     let (status, first) = node.chat(conversation(&turn1)).await;
@@ -175,6 +187,34 @@ async fn a_node_killed_during_write_through_serves_only_verified_blocks() {
     );
     assert_eq!(fresh.stop(), 0);
     assert_eq!(restarted.stop(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_aware_routing_sends_turn_two_to_the_worker_that_holds_turn_one() {
+    let node = start();
+    let history: String = (0..120).map(|i| format!("module{i}.py ")).collect();
+    let turn1 = vec![("system", "You are a coding agent.".to_string()), ("user", history)];
+    let (status, first) = node.chat(conversation(&turn1)).await;
+    assert_eq!(status, 200, "{first}");
+    let answer = first["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+    let mut turn2 = turn1.clone();
+    turn2.push(("assistant", answer));
+    turn2.push(("user", "Now fix the failing test.".to_string()));
+    // Without a session id, only the index knows where turn 1 is; ask three times.
+    for _ in 0..3 {
+        let (status, second) = node.chat(conversation(&turn2)).await;
+        assert_eq!(status, 200, "{second}");
+        let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
+        assert!(cached >= 128, "turn 1's blocks are reused: {cached}");
+    }
+    assert_eq!(node.metric("dynamo_node_kv_hit_tokens_total{tier=\"g2\"}").await, 0.0, "never loaded: always G1");
+    assert!(node.metric("dynamo_node_kv_hit_tokens_total{tier=\"g1\"}").await > 0.0);
+    let predicted = node.metric("dynamo_node_router_predicted_cached_tokens_total").await;
+    let actual = node.metric("dynamo_node_router_actual_cached_tokens_total").await;
+    assert!(predicted > 0.0 && predicted == actual, "the router predicted the cache exactly: {predicted} vs {actual}");
+    assert!(node.metric("dynamo_node_index_events_total{kind=\"stored\",result=\"applied\"}").await > 0.0);
+    assert_eq!(node.metric("dynamo_node_router_decision_seconds_count").await, 4.0);
+    assert_eq!(node.stop(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

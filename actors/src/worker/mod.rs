@@ -84,6 +84,8 @@ pub enum JobEvent {
 pub struct Job {
     /// The request.
     pub req: GenRequest,
+    /// Prompt tokens the router expected to be cached on this worker (`None`: not predicted).
+    pub predicted_cached: Option<usize>,
     /// Its events; a closed receiver stops the request at its next token.
     pub events: mpsc::UnboundedSender<JobEvent>,
 }
@@ -93,6 +95,7 @@ pub struct Job {
 pub struct WorkerLoad {
     requests: AtomicUsize,
     prompt_tokens: AtomicUsize,
+    decode_tokens: AtomicUsize,
 }
 
 impl WorkerLoad {
@@ -106,16 +109,23 @@ impl WorkerLoad {
         self.prompt_tokens.load(Ordering::Relaxed)
     }
 
-    /// A request of `tokens` prompt tokens was queued.
-    pub fn add(&self, tokens: usize) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        self.prompt_tokens.fetch_add(tokens, Ordering::Relaxed);
+    /// Tokens the requests queued or running may generate.
+    pub fn decode_tokens(&self) -> usize {
+        self.decode_tokens.load(Ordering::Relaxed)
     }
 
-    /// A request of `tokens` prompt tokens left (finished, failed, or was never queued).
-    pub fn remove(&self, tokens: usize) {
+    /// `req` was queued.
+    pub fn add(&self, req: &GenRequest) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
+        self.decode_tokens.fetch_add(req.max_tokens, Ordering::Relaxed);
+    }
+
+    /// `req` left (finished, failed, or was never queued).
+    pub fn remove(&self, req: &GenRequest) {
         self.requests.fetch_sub(1, Ordering::Relaxed);
-        self.prompt_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
+        self.decode_tokens.fetch_sub(req.max_tokens, Ordering::Relaxed);
     }
 }
 
@@ -260,15 +270,17 @@ fn engine_thread(
         };
         let _ = ready.send(Ok(()));
         while let Some(job) = rx.recv().await {
-            let tokens = job.req.prompt.len();
             let events = job.events.clone();
             let mut forward = |e| events.send(JobEvent::Event(e)).is_ok();
             let result = AssertUnwindSafe(engine.generate(&job.req, &mut forward)).catch_unwind().await;
-            load.remove(tokens);
+            load.remove(&job.req);
             match result {
                 Ok(result) => {
                     if let Ok(outcome) = &result {
-                        telemetry::record_prompt(tokens as u64, outcome.prefill_tokens as u64);
+                        telemetry::record_prompt(job.req.prompt.len() as u64, outcome.prefill_tokens as u64);
+                        if let Some(predicted) = job.predicted_cached {
+                            telemetry::record_prediction(predicted as u64, outcome.cached_tokens as u64);
+                        }
                         for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3].into_iter().zip(outcome.hit_tokens) {
                             if hit > 0 {
                                 telemetry::record_hit_tokens(tier, hit as u64);
@@ -285,10 +297,12 @@ fn engine_thread(
                     let dropped = engine.reset();
                     tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
                     telemetry::record_worker_restart(dropped as u64);
-                    let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
+                    // The queue closes before the request's failure is reported: a client that
+                    // retries at once is routed to another worker, not queued behind the restart.
                     rx.close();
+                    let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
                     while let Some(queued) = rx.recv().await {
-                        load.remove(queued.req.prompt.len());
+                        load.remove(&queued.req);
                         let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
                     }
                     engine.flush().await;
