@@ -157,7 +157,9 @@ impl Serving {
             failures_to_degrade: G3_FAILURES_TO_DEGRADE,
         };
         let args = NodeArgs {
-            workers: (0..workers).map(|id| WorkerArgs { id, factory: factory.clone(), queue_bound }).collect(),
+            workers: (0..workers)
+                .map(|id| WorkerArgs { id, factory: factory.clone(), queue_bound, host: EngineHost::Thread })
+                .collect(),
             scheduler: SchedulerArgs {
                 policy: cfg.router.policy,
                 session_idle_timeout: cfg.frontend.session_idle_timeout.as_duration(),

@@ -12,6 +12,7 @@
 //! NodeSupervisor restarts it with a fresh engine. The node goes on with its other workers.
 
 mod core;
+pub mod simulated;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -156,12 +157,45 @@ pub struct WorkerArgs {
     pub factory: EngineFactory,
     /// Requests queued at most (running included) before the scheduler sees it full.
     pub queue_bound: usize,
+    /// Where the engine runs.
+    pub host: EngineHost,
 }
 
 impl std::fmt::Debug for WorkerArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkerArgs").field("id", &self.id).field("queue_bound", &self.queue_bound).finish()
     }
+}
+
+/// Work for a [`LocalSpawner`]: builds a future that stays on the spawner's thread.
+pub type LocalJob = Box<dyn FnOnce() -> LocalFuture<'static, ()> + Send>;
+
+/// Spawns futures on a `tokio::task::LocalSet` (see [`EngineHost::Local`]).
+pub type LocalSpawner = mpsc::UnboundedSender<LocalJob>;
+
+/// Where a worker's engine runs.
+#[derive(Clone, Debug, Default)]
+pub enum EngineHost {
+    /// Its own OS thread with a current-thread runtime: for engines whose steps block (the
+    /// reference model on a CPU or a GPU).
+    #[default]
+    Thread,
+    /// A task on the caller's `LocalSet`, reached through this spawner: for engines that only
+    /// await (the simulated engine), so a whole node runs on one runtime — under tokio's paused
+    /// clock, in virtual time.
+    Local(LocalSpawner),
+}
+
+/// Runs `LocalJob`s sent to the returned spawner as local tasks; drive the returned future on a
+/// `LocalSet` for as long as workers may start.
+pub fn local_spawner() -> (LocalSpawner, impl Future<Output = ()>) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<LocalJob>();
+    let run = async move {
+        while let Some(job) = rx.recv().await {
+            tokio::task::spawn_local(job());
+        }
+    };
+    (tx, run)
 }
 
 /// A WorkerActor's state.
@@ -197,15 +231,25 @@ impl Actor for WorkerActor {
         let (ready_tx, ready_rx) = oneshot::channel();
         let thread_load = load.clone();
         let id = args.id;
-        let thread = std::thread::Builder::new()
-            .name(format!("worker-{id}"))
-            .spawn(move || engine_thread(id, args.factory, rx, ready_tx, myself, thread_load))?;
+        let factory = args.factory;
+        let thread = match args.host {
+            EngineHost::Thread => Some(
+                std::thread::Builder::new()
+                    .name(format!("worker-{id}"))
+                    .spawn(move || engine_thread(id, factory, rx, ready_tx, myself, thread_load))?,
+            ),
+            EngineHost::Local(spawner) => {
+                let job: LocalJob = Box::new(move || Box::pin(serve(id, factory, rx, ready_tx, myself, thread_load)));
+                spawner.send(job).map_err(|_| format!("worker {id}: the local spawner is gone"))?;
+                None
+            }
+        };
         match ready_rx.await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(format!("worker {id} could not build its engine: {e}").into()),
             Err(_) => return Err(format!("worker {id}'s engine thread died while starting").into()),
         }
-        Ok(WorkerState { handle: WorkerHandle { id, queue, load }, thread: Some(thread) })
+        Ok(WorkerState { handle: WorkerHandle { id, queue, load }, thread })
     }
 
     async fn handle(&self, _: WorkerRef, msg: WorkerMsg, state: &mut WorkerState) -> Result<(), ActorProcessingErr> {
@@ -244,7 +288,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 fn engine_thread(
     id: usize,
     factory: EngineFactory,
-    mut rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Job>,
     ready: oneshot::Sender<Result<(), String>>,
     actor: WorkerRef,
     load: Arc<WorkerLoad>,
@@ -256,7 +300,19 @@ fn engine_thread(
             return;
         }
     };
-    runtime.block_on(async move {
+    runtime.block_on(serve(id, factory, rx, ready, actor, load));
+}
+
+/// The engine loop: builds the engine, then serves the queue until it closes.
+async fn serve(
+    id: usize,
+    factory: EngineFactory,
+    mut rx: mpsc::Receiver<Job>,
+    ready: oneshot::Sender<Result<(), String>>,
+    actor: WorkerRef,
+    load: Arc<WorkerLoad>,
+) {
+    {
         let mut engine = match std::panic::catch_unwind(AssertUnwindSafe(|| factory(id))) {
             Ok(Ok(engine)) => engine,
             Ok(Err(e)) => {
@@ -312,5 +368,5 @@ fn engine_thread(
             }
         }
         engine.flush().await;
-    });
+    }
 }

@@ -1,0 +1,490 @@
+//! The simulated engine (DESIGN.md §7): does no math; its time comes from a calibration, and the
+//! bookkeeping around it is the product's own — G1/G2/G3 [`TierRegistry`]s with their eviction
+//! policies, retention regions and holds, write-through per region, KV events to the index, the
+//! scheduler's cost model. It moves no bytes, so a node of many workers with terabytes of tiers
+//! replays hours of traffic on a laptop, under tokio's paused clock (see [`EngineHost::Local`]).
+//!
+//! Timing of one request on worker `w`:
+//! - blocks found in `w`'s G1 are free; blocks in the node's G2 cross the host link
+//!   (`link_bytes_per_s`), blocks in G3 are read from disk (`disk_read_bytes_per_s`, the disk
+//!   shared by the node's workers and queued) and then cross the link — each tier used only while
+//!   loading beats recomputing;
+//! - prefill of the rest costs `prefill(len) − prefill(cached)` from the calibrated curve (the
+//!   marginal cost of the suffix given its prefix);
+//! - the first token comes right after prefill; decoding costs `decode_s_per_token` per token;
+//! - completed blocks go to G1, then (write-through, per region) to G2 and, after the disk
+//!   wrote them, to G3; each tier's acknowledgment is a KV event.
+//!
+//! Generated tokens are a deterministic function of the request's seed, so a replay driver can
+//! build the next turn's prompt from them, exactly as an agent resends its history.
+//!
+//! [`EngineHost::Local`]: super::EngineHost::Local
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dynamo_config::{PrefillCalibration, RegionKind, RetentionSection, TierName};
+use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
+use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
+use tokio::time::Instant;
+
+use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, WorkerError, WorkerEvent};
+use crate::tiers::{BlockSite, KvObserver};
+
+/// How far write-through takes completed blocks (a replay compares these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteThrough {
+    /// Blocks stay in the G1 of the worker that computed them.
+    Off,
+    /// Down to G2.
+    G2,
+    /// Down to G2 and G3 (each region's `lowest_tier` still applies).
+    G2G3,
+}
+
+/// The calibrated rates of a simulated worker and its node.
+#[derive(Clone, Debug)]
+pub struct SimTiming {
+    /// Prefill time by prompt length.
+    pub prefill: PrefillCalibration,
+    /// Seconds per generated token.
+    pub decode_s_per_token: f64,
+    /// Host ↔ device bytes per second (one link per worker).
+    pub link_bytes_per_s: f64,
+    /// Disk read bytes per second (one disk per node).
+    pub disk_read_bytes_per_s: f64,
+    /// Disk write bytes per second.
+    pub disk_write_bytes_per_s: f64,
+    /// KV bytes of one block.
+    pub block_bytes: u64,
+}
+
+impl SimTiming {
+    fn prefill_s(&self, tokens: usize) -> f64 {
+        self.prefill.prefill_ms(tokens as u64) / 1e3
+    }
+
+    /// Seconds to recompute the block that ends at `end` tokens, given the tokens before it.
+    fn recompute_block_s(&self, end: usize, block_tokens: usize) -> f64 {
+        self.prefill_s(end) - self.prefill_s(end.saturating_sub(block_tokens))
+    }
+}
+
+/// The node-shared part of a simulated node: G2 and G3 as registries, the disk's queue, where
+/// KV events go.
+#[derive(Debug)]
+pub struct SimNode {
+    /// Tokens per block.
+    pub block_tokens: usize,
+    /// The salt of every block hash.
+    pub salt: Salt,
+    /// Retention per region.
+    pub retention: RetentionSection,
+    /// Rates.
+    pub timing: SimTiming,
+    /// How far blocks are written.
+    pub write_through: WriteThrough,
+    g2: Option<Mutex<TierRegistry>>,
+    g3: Option<Mutex<TierRegistry>>,
+    disk_free_at: Mutex<Instant>,
+    observer: Arc<dyn KvObserver>,
+}
+
+impl SimNode {
+    /// A node with G2 and G3 of these capacities in blocks (0: absent), evicting by `policy`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        block_tokens: usize,
+        salt: Salt,
+        retention: RetentionSection,
+        timing: SimTiming,
+        write_through: WriteThrough,
+        g2_blocks: usize,
+        g3_blocks: usize,
+        policy: PolicyKind,
+        observer: Arc<dyn KvObserver>,
+    ) -> Self {
+        let tier = |blocks: usize| (blocks > 0).then(|| Mutex::new(TierRegistry::new(blocks, policy)));
+        Self {
+            block_tokens,
+            salt,
+            retention,
+            timing,
+            write_through,
+            g2: tier(g2_blocks),
+            g3: tier(g3_blocks),
+            disk_free_at: Mutex::new(Instant::now()),
+            observer,
+        }
+    }
+
+    /// Blocks resident in G2 and G3.
+    pub fn resident(&self) -> (usize, usize) {
+        let len = |t: &Option<Mutex<TierRegistry>>| t.as_ref().map_or(0, |r| r.lock().expect("registry").len());
+        (len(&self.g2), len(&self.g3))
+    }
+
+    fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
+        BlockMeta { parent, region, priority: self.retention.policy(region).priority, retain_until: 0 }
+    }
+
+    fn holds(tier: &Option<Mutex<TierRegistry>>, hash: BlockHash, now: Millis) -> bool {
+        tier.as_ref().is_some_and(|r| {
+            let mut r = r.lock().expect("registry");
+            r.contains(hash) && r.touch(hash, now).is_ok()
+        })
+    }
+
+    /// Admits a block to a node tier, reporting what it stored and evicted.
+    fn admit(&self, tier: TierName, hash: BlockHash, meta: BlockMeta, now: Millis) {
+        let registry = match tier {
+            TierName::G2 => &self.g2,
+            TierName::G3 => &self.g3,
+            _ => return,
+        };
+        let Some(registry) = registry else { return };
+        let result = registry.lock().expect("registry").insert(hash, meta, now);
+        if let Ok(Admission::Inserted { evicted }) = result {
+            if !evicted.is_empty() {
+                let gone: Vec<BlockHash> = evicted.iter().map(|e| e.hash).collect();
+                self.observer.removed(BlockSite::Node(tier), &gone);
+            }
+            self.observer.stored(BlockSite::Node(tier), meta.parent, &[hash]);
+        }
+    }
+
+    fn hold_g2(&self, hash: BlockHash, until: Millis) {
+        if let Some(g2) = &self.g2 {
+            let _ = g2.lock().expect("registry").hold(hash, until);
+        }
+    }
+
+    /// When a disk write of `bytes` submitted now completes (the disk serves one at a time).
+    fn disk_write_done(&self, bytes: u64) -> Instant {
+        let mut free = self.disk_free_at.lock().expect("disk");
+        let start = (*free).max(Instant::now());
+        *free = start + Duration::from_secs_f64(bytes as f64 / self.timing.disk_write_bytes_per_s.max(1.0));
+        *free
+    }
+
+    /// When a disk read of `bytes` submitted now completes.
+    fn disk_read_done(&self, bytes: u64) -> Instant {
+        let mut free = self.disk_free_at.lock().expect("disk");
+        let start = (*free).max(Instant::now());
+        *free = start + Duration::from_secs_f64(bytes as f64 / self.timing.disk_read_bytes_per_s.max(1.0));
+        *free
+    }
+}
+
+/// Milliseconds of tokio's clock (virtual under a paused clock), the clock of simulated holds.
+fn now_ms(epoch: Instant) -> Millis {
+    epoch.elapsed().as_millis() as Millis
+}
+
+/// One simulated worker: its G1 registry and its share of the node.
+#[derive(Debug)]
+pub struct SimulatedEngine {
+    id: usize,
+    node: Arc<SimNode>,
+    g1: TierRegistry,
+    g1_blocks: usize,
+    policy: PolicyKind,
+    epoch: Instant,
+    writes: tokio::task::JoinSet<()>,
+}
+
+impl SimulatedEngine {
+    /// Worker `id` of `node`, with a G1 of `g1_blocks` evicted by `policy`; `epoch` is the
+    /// simulation's time zero (shared by the node's workers).
+    pub fn new(id: usize, node: Arc<SimNode>, g1_blocks: usize, policy: PolicyKind, epoch: Instant) -> Self {
+        Self {
+            id,
+            node,
+            g1: TierRegistry::new(g1_blocks, policy),
+            g1_blocks,
+            policy,
+            epoch,
+            writes: tokio::task::JoinSet::new(),
+        }
+    }
+
+    fn site(&self) -> BlockSite {
+        BlockSite::G1 { worker: self.id }
+    }
+
+    fn region_of(req: &GenRequest, token: usize) -> RegionKind {
+        req.regions.iter().find(|(r, _)| r.contains(&token)).map(|(_, k)| *k).unwrap_or(RegionKind::Conversation)
+    }
+
+    /// Registers a block in G1 (referenced) and writes it through; returns whether it is
+    /// referenced (to be released at the end).
+    fn complete(&mut self, hash: BlockHash, parent: Option<BlockHash>, region: RegionKind, computed: bool) -> bool {
+        let now = now_ms(self.epoch);
+        let node = self.node.clone();
+        let meta = node.meta(parent, region);
+        let referenced = match self.g1.insert(hash, meta, now) {
+            Ok(Admission::Inserted { evicted }) => {
+                if !evicted.is_empty() {
+                    let gone: Vec<BlockHash> = evicted.iter().map(|e| e.hash).collect();
+                    node.observer.removed(self.site(), &gone);
+                }
+                node.observer.stored(self.site(), parent, &[hash]);
+                self.g1.acquire(hash, now).is_ok()
+            }
+            Ok(Admission::AlreadyPresent) => self.g1.acquire(hash, now).is_ok(),
+            Err(_) => false,
+        };
+        let lowest = node.retention.policy(region).lowest_tier;
+        if node.write_through != WriteThrough::Off && computed && TierName::G2 <= lowest {
+            node.admit(TierName::G2, hash, meta, now);
+        }
+        if node.write_through == WriteThrough::G2G3 && TierName::G3 <= lowest && node.g3.is_some() {
+            let done = node.disk_write_done(node.timing.block_bytes);
+            self.writes.spawn(async move {
+                tokio::time::sleep_until(done).await;
+                let now = now_ms(Instant::now().min(done));
+                node.admit(TierName::G3, hash, meta, now);
+            });
+        }
+        referenced
+    }
+
+    async fn run(
+        &mut self,
+        req: &GenRequest,
+        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
+    ) -> Result<GenOutcome, WorkerError> {
+        let start = Instant::now();
+        let b = self.node.block_tokens;
+        let len = req.prompt.len();
+        if len == 0 {
+            return Err(WorkerError::EmptyPrompt);
+        }
+        let needed = (len + req.max_tokens).div_ceil(b);
+        if needed > self.g1_blocks {
+            return Err(WorkerError::TooLong {
+                prompt: len,
+                max_tokens: req.max_tokens,
+                needed,
+                capacity: self.g1_blocks,
+            });
+        }
+        let node = self.node.clone();
+        let timing = &node.timing;
+        let hashes = BlockHasher::new(node.salt, b).hash_sequence(&req.prompt);
+        let cap = (len - 1) / b;
+        let now = now_ms(self.epoch);
+
+        // The cached prefix: G1 in place, then G2 over the link, then G3 from disk, each block
+        // only while loading it beats recomputing it.
+        let link_s = timing.block_bytes as f64 / timing.link_bytes_per_s.max(1.0);
+        let disk_s = timing.block_bytes as f64 / timing.disk_read_bytes_per_s.max(1.0);
+        let mut hit = [0usize; 3];
+        let mut from = Vec::with_capacity(cap);
+        for (i, &hash) in hashes.iter().enumerate().take(cap) {
+            let recompute = timing.recompute_block_s((i + 1) * b, b);
+            let tier = if self.g1.contains(hash) {
+                0
+            } else if link_s < recompute && SimNode::holds(&node.g2, hash, now) {
+                1
+            } else if link_s + disk_s < recompute && SimNode::holds(&node.g3, hash, now) {
+                2
+            } else {
+                break;
+            };
+            hit[tier] += b;
+            from.push(tier);
+        }
+        let cached = from.len() * b;
+        let g3_blocks = from.iter().filter(|&&t| t == 2).count() as u64;
+        let link_blocks = from.iter().filter(|&&t| t > 0).count() as u64;
+        if g3_blocks > 0 {
+            tokio::time::sleep_until(node.disk_read_done(g3_blocks * timing.block_bytes)).await;
+        }
+        let load = Duration::from_secs_f64(link_blocks as f64 * link_s);
+        let compute = Duration::from_secs_f64((timing.prefill_s(len) - timing.prefill_s(cached)).max(0.0));
+        tokio::time::sleep(load + compute).await;
+
+        // The prompt's blocks are in G1 now.
+        let mut referenced = Vec::with_capacity(needed);
+        for (i, &hash) in hashes.iter().enumerate() {
+            let computed = i >= from.len() || from[i] != 0;
+            let region = Self::region_of(req, i * b);
+            if self.complete(hash, i.checked_sub(1).map(|p| hashes[p]), region, computed) {
+                referenced.push((hash, region));
+            }
+        }
+        let ttft = start.elapsed();
+        let mut outcome = GenOutcome {
+            tokens: Vec::with_capacity(req.max_tokens),
+            cached_tokens: cached,
+            hit_tokens: hit,
+            prefill_tokens: len - cached,
+            finish: Finish::Length,
+            ttft,
+            corrupt_blocks: 0,
+        };
+        let mut go_on = on_event(WorkerEvent::Prefilled { cached_tokens: cached, hit_tokens: hit });
+
+        // Decode: the first token comes with the prefill, the rest at the decode rate.
+        if go_on && req.max_tokens > 1 {
+            tokio::time::sleep(Duration::from_secs_f64((req.max_tokens - 1) as f64 * timing.decode_s_per_token)).await;
+        }
+        let mut sequence = req.prompt.clone();
+        let mut chain = hashes;
+        let mut state = req.seed ^ 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..req.max_tokens {
+            if !go_on {
+                outcome.finish = Finish::Stop;
+                break;
+            }
+            state = splitmix(state);
+            let token = 1000 + (state % 100_000) as u32;
+            outcome.tokens.push(token);
+            sequence.push(token);
+            go_on = on_event(WorkerEvent::Token(token));
+            if sequence.len().is_multiple_of(b) {
+                let i = sequence.len() / b - 1;
+                let parent = chain.last().copied();
+                let hash = BlockHasher::new(node.salt, b).hash_block(parent, &sequence[i * b..]);
+                chain.push(hash);
+                if self.complete(hash, parent, RegionKind::Generated, true) {
+                    referenced.push((hash, RegionKind::Generated));
+                }
+            }
+        }
+
+        // Release the request's blocks; held regions stay pinned through the tool-call gap.
+        let end = now_ms(self.epoch);
+        for (hash, region) in referenced {
+            let _ = self.g1.release(hash);
+            let hold = node.retention.policy(region).hold.as_duration().as_millis() as Millis;
+            if hold > 0 {
+                let _ = self.g1.hold(hash, end + hold);
+                node.hold_g2(hash, end + hold);
+            }
+        }
+        while self.writes.try_join_next().is_some() {}
+        Ok(outcome)
+    }
+}
+
+/// SplitMix64: one step of a tiny, good PRNG (deterministic generated tokens).
+pub fn splitmix(state: u64) -> u64 {
+    let mut z = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Engine for SimulatedEngine {
+    fn generate<'a>(
+        &'a mut self,
+        req: &'a GenRequest,
+        on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
+    ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>> {
+        Box::pin(self.run(req, on_event))
+    }
+
+    fn reset(&mut self) -> usize {
+        let dropped = self.g1.len();
+        self.g1 = TierRegistry::new(self.g1_blocks, self.policy);
+        self.node.observer.cleared(self.id);
+        dropped
+    }
+
+    fn flush(&mut self) -> LocalFuture<'_, ()> {
+        Box::pin(async move { while self.writes.join_next().await.is_some() {} })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tiers::NoObserver;
+    use dynamo_config::Calibration;
+    use dynamo_kernels::sampling::Sampling;
+
+    fn node(write_through: WriteThrough) -> Arc<SimNode> {
+        let cal = Calibration::h200();
+        let prefill = cal.prefill_for("llama-8b").expect("calibrated").clone();
+        let timing = SimTiming {
+            block_bytes: prefill.kv_bytes_per_token * 512,
+            prefill,
+            decode_s_per_token: 0.005,
+            link_bytes_per_s: cal.link.h2d_pinned_gb_s * 1e9,
+            disk_read_bytes_per_s: cal.disk.seq_read_gb_s * 1e9,
+            disk_write_bytes_per_s: cal.disk.seq_write_gb_s * 1e9,
+        };
+        Arc::new(SimNode::new(
+            512,
+            Salt(7),
+            RetentionSection::default(),
+            timing,
+            write_through,
+            1000,
+            1000,
+            PolicyKind::Lru,
+            Arc::new(NoObserver),
+        ))
+    }
+
+    fn request(tokens: usize, seed: u64) -> GenRequest {
+        GenRequest {
+            prompt: (0..tokens as u32).collect(),
+            regions: vec![],
+            max_tokens: 3,
+            sampling: Sampling::Greedy,
+            seed,
+            stop_tokens: vec![],
+            vocab_limit: 0,
+        }
+    }
+
+    async fn run(engine: &mut SimulatedEngine, req: &GenRequest) -> GenOutcome {
+        engine.generate(req, &mut |_| true).await.expect("generate")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_32k_prefix_from_g2_is_about_18x_faster_than_cold_on_an_h200() {
+        let n = node(WriteThrough::G2G3);
+        let epoch = Instant::now();
+        let (mut a, mut b) = (
+            SimulatedEngine::new(0, n.clone(), 1000, PolicyKind::Lru, epoch),
+            SimulatedEngine::new(1, n.clone(), 1000, PolicyKind::Lru, epoch),
+        );
+        let cold = run(&mut a, &request(32768 + 1, 1)).await;
+        assert_eq!(cold.cached_tokens, 0);
+        assert!((cold.ttft.as_secs_f64() - 1.4093).abs() < 0.01, "the calibrated 32K prefill: {:?}", cold.ttft);
+        let warm = run(&mut b, &request(32768 + 1, 2)).await;
+        assert_eq!(warm.hit_tokens, [0, 32768, 0], "worker 1 loads worker 0's prefix from G2");
+        let ratio = cold.ttft.as_secs_f64() / warm.ttft.as_secs_f64();
+        assert!((15.0..19.0).contains(&ratio), "the host link allows ~18x: {ratio}");
+        let again = run(&mut a, &request(32768 + 1, 3)).await;
+        assert_eq!(again.hit_tokens[0], 32768, "worker 0 reuses its G1 in place");
+        assert_eq!(run(&mut a, &request(600, 4)).await.tokens, run(&mut b, &request(600, 4)).await.tokens);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_disk_is_slower_than_recompute_so_g3_is_not_used_and_no_write_through_means_no_sharing() {
+        let n = node(WriteThrough::Off);
+        let epoch = Instant::now();
+        let (mut a, mut b) = (
+            SimulatedEngine::new(0, n.clone(), 1000, PolicyKind::Lru, epoch),
+            SimulatedEngine::new(1, n.clone(), 1000, PolicyKind::Lru, epoch),
+        );
+        run(&mut a, &request(8193, 1)).await;
+        assert_eq!(n.resident(), (0, 0));
+        assert_eq!(run(&mut b, &request(8193, 2)).await.cached_tokens, 0, "nothing shared");
+
+        let n = node(WriteThrough::G2G3);
+        let mut c = SimulatedEngine::new(0, n.clone(), 1000, PolicyKind::Lru, epoch);
+        run(&mut c, &request(8193, 1)).await;
+        c.flush().await;
+        assert_eq!(n.resident(), (16, 16), "written through to G2 and G3");
+        // 64 MiB per block at 1.6 GB/s (≈ 42 ms) against ≈ 16 ms to recompute it: never from G3.
+        n.g2.as_ref().expect("g2").lock().expect("g2").evict(16, u64::MAX);
+        let mut d = SimulatedEngine::new(1, n.clone(), 1000, PolicyKind::Lru, epoch);
+        assert_eq!(run(&mut d, &request(8193, 2)).await.cached_tokens, 0);
+    }
+}
