@@ -63,8 +63,8 @@ pub struct KvRouting {
     pub block_tokens: usize,
     /// The cost model; its G3 rate is replaced by the measured one once G3 has been read.
     pub cost: CostModel,
-    /// The node's tiers, for live measurements.
-    pub tiers: Arc<NodeTiers>,
+    /// The node's tiers, for live measurements (none for a simulated node).
+    pub tiers: Option<Arc<NodeTiers>>,
     /// The session's previous worker wins unless another is estimated better by more than this.
     pub sticky_bonus: Duration,
     /// Softmax temperature over the estimates in milliseconds; 0 picks the best.
@@ -169,7 +169,9 @@ impl SchedulerState {
         let hashes = BlockHasher::new(kv.salt, kv.block_tokens).hash_sequence(&req.prompt);
         kv.index.find_matches(&hashes, &mut self.matches);
         let mut cost = kv.cost;
-        if let Some(measured) = kv.tiers.g3.as_ref().and_then(|g3| g3.measured_read_bandwidth()) {
+        if let Some(measured) =
+            kv.tiers.as_ref().and_then(|t| t.g3.as_ref()).and_then(|g3| g3.measured_read_bandwidth())
+        {
             cost.g3_bytes_per_s = measured;
         }
         let mut ranked: Vec<(usize, f64, usize)> = Vec::with_capacity(self.workers.len());

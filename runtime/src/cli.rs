@@ -100,6 +100,9 @@ pub enum ConfigCommand {
 pub enum BenchCommand {
     /// Write and read block images through the G3 store and compare with fio on the same device.
     Storage(StorageArgs),
+    /// Replay a request trace through the node's actors with simulated engines, in virtual time,
+    /// one run per routing policy.
+    Replay(crate::bench::replay::ReplayArgs),
 }
 
 /// Parses the command line and runs it.
@@ -121,6 +124,9 @@ pub fn main() -> ExitCode {
         },
         Some(Command::Bench(BenchCommand::Storage(args))) => {
             report(crate::bench::storage::run(&args).map(|table| print!("{table}")))
+        }
+        Some(Command::Bench(BenchCommand::Replay(args))) => {
+            report(crate::bench::replay::run(&args).map(|table| print!("{table}")))
         }
         Some(Command::GpuCheck(args)) => gpu_check(&args),
     }

@@ -18,7 +18,7 @@ use dynamo_actors::stores::{StoreArgs, Watermarks};
 use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
 use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{
-    Engine, EngineFactory, Finish, GenRequest, JobEvent, Worker, WorkerArgs, WorkerError, WorkerEvent,
+    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, Worker, WorkerArgs, WorkerError, WorkerEvent,
 };
 use dynamo_config::{NodeConfig, TierName};
 use dynamo_kernels::CpuBackend;
@@ -178,7 +178,7 @@ impl Serving {
                         g2_bytes_per_s: 0.0,
                         g3_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
                     },
-                    tiers: tiers.clone(),
+                    tiers: Some(tiers.clone()),
                     sticky_bonus: cfg.router.sticky_bonus.as_duration(),
                     temperature: cfg.router.temperature,
                 }),
