@@ -5,8 +5,9 @@
 //! ttft(w) = queue(w) + load(G2 run) + load(G3 run) + prefill(uncached tokens)
 //! ```
 //!
-//! - `queue(w)`: the work already queued on `w` — its prompt tokens at the prefill rate plus its
-//!   tokens to generate at the decode rate (a worker serves one request at a time);
+//! - `queue(w)`: the work ahead on `w` — the prompt tokens not prefilled yet at the prefill rate,
+//!   plus its tokens to generate at the decode rate times `decode_weight` (1 for an engine that
+//!   serves one request at a time, near 0 for one that batches decodes alongside prefills);
 //! - the cached prefix comes from the worker's own G1 (free), then its node's G2, then G3, each
 //!   run loaded only if that beats recomputing it (otherwise it is counted as prefill);
 //! - `prefill`: the rest of the prompt at the engine's measured (or calibrated) throughput.
@@ -27,6 +28,9 @@ pub struct CostModel {
     pub prefill_tokens_per_s: f64,
     /// Seconds per generated token of one worker.
     pub decode_s_per_token: f64,
+    /// How much of the queued decode work delays a new request's first token: 1 when the engine
+    /// serves one request at a time, 0 when decodes are batched alongside prefills.
+    pub decode_weight: f64,
     /// G2 → G1 bytes per second.
     pub g2_bytes_per_s: f64,
     /// G3 → G1 bytes per second.
@@ -81,7 +85,8 @@ impl CostModel {
                 cached = held;
             }
         }
-        let queue_s = self.prefill_s(queued.prompt_tokens) + queued.decode_tokens as f64 * self.decode_s_per_token;
+        let queue_s = self.prefill_s(queued.prompt_tokens)
+            + queued.decode_tokens as f64 * self.decode_s_per_token * self.decode_weight;
         let ttft_s = queue_s + load_s + self.prefill_s(prompt_tokens - cached * b);
         Estimate { ttft_s, cached_blocks: cached }
     }
@@ -97,6 +102,7 @@ mod tests {
             image_bytes: 4 << 20,
             prefill_tokens_per_s: 32_000.0,
             decode_s_per_token: 0.01,
+            decode_weight: 1.0,
             g2_bytes_per_s: 50e9,
             g3_bytes_per_s: 1.6e9,
         }

@@ -267,7 +267,7 @@ impl SchedulerState {
                     return Ok(Submitted { events: rx, worker: i });
                 }
                 Err(mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j)) => {
-                    handle.load.remove(&j.req);
+                    handle.load.remove(&j.req, false);
                     job = j;
                 }
             }

@@ -174,6 +174,8 @@ impl Serving {
                         image_bytes: plan.layout.image_bytes(),
                         prefill_tokens_per_s,
                         decode_s_per_token: decode_step.as_secs_f64(),
+                        // The reference engine serves one request at a time.
+                        decode_weight: 1.0,
                         // G2 → G1 on a CPU engine is a memcpy, far above any prefill rate.
                         g2_bytes_per_s: 0.0,
                         g3_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),

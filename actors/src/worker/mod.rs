@@ -46,6 +46,11 @@ pub trait Engine: 'static {
     fn reset(&mut self) -> usize;
     /// Waits until every write-through started so far is acknowledged or failed.
     fn flush(&mut self) -> LocalFuture<'_, ()>;
+    /// Another handle on the same engine for a request served concurrently (engines that batch,
+    /// like the simulated one); `None` (the default) serves requests one at a time.
+    fn fork(&self) -> Option<Box<dyn Engine>> {
+        None
+    }
 }
 
 impl<B: dynamo_kernels::Backend + 'static> Engine for Worker<B> {
@@ -105,7 +110,7 @@ impl WorkerLoad {
         self.requests.load(Ordering::Relaxed)
     }
 
-    /// Prompt tokens of the requests queued or running.
+    /// Prompt tokens of the requests queued or running and not prefilled yet.
     pub fn prompt_tokens(&self) -> usize {
         self.prompt_tokens.load(Ordering::Relaxed)
     }
@@ -122,10 +127,18 @@ impl WorkerLoad {
         self.decode_tokens.fetch_add(req.max_tokens, Ordering::Relaxed);
     }
 
-    /// `req` left (finished, failed, or was never queued).
-    pub fn remove(&self, req: &GenRequest) {
-        self.requests.fetch_sub(1, Ordering::Relaxed);
+    /// `req`'s prompt is prefilled: its prompt tokens no longer wait.
+    pub fn prefilled(&self, req: &GenRequest) {
         self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
+    }
+
+    /// `req` left (finished, failed, or was never queued); `prefilled` if [`Self::prefilled`]
+    /// was called for it.
+    pub fn remove(&self, req: &GenRequest, prefilled: bool) {
+        self.requests.fetch_sub(1, Ordering::Relaxed);
+        if !prefilled {
+            self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
+        }
         self.decode_tokens.fetch_sub(req.max_tokens, Ordering::Relaxed);
     }
 }
@@ -300,7 +313,8 @@ fn engine_thread(
             return;
         }
     };
-    runtime.block_on(serve(id, factory, rx, ready, actor, load));
+    // A LocalSet, so that an engine that forks (serves requests concurrently) can spawn them.
+    tokio::task::LocalSet::new().block_on(&runtime, serve(id, factory, rx, ready, actor, load));
 }
 
 /// The engine loop: builds the engine, then serves the queue until it closes.
@@ -326,47 +340,70 @@ async fn serve(
         };
         let _ = ready.send(Ok(()));
         while let Some(job) = rx.recv().await {
-            let events = job.events.clone();
-            let mut forward = |e| events.send(JobEvent::Event(e)).is_ok();
-            let result = AssertUnwindSafe(engine.generate(&job.req, &mut forward)).catch_unwind().await;
-            load.remove(&job.req);
-            match result {
-                Ok(result) => {
-                    if let Ok(outcome) = &result {
-                        telemetry::record_prompt(job.req.prompt.len() as u64, outcome.prefill_tokens as u64);
-                        if let Some(predicted) = job.predicted_cached {
-                            telemetry::record_prediction(predicted as u64, outcome.cached_tokens as u64);
-                        }
-                        for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3].into_iter().zip(outcome.hit_tokens) {
-                            if hit > 0 {
-                                telemetry::record_hit_tokens(tier, hit as u64);
-                            }
-                        }
-                    }
-                    let _ = job.events.send(match result {
-                        Ok(outcome) => JobEvent::Done(outcome),
-                        Err(e) => JobEvent::Failed(e),
-                    });
+            if let Some(fork) = engine.fork() {
+                tokio::task::spawn_local(serve_forked(id, fork, job, load.clone()));
+                continue;
+            }
+            if let Err(what) = run_job(engine.as_mut(), &job, &load).await {
+                let dropped = engine.reset();
+                tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
+                telemetry::record_worker_restart(dropped as u64);
+                // The queue closes before the request's failure is reported: a client that
+                // retries at once is routed to another worker, not queued behind the restart.
+                rx.close();
+                let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
+                while let Some(queued) = rx.recv().await {
+                    load.remove(&queued.req, false);
+                    let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
                 }
-                Err(panic) => {
-                    let what = panic_message(panic.as_ref());
-                    let dropped = engine.reset();
-                    tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
-                    telemetry::record_worker_restart(dropped as u64);
-                    // The queue closes before the request's failure is reported: a client that
-                    // retries at once is routed to another worker, not queued behind the restart.
-                    rx.close();
-                    let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
-                    while let Some(queued) = rx.recv().await {
-                        load.remove(&queued.req);
-                        let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
-                    }
-                    engine.flush().await;
-                    let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
-                    return;
-                }
+                engine.flush().await;
+                let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
+                return;
             }
         }
         engine.flush().await;
+    }
+}
+
+/// Serves one job; reports its events and its end. `Err` carries the message of a panic (the
+/// request's failure is then the caller's to report).
+async fn run_job(engine: &mut dyn Engine, job: &Job, load: &WorkerLoad) -> Result<(), String> {
+    let events = job.events.clone();
+    let mut prefilled = false;
+    let mut forward = |e| {
+        if let WorkerEvent::Prefilled { .. } = e
+            && !prefilled
+        {
+            prefilled = true;
+            load.prefilled(&job.req);
+        }
+        events.send(JobEvent::Event(e)).is_ok()
+    };
+    let result = AssertUnwindSafe(engine.generate(&job.req, &mut forward)).catch_unwind().await;
+    load.remove(&job.req, prefilled);
+    let result = result.map_err(|panic| panic_message(panic.as_ref()))?;
+    if let Ok(outcome) = &result {
+        telemetry::record_prompt(job.req.prompt.len() as u64, outcome.prefill_tokens as u64);
+        if let Some(predicted) = job.predicted_cached {
+            telemetry::record_prediction(predicted as u64, outcome.cached_tokens as u64);
+        }
+        for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3].into_iter().zip(outcome.hit_tokens) {
+            if hit > 0 {
+                telemetry::record_hit_tokens(tier, hit as u64);
+            }
+        }
+    }
+    let _ = job.events.send(match result {
+        Ok(outcome) => JobEvent::Done(outcome),
+        Err(e) => JobEvent::Failed(e),
+    });
+    Ok(())
+}
+
+/// Serves one job on a forked engine handle, concurrently with the worker's other requests.
+async fn serve_forked(id: usize, mut engine: Box<dyn Engine>, job: Job, load: Arc<WorkerLoad>) {
+    if let Err(what) = run_job(engine.as_mut(), &job, &load).await {
+        tracing::error!(worker = id, panic = %what, "a concurrently served request panicked");
+        let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what)));
     }
 }

@@ -20,6 +20,8 @@
 //!
 //! [`EngineHost::Local`]: super::EngineHost::Local
 
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -181,16 +183,25 @@ fn now_ms(epoch: Instant) -> Millis {
     epoch.elapsed().as_millis() as Millis
 }
 
-/// One simulated worker: its G1 registry and its share of the node.
-#[derive(Debug)]
+/// One simulated worker: its G1 registry and its share of the node. It batches like a serving
+/// engine: prefills take the GPU one at a time, decodes run alongside ([`Engine::fork`] hands
+/// out handles on the same worker).
+#[derive(Debug, Clone)]
 pub struct SimulatedEngine {
+    shared: Rc<SimWorker>,
+}
+
+#[derive(Debug)]
+struct SimWorker {
     id: usize,
     node: Arc<SimNode>,
-    g1: TierRegistry,
+    g1: RefCell<TierRegistry>,
     g1_blocks: usize,
     policy: PolicyKind,
     epoch: Instant,
-    writes: tokio::task::JoinSet<()>,
+    /// Held while a request loads and prefills: the GPU computes one prefill at a time.
+    gpu: tokio::sync::Mutex<()>,
+    writes: RefCell<tokio::task::JoinSet<()>>,
 }
 
 impl SimulatedEngine {
@@ -198,16 +209,21 @@ impl SimulatedEngine {
     /// simulation's time zero (shared by the node's workers).
     pub fn new(id: usize, node: Arc<SimNode>, g1_blocks: usize, policy: PolicyKind, epoch: Instant) -> Self {
         Self {
-            id,
-            node,
-            g1: TierRegistry::new(g1_blocks, policy),
-            g1_blocks,
-            policy,
-            epoch,
-            writes: tokio::task::JoinSet::new(),
+            shared: Rc::new(SimWorker {
+                id,
+                node,
+                g1: RefCell::new(TierRegistry::new(g1_blocks, policy)),
+                g1_blocks,
+                policy,
+                epoch,
+                gpu: tokio::sync::Mutex::new(()),
+                writes: RefCell::new(tokio::task::JoinSet::new()),
+            }),
         }
     }
+}
 
+impl SimWorker {
     fn site(&self) -> BlockSite {
         BlockSite::G1 { worker: self.id }
     }
@@ -218,29 +234,31 @@ impl SimulatedEngine {
 
     /// Registers a block in G1 (referenced) and writes it through; returns whether it is
     /// referenced (to be released at the end).
-    fn complete(&mut self, hash: BlockHash, parent: Option<BlockHash>, region: RegionKind, computed: bool) -> bool {
+    fn complete(&self, hash: BlockHash, parent: Option<BlockHash>, region: RegionKind, computed: bool) -> bool {
         let now = now_ms(self.epoch);
         let node = self.node.clone();
         let meta = node.meta(parent, region);
-        let referenced = match self.g1.insert(hash, meta, now) {
+        let mut g1 = self.g1.borrow_mut();
+        let referenced = match g1.insert(hash, meta, now) {
             Ok(Admission::Inserted { evicted }) => {
                 if !evicted.is_empty() {
                     let gone: Vec<BlockHash> = evicted.iter().map(|e| e.hash).collect();
                     node.observer.removed(self.site(), &gone);
                 }
                 node.observer.stored(self.site(), parent, &[hash]);
-                self.g1.acquire(hash, now).is_ok()
+                g1.acquire(hash, now).is_ok()
             }
-            Ok(Admission::AlreadyPresent) => self.g1.acquire(hash, now).is_ok(),
+            Ok(Admission::AlreadyPresent) => g1.acquire(hash, now).is_ok(),
             Err(_) => false,
         };
+        drop(g1);
         let lowest = node.retention.policy(region).lowest_tier;
         if node.write_through != WriteThrough::Off && computed && TierName::G2 <= lowest {
             node.admit(TierName::G2, hash, meta, now);
         }
         if node.write_through == WriteThrough::G2G3 && TierName::G3 <= lowest && node.g3.is_some() {
             let done = node.disk_write_done(node.timing.block_bytes);
-            self.writes.spawn(async move {
+            self.writes.borrow_mut().spawn(async move {
                 tokio::time::sleep_until(done).await;
                 let now = now_ms(Instant::now().min(done));
                 node.admit(TierName::G3, hash, meta, now);
@@ -250,7 +268,7 @@ impl SimulatedEngine {
     }
 
     async fn run(
-        &mut self,
+        &self,
         req: &GenRequest,
         on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
     ) -> Result<GenOutcome, WorkerError> {
@@ -273,6 +291,8 @@ impl SimulatedEngine {
         let timing = &node.timing;
         let hashes = BlockHasher::new(node.salt, b).hash_sequence(&req.prompt);
         let cap = (len - 1) / b;
+        // The GPU prefills one request at a time; the cached prefix is looked up once it is ours.
+        let gpu = self.gpu.lock().await;
         let now = now_ms(self.epoch);
 
         // The cached prefix: G1 in place, then G2 over the link, then G3 from disk, each block
@@ -283,7 +303,7 @@ impl SimulatedEngine {
         let mut from = Vec::with_capacity(cap);
         for (i, &hash) in hashes.iter().enumerate().take(cap) {
             let recompute = timing.recompute_block_s((i + 1) * b, b);
-            let tier = if self.g1.contains(hash) {
+            let tier = if self.g1.borrow().contains(hash) {
                 0
             } else if link_s < recompute && SimNode::holds(&node.g2, hash, now) {
                 1
@@ -314,6 +334,7 @@ impl SimulatedEngine {
                 referenced.push((hash, region));
             }
         }
+        drop(gpu);
         let ttft = start.elapsed();
         let mut outcome = GenOutcome {
             tokens: Vec::with_capacity(req.max_tokens),
@@ -356,15 +377,18 @@ impl SimulatedEngine {
 
         // Release the request's blocks; held regions stay pinned through the tool-call gap.
         let end = now_ms(self.epoch);
+        let mut g1 = self.g1.borrow_mut();
         for (hash, region) in referenced {
-            let _ = self.g1.release(hash);
+            let _ = g1.release(hash);
             let hold = node.retention.policy(region).hold.as_duration().as_millis() as Millis;
             if hold > 0 {
-                let _ = self.g1.hold(hash, end + hold);
+                let _ = g1.hold(hash, end + hold);
                 node.hold_g2(hash, end + hold);
             }
         }
-        while self.writes.try_join_next().is_some() {}
+        drop(g1);
+        let mut writes = self.writes.borrow_mut();
+        while writes.try_join_next().is_some() {}
         Ok(outcome)
     }
 }
@@ -383,18 +407,26 @@ impl Engine for SimulatedEngine {
         req: &'a GenRequest,
         on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
     ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>> {
-        Box::pin(self.run(req, on_event))
+        Box::pin(self.shared.run(req, on_event))
     }
 
     fn reset(&mut self) -> usize {
-        let dropped = self.g1.len();
-        self.g1 = TierRegistry::new(self.g1_blocks, self.policy);
-        self.node.observer.cleared(self.id);
+        let w = &self.shared;
+        let dropped = w.g1.borrow().len();
+        *w.g1.borrow_mut() = TierRegistry::new(w.g1_blocks, w.policy);
+        w.node.observer.cleared(w.id);
         dropped
     }
 
     fn flush(&mut self) -> LocalFuture<'_, ()> {
-        Box::pin(async move { while self.writes.join_next().await.is_some() {} })
+        Box::pin(async move {
+            let mut writes = std::mem::take(&mut *self.shared.writes.borrow_mut());
+            while writes.join_next().await.is_some() {}
+        })
+    }
+
+    fn fork(&self) -> Option<Box<dyn Engine>> {
+        Some(Box::new(self.clone()))
     }
 }
 

@@ -329,6 +329,8 @@ async fn drive(trace: &Trace, setup: &Setup) -> anyhow::Result<(Vec<Sample>, Dur
         image_bytes: t.block_bytes as usize,
         prefill_tokens_per_s: 8192.0 / (t.prefill.prefill_ms(8192) / 1e3),
         decode_s_per_token: t.decode_s_per_token,
+        // The simulated engine batches decodes alongside prefills.
+        decode_weight: 0.0,
         g2_bytes_per_s: t.link_bytes_per_s,
         g3_bytes_per_s: 1.0 / (1.0 / t.disk_read_bytes_per_s + 1.0 / t.link_bytes_per_s),
     };
