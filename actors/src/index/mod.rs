@@ -184,7 +184,7 @@ struct SourceState {
 #[derive(Debug)]
 struct Inner {
     store: Store,
-    sources: HashMap<SourceId, SourceState>,
+    sources: HashMap<SourceId, SourceState, hasher::FxBuild>,
     /// Approximate placements by deadline (the TTL is fixed, so recording order is deadline order).
     expiry: VecDeque<(Instant, LocId, BlockHash)>,
     stats: IndexStats,
@@ -213,7 +213,7 @@ impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         let inner = Inner {
             store: Store::new(config.max_blocks),
-            sources: HashMap::new(),
+            sources: HashMap::default(),
             expiry: VecDeque::new(),
             stats: IndexStats::default(),
         };
