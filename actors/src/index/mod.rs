@@ -17,8 +17,9 @@
 //!
 //! Block hashes are chained (a hash names its whole prefix), so there is no tree: one flat map
 //! keyed by the hash itself (a pass-through hasher on its low 64 bits) gives each block's parent
-//! and the sorted list of locations holding it; each location keeps the set of its blocks, so
-//! clearing a source costs its own blocks, not a scan. The lookup jumps 32 blocks at a time over
+//! and the sorted list of locations holding it; each location keeps an append-only log of its
+//! blocks (compacted when half stale), so clearing a source costs its own blocks, not a scan, and
+//! an event touches one hash table per block. The lookup jumps 32 blocks at a time over
 //! locations whose blocks are prefix-closed and bisects where one drops out; the few locations
 //! that are not (out-of-order events, interior evictions) are walked block by block, so the answer
 //! is always exact (`store.rs` explains the bookkeeping).
