@@ -1,4 +1,5 @@
-//! Replays the Mooncake conversation trace through prefix indexes of ours (see
+//! Replays the Mooncake conversation trace through prefix indexes of ours — `PrefixIndex`
+//! (`dynamo_benches::index_ours`) and a simple sharded-map baseline — (see
 //! `dynamo_benches::index_replay`): 8, 64 and 256 workers, one and two threads, block ops/s and
 //! requests/s, each row checked for exact answers first.
 //!
@@ -12,6 +13,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use dynamo_benches::index_ours::{Ours, block_arena};
 use dynamo_benches::index_replay::{
     BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
 };
@@ -30,12 +32,22 @@ fn main() {
         let reference = workload.reference_answers();
         let seq: Arc<[u64]> = workload.seq_hashes.clone().into();
         let make = || HashBaseline::new(seq.clone());
-        let name = "ours: HashBaseline (sharded RwLock<HashMap>)";
-        rows.push(measure_single(name, false, &make, &workload, &reference, settings.passes));
+        let arena = block_arena(&workload);
+        let ours = || Ours::new(arena.clone(), workload.workers);
         let lanes = workload.lanes(2);
-        rows.push(measure_parallel(name, false, &make, &workload, &lanes, &reference, settings.passes));
-        // The place for `dynamo_actors::index::PrefixIndex`: implement `BenchIndex` for it and add its
-        // rows here and in `benches/peers/kv-router/benches/index_vs_kv_router.rs`.
+        let (baseline, prefix) = ("ours: HashBaseline (sharded RwLock<HashMap>)", "ours: PrefixIndex");
+        if settings.wants(prefix) {
+            rows.push(measure_single(prefix, false, &ours, &workload, &reference, settings.passes));
+        }
+        if settings.wants(baseline) {
+            rows.push(measure_single(baseline, false, &make, &workload, &reference, settings.passes));
+        }
+        if settings.wants(prefix) {
+            rows.push(measure_parallel(prefix, false, &ours, &workload, &lanes, &reference, settings.passes));
+        }
+        if settings.wants(baseline) {
+            rows.push(measure_parallel(baseline, false, &make, &workload, &lanes, &reference, settings.passes));
+        }
     }
-    print_table(&rows);
+    print_table(&rows, "ours: PrefixIndex");
 }

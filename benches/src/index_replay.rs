@@ -312,6 +312,9 @@ pub struct BenchSettings {
     pub passes: usize,
     /// Whether to measure at all: `false` under `--test` or `--list` (as `cargo test --benches` runs it).
     pub run: bool,
+    /// Only the rows whose name contains one of these (`DYNAMO_BENCH_ROWS`, comma-separated; default
+    /// every row).
+    pub rows: Vec<String>,
 }
 
 impl BenchSettings {
@@ -325,7 +328,14 @@ impl BenchSettings {
             .unwrap_or_else(|| vec![8, 64, 256]);
         let passes = var("DYNAMO_BENCH_PASSES").map_or(5, |v| v.parse().expect("DYNAMO_BENCH_PASSES: a number"));
         let run = !std::env::args().any(|a| a == "--test" || a == "--list");
-        Self { trace, workers, passes, run }
+        let rows =
+            var("DYNAMO_BENCH_ROWS").map_or_else(Vec::new, |v| v.split(',').map(|r| r.trim().to_owned()).collect());
+        Self { trace, workers, passes, run, rows }
+    }
+
+    /// Whether the row `name` is selected by `DYNAMO_BENCH_ROWS`.
+    pub fn wants(&self, name: &str) -> bool {
+        self.rows.is_empty() || self.rows.iter().any(|r| name.contains(r.as_str()))
     }
 }
 
@@ -395,11 +405,12 @@ impl Measurement {
 }
 
 /// Prints the table: per worker count and thread count, every row with its ratio to the best peer
-/// row of the same group (in block ops/s).
-pub fn print_table(rows: &[Measurement]) {
+/// row of the same group (in block ops/s); then, per group, the row named `headline` against the
+/// best peer row.
+pub fn print_table(rows: &[Measurement], headline: &str) {
     println!(
-        "\n{:>7} {:>7}  {:<52} {:>13} {:>12} {:>9}  exactness",
-        "workers", "threads", "index", "block ops/s", "requests/s", "÷ best"
+        "\n{:>7} {:>7}  {:<52} {:>13} {:>12} {:>12}  exactness",
+        "workers", "threads", "index", "block ops/s", "requests/s", "× best peer"
     );
     let mut groups: Vec<(u32, usize)> = rows.iter().map(|r| (r.workers, r.threads)).collect();
     groups.dedup();
@@ -409,7 +420,7 @@ pub fn print_table(rows: &[Measurement]) {
         for r in group {
             let ratio = if best_peer > 0.0 { format!("{:.2}×", r.block_ops_per_s / best_peer) } else { "—".into() };
             println!(
-                "{:>7} {:>7}  {:<52} {:>13} {:>12} {:>9}  {}",
+                "{:>7} {:>7}  {:<52} {:>13} {:>12} {:>12}  {}",
                 workers,
                 threads,
                 r.name,
@@ -419,6 +430,35 @@ pub fn print_table(rows: &[Measurement]) {
                 r.check
             );
         }
+    }
+    print_summary(rows, headline);
+}
+
+/// Prints, per worker count and thread count, the block ops/s of the row named `headline` divided by
+/// the best peer row's (nothing if the table has no peer rows).
+fn print_summary(rows: &[Measurement], headline: &str) {
+    let mut groups: Vec<(u32, usize)> = rows.iter().map(|r| (r.workers, r.threads)).collect();
+    groups.dedup();
+    let best = |peer: bool, workers: u32, threads: usize| {
+        rows.iter()
+            .filter(|r| r.workers == workers && r.threads == threads)
+            .filter(|r| if peer { r.peer } else { r.name == headline })
+            .max_by(|a, b| a.block_ops_per_s.total_cmp(&b.block_ops_per_s))
+    };
+    if !rows.iter().any(|r| r.peer) {
+        return;
+    }
+    println!("\n{:>7} {:>7}  {:<44} {:<52} {:>12}", "workers", "threads", "ours", "best peer", "× best peer");
+    for (workers, threads) in groups {
+        let (Some(ours), Some(peer)) = (best(false, workers, threads), best(true, workers, threads)) else { continue };
+        println!(
+            "{:>7} {:>7}  {:<44} {:<52} {:>11.2}×",
+            workers,
+            threads,
+            format!("{} ({})", ours.name, si(ours.block_ops_per_s)),
+            format!("{} ({})", peer.name, si(peer.block_ops_per_s)),
+            ours.block_ops_per_s / peer.block_ops_per_s
+        );
     }
 }
 

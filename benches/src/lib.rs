@@ -37,5 +37,6 @@
 //! Append `-- <filter>` to run part of a bench, e.g. `-- g3_vs_foyer/read`; the printed ratio table
 //! is skipped under `--test` and `--list`.
 
+pub mod index_ours;
 pub mod index_replay;
 pub mod index_workload;

@@ -56,8 +56,44 @@ pub struct Matches {
     pub(crate) dropped: Vec<LocId>,
     /// Locations that are not prefix-closed, walked block by block.
     pub(crate) walk: Vec<LocId>,
-    /// (location, prefix length) before the locations are resolved.
-    pub(crate) found: Vec<(LocId, usize)>,
+    /// Per location id: set tags and prefix lengths (see [`Marks`]).
+    pub(crate) marks: Marks,
+}
+
+/// Scratch of the lookup indexed by location id, sized to the store's locations: which subset of
+/// the candidates a location is in (a tag, fresh per subset, so no clearing between lookups), and
+/// the prefix length found for it.
+#[derive(Debug, Default)]
+pub(crate) struct Marks {
+    pub(crate) tag: Vec<u32>,
+    pub(crate) len: Vec<u32>,
+    last: u32,
+}
+
+impl Marks {
+    /// Makes room for location ids below `locations`.
+    pub(crate) fn prepare(&mut self, locations: usize) {
+        if self.tag.len() < locations {
+            self.tag.resize(locations, 0);
+            self.len.resize(locations, 0);
+        }
+    }
+
+    /// A tag no location carries.
+    pub(crate) fn fresh(&mut self) -> u32 {
+        if self.last == u32::MAX {
+            self.tag.fill(0);
+            self.last = 0;
+        }
+        self.last += 1;
+        self.last
+    }
+
+    /// Whether `loc` carries `tag`.
+    #[inline]
+    pub(crate) fn has(&self, loc: LocId, tag: u32) -> bool {
+        self.tag[loc as usize] == tag
+    }
 }
 
 impl Matches {
@@ -72,7 +108,6 @@ impl Matches {
         self.next.clear();
         self.dropped.clear();
         self.walk.clear();
-        self.found.clear();
     }
 
     /// Every location holding at least the first block of the query, with its prefix length.

@@ -17,8 +17,9 @@
 //!
 //! Block hashes are chained (a hash names its whole prefix), so there is no tree: one flat map
 //! keyed by the hash itself (a pass-through hasher on its low 64 bits) gives each block's parent
-//! and the sorted list of locations holding it; each location keeps the set of its blocks, so
-//! clearing a source costs its own blocks, not a scan. The lookup jumps 32 blocks at a time over
+//! and the sorted list of locations holding it; each location keeps an append-only log of its
+//! blocks (compacted when half stale), so clearing a source costs its own blocks, not a scan, and
+//! an event touches one hash table per block. The lookup jumps 32 blocks at a time over
 //! locations whose blocks are prefix-closed and bisects where one drops out; the few locations
 //! that are not (out-of-order events, interior evictions) are walked block by block, so the answer
 //! is always exact (`store.rs` explains the bookkeeping).
@@ -184,7 +185,7 @@ struct SourceState {
 #[derive(Debug)]
 struct Inner {
     store: Store,
-    sources: HashMap<SourceId, SourceState>,
+    sources: HashMap<SourceId, SourceState, hasher::FxBuild>,
     /// Approximate placements by deadline (the TTL is fixed, so recording order is deadline order).
     expiry: VecDeque<(Instant, LocId, BlockHash)>,
     stats: IndexStats,
@@ -213,7 +214,7 @@ impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         let inner = Inner {
             store: Store::new(config.max_blocks),
-            sources: HashMap::new(),
+            sources: HashMap::default(),
             expiry: VecDeque::new(),
             stats: IndexStats::default(),
         };

@@ -6,8 +6,11 @@
 //!
 //! - `blocks`: block hash → [`Entry`] (the block's parent and the sorted list of locations that
 //!   hold it). A chained hash names its whole prefix, so the map needs no tree.
-//! - `locations`: per location, the set of blocks it holds (so clearing a source costs its own
-//!   blocks, not a scan) and its *orphan* bookkeeping.
+//! - `locations`: per location, a log of the blocks it was given (so clearing a source costs its
+//!   own blocks, not a scan) and its *orphan* bookkeeping. The log is append-only: removing a block
+//!   costs nothing there, and the log is compacted (its records checked against the map) when
+//!   more than half of it is stale, so the map is the one place that says who holds what and an
+//!   event touches one hash table per block, not two.
 //!
 //! # Orphans and the jump search
 //!
@@ -23,15 +26,16 @@
 //! its orphans. A location with orphans is walked block by block, so answers stay exact in every
 //! state.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
 use std::time::Instant;
 
 use dynamo_tiering::block::BlockHash;
 use smallvec::SmallVec;
 
 use super::Location;
-use super::hasher::BlockHashBuild;
-use super::matches::Matches;
+use super::hasher::{BlockHashBuild, FxBuild};
+use super::matches::{Marks, Matches};
 
 /// Dense id of a location, assigned on first sight and never reused.
 pub(crate) type LocId = u32;
@@ -40,7 +44,16 @@ pub(crate) type LocId = u32;
 pub(crate) const JUMP: usize = 32;
 
 type BlockMap<V> = HashMap<BlockHash, V, BlockHashBuild>;
-type BlockSet = HashSet<BlockHash, BlockHashBuild>;
+
+/// Blocks the map is sized for up front (capped by `max_blocks`), so a filling index does not
+/// rehash through its first sizes.
+const INITIAL_BLOCKS: usize = 1 << 16;
+
+/// Minimum log length before a compaction is considered.
+const MIN_COMPACT: usize = 64;
+
+/// Marks a holder during a log compaction (in `children`, which never gets near it).
+const COMPACT_MARK: u32 = 1 << 31;
 
 /// One block: its parent and the locations holding it. With its key, 64 bytes.
 #[derive(Debug)]
@@ -75,7 +88,11 @@ struct Holder {
 #[derive(Debug)]
 struct LocationState {
     location: Location,
-    held: BlockSet,
+    /// Every block added since the last compaction, in order; blocks since removed and repeated
+    /// additions stay until the next compaction. The map is authoritative.
+    log: Vec<BlockHash>,
+    /// Blocks held.
+    live: u64,
     /// Held blocks whose parent this location does not hold.
     orphans: u64,
     /// The missing parents of the orphans, with multiplicity.
@@ -100,7 +117,7 @@ pub(crate) enum Insert {
 pub(crate) struct Store {
     blocks: BlockMap<Entry>,
     locations: Vec<LocationState>,
-    location_ids: HashMap<Location, LocId>,
+    location_ids: HashMap<Location, LocId, FxBuild>,
     max_blocks: usize,
     placements: u64,
     approximate_placements: u64,
@@ -109,9 +126,9 @@ pub(crate) struct Store {
 impl Store {
     pub(crate) fn new(max_blocks: usize) -> Self {
         Self {
-            blocks: BlockMap::default(),
+            blocks: BlockMap::with_capacity_and_hasher(max_blocks.min(INITIAL_BLOCKS), BlockHashBuild),
             locations: Vec::new(),
-            location_ids: HashMap::new(),
+            location_ids: HashMap::default(),
             max_blocks,
             placements: 0,
             approximate_placements: 0,
@@ -135,7 +152,7 @@ impl Store {
 
     /// Locations that hold at least one block.
     pub(crate) fn live_locations(&self) -> usize {
-        self.locations.iter().filter(|l| !l.held.is_empty()).count()
+        self.locations.iter().filter(|l| l.live > 0).count()
     }
 
     /// The id of `location`, assigning one on first sight.
@@ -146,7 +163,8 @@ impl Store {
         let id = LocId::try_from(self.locations.len()).expect("fewer than 2^32 locations");
         self.locations.push(LocationState {
             location,
-            held: BlockSet::default(),
+            log: Vec::new(),
+            live: 0,
             orphans: 0,
             orphan_parents: BlockMap::default(),
             deadlines: BlockMap::default(),
@@ -192,13 +210,18 @@ impl Store {
         // The parent recorded first wins: it is a function of the hash, and the bookkeeping must
         // use the same parent on insert and on removal.
         let parent = entry.parent(hash);
-        state.held.insert(hash);
+        state.log.push(hash);
+        state.live += 1;
+        let compact = state.log.len() >= MIN_COMPACT && state.log.len() as u64 > 2 * state.live;
         self.placements += 1;
         if state.location.approximate {
             self.approximate_placements += 1;
         }
         if let Some(parent) = parent {
             self.adopt(loc, parent);
+        }
+        if compact {
+            self.compact(loc);
         }
         Insert::Added
     }
@@ -221,18 +244,19 @@ impl Store {
 
     /// Removes `hash` from `loc`; returns whether `loc` held it.
     pub(crate) fn remove(&mut self, loc: LocId, hash: BlockHash) -> bool {
-        let Some(entry) = self.blocks.get_mut(&hash) else { return false };
+        let MapEntry::Occupied(mut slot) = self.blocks.entry(hash) else { return false };
+        let entry = slot.get_mut();
         let Ok(at) = entry.find(loc) else { return false };
         let holder = entry.holders.remove(at);
         let parent = entry.parent(hash);
         if entry.holders.is_empty() {
-            self.blocks.remove(&hash);
+            slot.remove();
         }
         let state = &mut self.locations[loc as usize];
-        state.held.remove(&hash);
-        state.deadlines.remove(&hash);
+        state.live -= 1;
         self.placements -= 1;
         if state.location.approximate {
+            state.deadlines.remove(&hash);
             self.approximate_placements -= 1;
         }
         // Its children in this location become orphans.
@@ -266,26 +290,56 @@ impl Store {
         }
     }
 
-    /// Drops every block of `loc`, in `O(blocks of loc)`.
+    /// Drops every block of `loc`, in `O(blocks of loc)` (its log is at most about twice that).
     pub(crate) fn clear(&mut self, loc: LocId) {
         let state = &mut self.locations[loc as usize];
-        let held = std::mem::take(&mut state.held);
+        let log = std::mem::take(&mut state.log);
         state.orphans = 0;
         state.orphan_parents = BlockMap::default();
         state.deadlines = BlockMap::default();
-        let removed = held.len() as u64;
+        let removed = std::mem::take(&mut state.live);
         self.placements -= removed;
         if state.location.approximate {
             self.approximate_placements -= removed;
         }
-        for hash in held {
-            let entry = self.blocks.get_mut(&hash).expect("a held block has an entry");
-            let at = entry.find(loc).expect("a held block lists its location");
+        // A repeated or stale record finds the location gone from the entry and is skipped.
+        for hash in log {
+            let MapEntry::Occupied(mut slot) = self.blocks.entry(hash) else { continue };
+            let entry = slot.get_mut();
+            let Ok(at) = entry.find(loc) else { continue };
             entry.holders.remove(at);
             if entry.holders.is_empty() {
-                self.blocks.remove(&hash);
+                slot.remove();
             }
         }
+    }
+
+    /// Rewrites the log of `loc` to the blocks it holds, each once.
+    fn compact(&mut self, loc: LocId) {
+        let mut log = std::mem::take(&mut self.locations[loc as usize].log);
+        log.retain(|hash| {
+            let Some(entry) = self.blocks.get_mut(hash) else { return false };
+            let Ok(at) = entry.find(loc) else { return false };
+            let holder = &mut entry.holders[at];
+            // Marked: an earlier record of the same block was kept.
+            let first = holder.children & COMPACT_MARK == 0;
+            holder.children |= COMPACT_MARK;
+            first
+        });
+        for hash in &log {
+            let entry = self.blocks.get_mut(hash).expect("a kept block has an entry");
+            let at = entry.find(loc).expect("a kept block lists its location");
+            entry.holders[at].children &= !COMPACT_MARK;
+        }
+        debug_assert_eq!(log.len() as u64, self.locations[loc as usize].live);
+        self.locations[loc as usize].log = log;
+    }
+
+    /// The blocks `loc` holds, each once (tests).
+    #[cfg(test)]
+    fn held(&self, loc: LocId) -> std::collections::BTreeSet<BlockHash> {
+        let log = &self.locations[loc as usize].log;
+        log.iter().copied().filter(|h| self.blocks.get(h).is_some_and(|e| e.find(loc).is_ok())).collect()
     }
 
     /// Sets when `hash` expires from the approximate location `loc`.
@@ -310,7 +364,12 @@ impl Store {
     pub(crate) fn find_matches(&self, hashes: &[BlockHash], out: &mut Matches) {
         out.clear();
         let Some(&first) = hashes.first() else { return };
-        for holder in self.holders(first) {
+        let holders = self.holders(first);
+        if holders.is_empty() {
+            return;
+        }
+        out.marks.prepare(self.locations.len());
+        for holder in holders {
             if self.locations[holder.loc as usize].orphans == 0 {
                 out.alive.push(holder.loc);
             } else {
@@ -319,77 +378,113 @@ impl Store {
         }
         self.jump(hashes, out);
         self.walk(hashes, out);
-        let Matches { found, results, .. } = out;
-        found.sort_unstable_by_key(|&(loc, _)| loc);
-        results.extend(
-            found
-                .iter()
-                .map(|&(loc, blocks)| super::LocationMatch { location: self.locations[loc as usize].location, blocks }),
-        );
+        // In location order, as the first block's holders are.
+        let Matches { results, marks, .. } = out;
+        results.extend(holders.iter().map(|h| super::LocationMatch {
+            location: self.locations[h.loc as usize].location,
+            blocks: marks.len[h.loc as usize] as usize,
+        }));
     }
 
     /// The jump search over the prefix-closed locations in `out.alive` (all hold `hashes[0]`).
+    ///
+    /// A candidate set is tagged in `out.marks`, so testing a probe's holders against it costs
+    /// one array read per holder, and a probe that every candidate (or none) holds moves on
+    /// without touching the set.
     fn jump(&self, hashes: &[BlockHash], out: &mut Matches) {
         let n = hashes.len();
+        let marks = &mut out.marks;
+        let mut tag = marks.fresh();
+        for &loc in &out.alive {
+            marks.tag[loc as usize] = tag;
+        }
         let mut lo = 0;
         while !out.alive.is_empty() {
             if lo + 1 == n {
-                out.found.extend(out.alive.drain(..).map(|loc| (loc, n)));
+                for loc in out.alive.drain(..) {
+                    marks.len[loc as usize] = n as u32;
+                }
                 return;
             }
             let hi = (lo + JUMP).min(n - 1);
             let holders = self.holders(hashes[hi]);
-            if holds_all(holders, &out.alive) {
+            let holding = holders.iter().filter(|h| marks.has(h.loc, tag)).count();
+            if holding == out.alive.len() {
                 lo = hi;
                 continue;
             }
-            // Partition: survivors to `next`, the others drop out somewhere in (lo, hi].
+            if holding == 0 {
+                // Everyone drops out somewhere in (lo, hi].
+                self.bisect(hashes, lo, hi, &mut out.alive, tag, marks);
+                out.alive.clear();
+                return;
+            }
+            // Survivors get a new tag and go on; the others keep `tag` and are bisected.
+            let next_tag = marks.fresh();
+            for h in holders {
+                if marks.has(h.loc, tag) {
+                    marks.tag[h.loc as usize] = next_tag;
+                }
+            }
             out.next.clear();
             out.dropped.clear();
-            let mut h = holders.iter().map(|h| h.loc).peekable();
             for &loc in &out.alive {
-                while h.next_if(|&l| l < loc).is_some() {}
-                if h.next_if_eq(&loc).is_some() {
+                if marks.has(loc, next_tag) {
                     out.next.push(loc);
                 } else {
                     out.dropped.push(loc);
                 }
             }
             std::mem::swap(&mut out.alive, &mut out.next);
-            let mut dropped = std::mem::take(&mut out.dropped);
-            self.bisect(hashes, lo, hi, &mut dropped, &mut out.found);
-            out.dropped = dropped;
+            self.bisect(hashes, lo, hi, &mut out.dropped, tag, marks);
+            tag = next_tag;
             lo = hi;
         }
     }
 
-    /// Every location in `set` holds `hashes[lo]` and not `hashes[hi]`: record where each stops.
-    fn bisect(&self, hashes: &[BlockHash], lo: usize, hi: usize, set: &mut [LocId], found: &mut Vec<(LocId, usize)>) {
+    /// Every location in `set` (exactly the locations tagged `tag`) holds `hashes[lo]` and not
+    /// `hashes[hi]`: record where each stops.
+    fn bisect(&self, hashes: &[BlockHash], lo: usize, hi: usize, set: &mut [LocId], tag: u32, marks: &mut Marks) {
         if set.is_empty() {
             return;
         }
         if hi == lo + 1 {
-            found.extend(set.iter().map(|&loc| (loc, hi)));
+            for &loc in set.iter() {
+                marks.len[loc as usize] = hi as u32;
+            }
             return;
         }
         let mid = lo + (hi - lo) / 2;
         let holders = self.holders(hashes[mid]);
-        // Those still holding `hashes[mid]` go first.
+        let holding = holders.iter().filter(|h| marks.has(h.loc, tag)).count();
+        if holding == 0 {
+            return self.bisect(hashes, lo, mid, set, tag, marks);
+        }
+        if holding == set.len() {
+            return self.bisect(hashes, mid, hi, set, tag, marks);
+        }
+        // Those still holding `hashes[mid]` get a new tag and go first.
+        let mid_tag = marks.fresh();
+        for h in holders {
+            if marks.has(h.loc, tag) {
+                marks.tag[h.loc as usize] = mid_tag;
+            }
+        }
         let mut split = 0;
         for i in 0..set.len() {
-            if holders.binary_search_by_key(&set[i], |h| h.loc).is_ok() {
+            if marks.has(set[i], mid_tag) {
                 set.swap(i, split);
                 split += 1;
             }
         }
         let (holding, stopped) = set.split_at_mut(split);
-        self.bisect(hashes, lo, mid, stopped, found);
-        self.bisect(hashes, mid, hi, holding, found);
+        self.bisect(hashes, lo, mid, stopped, tag, marks);
+        self.bisect(hashes, mid, hi, holding, mid_tag, marks);
     }
 
     /// The block-by-block walk for locations with orphans (all hold `hashes[0]`).
     fn walk(&self, hashes: &[BlockHash], out: &mut Matches) {
-        let mut walk = std::mem::take(&mut out.walk);
+        let Matches { walk, marks, .. } = out;
         for (i, &hash) in hashes.iter().enumerate().skip(1) {
             if walk.is_empty() {
                 break;
@@ -398,13 +493,14 @@ impl Store {
             walk.retain(|&loc| {
                 let holds = holders.binary_search_by_key(&loc, |h| h.loc).is_ok();
                 if !holds {
-                    out.found.push((loc, i));
+                    marks.len[loc as usize] = i as u32;
                 }
                 holds
             });
         }
-        out.found.extend(walk.drain(..).map(|loc| (loc, hashes.len())));
-        out.walk = walk;
+        for loc in walk.drain(..) {
+            marks.len[loc as usize] = hashes.len() as u32;
+        }
     }
 
     /// Checks the orphan bookkeeping against a recount from scratch (tests).
@@ -414,7 +510,9 @@ impl Store {
         for (id, state) in self.locations.iter().enumerate() {
             let loc = id as LocId;
             let mut orphan_parents: BlockMap<u32> = BlockMap::default();
-            for &hash in &state.held {
+            let held = self.held(loc);
+            assert_eq!(held.len() as u64, state.live, "blocks held by {loc}");
+            for &hash in &held {
                 let entry = &self.blocks[&hash];
                 let holder = entry.holders[entry.find(loc).expect("held block lists its location")];
                 placements += 1;
@@ -424,8 +522,7 @@ impl Store {
                         *orphan_parents.entry(parent).or_insert(0) += 1;
                     }
                 }
-                let children =
-                    state.held.iter().filter(|&&c| c != hash && self.blocks[&c].parent(c) == Some(hash)).count();
+                let children = held.iter().filter(|&&c| c != hash && self.blocks[&c].parent(c) == Some(hash)).count();
                 assert_eq!(holder.children as usize, children, "children of {hash:?} in {loc}");
             }
             assert_eq!(state.orphan_parents, orphan_parents, "orphan parents of {loc}");
@@ -435,20 +532,11 @@ impl Store {
             assert!(!entry.holders.is_empty(), "{hash:?} has no holder");
             assert!(entry.holders.windows(2).all(|w| w[0].loc < w[1].loc));
             for h in &entry.holders {
-                assert!(self.locations[h.loc as usize].held.contains(hash));
+                assert!(self.locations[h.loc as usize].log.contains(hash));
             }
         }
         assert_eq!(self.placements, placements);
     }
-}
-
-/// Whether every location in `alive` (sorted) is in `holders` (sorted).
-fn holds_all(holders: &[Holder], alive: &[LocId]) -> bool {
-    if holders.len() < alive.len() {
-        return false;
-    }
-    let mut h = holders.iter();
-    alive.iter().all(|&loc| h.find(|x| x.loc >= loc).is_some_and(|x| x.loc == loc))
 }
 
 // An entry and its 16-byte key fill one cache line.

@@ -750,3 +750,33 @@ fn readers_see_whole_events_while_a_writer_applies_them() {
         assert_eq!(answers(&index, query), expected[events.len()][q]);
     }
 }
+
+#[test]
+fn churn_compacts_the_log_and_clear_still_drops_everything() {
+    let index = PrefixIndex::default();
+    let c = chain(7, 300);
+    let mut seq = 0;
+    let mut next = || {
+        seq += 1;
+        seq
+    };
+    assert_eq!(index.apply(&stored(W00, next(), TierName::G1, None, &c[..100])), Applied::Applied);
+    // Evict and re-store the tail many times, so the log fills with stale and repeated records.
+    for round in 0..20 {
+        let keep = 10 + round;
+        let tail: Vec<BlockHash> = c[keep..100].iter().rev().copied().collect();
+        assert_eq!(index.apply(&removed(W00, next(), TierName::G1, &tail)), Applied::Applied);
+        let parent = Some(c[keep - 1]);
+        assert_eq!(index.apply(&stored(W00, next(), TierName::G1, parent, &c[keep..100])), Applied::Applied);
+        index.with_store(Store::check_invariants);
+    }
+    assert_eq!(answers(&index, &c[..150]), BTreeMap::from([(exact(W00, TierName::G1), 100)]));
+    assert_eq!(index.stats().placements, 100);
+    assert_eq!(
+        index.apply(&KvEvent { source: W00, epoch: 1, seq: next(), kind: KvEventKind::Cleared }),
+        Applied::Applied
+    );
+    assert_eq!(index.stats().blocks, 0);
+    assert!(answers(&index, &c[..150]).is_empty());
+    index.with_store(Store::check_invariants);
+}

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use dynamo_kv_router::indexer::positional::SearchMode;
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer};
 use kv_router_peer_bench::dynamo::{JUMP_SIZE, PositionalDirect, Radix, ThreadPool, dynamo_chain, local_arena};
+use kv_router_peer_bench::index_ours::{Ours, block_arena};
 use kv_router_peer_bench::index_replay::{
     BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
 };
@@ -44,6 +45,8 @@ fn main() {
         let local = local_arena(&w);
         let lanes = w.lanes(2);
 
+        let arena = block_arena(&w);
+        let ours = || Ours::new(arena.clone(), w.workers);
         let baseline = || HashBaseline::new(seq.clone());
         let radix = || Radix::new(local.clone());
         let positional = || PositionalDirect::new(local.clone());
@@ -63,32 +66,54 @@ fn main() {
         };
 
         // One replay thread.
-        rows.push(measure_single(
-            "ours: HashBaseline (sharded RwLock<HashMap>)",
-            false,
-            &baseline,
-            &w,
-            &reference,
-            passes,
-        ));
-        // Our index's rows go here: `measure_single` / `measure_parallel` of a `BenchIndex` over
-        // `dynamo_actors::index::PrefixIndex`, fed `w.seq_hashes` (chained hashes) per lookup.
-        rows.push(measure_single("Dynamo RadixTree", true, &radix, &w, &reference, passes));
-        rows.push(measure_single("Dynamo PositionalIndexer (direct)", true, &positional, &w, &reference, passes));
+        if settings.wants("ours: PrefixIndex") {
+            rows.push(measure_single("ours: PrefixIndex", false, &ours, &w, &reference, passes));
+        }
+        if settings.wants("ours: HashBaseline (sharded RwLock<HashMap>)") {
+            rows.push(measure_single(
+                "ours: HashBaseline (sharded RwLock<HashMap>)",
+                false,
+                &baseline,
+                &w,
+                &reference,
+                passes,
+            ));
+        }
+        if settings.wants("Dynamo RadixTree") {
+            rows.push(measure_single("Dynamo RadixTree", true, &radix, &w, &reference, passes));
+        }
+        if settings.wants("Dynamo PositionalIndexer (direct)") {
+            rows.push(measure_single("Dynamo PositionalIndexer (direct)", true, &positional, &w, &reference, passes));
+        }
         let name = "Dynamo ThreadPool<CRTC> (+1 pool thread)";
-        rows.push(measure_single(name, true, &crtc_pool(1), &w, &reference, passes));
+        if settings.wants(name) {
+            rows.push(measure_single(name, true, &crtc_pool(1), &w, &reference, passes));
+        }
         let name = "Dynamo ThreadPool<PositionalIndexer> (+1 pool thread)";
-        rows.push(measure_single(name, true, &positional_pool(1), &w, &reference, passes));
+        if settings.wants(name) {
+            rows.push(measure_single(name, true, &positional_pool(1), &w, &reference, passes));
+        }
 
         // Two replay threads.
+        if settings.wants("ours: PrefixIndex") {
+            rows.push(measure_parallel("ours: PrefixIndex", false, &ours, &w, &lanes, &reference, passes));
+        }
         let name = "ours: HashBaseline (sharded RwLock<HashMap>)";
-        rows.push(measure_parallel(name, false, &baseline, &w, &lanes, &reference, passes));
+        if settings.wants(name) {
+            rows.push(measure_parallel(name, false, &baseline, &w, &lanes, &reference, passes));
+        }
         let name = "Dynamo PositionalIndexer (direct)";
-        rows.push(measure_parallel(name, true, &positional, &w, &lanes, &reference, passes));
+        if settings.wants(name) {
+            rows.push(measure_parallel(name, true, &positional, &w, &lanes, &reference, passes));
+        }
         let name = "Dynamo ThreadPool<CRTC> (+2 pool threads)";
-        rows.push(measure_parallel(name, true, &crtc_pool(2), &w, &lanes, &reference, passes));
+        if settings.wants(name) {
+            rows.push(measure_parallel(name, true, &crtc_pool(2), &w, &lanes, &reference, passes));
+        }
         let name = "Dynamo ThreadPool<PositionalIndexer> (+2 pool threads)";
-        rows.push(measure_parallel(name, true, &positional_pool(2), &w, &lanes, &reference, passes));
+        if settings.wants(name) {
+            rows.push(measure_parallel(name, true, &positional_pool(2), &w, &lanes, &reference, passes));
+        }
     }
-    print_table(&rows);
+    print_table(&rows, "ours: PrefixIndex");
 }

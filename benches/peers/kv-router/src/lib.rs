@@ -15,4 +15,8 @@ pub mod index_workload;
 #[path = "../../../src/index_replay.rs"]
 pub mod index_replay;
 
+#[allow(unreachable_pub, dead_code)]
+#[path = "../../../src/index_ours.rs"]
+pub mod index_ours;
+
 pub mod dynamo;
