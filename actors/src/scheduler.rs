@@ -28,6 +28,7 @@ use crate::index::{Matches, PrefixIndex, SourceId};
 use crate::session::{SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
+use crate::worker::queue::PushError;
 use crate::worker::{GenRequest, Job, JobEvent, WorkerHandle};
 
 /// The SchedulerActor.
@@ -89,6 +90,15 @@ pub enum SubmitError {
     ShuttingDown,
 }
 
+/// What an agent says about a request (`nvext`): how urgent, how long an answer it expects.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Hints {
+    /// Higher is more urgent; 0 is normal.
+    pub priority: i32,
+    /// Tokens the answer is expected to have (the cost estimate's decode part).
+    pub expected_output_tokens: Option<usize>,
+}
+
 /// A queued request: its events, and the worker it went to.
 #[derive(Debug)]
 pub struct Submitted {
@@ -108,6 +118,8 @@ pub enum SchedulerMsg {
         req: GenRequest,
         /// Its conversation.
         session: Option<String>,
+        /// Agent hints.
+        hints: Hints,
         /// Where the answer goes.
         reply: RpcReplyPort<Result<Submitted, SubmitError>>,
     },
@@ -164,7 +176,7 @@ impl SchedulerState {
 
     /// KV-aware order: workers by estimated time to first token, with the session's worker and
     /// temperature sampling applied; also the predicted cached tokens per worker.
-    fn kv_order(&mut self, kv: &KvRouting, req: &GenRequest, sticky: Option<usize>) -> Vec<(usize, usize)> {
+    fn kv_order(&mut self, kv: &KvRouting, req: &GenRequest, sticky: Option<usize>) -> Vec<(usize, usize, f64)> {
         let started = Instant::now();
         let hashes = BlockHasher::new(kv.salt, kv.block_tokens).hash_sequence(&req.prompt);
         kv.index.find_matches(&hashes, &mut self.matches);
@@ -174,13 +186,14 @@ impl SchedulerState {
         {
             cost.g3_bytes_per_s = measured;
         }
-        let mut ranked: Vec<(usize, f64, usize)> = Vec::with_capacity(self.workers.len());
+        let mut ranked: Vec<(usize, f64, usize, f64)> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {
             let Some(w) = w else { continue };
             let prefix = self.matches.for_worker(SourceId::worker(kv.node, i as u16));
             let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
             let e = cost.estimate(req.prompt.len(), prefix, queued);
-            ranked.push((i, e.ttft_s, e.cached_blocks * kv.block_tokens));
+            let alone = cost.estimate(req.prompt.len(), prefix, Queued::default()).ttft_s;
+            ranked.push((i, e.ttft_s, e.cached_blocks * kv.block_tokens, alone));
         }
         ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
         if let (Some(s), Some(best)) = (sticky, ranked.first().map(|r| r.1))
@@ -206,7 +219,7 @@ impl SchedulerState {
             ranked.insert(0, first);
         }
         telemetry::record_router_decision(started.elapsed());
-        ranked.into_iter().map(|(i, _, cached)| (i, cached)).collect()
+        ranked.into_iter().map(|(i, _, cached, alone)| (i, cached, alone)).collect()
     }
 
     /// Workers in the order the policy would try them.
@@ -240,35 +253,47 @@ impl SchedulerState {
         myself: &SchedulerRef,
         req: GenRequest,
         session: Option<String>,
+        hints: Hints,
     ) -> Result<Submitted, SubmitError> {
         let sticky = session.as_ref().and_then(|s| self.sessions.get(s)).and_then(|e| e.last_worker);
-        let order: Vec<(usize, Option<usize>)> = match (&self.args.kv, self.args.policy) {
+        // Each candidate with the cached tokens expected there and the request's engine time
+        // there (WSPT's processing time: its prefill alone plus its expected decode).
+        let decode_s =
+            |kv: &KvRouting| hints.expected_output_tokens.unwrap_or(req.max_tokens) as f64 * kv.cost.decode_s_per_token;
+        let order: Vec<(usize, Option<usize>, f64)> = match (&self.args.kv, self.args.policy) {
             (Some(kv), RoutingPolicy::KvAware) => {
                 let kv = kv.clone();
-                self.kv_order(&kv, &req, sticky).into_iter().map(|(i, c)| (i, Some(c))).collect()
+                let decode = decode_s(&kv);
+                self.kv_order(&kv, &req, sticky).into_iter().map(|(i, c, s)| (i, Some(c), s + decode)).collect()
             }
-            _ => self.order(sticky).into_iter().map(|i| (i, None)).collect(),
+            (kv, _) => {
+                let cost = kv.as_ref().map_or(req.prompt.len() as f64, |kv| {
+                    kv.cost.estimate(req.prompt.len(), Default::default(), Queued::default()).ttft_s + decode_s(kv)
+                });
+                self.order(sticky).into_iter().map(|i| (i, None, cost)).collect()
+            }
         };
         if order.is_empty() {
             return Err(SubmitError::NoWorkers);
         }
         let prompt_tokens = req.prompt.len();
         let (events, rx) = mpsc::unbounded_channel();
-        let mut job = Job { req, predicted_cached: None, events };
-        for &(i, predicted) in &order {
+        let mut job = Job { req, predicted_cached: None, priority: hints.priority, cost_s: 0.0, events };
+        for &(i, predicted, cost_s) in &order {
             let Some(handle) = &self.workers[i] else { continue };
             job.predicted_cached = predicted;
+            job.cost_s = cost_s;
             handle.load.add(&job.req);
-            match handle.queue.try_send(job) {
+            match handle.queue.try_push(job) {
                 Ok(()) => {
                     if let Some(id) = session {
                         self.note_turn(myself, id, i, prompt_tokens).await;
                     }
                     return Ok(Submitted { events: rx, worker: i });
                 }
-                Err(mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j)) => {
+                Err(PushError::Full(j) | PushError::Closed(j)) => {
                     handle.load.remove(&j.req, false);
-                    job = j;
+                    job = *j;
                 }
             }
         }
@@ -321,8 +346,8 @@ impl Actor for SchedulerActor {
         state: &mut SchedulerState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SchedulerMsg::Submit { req, session, reply } => {
-                let result = state.submit(&myself, req, session).await;
+            SchedulerMsg::Submit { req, session, hints, reply } => {
+                let result = state.submit(&myself, req, session, hints).await;
                 let _ = reply.send(result);
             }
             SchedulerMsg::WorkerUp(handle) => {

@@ -13,7 +13,7 @@ use anyhow::Context;
 use dynamo_actors::cost::CostModel;
 use dynamo_actors::index::{IndexConfig, PrefixIndex};
 use dynamo_actors::publisher::KvPublisher;
-use dynamo_actors::scheduler::{KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
+use dynamo_actors::scheduler::{Hints, KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::stores::{StoreArgs, Watermarks};
 use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
 use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NodeTiers, WriteBatch};
@@ -158,7 +158,13 @@ impl Serving {
         };
         let args = NodeArgs {
             workers: (0..workers)
-                .map(|id| WorkerArgs { id, factory: factory.clone(), queue_bound, host: EngineHost::Thread })
+                .map(|id| WorkerArgs {
+                    id,
+                    factory: factory.clone(),
+                    queue_bound,
+                    queue_policy: cfg.router.queue_policy,
+                    host: EngineHost::Thread,
+                })
                 .collect(),
             scheduler: SchedulerArgs {
                 policy: cfg.router.policy,
@@ -273,13 +279,14 @@ impl NodeGenerator {
         &self,
         job: GenRequest,
         session: Option<String>,
+        hints: Hints,
     ) -> Result<dynamo_actors::scheduler::Submitted, GenerateError> {
         let mut retried = false;
         loop {
             let scheduler = self.scheduler.lock().unwrap_or_else(PoisonError::into_inner).clone();
             let job = job.clone();
             let session = session.clone();
-            match scheduler.call(|reply| SchedulerMsg::Submit { req: job, session, reply }, None).await {
+            match scheduler.call(|reply| SchedulerMsg::Submit { req: job, session, hints, reply }, None).await {
                 Ok(CallResult::Success(Ok(submitted))) => return Ok(submitted),
                 Ok(CallResult::Success(Err(SubmitError::Overloaded { .. }))) => {
                     return Err(GenerateError::Overloaded { retry_after: RETRY_AFTER });
@@ -318,10 +325,16 @@ impl Generator for NodeGenerator {
         if req.model != self.model {
             return futures::stream::once(std::future::ready(Err(GenerateError::ModelNotFound(req.model)))).boxed();
         }
+        // A speculative prefill warms the cache and generates nothing; it waits behind real work.
+        let speculative = req.hints.speculative_prefill.unwrap_or(false);
+        let hints = Hints {
+            priority: req.hints.priority.unwrap_or(0) - i32::from(speculative),
+            expected_output_tokens: req.hints.expected_output_tokens,
+        };
         let job = GenRequest {
             prompt: req.prompt,
             regions: req.regions,
-            max_tokens: req.max_tokens,
+            max_tokens: if speculative { 0 } else { req.max_tokens },
             sampling: if req.temperature > 0.0 {
                 Sampling::Temperature { temperature: req.temperature }
             } else {
@@ -333,7 +346,7 @@ impl Generator for NodeGenerator {
         };
         let this = self.clone();
         let session = req.session_id;
-        futures::stream::once(async move { this.submit(job, session).await })
+        futures::stream::once(async move { this.submit(job, session, hints).await })
             .flat_map(|submitted| match submitted {
                 Err(e) => futures::stream::once(std::future::ready(Err(e))).boxed(),
                 Ok(submitted) => events(submitted.events).boxed(),

@@ -214,6 +214,22 @@ async fn kv_aware_routing_sends_turn_two_to_the_worker_that_holds_turn_one() {
     assert!(predicted > 0.0 && predicted == actual, "the router predicted the cache exactly: {predicted} vs {actual}");
     assert!(node.metric("dynamo_node_index_events_total{kind=\"stored\",result=\"applied\"}").await > 0.0);
     assert_eq!(node.metric("dynamo_node_router_decision_seconds_count").await, 4.0);
+
+    // A speculative prefill (nvext) warms the cache and generates nothing; the real call that
+    // follows finds its prompt cached.
+    let tools: String = (0..100).map(|i| format!("tool{i}(path) ")).collect();
+    let turn = vec![("system", tools), ("user", "List the repository.".to_string())];
+    let mut warm = conversation(&turn);
+    warm["nvext"] = json!({"speculative_prefill": true, "priority": 2});
+    let (status, warmed) = node.chat(warm).await;
+    assert_eq!(status, 200, "{warmed}");
+    assert_eq!(warmed["usage"]["completion_tokens"], 0, "{warmed}");
+    assert_eq!(warmed["choices"][0]["message"]["content"], "", "{warmed}");
+    let (status, real) = node.chat(conversation(&turn)).await;
+    assert_eq!(status, 200, "{real}");
+    let cached = real["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
+    let prompt = real["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert_eq!(cached, (prompt - 1) / 32 * 32, "every complete block was prefilled ahead: {real}");
     assert_eq!(node.stop(), 0);
 }
 

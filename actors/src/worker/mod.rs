@@ -12,6 +12,7 @@
 //! NodeSupervisor restarts it with a fresh engine. The node goes on with its other workers.
 
 mod core;
+pub mod queue;
 pub mod simulated;
 
 use std::future::Future;
@@ -20,9 +21,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use dynamo_config::QueuePolicy;
 use futures::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::{mpsc, oneshot};
+
+use self::queue::JobQueue;
 
 #[cfg(feature = "failpoints")]
 pub use self::core::FAILPOINT_PANIC_MAX_TOKENS;
@@ -92,6 +96,10 @@ pub struct Job {
     pub req: GenRequest,
     /// Prompt tokens the router expected to be cached on this worker (`None`: not predicted).
     pub predicted_cached: Option<usize>,
+    /// Agent-hint priority; higher goes first.
+    pub priority: i32,
+    /// The scheduler's estimate of the job's engine time in seconds (WSPT's processing time).
+    pub cost_s: f64,
     /// Its events; a closed receiver stops the request at its next token.
     pub events: mpsc::UnboundedSender<JobEvent>,
 }
@@ -148,8 +156,8 @@ impl WorkerLoad {
 pub struct WorkerHandle {
     /// The worker's index in the node.
     pub id: usize,
-    /// Its queue; `try_send` fails when it is full (backpressure) or the worker is gone.
-    pub queue: mpsc::Sender<Job>,
+    /// Its queue; `try_push` fails when it is full (backpressure) or the worker is gone.
+    pub queue: Arc<JobQueue>,
     /// Its load.
     pub load: Arc<WorkerLoad>,
 }
@@ -168,8 +176,10 @@ pub struct WorkerArgs {
     pub id: usize,
     /// Builds its engine.
     pub factory: EngineFactory,
-    /// Requests queued at most (running included) before the scheduler sees it full.
+    /// Requests waiting at most before the scheduler sees the worker full.
     pub queue_bound: usize,
+    /// The order requests wait in.
+    pub queue_policy: QueuePolicy,
     /// Where the engine runs.
     pub host: EngineHost,
 }
@@ -239,7 +249,8 @@ impl Actor for WorkerActor {
     type Arguments = WorkerArgs;
 
     async fn pre_start(&self, myself: WorkerRef, args: WorkerArgs) -> Result<WorkerState, ActorProcessingErr> {
-        let (queue, rx) = mpsc::channel(args.queue_bound.max(1));
+        let queue = Arc::new(JobQueue::new(args.queue_bound, args.queue_policy));
+        let rx = queue.clone();
         let load = Arc::new(WorkerLoad::default());
         let (ready_tx, ready_rx) = oneshot::channel();
         let thread_load = load.clone();
@@ -279,10 +290,9 @@ impl Actor for WorkerActor {
     }
 
     async fn post_stop(&self, _: WorkerRef, state: &mut WorkerState) -> Result<(), ActorProcessingErr> {
-        // The thread ends once every sender is gone (the scheduler drops its own first); it
-        // finishes the queued requests and flushes write-through before it does.
-        let (closed_tx, _) = mpsc::channel(1);
-        state.handle.queue = closed_tx;
+        // Closing the queue ends the engine loop once it has served what is queued and flushed
+        // write-through.
+        state.handle.queue.close();
         if let Some(thread) = state.thread.take() {
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
@@ -301,7 +311,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 fn engine_thread(
     id: usize,
     factory: EngineFactory,
-    rx: mpsc::Receiver<Job>,
+    rx: Arc<JobQueue>,
     ready: oneshot::Sender<Result<(), String>>,
     actor: WorkerRef,
     load: Arc<WorkerLoad>,
@@ -321,7 +331,7 @@ fn engine_thread(
 async fn serve(
     id: usize,
     factory: EngineFactory,
-    mut rx: mpsc::Receiver<Job>,
+    rx: Arc<JobQueue>,
     ready: oneshot::Sender<Result<(), String>>,
     actor: WorkerRef,
     load: Arc<WorkerLoad>,
@@ -339,7 +349,7 @@ async fn serve(
             }
         };
         let _ = ready.send(Ok(()));
-        while let Some(job) = rx.recv().await {
+        while let Some(job) = rx.pop().await {
             if let Some(fork) = engine.fork() {
                 tokio::task::spawn_local(serve_forked(id, fork, job, load.clone()));
                 continue;
@@ -352,7 +362,7 @@ async fn serve(
                 // retries at once is routed to another worker, not queued behind the restart.
                 rx.close();
                 let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
-                while let Some(queued) = rx.recv().await {
+                while let Some(queued) = rx.pop().await {
                     load.remove(&queued.req, false);
                     let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
                 }

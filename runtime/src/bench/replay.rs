@@ -340,6 +340,7 @@ async fn drive(trace: &Trace, setup: &Setup) -> anyhow::Result<(Vec<Sample>, Dur
                 id,
                 factory: factory.clone(),
                 queue_bound: 1 << 16,
+                queue_policy: dynamo_config::QueuePolicy::Fcfs,
                 host: EngineHost::Local(spawner.clone()),
             })
             .collect(),
@@ -427,12 +428,17 @@ async fn run_session(session: usize, turns: Vec<Turn>, scheduler: SchedulerRef, 
         };
         let submitted_at = Instant::now();
         prompts.push((submitted_at, history.clone()));
-        let submitted =
-            match scheduler.call(|reply| SchedulerMsg::Submit { req, session: Some(id.clone()), reply }, None).await? {
-                CallResult::Success(Ok(s)) => s,
-                CallResult::Success(Err(e)) => bail!("request refused: {e}"),
-                _ => bail!("the scheduler did not answer"),
-            };
+        let submitted = match scheduler
+            .call(
+                |reply| SchedulerMsg::Submit { req, session: Some(id.clone()), hints: Default::default(), reply },
+                None,
+            )
+            .await?
+        {
+            CallResult::Success(Ok(s)) => s,
+            CallResult::Success(Err(e)) => bail!("request refused: {e}"),
+            _ => bail!("the scheduler did not answer"),
+        };
         let mut events = submitted.events;
         let mut sample = Sample { prompt: history.len(), ..Sample::default() };
         while let Some(event) = events.recv().await {
