@@ -238,17 +238,21 @@ impl Serving {
     }
 }
 
-/// Times one block's prefill and one decode step on a scratch KV pool: the engine's rates for
+/// Times a prefill of four blocks and one decode step on a scratch KV pool (after one warm-up
+/// pass, so thread start-up and first-touch page faults are not counted): the engine's rates for
 /// the cost model.
 fn measure_engine(weights: &HostWeights, threads: usize, block_tokens: usize) -> anyhow::Result<(f64, Duration)> {
     let model = Llama::new(CpuBackend::new(threads), weights).context("building the model")?;
-    let mut kv = model.kv_pool(block_tokens, 2).context("a scratch KV pool")?;
-    let tokens: Vec<u32> = (0..block_tokens as u32).collect();
+    let blocks = 5u32;
+    let mut kv = model.kv_pool(block_tokens, blocks as usize).context("a scratch KV pool")?;
+    let table: Vec<u32> = (0..blocks).collect();
+    let tokens: Vec<u32> = (0..(4 * block_tokens) as u32).collect();
+    model.forward(&mut kv, &tokens, 0, &table, block_tokens).context("warming up")?;
     let started = Instant::now();
-    model.forward(&mut kv, &tokens, 0, &[0, 1], block_tokens).context("measuring prefill")?;
-    let prefill = block_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    model.forward(&mut kv, &tokens, 0, &table, block_tokens).context("measuring prefill")?;
+    let prefill = tokens.len() as f64 / started.elapsed().as_secs_f64().max(1e-9);
     let started = Instant::now();
-    model.forward(&mut kv, &[1], block_tokens, &[0, 1], block_tokens).context("measuring decode")?;
+    model.forward(&mut kv, &[1], tokens.len(), &table, block_tokens).context("measuring decode")?;
     Ok((prefill, started.elapsed()))
 }
 
