@@ -21,7 +21,9 @@
 //! [`EngineHost::Local`]: super::EngineHost::Local
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -72,6 +74,29 @@ impl SimTiming {
     }
 }
 
+/// What a simulated node moved and dropped, for the replay's report.
+#[derive(Debug, Default)]
+pub struct SimStats {
+    /// Bytes loaded G2 → G1 over the host links.
+    pub g2_to_g1_bytes: AtomicU64,
+    /// Bytes read G3 → G1 (disk, then link).
+    pub g3_to_g1_bytes: AtomicU64,
+    /// Bytes written through G1 → G2.
+    pub g1_to_g2_bytes: AtomicU64,
+    /// Bytes written through G2 → G3.
+    pub g2_to_g3_bytes: AtomicU64,
+    /// Blocks resident in the G1 of all workers.
+    pub g1_resident: AtomicI64,
+    /// G1 evictions by region, all workers.
+    pub g1_evictions: Mutex<BTreeMap<RegionKind, u64>>,
+    /// Write-through lag to G3 (completion in G1 to the disk's acknowledgment), summed in µs.
+    pub g3_lag_us_sum: AtomicU64,
+    /// Blocks acknowledged by G3.
+    pub g3_acks: AtomicU64,
+    /// Longest write-through lag to G3 in µs.
+    pub g3_lag_us_max: AtomicU64,
+}
+
 /// The node-shared part of a simulated node: G2 and G3 as registries, the disk's queue, where
 /// KV events go.
 #[derive(Debug)]
@@ -90,6 +115,8 @@ pub struct SimNode {
     g3: Option<Mutex<TierRegistry>>,
     disk_free_at: Mutex<Instant>,
     observer: Arc<dyn KvObserver>,
+    /// Counters for the report.
+    pub stats: SimStats,
 }
 
 impl SimNode {
@@ -117,7 +144,19 @@ impl SimNode {
             g3: tier(g3_blocks),
             disk_free_at: Mutex::new(Instant::now()),
             observer,
+            stats: SimStats::default(),
         }
+    }
+
+    /// Evictions by region of G2 and G3 so far.
+    pub fn evictions(&self) -> [BTreeMap<RegionKind, u64>; 2] {
+        let of = |t: &Option<Mutex<TierRegistry>>| {
+            t.as_ref().map_or_else(BTreeMap::new, |r| {
+                let stats = r.lock().expect("registry").stats();
+                stats.regions.iter().map(|(region, s)| (*region, s.evictions_total)).collect()
+            })
+        };
+        [of(&self.g2), of(&self.g3)]
     }
 
     /// Blocks resident in G2 and G3.
@@ -241,7 +280,13 @@ impl SimWorker {
         let mut g1 = self.g1.borrow_mut();
         let referenced = match g1.insert(hash, meta, now) {
             Ok(Admission::Inserted { evicted }) => {
+                node.stats.g1_resident.fetch_add(1 - evicted.len() as i64, Ordering::Relaxed);
                 if !evicted.is_empty() {
+                    let mut by_region = node.stats.g1_evictions.lock().expect("stats");
+                    for e in &evicted {
+                        *by_region.entry(e.region).or_default() += 1;
+                    }
+                    drop(by_region);
                     let gone: Vec<BlockHash> = evicted.iter().map(|e| e.hash).collect();
                     node.observer.removed(self.site(), &gone);
                 }
@@ -253,15 +298,27 @@ impl SimWorker {
         };
         drop(g1);
         let lowest = node.retention.policy(region).lowest_tier;
+        let bytes = node.timing.block_bytes;
         if node.write_through != WriteThrough::Off && computed && TierName::G2 <= lowest {
+            node.stats.g1_to_g2_bytes.fetch_add(bytes, Ordering::Relaxed);
             node.admit(TierName::G2, hash, meta, now);
         }
-        if node.write_through == WriteThrough::G2G3 && TierName::G3 <= lowest && node.g3.is_some() {
-            let done = node.disk_write_done(node.timing.block_bytes);
+        // Down to G3 unless it is there already (duplicates are not written again).
+        if node.write_through == WriteThrough::G2G3
+            && TierName::G3 <= lowest
+            && node.g3.as_ref().is_some_and(|g3| !g3.lock().expect("registry").contains(hash))
+        {
+            let completed = Instant::now();
+            let done = node.disk_write_done(bytes);
             self.writes.borrow_mut().spawn(async move {
                 tokio::time::sleep_until(done).await;
                 let now = now_ms(Instant::now().min(done));
                 node.admit(TierName::G3, hash, meta, now);
+                let lag = (done - completed).as_micros() as u64;
+                node.stats.g2_to_g3_bytes.fetch_add(bytes, Ordering::Relaxed);
+                node.stats.g3_lag_us_sum.fetch_add(lag, Ordering::Relaxed);
+                node.stats.g3_lag_us_max.fetch_max(lag, Ordering::Relaxed);
+                node.stats.g3_acks.fetch_add(1, Ordering::Relaxed);
             });
         }
         referenced
@@ -319,8 +376,10 @@ impl SimWorker {
         let g3_blocks = from.iter().filter(|&&t| t == 2).count() as u64;
         let link_blocks = from.iter().filter(|&&t| t > 0).count() as u64;
         if g3_blocks > 0 {
+            node.stats.g3_to_g1_bytes.fetch_add(g3_blocks * timing.block_bytes, Ordering::Relaxed);
             tokio::time::sleep_until(node.disk_read_done(g3_blocks * timing.block_bytes)).await;
         }
+        node.stats.g2_to_g1_bytes.fetch_add((link_blocks - g3_blocks) * timing.block_bytes, Ordering::Relaxed);
         let load = Duration::from_secs_f64(link_blocks as f64 * link_s);
         let compute = Duration::from_secs_f64((timing.prefill_s(len) - timing.prefill_s(cached)).max(0.0));
         tokio::time::sleep(load + compute).await;
@@ -413,6 +472,7 @@ impl Engine for SimulatedEngine {
     fn reset(&mut self) -> usize {
         let w = &self.shared;
         let dropped = w.g1.borrow().len();
+        w.node.stats.g1_resident.fetch_sub(dropped as i64, Ordering::Relaxed);
         *w.g1.borrow_mut() = TierRegistry::new(w.g1_blocks, w.policy);
         w.node.observer.cleared(w.id);
         dropped

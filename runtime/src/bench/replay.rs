@@ -13,9 +13,12 @@
 //! tokens); the prompt is cut to `input_length`. Generated tokens come from the simulated engine,
 //! deterministic per request, and are new content.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant as WallInstant};
 
 use anyhow::{Context, bail};
@@ -78,9 +81,14 @@ pub struct ReplayArgs {
     /// G3 (NVMe) of the node.
     #[arg(long, default_value = "4TiB")]
     pub g3: ByteSize,
-    /// Routing policies to compare, each a full run: `kv_aware`, `round_robin`, `random`.
-    #[arg(long, value_delimiter = ',', default_value = "kv_aware,round_robin", value_parser = parse_policy)]
-    pub routing: Vec<RoutingPolicy>,
+    /// Axes to compare, each against the best configuration (KV-aware routing, retention-aware
+    /// eviction, write-through to G2+G3), plus the baseline with all three at their simplest.
+    #[arg(long, value_delimiter = ',', default_value = "routing,eviction,write-through", value_parser = parse_axis)]
+    pub compare: Vec<Axis>,
+    /// Run the best configuration once per capacity instead: `g1=40GiB,80GiB` or
+    /// `g2=256GiB,512GiB,1TiB`.
+    #[arg(long, value_name = "TIER=SIZE,…")]
+    pub sweep: Option<String>,
     /// Replay only the first N requests (Mooncake) or sessions (aiperf).
     #[arg(long)]
     pub limit: Option<usize>,
@@ -88,15 +96,121 @@ pub struct ReplayArgs {
     /// llama-8b on an H200).
     #[arg(long)]
     pub decode_ms: Option<f64>,
+    /// Also write the results as JSON here.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Also draw SVG plots here: TTFT CDF per policy, tier occupancy over time, hit rate by
+    /// capacity (with `--sweep`).
+    #[arg(long, value_name = "DIR")]
+    pub plots: Option<PathBuf>,
 }
 
-fn parse_policy(s: &str) -> Result<RoutingPolicy, String> {
+/// A dimension `--compare` varies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Axis {
+    /// KV-aware vs round-robin vs random.
+    Routing,
+    /// Retention-aware vs plain LRU.
+    Eviction,
+    /// G2+G3 vs G2 vs off.
+    WriteThrough,
+}
+
+fn parse_axis(s: &str) -> Result<Axis, String> {
     match s {
-        "kv_aware" | "kv-aware" => Ok(RoutingPolicy::KvAware),
-        "round_robin" | "round-robin" => Ok(RoutingPolicy::RoundRobin),
-        "random" => Ok(RoutingPolicy::Random),
-        other => Err(format!("unknown routing policy `{other}` (kv_aware, round_robin, random)")),
+        "routing" => Ok(Axis::Routing),
+        "eviction" => Ok(Axis::Eviction),
+        "write-through" | "write_through" => Ok(Axis::WriteThrough),
+        other => Err(format!("unknown axis `{other}` (routing, eviction, write-through)")),
     }
+}
+
+/// How blocks are kept: by retention region (priorities, holds) or plain LRU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Eviction {
+    Retention,
+    PlainLru,
+}
+
+/// One configuration a replay runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Policy {
+    routing: RoutingPolicy,
+    eviction: Eviction,
+    write_through: WriteThrough,
+}
+
+impl Policy {
+    const BEST: Policy =
+        Policy { routing: RoutingPolicy::KvAware, eviction: Eviction::Retention, write_through: WriteThrough::G2G3 };
+    const BASELINE: Policy =
+        Policy { routing: RoutingPolicy::RoundRobin, eviction: Eviction::PlainLru, write_through: WriteThrough::Off };
+
+    fn name(&self) -> String {
+        format!("{}+{}+{}", policy_name(self.routing), self.eviction_name(), self.write_through_name())
+    }
+
+    fn eviction_name(&self) -> &'static str {
+        match self.eviction {
+            Eviction::Retention => "retention",
+            Eviction::PlainLru => "lru",
+        }
+    }
+
+    fn write_through_name(&self) -> &'static str {
+        match self.write_through {
+            WriteThrough::Off => "no-wt",
+            WriteThrough::G2 => "wt-g2",
+            WriteThrough::G2G3 => "wt-g2g3",
+        }
+    }
+
+    /// The best configuration, one variant per compared axis value, and the baseline.
+    fn compared(axes: &[Axis]) -> Vec<Policy> {
+        let mut out = vec![Policy::BEST];
+        let mut push = |p: Policy| {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        };
+        for axis in axes {
+            match axis {
+                Axis::Routing => {
+                    for routing in [RoutingPolicy::RoundRobin, RoutingPolicy::Random] {
+                        push(Policy { routing, ..Policy::BEST });
+                    }
+                }
+                Axis::Eviction => push(Policy { eviction: Eviction::PlainLru, ..Policy::BEST }),
+                Axis::WriteThrough => {
+                    for write_through in [WriteThrough::G2, WriteThrough::Off] {
+                        push(Policy { write_through, ..Policy::BEST });
+                    }
+                }
+            }
+        }
+        if !axes.is_empty() {
+            push(Policy::BASELINE);
+        }
+        out
+    }
+}
+
+/// Retention without regions: every block the same priority, no holds.
+fn plain_lru() -> RetentionSection {
+    let mut r = RetentionSection::default();
+    for region in RegionKind::ALL {
+        let p = match region {
+            RegionKind::System => &mut r.system,
+            RegionKind::Tools => &mut r.tools,
+            RegionKind::Conversation => &mut r.conversation,
+            RegionKind::ToolResult => &mut r.tool_result,
+            RegionKind::Reasoning => &mut r.reasoning,
+            RegionKind::Generated => &mut r.generated,
+        };
+        p.priority = 50;
+        p.hold = dynamo_config::HumanDuration(Duration::ZERO);
+    }
+    r
 }
 
 fn policy_name(p: RoutingPolicy) -> &'static str {
@@ -123,6 +237,9 @@ struct Line {
 /// One turn (or one Mooncake request).
 #[derive(Debug, Clone)]
 struct Turn {
+    /// Leading tokens shared by many sessions (system prompt, tools, group context): the
+    /// `system` retention region.
+    system_tokens: usize,
     /// Mooncake: arrival; aiperf first turn: session start.
     at_ms: f64,
     /// aiperf later turns: wait after the previous turn completed.
@@ -165,11 +282,30 @@ fn load_trace(path: &Path, format: Option<TraceFormat>, limit: Option<usize>) ->
     } else {
         TraceFormat::Mooncake
     });
+    // A hash id that starts the prompts of many sessions is shared instruction (system prompt,
+    // tool definitions, a group's repository context): it is tagged `system`, as the frontend
+    // tags those messages. "Many": at least 3 and 2% of the first prompts.
+    let firsts: Vec<&Line> = match format {
+        TraceFormat::Mooncake => lines.iter().collect(),
+        TraceFormat::AiperfAgentic => lines.iter().filter(|l| l.delay.is_none()).collect(),
+    };
+    let mut counts: HashMap<u64, usize> = HashMap::new();
+    for l in &firsts {
+        for id in &l.hash_ids {
+            *counts.entry(*id).or_default() += 1;
+        }
+    }
+    let shared = (firsts.len() / 50).max(3);
+    let system_tokens = |l: &Line| {
+        let ids = l.hash_ids.iter().take_while(|id| counts.get(id).is_some_and(|&c| c >= shared)).count();
+        (ids * TRACE_BLOCK_TOKENS).min(l.input_length)
+    };
     let mut sessions: Vec<Vec<Turn>> = Vec::new();
     match format {
         TraceFormat::Mooncake => {
             for l in lines.iter().take(limit.unwrap_or(usize::MAX)) {
                 let turn = Turn {
+                    system_tokens: system_tokens(l),
                     at_ms: l.timestamp.unwrap_or(0.0),
                     delay_ms: 0.0,
                     new_tokens: tokens_of(&l.hash_ids, l.input_length),
@@ -188,6 +324,7 @@ fn load_trace(path: &Path, format: Option<TraceFormat>, limit: Option<usize>) ->
                 });
                 let first = sessions[at].is_empty();
                 sessions[at].push(Turn {
+                    system_tokens: if first { system_tokens(l) } else { 0 },
                     at_ms: if first { l.timestamp.unwrap_or(0.0) } else { 0.0 },
                     delay_ms: l.delay.unwrap_or(0.0),
                     new_tokens: tokens_of(&l.hash_ids, l.input_length),
@@ -208,22 +345,45 @@ struct Sample {
     ttft: Duration,
     prompt: usize,
     hit: [usize; 3],
+    output: usize,
 }
 
-/// One policy's results.
+/// Tier occupancy at one moment of virtual time.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+struct Occupancy {
+    at_s: f64,
+    g1: i64,
+    g2: usize,
+    g3: usize,
+}
+
+/// The tier and size a sweep run used.
+type Capacity = Option<(String, ByteSize)>;
+
+/// One configuration's results.
 #[derive(Debug)]
 struct Outcome {
-    routing: RoutingPolicy,
+    policy: Policy,
     samples: Vec<Sample>,
     wall: Duration,
     virtual_time: Duration,
     bound_hit_rate: f64,
+    bytes: [u64; 4],
+    evictions: [BTreeMap<RegionKind, u64>; 3],
+    lag_ms: (f64, f64),
+    timeline: Vec<Occupancy>,
+    capacity: Capacity,
 }
 
 impl Outcome {
-    fn percentile_ms(&self, p: f64) -> f64 {
+    fn ttfts_ms(&self) -> Vec<f64> {
         let mut v: Vec<f64> = self.samples.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
         v.sort_by(f64::total_cmp);
+        v
+    }
+
+    fn percentile_ms(&self, p: f64) -> f64 {
+        let v = self.ttfts_ms();
         if v.is_empty() {
             return 0.0;
         }
@@ -235,16 +395,59 @@ impl Outcome {
         let hit: usize = self.samples.iter().map(|s| tier.map_or(s.hit.iter().sum(), |t| s.hit[t])).sum();
         hit as f64 / prompt.max(1) as f64
     }
+
+    fn saved_tokens(&self) -> usize {
+        self.samples.iter().map(|s| s.hit.iter().sum::<usize>()).sum()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let regions = |m: &BTreeMap<RegionKind, u64>| -> serde_json::Value {
+            m.iter().map(|(r, n)| (r.as_str().to_string(), serde_json::json!(n))).collect()
+        };
+        let secs = self.virtual_time.as_secs_f64().max(1e-9);
+        serde_json::json!({
+            "name": self.policy.name(),
+            "routing": policy_name(self.policy.routing),
+            "eviction": self.policy.eviction_name(),
+            "write_through": self.policy.write_through_name(),
+            "capacity": self.capacity.as_ref().map(|(tier, size)| serde_json::json!({"tier": tier, "bytes": size.0})),
+            "requests": self.samples.len(),
+            "hit_rate": self.hit_rate(None),
+            "hit_rate_by_tier": {"g1": self.hit_rate(Some(0)), "g2": self.hit_rate(Some(1)), "g3": self.hit_rate(Some(2))},
+            "prefill_tokens_saved": self.saved_tokens(),
+            "ttft_ms": {"p50": self.percentile_ms(0.5), "p90": self.percentile_ms(0.9), "p99": self.percentile_ms(0.99)},
+            "throughput": {
+                "requests_per_s": self.samples.len() as f64 / secs,
+                "output_tokens_per_s": self.samples.iter().map(|s| s.output).sum::<usize>() as f64 / secs,
+            },
+            "bytes": {"g2_to_g1": self.bytes[0], "g3_to_g1": self.bytes[1], "g1_to_g2": self.bytes[2], "g2_to_g3": self.bytes[3]},
+            "evictions": {"g1": regions(&self.evictions[0]), "g2": regions(&self.evictions[1]), "g3": regions(&self.evictions[2])},
+            "write_through_lag_ms": {"g3_mean": self.lag_ms.0, "g3_max": self.lag_ms.1},
+            "virtual_seconds": self.virtual_time.as_secs_f64(),
+            "wall_seconds": self.wall.as_secs_f64(),
+            "simulated_requests_per_wall_second": self.samples.len() as f64 / self.wall.as_secs_f64().max(1e-9),
+        })
+    }
 }
 
-/// Runs the replay and returns the report.
-pub fn run(args: &ReplayArgs) -> anyhow::Result<String> {
-    let (trace, outcomes) = replay(args)?;
-    Ok(render(&trace, args, &outcomes))
+/// The calibrated rates and sizes every run of a replay shares.
+#[derive(Debug, Clone)]
+struct Shared {
+    workers: usize,
+    block_tokens: usize,
+    timing: SimTiming,
+    g1: ByteSize,
+    g2: ByteSize,
+    g3: ByteSize,
 }
 
-fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
-    let trace = load_trace(&args.trace, args.format, args.limit)?;
+impl Shared {
+    fn blocks(&self, size: ByteSize) -> usize {
+        (size.0 / self.timing.block_bytes.max(1)) as usize
+    }
+}
+
+fn shared(args: &ReplayArgs) -> anyhow::Result<Shared> {
     let calibration = Calibration::h200();
     let prefill = calibration
         .prefill_for(&args.model)
@@ -255,69 +458,139 @@ fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
     // A decode step reads the weights once: bf16 parameters over HBM (d2d copy rate × 2).
     let params = if args.model == "llama-1b" { 1.24e9 } else { 8.03e9 };
     let decode_s = args.decode_ms.map_or(params * 2.0 / (calibration.link.d2d_copy_gb_s * 2e9), |ms| ms / 1e3);
-    let timing = SimTiming {
-        prefill,
-        decode_s_per_token: decode_s,
-        link_bytes_per_s: calibration.link.h2d_pinned_gb_s * 1e9,
-        disk_read_bytes_per_s: calibration.disk.seq_read_gb_s * 1e9,
-        disk_write_bytes_per_s: calibration.disk.seq_write_gb_s * 1e9,
-        block_bytes,
+    Ok(Shared {
+        workers: args.workers.max(1),
+        block_tokens: b,
+        timing: SimTiming {
+            prefill,
+            decode_s_per_token: decode_s,
+            link_bytes_per_s: calibration.link.h2d_pinned_gb_s * 1e9,
+            disk_read_bytes_per_s: calibration.disk.seq_read_gb_s * 1e9,
+            disk_write_bytes_per_s: calibration.disk.seq_write_gb_s * 1e9,
+            block_bytes,
+        },
+        g1: args.g1,
+        g2: args.g2,
+        g3: args.g3,
+    })
+}
+
+fn parse_sweep(spec: &str) -> anyhow::Result<(String, Vec<ByteSize>)> {
+    let Some((tier, sizes)) = spec.split_once('=') else {
+        bail!("--sweep wants TIER=SIZE,SIZE,… (e.g. g2=256GiB,1TiB), got `{spec}`")
     };
-    let blocks = |size: ByteSize| (size.0 / block_bytes) as usize;
+    let tier = tier.trim().to_ascii_lowercase();
+    if !["g1", "g2", "g3"].contains(&tier.as_str()) {
+        bail!("--sweep: the tier is g1, g2 or g3, not `{tier}`");
+    }
+    let sizes = sizes
+        .split(',')
+        .map(|s| s.trim().parse::<ByteSize>().map_err(|e| anyhow::anyhow!("--sweep: `{s}`: {e}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok((tier, sizes))
+}
+
+/// Runs the replay and returns the report; writes JSON and plots when asked.
+pub fn run(args: &ReplayArgs) -> anyhow::Result<String> {
+    let (trace, outcomes) = replay(args)?;
+    let report = render(&trace, args, &outcomes);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report_json(&trace, args, &outcomes))?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        plots::draw(dir, &outcomes, args.sweep.is_some())?;
+    }
+    Ok(report)
+}
+
+fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
+    let trace = load_trace(&args.trace, args.format, args.limit)?;
+    let base = shared(args)?;
+    let mut runs: Vec<(Policy, Shared, Capacity)> = Vec::new();
+    match &args.sweep {
+        Some(spec) => {
+            let (tier, sizes) = parse_sweep(spec)?;
+            for size in sizes {
+                let mut s = base.clone();
+                match tier.as_str() {
+                    "g1" => s.g1 = size,
+                    "g2" => s.g2 = size,
+                    _ => s.g3 = size,
+                }
+                runs.push((Policy::BEST, s, Some((tier.clone(), size))));
+            }
+        }
+        None => runs.extend(Policy::compared(&args.compare).into_iter().map(|p| (p, base.clone(), None))),
+    }
     let mut outcomes = Vec::new();
-    for &routing in &args.routing {
-        let setup = Setup {
-            workers: args.workers.max(1),
-            block_tokens: b,
-            timing: timing.clone(),
-            g1_blocks: blocks(args.g1),
-            g2_blocks: blocks(args.g2),
-            g3_blocks: blocks(args.g3),
-            routing,
-        };
-        outcomes.push(replay_one(&trace, &setup)?);
+    for (i, (policy, setup, capacity)) in runs.into_iter().enumerate() {
+        let label = format!("[{}/{}] {}", i + 1, outcomes.len().max(i) + 1, policy.name());
+        let mut outcome = replay_one(&trace, &setup, policy, &label)?;
+        outcome.capacity = capacity;
+        outcomes.push(outcome);
     }
     Ok((trace, outcomes))
 }
 
-#[derive(Debug, Clone)]
-struct Setup {
-    workers: usize,
-    block_tokens: usize,
-    timing: SimTiming,
-    g1_blocks: usize,
-    g2_blocks: usize,
-    g3_blocks: usize,
-    routing: RoutingPolicy,
-}
-
-fn replay_one(trace: &Trace, setup: &Setup) -> anyhow::Result<Outcome> {
+fn replay_one(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> anyhow::Result<Outcome> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?;
     let local = tokio::task::LocalSet::new();
     let wall = WallInstant::now();
-    let (samples, virtual_time, bound) = local.block_on(&runtime, drive(trace, setup))?;
-    Ok(Outcome { routing: setup.routing, samples, wall: wall.elapsed(), virtual_time, bound_hit_rate: bound })
+    let mut outcome = local.block_on(&runtime, drive(trace, setup, policy, label))?;
+    outcome.wall = wall.elapsed();
+    Ok(outcome)
 }
 
-async fn drive(trace: &Trace, setup: &Setup) -> anyhow::Result<(Vec<Sample>, Duration, f64)> {
+/// A progress line on stderr while a long replay runs (only on a terminal).
+struct Progress {
+    label: String,
+    total: usize,
+    done: std::cell::Cell<usize>,
+    shown: std::cell::Cell<usize>,
+    tty: bool,
+}
+
+impl Progress {
+    fn tick(&self) {
+        let done = self.done.get() + 1;
+        self.done.set(done);
+        let pct = done * 100 / self.total.max(1);
+        if self.tty && pct != self.shown.get() {
+            self.shown.set(pct);
+            let bar: String = (0..40).map(|i| if i * 100 < pct * 40 { '#' } else { '.' }).collect();
+            eprint!("\r{} [{bar}] {done}/{} requests", self.label, self.total);
+            if done == self.total {
+                eprintln!();
+            }
+        }
+    }
+}
+
+async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> anyhow::Result<Outcome> {
     let (spawner, spawn_loop) = local_spawner();
     tokio::task::spawn_local(spawn_loop);
     let salt = Salt(0x7265_706c_6179);
     let index = Arc::new(PrefixIndex::new(IndexConfig { max_blocks: 64 << 20, ..IndexConfig::default() }));
     let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::new(0, 1, index.clone()));
+    let retention = match policy.eviction {
+        Eviction::Retention => RetentionSection::default(),
+        Eviction::PlainLru => plain_lru(),
+    };
     let node = Arc::new(SimNode::new(
         setup.block_tokens,
         salt,
-        RetentionSection::default(),
+        retention,
         setup.timing.clone(),
-        WriteThrough::G2G3,
-        setup.g2_blocks,
-        setup.g3_blocks,
+        policy.write_through,
+        setup.blocks(setup.g2),
+        setup.blocks(setup.g3),
         PolicyKind::Lru,
         publisher,
     ));
     let epoch = Instant::now();
-    let g1_blocks = setup.g1_blocks;
+    let g1_blocks = setup.blocks(setup.g1);
     let factory_node = node.clone();
     let factory: EngineFactory = Arc::new(move |id| {
         Ok(Box::new(SimulatedEngine::new(id, factory_node.clone(), g1_blocks, PolicyKind::Lru, epoch))
@@ -345,7 +618,7 @@ async fn drive(trace: &Trace, setup: &Setup) -> anyhow::Result<(Vec<Sample>, Dur
             })
             .collect(),
         scheduler: SchedulerArgs {
-            policy: setup.routing,
+            policy: policy.routing,
             session_idle_timeout: Duration::from_secs(600),
             seed: 42,
             kv: Some(KvRouting {
@@ -368,11 +641,33 @@ async fn drive(trace: &Trace, setup: &Setup) -> anyhow::Result<(Vec<Sample>, Dur
         _ => bail!("the supervisor did not answer"),
     };
     let start = Instant::now();
+    // Occupancy over virtual time, sampled every 10 virtual seconds.
+    let sampled = node.clone();
+    let timeline = Rc::new(std::cell::RefCell::new(Vec::new()));
+    let samples_out = timeline.clone();
+    let sampler = tokio::task::spawn_local(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            let (g2, g3) = sampled.resident();
+            samples_out.borrow_mut().push(Occupancy {
+                at_s: start.elapsed().as_secs_f64(),
+                g1: sampled.stats.g1_resident.load(Ordering::Relaxed),
+                g2,
+                g3,
+            });
+        }
+    });
+    let progress = Rc::new(Progress {
+        label: label.to_string(),
+        total: trace.requests,
+        done: Default::default(),
+        shown: Default::default(),
+        tty: std::io::stderr().is_terminal(),
+    });
     let mut tasks = tokio::task::JoinSet::new();
     for (s, turns) in trace.sessions.iter().enumerate() {
-        let scheduler = scheduler.clone();
-        let turns = turns.clone();
-        tasks.spawn_local(run_session(s, turns, scheduler, start));
+        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone()));
     }
     let mut samples = Vec::with_capacity(trace.requests);
     let mut prompts: Vec<(Instant, Vec<u32>)> = Vec::with_capacity(trace.requests);
@@ -382,9 +677,31 @@ async fn drive(trace: &Trace, setup: &Setup) -> anyhow::Result<(Vec<Sample>, Dur
         prompts.extend(p);
     }
     let virtual_time = start.elapsed();
+    sampler.abort();
     let _ = root.call(NodeMsg::Shutdown, None).await;
     let _ = join.await;
-    Ok((samples, virtual_time, bound_hit_rate(prompts, setup.block_tokens, salt)))
+    let stats = &node.stats;
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let acks = load(&stats.g3_acks).max(1) as f64;
+    let [g2_evictions, g3_evictions] = node.evictions();
+    let timeline = timeline.borrow().clone();
+    Ok(Outcome {
+        policy,
+        samples,
+        wall: Duration::ZERO,
+        virtual_time,
+        bound_hit_rate: bound_hit_rate(prompts, setup.block_tokens, salt),
+        bytes: [
+            load(&stats.g2_to_g1_bytes),
+            load(&stats.g3_to_g1_bytes),
+            load(&stats.g1_to_g2_bytes),
+            load(&stats.g2_to_g3_bytes),
+        ],
+        evictions: [stats.g1_evictions.lock().expect("stats").clone(), g2_evictions, g3_evictions],
+        lag_ms: (load(&stats.g3_lag_us_sum) as f64 / acks / 1e3, load(&stats.g3_lag_us_max) as f64 / 1e3),
+        timeline,
+        capacity: None,
+    })
 }
 
 /// The hit rate of an infinite cache: every block ever computed stays, in arrival order.
@@ -405,21 +722,31 @@ fn bound_hit_rate(mut prompts: Vec<(Instant, Vec<u32>)>, b: usize, salt: Salt) -
 
 type SessionResult = anyhow::Result<(Vec<Sample>, Vec<(Instant, Vec<u32>)>)>;
 
-async fn run_session(session: usize, turns: Vec<Turn>, scheduler: SchedulerRef, start: Instant) -> SessionResult {
+async fn run_session(
+    session: usize,
+    turns: Vec<Turn>,
+    scheduler: SchedulerRef,
+    start: Instant,
+    progress: Rc<Progress>,
+) -> SessionResult {
     let mut samples = Vec::with_capacity(turns.len());
     let mut prompts = Vec::with_capacity(turns.len());
     let mut history: Vec<u32> = Vec::new();
+    let mut system = 0;
     let id = format!("session-{session}");
     for (k, turn) in turns.into_iter().enumerate() {
         if k == 0 {
             tokio::time::sleep_until(start + Duration::from_secs_f64(turn.at_ms / 1e3)).await;
+            system = turn.system_tokens;
         } else {
             tokio::time::sleep(Duration::from_secs_f64(turn.delay_ms / 1e3)).await;
         }
         history.extend(&turn.new_tokens);
+        let mut regions = vec![(0..system, RegionKind::System)];
+        regions.push((system..history.len(), RegionKind::Conversation));
         let req = GenRequest {
             prompt: history.clone(),
-            regions: vec![(0..history.len(), RegionKind::Conversation)],
+            regions,
             max_tokens: turn.output_length,
             sampling: Sampling::Greedy,
             seed: (session as u64) << 20 | k as u64,
@@ -447,14 +774,22 @@ async fn run_session(session: usize, turns: Vec<Turn>, scheduler: SchedulerRef, 
                     sample.ttft = submitted_at.elapsed();
                     sample.hit = hit_tokens;
                 }
-                JobEvent::Event(WorkerEvent::Token(t)) => history.push(t),
+                JobEvent::Event(WorkerEvent::Token(t)) => {
+                    history.push(t);
+                    sample.output += 1;
+                }
                 JobEvent::Done(_) => break,
                 JobEvent::Failed(e) => bail!("request failed: {e}"),
             }
         }
         samples.push(sample);
+        progress.tick();
     }
     Ok((samples, prompts))
+}
+
+fn gb(bytes: u64) -> f64 {
+    bytes as f64 / 1e9
 }
 
 fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
@@ -475,14 +810,16 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
     );
     let _ = writeln!(
         out,
-        "\n| routing | hit rate | G1 | G2 | G3 | TTFT p50 ms | p90 ms | p99 ms | virtual time s | wall s | sim req/s |"
+        "\n| policy | capacity | hit rate | G1 | G2 | G3 | TTFT p50 ms | p90 ms | p99 ms | req/s (virtual) | G2→G1 GB | G3→G1 GB | G1→G2 GB | G2→G3 GB | G1 evictions (sys/conv/gen) | G3 lag ms mean/max | wall s | sim req/s |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for o in outcomes {
+        let ev = |r: RegionKind| o.evictions[0].get(&r).copied().unwrap_or(0);
         let _ = writeln!(
             out,
-            "| {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |",
-            policy_name(o.routing),
+            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{}/{} | {:.1}/{:.1} | {:.1} | {:.0} |",
+            o.policy.name(),
+            o.capacity.as_ref().map_or_else(|| "-".to_string(), |(t, s)| format!("{t}={s}")),
             o.hit_rate(None) * 100.0,
             o.hit_rate(Some(0)) * 100.0,
             o.hit_rate(Some(1)) * 100.0,
@@ -490,7 +827,16 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
             o.percentile_ms(0.5),
             o.percentile_ms(0.9),
             o.percentile_ms(0.99),
-            o.virtual_time.as_secs_f64(),
+            o.samples.len() as f64 / o.virtual_time.as_secs_f64().max(1e-9),
+            gb(o.bytes[0]),
+            gb(o.bytes[1]),
+            gb(o.bytes[2]),
+            gb(o.bytes[3]),
+            ev(RegionKind::System),
+            ev(RegionKind::Conversation),
+            ev(RegionKind::Generated),
+            o.lag_ms.0,
+            o.lag_ms.1,
             o.wall.as_secs_f64(),
             o.samples.len() as f64 / o.wall.as_secs_f64().max(1e-9),
         );
@@ -498,18 +844,203 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
     if let Some(first) = outcomes.first() {
         let _ = writeln!(out, "\ninfinite-cache hit-rate bound: {:.1}%", first.bound_hit_rate * 100.0);
     }
-    let kv = outcomes.iter().find(|o| o.routing == RoutingPolicy::KvAware);
-    let rr = outcomes.iter().find(|o| o.routing == RoutingPolicy::RoundRobin);
-    if let (Some(kv), Some(rr)) = (kv, rr) {
-        let _ = writeln!(
-            out,
-            "p50 TTFT round_robin / kv_aware: {:.2}x ({:.1} ms vs {:.1} ms)",
-            rr.percentile_ms(0.5) / kv.percentile_ms(0.5).max(1e-9),
-            rr.percentile_ms(0.5),
-            kv.percentile_ms(0.5)
-        );
+    for line in comparisons(outcomes) {
+        let _ = writeln!(out, "{line}");
     }
     out
+}
+
+fn find(outcomes: &[Outcome], p: Policy) -> Option<&Outcome> {
+    outcomes.iter().find(|o| o.policy == p && o.capacity.is_none())
+}
+
+/// The comparisons the replay exists for, as lines.
+fn comparisons(outcomes: &[Outcome]) -> Vec<String> {
+    let mut lines = Vec::new();
+    let best = find(outcomes, Policy::BEST);
+    if let (Some(best), Some(base)) = (best, find(outcomes, Policy::BASELINE)) {
+        lines.push(format!(
+            "p50 TTFT baseline ({}) / best ({}): {:.2}x ({:.1} ms vs {:.1} ms); hit rate {:.1}% vs {:.1}%",
+            base.policy.name(),
+            best.policy.name(),
+            base.percentile_ms(0.5) / best.percentile_ms(0.5).max(1e-9),
+            base.percentile_ms(0.5),
+            best.percentile_ms(0.5),
+            base.hit_rate(None) * 100.0,
+            best.hit_rate(None) * 100.0
+        ));
+    }
+    if let (Some(best), Some(rr)) =
+        (best, find(outcomes, Policy { routing: RoutingPolicy::RoundRobin, ..Policy::BEST }))
+    {
+        lines.push(format!(
+            "p50 TTFT round_robin / kv_aware (both retention + G2+G3 write-through): {:.2}x ({:.1} ms vs {:.1} ms)",
+            rr.percentile_ms(0.5) / best.percentile_ms(0.5).max(1e-9),
+            rr.percentile_ms(0.5),
+            best.percentile_ms(0.5)
+        ));
+    }
+    if let (Some(best), Some(lru)) = (best, find(outcomes, Policy { eviction: Eviction::PlainLru, ..Policy::BEST })) {
+        lines.push(format!(
+            "retention-aware vs plain LRU at equal capacity: {:+.1} points of hit rate ({:.1}% vs {:.1}%), p50 TTFT {:.1} vs {:.1} ms",
+            (best.hit_rate(None) - lru.hit_rate(None)) * 100.0,
+            best.hit_rate(None) * 100.0,
+            lru.hit_rate(None) * 100.0,
+            best.percentile_ms(0.5),
+            lru.percentile_ms(0.5)
+        ));
+    }
+    if let Some(best) = best {
+        lines.push(format!(
+            "best configuration vs the infinite-cache bound: {:.1}% vs {:.1}% ({:.1} points)",
+            best.hit_rate(None) * 100.0,
+            best.bound_hit_rate * 100.0,
+            (best.bound_hit_rate - best.hit_rate(None)) * 100.0
+        ));
+    }
+    lines
+}
+
+fn report_json(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> serde_json::Value {
+    serde_json::json!({
+        "trace": trace.name,
+        "sessions": trace.sessions.len(),
+        "requests": trace.requests,
+        "workers": args.workers,
+        "model": args.model,
+        "block_tokens": args.block_tokens,
+        "capacity_bytes": {"g1_per_worker": args.g1.0, "g2": args.g2.0, "g3": args.g3.0},
+        "bound_hit_rate": outcomes.first().map_or(0.0, |o| o.bound_hit_rate),
+        "policies": outcomes.iter().map(Outcome::json).collect::<Vec<_>>(),
+        "comparisons": comparisons(outcomes),
+        "timeline": outcomes.first().map(|o| serde_json::json!(o.timeline)),
+    })
+}
+
+mod plots {
+    //! SVG plots of a replay, drawn with `plotters`.
+
+    use std::path::Path;
+
+    use anyhow::Context;
+    use plotters::prelude::*;
+
+    use super::Outcome;
+
+    const COLORS: [RGBColor; 8] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+    ];
+
+    fn err(e: impl std::fmt::Display) -> anyhow::Error {
+        anyhow::anyhow!("drawing: {e}")
+    }
+
+    /// `ttft_cdf.svg`, `occupancy.svg`, and with a sweep `hit_rate_by_capacity.svg`.
+    pub(super) fn draw(dir: &Path, outcomes: &[Outcome], sweep: bool) -> anyhow::Result<()> {
+        ttft_cdf(&dir.join("ttft_cdf.svg"), outcomes).context("ttft_cdf.svg")?;
+        if let Some(first) = outcomes.first() {
+            occupancy(&dir.join("occupancy.svg"), first).context("occupancy.svg")?;
+        }
+        if sweep {
+            by_capacity(&dir.join("hit_rate_by_capacity.svg"), outcomes).context("hit_rate_by_capacity.svg")?;
+        }
+        Ok(())
+    }
+
+    fn ttft_cdf(path: &Path, outcomes: &[Outcome]) -> anyhow::Result<()> {
+        let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let max = outcomes.iter().flat_map(|o| o.ttfts_ms().last().copied()).fold(1.0f64, f64::max);
+        let mut chart = ChartBuilder::on(&root)
+            .caption("TTFT CDF per policy", ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d((1.0f64..max * 1.1).log_scale(), 0.0f64..1.0)
+            .map_err(err)?;
+        chart.configure_mesh().x_desc("TTFT (ms, log)").y_desc("fraction of requests").draw().map_err(err)?;
+        for (i, o) in outcomes.iter().enumerate() {
+            let v = o.ttfts_ms();
+            let n = v.len().max(1) as f64;
+            let color = COLORS[i % COLORS.len()];
+            let label = match &o.capacity {
+                Some((tier, size)) => format!("{} {tier}={size}", o.policy.name()),
+                None => o.policy.name(),
+            };
+            chart
+                .draw_series(LineSeries::new(
+                    v.iter().enumerate().map(|(k, &ms)| (ms.max(1.0), (k + 1) as f64 / n)),
+                    color.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+        }
+        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(err)?;
+        root.present().map_err(err)?;
+        Ok(())
+    }
+
+    fn occupancy(path: &Path, o: &Outcome) -> anyhow::Result<()> {
+        let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let end = o.timeline.last().map_or(1.0, |s| s.at_s).max(1.0);
+        let top = o.timeline.iter().map(|s| (s.g1.max(0) as usize).max(s.g2).max(s.g3)).max().unwrap_or(1).max(1);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(format!("Tier occupancy over time ({})", o.policy.name()), ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0f64..end, 0usize..top + top / 10)
+            .map_err(err)?;
+        chart.configure_mesh().x_desc("virtual time (s)").y_desc("blocks resident").draw().map_err(err)?;
+        type Column = fn(&super::Occupancy) -> usize;
+        let series: [(&str, Column); 3] =
+            [("G1 (all workers)", |s| s.g1.max(0) as usize), ("G2", |s| s.g2), ("G3", |s| s.g3)];
+        for (i, (name, f)) in series.iter().enumerate() {
+            let color = COLORS[i];
+            chart
+                .draw_series(LineSeries::new(o.timeline.iter().map(|s| (s.at_s, f(s))), color.stroke_width(2)))
+                .map_err(err)?
+                .label(*name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+        }
+        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(err)?;
+        root.present().map_err(err)?;
+        Ok(())
+    }
+
+    fn by_capacity(path: &Path, outcomes: &[Outcome]) -> anyhow::Result<()> {
+        let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let points: Vec<(f64, f64)> = outcomes
+            .iter()
+            .filter_map(|o| {
+                o.capacity.as_ref().map(|(_, s)| (s.0 as f64 / (1u64 << 30) as f64, o.hit_rate(None) * 100.0))
+            })
+            .collect();
+        let tier = outcomes.iter().find_map(|o| o.capacity.as_ref().map(|(t, _)| t.clone())).unwrap_or_default();
+        let max_x = points.iter().map(|p| p.0).fold(1.0f64, f64::max);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(format!("Hit rate by {tier} capacity"), ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0.0f64..max_x * 1.1, 0.0f64..100.0)
+            .map_err(err)?;
+        chart.configure_mesh().x_desc(format!("{tier} capacity (GiB)")).y_desc("hit rate (%)").draw().map_err(err)?;
+        chart.draw_series(LineSeries::new(points.iter().copied(), COLORS[0].stroke_width(2))).map_err(err)?;
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, COLORS[0].filled()))).map_err(err)?;
+        root.present().map_err(err)?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -553,18 +1084,41 @@ mod tests {
             g1: ByteSize(80 << 30),
             g2: ByteSize(1 << 40),
             g3: ByteSize(0),
-            routing: vec![RoutingPolicy::KvAware, RoutingPolicy::RoundRobin],
+            compare: vec![Axis::Routing],
+            sweep: None,
             limit: None,
             decode_ms: None,
+            json: Some(dir.path().join("out.json")),
+            plots: Some(dir.path().join("plots")),
         };
         let trace = load_trace(&args.trace, None, None).unwrap();
         assert_eq!((trace.sessions.len(), trace.requests), (6, 24));
-        let (trace, outcomes) = replay(&args).unwrap();
-        let report = render(&trace, &args, &outcomes);
-        assert!(report.contains("| kv_aware |") && report.contains("| round_robin |"), "{report}");
+        let report = run(&args).unwrap();
+        assert!(report.contains("| kv_aware+retention+wt-g2g3 |"), "{report}");
         assert!(report.contains("p50 TTFT round_robin / kv_aware"), "{report}");
+        let (trace, outcomes) = replay(&args).unwrap();
+        assert_eq!(trace.requests, 24);
+        let names: Vec<String> = outcomes.iter().map(|o| o.policy.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "kv_aware+retention+wt-g2g3",
+                "round_robin+retention+wt-g2g3",
+                "random+retention+wt-g2g3",
+                "round_robin+lru+no-wt"
+            ]
+        );
         let (kv, rr) = (&outcomes[0], &outcomes[1]);
         assert_eq!((kv.samples.len(), rr.samples.len()), (24, 24));
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join("out.json")).unwrap()).unwrap();
+        assert_eq!(json["policies"].as_array().map(Vec::len), Some(4));
+        assert!(json["policies"][0]["ttft_ms"]["p50"].as_f64().unwrap() > 0.0);
+        assert!(json["bound_hit_rate"].as_f64().unwrap() > 0.5);
+        for plot in ["ttft_cdf.svg", "occupancy.svg"] {
+            let svg = std::fs::read_to_string(dir.path().join("plots").join(plot)).unwrap();
+            assert!(svg.starts_with("<svg") && svg.contains("<polyline"), "{plot}: {}", &svg[..svg.len().min(200)]);
+        }
         // Later turns find their session's history: in G1 of the same worker with KV-aware
         // routing, over the link from G2 otherwise.
         assert!(kv.hit_rate(Some(0)) > rr.hit_rate(Some(0)), "{report}");
