@@ -247,6 +247,10 @@ pub fn register_known_series() {
     for tier in [Tier::G2, Tier::G3] {
         let _ = histogram!(WRITE_THROUGH_LAG_SECONDS, "tier" => tier.as_str());
     }
+    let _ = histogram!(ROUTER_DECISION_SECONDS);
+    gauge!(INDEX_BLOCKS).set(0.0);
+    counter!(ROUTER_PREDICTED_CACHED_TOKENS).increment(0);
+    counter!(ROUTER_ACTUAL_CACHED_TOKENS).increment(0);
 }
 
 /// Records one routing decision's duration.

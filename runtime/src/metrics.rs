@@ -83,26 +83,50 @@ pub fn install(cfg: &MetricsSection) -> anyhow::Result<MetricsHandle> {
     if INSTALLED.swap(true, Ordering::SeqCst) {
         bail!("the metrics recorder is already installed in this process");
     }
+    // The node serves the exposition itself on a listener it bound, so `:0` reports the port the
+    // kernel chose (the exporter's own listener does not say).
     let result = (|| {
-        let builder = PrometheusBuilder::new()
-            .with_http_listener(addr)
+        let listener = std::net::TcpListener::bind(addr)
+            .with_context(|| format!("cannot serve metrics on {addr} (metrics.listen, --metrics)"))?;
+        listener.set_nonblocking(true)?;
+        let bound = listener.local_addr()?;
+        let recorder = PrometheusBuilder::new()
             .set_buckets(&cfg.latency_buckets_seconds)
-            .context("metrics.latency_buckets_seconds")?;
-        let (recorder, exporter) = {
-            let _guard = runtime.enter();
-            builder.build().with_context(|| format!("cannot serve metrics on {addr} (metrics.listen, --metrics)"))?
-        };
+            .context("metrics.latency_buckets_seconds")?
+            .build_recorder();
         let handle = recorder.handle();
         metrics::set_global_recorder(recorder).context("installing the metrics recorder")?;
+        let listener = {
+            let _guard = runtime.enter();
+            tokio::net::TcpListener::from_std(listener)?
+        };
+        let served = handle.clone();
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = served.clone();
+                async move {
+                    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], handle.render())
+                }
+            }),
+        );
         runtime.spawn(async move {
-            if let Err(e) = exporter.await {
-                tracing::error!("the metrics exporter on {addr} stopped: {e:?}");
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!("the metrics endpoint on {bound} stopped: {e}");
             }
         });
-        Ok(handle)
+        let upkeep = handle.clone();
+        runtime.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                upkeep.run_upkeep();
+            }
+        });
+        Ok((bound, handle))
     })();
-    let handle = match result {
-        Ok(handle) => handle,
+    let (addr, handle) = match result {
+        Ok(bound) => bound,
         Err(e) => {
             INSTALLED.store(false, Ordering::SeqCst);
             return Err(e);

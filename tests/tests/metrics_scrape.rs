@@ -55,10 +55,14 @@ fn sigterm(mut child: Child) -> Option<i32> {
 #[test]
 fn metrics_are_scraped_with_help_types_tier_capacities_and_buckets() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let addr = format!("127.0.0.1:{}", free_port());
-    let (child, lines) = start(dir.path(), &addr);
-    let url_line = format!("metrics on http://{addr}/metrics");
-    assert!(lines.contains(&url_line), "missing {url_line:?} in {lines:#?}");
+    // Port 0: the node binds a free port and says which.
+    let (child, lines) = start(dir.path(), "127.0.0.1:0");
+    let addr = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://").and_then(|l| l.strip_suffix("/metrics")))
+        .unwrap_or_else(|| panic!("no metrics line in {lines:#?}"))
+        .to_string();
+    assert!(!addr.ends_with(":0"), "the bound port is printed, not 0: {addr}");
 
     let text = scrape(&addr);
     for (name, kind) in [
@@ -77,6 +81,8 @@ fn metrics_are_scraped_with_help_types_tier_capacities_and_buckets() {
         ("dynamo_node_io_inflight", "gauge"),
         ("dynamo_node_tier_degraded", "gauge"),
         ("dynamo_node_build_info", "gauge"),
+        ("dynamo_node_kv_write_through_lag_seconds", "histogram"),
+        ("dynamo_node_router_decision_seconds", "histogram"),
     ] {
         assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name} in:\n{text}");
         assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "no TYPE {kind} for {name} in:\n{text}");
