@@ -13,8 +13,9 @@
 //!   reusable `Matches`; the answer is `(worker, leading blocks)` per location.
 //!
 //! Both lookups and events run inline on the replay threads: with two lanes, two threads share the
-//! index (lookups under its read lock, events under its write lock), and every answer is exact —
-//! there is no queue to settle.
+//! index (lookups under its shards' read locks, an event under its source's shard's write lock),
+//! and every answer is exact for the lane's own workers — there is no queue to settle.
+//! `DYNAMO_BENCH_SHARDS` overrides the index's default shard count.
 //!
 //! This file needs `dynamo-actors`, `dynamo-config` and `dynamo-tiering` next to the harness
 //! (`crate::index_replay`, `crate::index_workload`), so the peer workspace includes it by path too.
@@ -52,7 +53,12 @@ impl Ours {
     /// An empty index for `workers` workers over `arena` (from [`block_arena`]).
     pub fn new(arena: Arc<[BlockHash]>, workers: u32) -> Self {
         let config = IndexConfig { max_blocks: 1 << 26, ..IndexConfig::default() };
-        Self { index: PrefixIndex::new(config), arena, seq: (0..workers).map(|_| AtomicU64::new(0)).collect() }
+        // `DYNAMO_BENCH_SHARDS` overrides the index's default shard count.
+        let index = match std::env::var("DYNAMO_BENCH_SHARDS").ok().and_then(|v| v.parse().ok()) {
+            Some(shards) => PrefixIndex::with_shards(config, shards),
+            None => PrefixIndex::new(config),
+        };
+        Self { index, arena, seq: (0..workers).map(|_| AtomicU64::new(0)).collect() }
     }
 
     /// The index (for its stats).

@@ -102,8 +102,8 @@ impl Matches {
         Self::default()
     }
 
-    pub(crate) fn clear(&mut self) {
-        self.results.clear();
+    /// Clears the lookup scratch, not the results.
+    pub(crate) fn clear_scratch(&mut self) {
         self.alive.clear();
         self.next.clear();
         self.dropped.clear();

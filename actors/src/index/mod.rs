@@ -26,16 +26,31 @@
 //!
 //! # Concurrency
 //!
-//! One `parking_lot::RwLock` around the whole index: lookups share it, each event takes it
-//! exclusively once. An event is therefore atomic — a lookup sees the state after some prefix of
-//! the applied events, never half an event — and each operation pays one lock acquisition for
-//! all its blocks rather than one per block, as a sharded map would. Events of one source must
-//! be applied in order anyway, and the scheduler applies them from one mailbox.
+//! The index is split into shards ([`DEFAULT_SHARDS`], or [`PrefixIndex::with_shards`]), each a
+//! complete index of the sources assigned to it (a node's workers round-robin) behind its own
+//! `parking_lot::RwLock`. An event, a resync or a routing record touches only its source's shard
+//! and takes its lock exclusively once, so it is atomic and pays one lock acquisition for all its
+//! blocks; events of different shards no longer serialize. A lookup takes each shard's read lock
+//! in turn and appends that shard's answers.
+//!
+//! The guarantee: for every source, the part of an answer about that source's locations equals
+//! the state after some prefix of that source's events — never half an event. Two shards may be
+//! read at different moments, so with more than one shard an answer need not equal the state
+//! after one global prefix of all events (Dynamo's `ThreadPoolIndexer` relaxes this the same
+//! way, per worker thread). One shard restores the single global snapshot. Events of one source
+//! must be applied in order anyway, and the scheduler applies them from one mailbox.
+//!
+//! Why [`DEFAULT_SHARDS`] is 2: a lookup probes every shard (one extra first-block probe per
+//! shard) and a block held by sources of two shards is stored in both, so single-threaded
+//! replays get slower with each shard (measured: 4 shards cost up to ~25% on one thread), while
+//! 2 already lets one event writer and one other thread proceed in parallel.
 //!
 //! # Bounded memory
 //!
-//! [`IndexConfig::max_blocks`] bounds the distinct blocks. When the index is full, a block new to
-//! the index is refused (counted in [`IndexStats::rejected_full`]); a block already indexed can
+//! [`IndexConfig::max_blocks`] bounds the distinct blocks: each shard holds at most its share
+//! (`max_blocks` divided by the shard count, rounded up), and a block held by sources of two
+//! shards counts in both (as it does in [`IndexStats::blocks`]). When a shard is full, a block new to
+//! that shard is refused (counted in [`IndexStats::rejected_full`]); a block the shard already indexes can
 //! still gain locations. Refusing errs on the safe side: the index may miss a cached prefix (a
 //! routing opportunity lost) but never claims a block that is not there, and sources evict
 //! continuously, so room comes back without a scan.
@@ -137,7 +152,7 @@ pub struct SnapshotRun {
 /// Counters and sizes of a [`PrefixIndex`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IndexStats {
-    /// Distinct blocks indexed.
+    /// Distinct blocks indexed, summed over the shards (a block in two shards counts twice).
     pub blocks: u64,
     /// (block, location) pairs, approximate ones included.
     pub placements: u64,
@@ -191,10 +206,17 @@ struct Inner {
     stats: IndexStats,
 }
 
+/// How many shards [`PrefixIndex::new`] splits the index into; see the module docs.
+pub const DEFAULT_SHARDS: usize = 2;
+
+/// One shard: an independent index of the sources assigned to it, on its own cache lines.
+#[repr(align(128))]
+struct Shard(RwLock<Inner>);
+
 /// The global prefix index. `Send + Sync`; every method takes `&self`.
 pub struct PrefixIndex {
     config: IndexConfig,
-    inner: RwLock<Inner>,
+    shards: Box<[Shard]>,
 }
 
 impl fmt::Debug for PrefixIndex {
@@ -210,15 +232,39 @@ impl Default for PrefixIndex {
 }
 
 impl PrefixIndex {
-    /// An empty index.
+    /// An empty index of [`DEFAULT_SHARDS`] shards.
     pub fn new(config: IndexConfig) -> Self {
-        let inner = Inner {
-            store: Store::new(config.max_blocks),
-            sources: HashMap::default(),
-            expiry: VecDeque::new(),
-            stats: IndexStats::default(),
-        };
-        Self { config, inner: RwLock::new(inner) }
+        Self::with_shards(config, DEFAULT_SHARDS)
+    }
+
+    /// An empty index of `shards` shards (at least 1); each holds at most
+    /// `max_blocks.div_ceil(shards)` distinct blocks. One shard gives a single global snapshot
+    /// and an exact `max_blocks` (see the module docs).
+    pub fn with_shards(config: IndexConfig, shards: usize) -> Self {
+        let count = shards.max(1);
+        let per_shard = config.max_blocks.div_ceil(count);
+        let shards = (0..count)
+            .map(|_| {
+                Shard(RwLock::new(Inner {
+                    store: Store::new(per_shard, count),
+                    sources: HashMap::default(),
+                    expiry: VecDeque::new(),
+                    stats: IndexStats::default(),
+                }))
+            })
+            .collect();
+        Self { config, shards }
+    }
+
+    /// How many shards the index has.
+    pub fn shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard of `source`: a node's workers round-robin over the shards.
+    fn shard(&self, source: SourceId) -> &RwLock<Inner> {
+        let mixed = usize::from(source.worker) ^ usize::from(source.node).wrapping_mul(0x9E37_79B1);
+        &self.shards[mixed % self.shards.len()].0
     }
 
     /// The configuration.
@@ -228,9 +274,9 @@ impl PrefixIndex {
 
     /// Applies `event` if it is the next one of its source; see [`Applied`] for the rest.
     pub fn apply(&self, event: &KvEvent) -> Applied {
-        let mut guard = self.inner.write();
-        let inner = &mut *guard;
         let source = event.source;
+        let mut guard = self.shard(source).write();
+        let inner = &mut *guard;
         let state = *inner.sources.entry(source).or_insert(SourceState {
             epoch: event.epoch,
             last_seq: 0,
@@ -266,7 +312,7 @@ impl PrefixIndex {
     /// taken by the source after its event `last_seq` of `epoch`; events after `last_seq` then
     /// apply as usual, earlier ones are stale.
     pub fn resync(&self, source: SourceId, epoch: u64, snapshot: &[SnapshotRun], last_seq: u64) {
-        let mut guard = self.inner.write();
+        let mut guard = self.shard(source).write();
         let inner = &mut *guard;
         inner.clear_source(source);
         for run in snapshot {
@@ -279,7 +325,7 @@ impl PrefixIndex {
 
     /// Whether `source` needs a resync (a gap was seen and no resync followed).
     pub fn awaiting_resync(&self, source: SourceId) -> bool {
-        self.inner.read().sources.get(&source).is_some_and(|s| s.awaiting_resync)
+        self.shard(source).read().sources.get(&source).is_some_and(|s| s.awaiting_resync)
     }
 
     /// Assumes the chain `hashes` (from block 0) is in `worker`'s G1 until `now` plus the
@@ -287,7 +333,8 @@ impl PrefixIndex {
     /// again extends its deadline. Also expires what is due at `now`.
     pub fn record_routing(&self, worker: SourceId, hashes: &[BlockHash], now: Instant) {
         let deadline = now + self.config.approximate_ttl;
-        let mut guard = self.inner.write();
+        self.expire_other_shards(worker, now);
+        let mut guard = self.shard(worker).write();
         let inner = &mut *guard;
         inner.expire(now);
         let loc = inner.store.location_id(Location { source: worker, tier: TierName::G1, approximate: true });
@@ -304,11 +351,25 @@ impl PrefixIndex {
         }
     }
 
+    /// Expires what is due at `now` in the shards other than `source`'s, taking a shard's write
+    /// lock only when something there is due.
+    fn expire_other_shards(&self, source: SourceId, now: Instant) {
+        let own: *const RwLock<Inner> = self.shard(source);
+        for shard in self.shards.iter().filter(|s| !std::ptr::eq(&s.0, own)) {
+            let due = shard.0.read().expiry.front().is_some_and(|&(deadline, ..)| deadline <= now);
+            if due {
+                shard.0.write().expire(now);
+            }
+        }
+    }
+
     /// Drops the approximate placements whose deadline is at or before `now`. Expiry is lazy:
     /// it runs here and in [`PrefixIndex::record_routing`], so a lookup may still see a
     /// placement until the next of those calls.
     pub fn expire_approximate(&self, now: Instant) {
-        self.inner.write().expire(now);
+        for shard in self.shards.iter() {
+            shard.0.write().expire(now);
+        }
     }
 
     /// For every location holding a prefix of `hashes`, the length in blocks of the longest
@@ -316,28 +377,51 @@ impl PrefixIndex {
     ///
     /// `hashes` must be a chain (the parent of `hashes[i]` is `hashes[i - 1]`), as the block
     /// hasher produces from a prompt.
+    ///
+    /// Locations come shard by shard, each shard's in location order. Each shard is read under
+    /// its own lock: the answer for one source's locations is exact for the state after some
+    /// prefix of that source's events, but two shards may be seen at different moments.
     pub fn find_matches(&self, hashes: &[BlockHash], out: &mut Matches) {
-        self.inner.read().store.find_matches(hashes, out);
-    }
-
-    /// Counters and sizes, as of now.
-    pub fn stats(&self) -> IndexStats {
-        let inner = self.inner.read();
-        IndexStats {
-            blocks: inner.store.blocks() as u64,
-            placements: inner.store.placements(),
-            approximate_placements: inner.store.approximate_placements(),
-            locations: inner.store.live_locations() as u64,
-            sources: inner.sources.len() as u64,
-            sources_awaiting_resync: inner.sources.values().filter(|s| s.awaiting_resync).count() as u64,
-            ..inner.stats.clone()
+        out.results.clear();
+        for shard in self.shards.iter() {
+            shard.0.read().store.find_matches(hashes, out);
         }
     }
 
-    /// Runs `f` on the store under the read lock (tests).
+    /// Counters and sizes, as of now, summed over the shards (shard by shard, so not one
+    /// snapshot). `blocks` counts a block once per shard holding it.
+    pub fn stats(&self) -> IndexStats {
+        let mut total = IndexStats::default();
+        for shard in self.shards.iter() {
+            let inner = shard.0.read();
+            let s = &inner.stats;
+            total.blocks += inner.store.blocks() as u64;
+            total.placements += inner.store.placements();
+            total.approximate_placements += inner.store.approximate_placements();
+            total.locations += inner.store.live_locations() as u64;
+            total.sources += inner.sources.len() as u64;
+            total.sources_awaiting_resync += inner.sources.values().filter(|s| s.awaiting_resync).count() as u64;
+            total.stored_events += s.stored_events;
+            total.removed_events += s.removed_events;
+            total.cleared_events += s.cleared_events;
+            total.stale_events += s.stale_events;
+            total.gaps += s.gaps;
+            total.refused_events += s.refused_events;
+            total.new_epochs += s.new_epochs;
+            total.resyncs += s.resyncs;
+            total.rejected_full += s.rejected_full;
+            total.approximate_recorded += s.approximate_recorded;
+            total.approximate_expired += s.approximate_expired;
+        }
+        total
+    }
+
+    /// Runs `f` on every shard's store under its read lock (tests).
     #[cfg(test)]
-    fn with_store<R>(&self, f: impl FnOnce(&Store) -> R) -> R {
-        f(&self.inner.read().store)
+    fn with_store(&self, f: impl Fn(&Store)) {
+        for shard in self.shards.iter() {
+            f(&shard.0.read().store);
+        }
     }
 }
 

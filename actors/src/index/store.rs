@@ -124,9 +124,11 @@ pub(crate) struct Store {
 }
 
 impl Store {
-    pub(crate) fn new(max_blocks: usize) -> Self {
+    /// An empty store of at most `max_blocks` blocks, one of `shards` sharing the initial sizing.
+    pub(crate) fn new(max_blocks: usize, shards: usize) -> Self {
+        let initial = max_blocks.min(INITIAL_BLOCKS / shards.max(1));
         Self {
-            blocks: BlockMap::with_capacity_and_hasher(max_blocks.min(INITIAL_BLOCKS), BlockHashBuild),
+            blocks: BlockMap::with_capacity_and_hasher(initial, BlockHashBuild),
             locations: Vec::new(),
             location_ids: HashMap::default(),
             max_blocks,
@@ -361,8 +363,10 @@ impl Store {
     ///
     /// `hashes` must be a chain (the parent of `hashes[i]` is `hashes[i - 1]`), as the block
     /// hasher produces.
+    ///
+    /// Appends to `out.results` (the caller clears it), so several shards can answer into one.
     pub(crate) fn find_matches(&self, hashes: &[BlockHash], out: &mut Matches) {
-        out.clear();
+        out.clear_scratch();
         let Some(&first) = hashes.first() else { return };
         let holders = self.holders(first);
         if holders.is_empty() {
