@@ -151,6 +151,11 @@ impl G2Tier {
         }
     }
 
+    /// Raises a resident block's priority (a turn's answer becoming conversation context).
+    pub fn promote(&self, hash: BlockHash, priority: u8) {
+        let _ = self.registry.lock().expect("G2 registry lock").set_priority(hash, priority);
+    }
+
     /// Extends the hold of a resident block.
     pub fn hold(&self, hash: BlockHash, until: Millis) {
         let _ = self.registry.lock().expect("G2 registry lock").hold(hash, until);

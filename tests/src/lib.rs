@@ -53,14 +53,23 @@ pub fn spawn_until_ready(mut cmd: Command) -> (std::process::Child, Vec<String>)
     use std::process::Stdio;
     use std::time::{Duration, Instant};
 
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn dynamo-node");
+    // stderr goes to a file, so a node that dies before it is ready says why in the panic.
+    static SPAWNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stderr_path = std::env::temp_dir().join(format!("dynamo-node-test-{}-{n}.stderr", std::process::id()));
+    let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
+    let mut child = cmd.stdout(Stdio::piped()).stderr(stderr).spawn().expect("spawn dynamo-node");
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     let mut lines = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let mut line = String::new();
         let n = reader.read_line(&mut line).expect("read stdout");
-        assert!(n > 0, "dynamo-node exited before it was ready; output: {lines:#?}");
+        if n == 0 {
+            let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+            let status = child.wait().map(|s| format!("{s:?}")).unwrap_or_else(|e| e.to_string());
+            panic!("dynamo-node exited ({status}) before it was ready; output: {lines:#?}\nstderr:\n{stderr}");
+        }
         let ready = line.starts_with("ready");
         lines.push(line.trim_end().to_string());
         if ready {
@@ -68,6 +77,7 @@ pub fn spawn_until_ready(mut cmd: Command) -> (std::process::Child, Vec<String>)
         }
         assert!(Instant::now() < deadline, "not ready within 120 s; output: {lines:#?}");
     }
+    let _ = std::fs::remove_file(&stderr_path);
     std::thread::spawn(move || for _ in reader.lines() {});
     (child, lines)
 }

@@ -9,11 +9,6 @@ use std::time::{Duration, Instant};
 
 use dynamo_tests::{node_binary, spawn_until_ready};
 
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
 fn start(data_dir: &std::path::Path, metrics: &str) -> (Child, Vec<String>) {
     let mut cmd = Command::new(node_binary());
     cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", metrics, "--data-dir"]).arg(data_dir);

@@ -4,7 +4,6 @@
 //! with the same greedy answer as a fresh node that recomputed everything; bad requests get the
 //! OpenAI error shape.
 
-use std::net::TcpListener;
 use std::process::{Child, Command};
 
 use dynamo_tests::{node_binary, spawn_until_ready};
@@ -24,11 +23,6 @@ impl Drop for Node {
     }
 }
 
-fn free_port() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").to_string()
-}
-
 fn start() -> Node {
     start_in(std::sync::Arc::new(tempfile::tempdir().expect("tempdir")))
 }
@@ -39,9 +33,9 @@ fn start_in(dir: std::sync::Arc<tempfile::TempDir>) -> Node {
 
 /// A node on its defaults plus `toml` (a config file written into `dir`).
 fn start_with(dir: std::sync::Arc<tempfile::TempDir>, toml: &str) -> Node {
-    let metrics = free_port();
     let mut cmd = Command::new(node_binary());
-    cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", &metrics, "--data-dir"]).arg(dir.path());
+    // Port 0 for both: the node prints the addresses it bound (no race for a "free" port).
+    cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--data-dir"]).arg(dir.path());
     if !toml.is_empty() {
         let file = dir.path().join("node.toml");
         std::fs::write(&file, toml).expect("write config");
@@ -52,6 +46,11 @@ fn start_with(dir: std::sync::Arc<tempfile::TempDir>, toml: &str) -> Node {
         .iter()
         .find_map(|l| l.strip_prefix("serving the OpenAI API on "))
         .expect("the API address is printed")
+        .to_string();
+    let metrics = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://").and_then(|l| l.strip_suffix("/metrics")))
+        .expect("the metrics address is printed")
         .to_string();
     Node { child, api, metrics, dir }
 }

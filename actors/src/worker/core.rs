@@ -330,12 +330,23 @@ impl<B: Backend> Worker<B> {
         self.gather_pending();
         self.send_g3_batch();
         // Release the request's references whatever happened; private pages go back to the pool.
+        // The turn's answer becomes conversation context for the next turn (an agent resends
+        // it), so its blocks are promoted to the conversation's priority and hold.
         let end = unix_millis();
+        let conversation = self.tiers.retention.policy(RegionKind::Conversation).priority;
         for (i, block) in seq.iter().enumerate() {
             match block.registered {
                 Some(hash) => {
                     let _ = self.registry.release(hash);
-                    let region = if i < hashes.len() { Self::region_of(req, i * b) } else { RegionKind::Generated };
+                    let region = if i < hashes.len() {
+                        Self::region_of(req, i * b)
+                    } else {
+                        let _ = self.registry.set_priority(hash, conversation);
+                        if let Some(g2) = &self.tiers.g2 {
+                            g2.promote(hash, conversation);
+                        }
+                        RegionKind::Conversation
+                    };
                     let hold = self.tiers.retention.policy(region).hold.as_duration().as_millis() as u64;
                     if hold > 0 {
                         let _ = self.registry.hold(hash, end + hold);

@@ -95,7 +95,13 @@ pub struct SimStats {
     pub g3_acks: AtomicU64,
     /// Longest write-through lag to G3 in µs.
     pub g3_lag_us_max: AtomicU64,
+    /// Blocks not written to G3 because the disk was too far behind (they stay in G2).
+    pub g3_skipped: AtomicU64,
 }
+
+/// Write-through to G3 skips a block (it stays in G2) rather than queue it behind more than this
+/// much disk work: a disk slower than the write stream must not build an unbounded backlog.
+pub const MAX_DISK_BACKLOG: Duration = Duration::from_secs(1);
 
 /// The node-shared part of a simulated node: G2 and G3 as registries, the disk's queue, where
 /// KV events go.
@@ -194,18 +200,30 @@ impl SimNode {
         }
     }
 
+    fn promote_g2(&self, hash: BlockHash, priority: u8) {
+        if let Some(g2) = &self.g2 {
+            let _ = g2.lock().expect("registry").set_priority(hash, priority);
+        }
+    }
+
     fn hold_g2(&self, hash: BlockHash, until: Millis) {
         if let Some(g2) = &self.g2 {
             let _ = g2.lock().expect("registry").hold(hash, until);
         }
     }
 
-    /// When a disk write of `bytes` submitted now completes (the disk serves one at a time).
-    fn disk_write_done(&self, bytes: u64) -> Instant {
+    /// When a disk write of `bytes` submitted now completes (the disk serves one at a time), or
+    /// `None` when the disk is more than [`MAX_DISK_BACKLOG`] behind.
+    fn disk_write_done(&self, bytes: u64) -> Option<Instant> {
         let mut free = self.disk_free_at.lock().expect("disk");
-        let start = (*free).max(Instant::now());
+        let now = Instant::now();
+        if *free > now + MAX_DISK_BACKLOG {
+            self.stats.g3_skipped.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let start = (*free).max(now);
         *free = start + Duration::from_secs_f64(bytes as f64 / self.timing.disk_write_bytes_per_s.max(1.0));
-        *free
+        Some(*free)
     }
 
     /// When a disk read of `bytes` submitted now completes.
@@ -309,7 +327,7 @@ impl SimWorker {
             && node.g3.as_ref().is_some_and(|g3| !g3.lock().expect("registry").contains(hash))
         {
             let completed = Instant::now();
-            let done = node.disk_write_done(bytes);
+            let Some(done) = node.disk_write_done(bytes) else { return referenced };
             self.writes.borrow_mut().spawn(async move {
                 tokio::time::sleep_until(done).await;
                 let now = now_ms(Instant::now().min(done));
@@ -434,11 +452,21 @@ impl SimWorker {
             }
         }
 
-        // Release the request's blocks; held regions stay pinned through the tool-call gap.
+        // Release the request's blocks; held regions stay pinned through the tool-call gap. The
+        // turn's answer becomes conversation context for the next turn (which resends it), so
+        // its blocks are promoted to the conversation's priority and hold.
         let end = now_ms(self.epoch);
         let mut g1 = self.g1.borrow_mut();
+        let conversation = node.retention.policy(RegionKind::Conversation).priority;
         for (hash, region) in referenced {
             let _ = g1.release(hash);
+            let region = if region == RegionKind::Generated {
+                let _ = g1.set_priority(hash, conversation);
+                node.promote_g2(hash, conversation);
+                RegionKind::Conversation
+            } else {
+                region
+            };
             let hold = node.retention.policy(region).hold.as_duration().as_millis() as Millis;
             if hold > 0 {
                 let _ = g1.hold(hash, end + hold);
