@@ -13,8 +13,13 @@
 //! |---|---|---|
 //! | referenced | `refs > 0` | never |
 //! | interior | `refs == 0`, at least one child resident in this tier | never (leaf-first) |
-//! | held | `refs == 0`, no resident child, `clock < retain_until` | not until the hold expires |
+//! | held | `refs == 0`, no resident child, `clock < retain_until` | only when nothing is evictable: earliest deadline first |
 //! | evictable | otherwise | yes, in policy order |
+//!
+//! Holds are soft: they keep a session's context through a tool-call gap against everything
+//! evictable, but a tier full of held blocks still admits new ones by breaking the hold that ends
+//! soonest. Refusing the blocks of the request running now (certain to be reused by its next
+//! turn) to honour a hold on a session that may not come back would be the worse trade.
 //!
 //! Children are tracked by parent hash for every resident block, whether or not the parent is
 //! resident, so a parent that arrives after its children (after a demotion, say) is interior from
@@ -342,7 +347,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
     /// The block the next eviction would pick, judged at the registry's clock (holds that expired
     /// since then are not yet considered).
     pub fn next_victim(&self) -> Option<BlockHash> {
-        self.policy.victim()
+        self.policy.victim().or_else(|| self.holds.first().map(|&(_, h)| h))
     }
 
     /// A view of a resident block.
@@ -650,11 +655,15 @@ impl<P: EvictionPolicy> TierRegistry<P> {
 
     /// Pops the policy's victim and drops it. The clock must already be advanced.
     fn evict_one(&mut self) -> Option<Evicted> {
-        let h = self.policy.pop()?;
-        let e = self.entries.get_mut(&h).expect("policy victim is resident");
-        debug_assert_eq!(e.slot, Some(Slot::Evictable));
+        let (h, slot) = match self.policy.pop() {
+            Some(h) => (h, Slot::Evictable),
+            // Nothing evictable: the hold that ends soonest gives way (holds are soft).
+            None => (self.holds.pop_first()?.1, Slot::Held),
+        };
+        let e = self.entries.get_mut(&h).expect("victim is resident");
+        debug_assert_eq!(e.slot, Some(slot));
         e.slot = None;
-        self.counts[region_index(e.region)][Slot::Evictable.index()] -= 1;
+        self.counts[region_index(e.region)][slot.index()] -= 1;
         let evicted = self.drop_entry(h);
         self.evictions[region_index(evicted.region)] += 1;
         Some(evicted)

@@ -92,19 +92,32 @@ impl Model {
     }
 
     fn victim(&self) -> Option<BlockHash> {
-        self.entries
+        let evictable = self
+            .entries
             .iter()
             .filter(|&(&h, _)| self.slot(h) == Slot::Evictable)
             .min_by_key(|&(_, e)| self.key(e))
-            .map(|(&h, _)| h)
+            .map(|(&h, _)| h);
+        // Holds are soft: with nothing evictable, the one that ends soonest goes.
+        evictable.or_else(|| {
+            self.entries
+                .iter()
+                .filter(|&(&h, _)| self.slot(h) == Slot::Held)
+                .min_by_key(|&(&h, e)| (e.retain_until, h))
+                .map(|(&h, _)| h)
+        })
     }
 
     fn evict_one(&mut self) -> Option<Evicted> {
         let h = self.victim()?;
         let e = &self.entries[&h];
-        // Property (2): the victim is unreferenced, not held, and has no resident child.
+        // Property (2): the victim is unreferenced and has no resident child; it is held only
+        // when nothing was evictable.
         assert_eq!(e.refs, 0, "victim {h:?} is referenced");
-        assert!(self.clock >= e.retain_until, "victim {h:?} is held");
+        assert!(
+            self.clock >= e.retain_until || self.entries.keys().all(|&k| self.slot(k) != Slot::Evictable),
+            "victim {h:?} is held while another block was evictable"
+        );
         assert_eq!(self.children(h), 0, "victim {h:?} has resident children");
         let e = self.entries.remove(&h).unwrap();
         self.evictions[ri(e.region)] += 1;
