@@ -92,6 +92,10 @@ pub struct ReplayArgs {
     /// Replay only the first N requests (Mooncake) or sessions (aiperf).
     #[arg(long)]
     pub limit: Option<usize>,
+    /// A node configuration whose `[retention]` the retention-aware runs use (priorities, holds,
+    /// lowest tiers per region) and whose `[router]` sets the sticky bonus and temperature.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Seconds per generated token (default: weights read from HBM once per step, ~3.7 ms for
     /// llama-8b on an H200).
     #[arg(long)]
@@ -441,6 +445,9 @@ struct Shared {
     g1: ByteSize,
     g2: ByteSize,
     g3: ByteSize,
+    retention: RetentionSection,
+    sticky_bonus: Duration,
+    temperature: f64,
 }
 
 impl Shared {
@@ -460,7 +467,14 @@ fn shared(args: &ReplayArgs) -> anyhow::Result<Shared> {
     // A decode step reads the weights once: bf16 parameters over HBM (d2d copy rate × 2).
     let params = if args.model == "llama-1b" { 1.24e9 } else { 8.03e9 };
     let decode_s = args.decode_ms.map_or(params * 2.0 / (calibration.link.d2d_copy_gb_s * 2e9), |ms| ms / 1e3);
+    let cfg = match &args.config {
+        Some(path) => dynamo_config::NodeConfig::load(path).map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => dynamo_config::NodeConfig::default(),
+    };
     Ok(Shared {
+        retention: cfg.retention.clone(),
+        sticky_bonus: cfg.router.sticky_bonus.as_duration(),
+        temperature: cfg.router.temperature,
         workers: args.workers.max(1),
         block_tokens: b,
         timing: SimTiming {
@@ -577,7 +591,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     let index = Arc::new(PrefixIndex::new(IndexConfig { max_blocks: 64 << 20, ..IndexConfig::default() }));
     let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::new(0, 1, index.clone()));
     let retention = match policy.eviction {
-        Eviction::Retention => RetentionSection::default(),
+        Eviction::Retention => setup.retention.clone(),
         Eviction::PlainLru => plain_lru(),
     };
     let node = Arc::new(SimNode::new(
@@ -630,8 +644,8 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
                 block_tokens: setup.block_tokens,
                 cost,
                 tiers: None,
-                sticky_bonus: Duration::from_millis(5),
-                temperature: 0.0,
+                sticky_bonus: setup.sticky_bonus,
+                temperature: setup.temperature,
             }),
         },
         g2: None,
@@ -1090,6 +1104,7 @@ mod tests {
             compare: vec![Axis::Routing],
             sweep: None,
             limit: None,
+            config: None,
             decode_ms: None,
             json: Some(dir.path().join("out.json")),
             plots: Some(dir.path().join("plots")),
