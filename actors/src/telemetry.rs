@@ -39,6 +39,7 @@
 //! | `dynamo_node_request_ttft_seconds` | histogram | | time to first token |
 //! | `dynamo_node_inter_token_seconds` | histogram | | time between streamed tokens |
 //! | `dynamo_node_kv_write_through_lag_seconds` | histogram | `tier` | block completion in G1 to the tier's acknowledgment |
+//! | `dynamo_node_kv_write_through_skipped_total` | counter | `tier` | blocks kept above a tier whose writes were too far behind |
 //! | `dynamo_node_worker_restarts_total` | counter | | workers restarted by the supervisor |
 //! | `dynamo_node_router_decision_seconds` | histogram | | time to choose a worker |
 //! | `dynamo_node_index_events_total` | counter | `kind`, `result` | KV events offered to the prefix index |
@@ -108,6 +109,8 @@ pub mod names {
     pub const WORKER_RESTARTS: &str = "dynamo_node_worker_restarts_total";
     /// Histogram `{tier}`.
     pub const WRITE_THROUGH_LAG_SECONDS: &str = "dynamo_node_kv_write_through_lag_seconds";
+    /// Counter `{tier}`.
+    pub const WRITE_THROUGH_SKIPPED: &str = "dynamo_node_kv_write_through_skipped_total";
     /// Histogram.
     pub const ROUTER_DECISION_SECONDS: &str = "dynamo_node_router_decision_seconds";
     /// Counter `{kind,result}`.
@@ -199,6 +202,11 @@ pub fn describe() {
     describe_counter!(REQUESTS, Unit::Count, "Requests answered, by API and HTTP status.");
     describe_histogram!(REQUEST_TTFT_SECONDS, Unit::Seconds, "Time from request arrival to the first token.");
     describe_histogram!(INTER_TOKEN_SECONDS, Unit::Seconds, "Time between consecutive generated tokens.");
+    describe_counter!(
+        WRITE_THROUGH_SKIPPED,
+        Unit::Count,
+        "Blocks write-through did not take to the tier because its writes were too far behind."
+    );
     describe_histogram!(ROUTER_DECISION_SECONDS, Unit::Seconds, "Time the router took to choose a worker.");
     describe_counter!(INDEX_EVENTS, Unit::Count, "KV events offered to the global prefix index, by kind and result.");
     describe_gauge!(INDEX_BLOCKS, Unit::Count, "Distinct blocks in the global prefix index.");
@@ -276,6 +284,11 @@ pub fn record_prediction(predicted: u64, actual: u64) {
     if predicted != actual {
         counter!(names::ROUTER_MISPREDICTIONS).increment(1);
     }
+}
+
+/// Counts a block write-through left above `tier` because that tier's writes were behind.
+pub fn record_write_skipped(tier: Tier) {
+    counter!(names::WRITE_THROUGH_SKIPPED, "tier" => tier.as_str()).increment(1);
 }
 
 /// Records how long a completed block took to be acknowledged by `tier` (write-through lag).

@@ -325,3 +325,29 @@ async fn a_failing_disk_degrades_the_node_to_g1_g2_and_a_probe_brings_g3_back() 
     actor.stop(None);
     handle.await.expect("actor stops");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_disk_gets_a_bounded_backlog_and_the_rest_stays_in_g2() {
+    let mut n = node_with(64, Arc::new(NoObserver), true);
+    // One block per G3 batch, and a disk that takes 300 ms per write.
+    Arc::get_mut(&mut n.tiers).expect("not shared yet").write_batch.g3_blocks = 1;
+    n.faults
+        .as_ref()
+        .expect("faulty")
+        .set_plan(FaultPlan { write_latency: std::time::Duration::from_millis(300), ..FaultPlan::default() });
+    let mut w = n.worker();
+    let prompt = turn(14 * B + 1, 31);
+    let out = run(&mut w, &request(prompt.clone())).await;
+    w.flush().await;
+    let g3 = n.tiers.g3.as_ref().expect("G3");
+    let g2 = n.tiers.g2.as_ref().expect("G2");
+    let hashes = BlockHasher::new(n.tiers.salt, B).hash_sequence(&prompt);
+    assert_eq!(hashes.len(), 14);
+    let on_disk = hashes.iter().filter(|h| g3.store.contains(**h)).count();
+    assert!(
+        (1..=dynamo_actors::worker::MAX_G3_BATCHES_IN_FLIGHT).contains(&on_disk),
+        "the disk took at most the bounded backlog: {on_disk} of 14"
+    );
+    assert!(hashes.iter().all(|h| g2.contains(*h)), "every block is in G2 all the same");
+    assert_eq!(out.tokens, recomputed(&request(prompt)).await);
+}

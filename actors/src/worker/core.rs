@@ -32,7 +32,7 @@ use dynamo_tiering::g2::SlotRef;
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use tokio::task::JoinSet;
 
-use crate::telemetry::{Tier, record_tier_error, record_transfer, record_write_lag};
+use crate::telemetry::{Tier, record_tier_error, record_transfer, record_write_lag, record_write_skipped};
 use crate::tiers::{BlockSite, NodeTiers};
 
 /// One generation request, already tokenized.
@@ -155,6 +155,9 @@ pub const FAILPOINT_PANIC_MAX_TOKENS: usize = 31_337;
 pub fn unix_millis() -> Millis {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
+
+/// G3 write batches one worker keeps in flight at most; beyond it write-through stops at G2.
+pub const MAX_G3_BATCHES_IN_FLIGHT: usize = 8;
 
 /// One engine with its G1 pool.
 pub struct Worker<B: Backend> {
@@ -718,7 +721,17 @@ impl<B: Backend> Worker<B> {
         let Some(g3) = tiers.g3.as_ref().filter(|g3| g3.usable() && tiers.reaches(region, TierName::G3)) else {
             return;
         };
-        if g3.store.contains(hash) || !g3.reserve(hash, tiers.meta(parent, region), now) {
+        if g3.store.contains(hash) {
+            return;
+        }
+        // A disk slower than the write stream must not build an unbounded backlog: with this many
+        // batches still in flight the block stays in G2 only (and is counted).
+        while self.writes.try_join_next().is_some() {}
+        if self.writes.len() + usize::from(!self.g3_batch.is_empty()) >= MAX_G3_BATCHES_IN_FLIGHT {
+            record_write_skipped(Tier::G3);
+            return;
+        }
+        if !g3.reserve(hash, tiers.meta(parent, region), now) {
             return;
         }
         self.g3_batch.push(PendingWrite { hash, parent, image, completed });

@@ -30,7 +30,9 @@ use self::queue::JobQueue;
 
 #[cfg(feature = "failpoints")]
 pub use self::core::FAILPOINT_PANIC_MAX_TOKENS;
-pub use self::core::{Finish, GenOutcome, GenRequest, Worker, WorkerError, WorkerEvent, unix_millis};
+pub use self::core::{
+    Finish, GenOutcome, GenRequest, MAX_G3_BATCHES_IN_FLIGHT, Worker, WorkerError, WorkerEvent, unix_millis,
+};
 use crate::telemetry::{self, Tier};
 
 /// A future the engine thread polls (engines need not be `Send`: they never leave their thread).
