@@ -92,6 +92,10 @@ pub struct ReplayArgs {
     /// Replay only the first N requests (Mooncake) or sessions (aiperf).
     #[arg(long)]
     pub limit: Option<usize>,
+    /// `simulated` (virtual time, calibrated H200 timing) or `reference` (the real reference
+    /// engine on this machine's CPU, its real G1/G2/G3, in real time; use `--limit`).
+    #[arg(long, value_enum, default_value = "simulated")]
+    pub engine: ReplayEngine,
     /// A node configuration whose `[retention]` the retention-aware runs use (priorities, holds,
     /// lowest tiers per region) and whose `[router]` sets the sticky bonus and temperature.
     #[arg(long, value_name = "FILE")]
@@ -107,6 +111,15 @@ pub struct ReplayArgs {
     /// capacity (with `--sweep`).
     #[arg(long, value_name = "DIR")]
     pub plots: Option<PathBuf>,
+}
+
+/// The engine a replay drives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ReplayEngine {
+    /// Calibrated timing, virtual time, no math.
+    Simulated,
+    /// The real reference engine and tiers, real time.
+    Reference,
 }
 
 /// A dimension `--compare` varies.
@@ -448,6 +461,8 @@ struct Shared {
     retention: RetentionSection,
     sticky_bonus: Duration,
     temperature: f64,
+    engine: ReplayEngine,
+    config: dynamo_config::NodeConfig,
 }
 
 impl Shared {
@@ -472,6 +487,8 @@ fn shared(args: &ReplayArgs) -> anyhow::Result<Shared> {
         None => dynamo_config::NodeConfig::default(),
     };
     Ok(Shared {
+        engine: args.engine,
+        config: cfg.clone(),
         retention: cfg.retention.clone(),
         sticky_bonus: cfg.router.sticky_bonus.as_duration(),
         temperature: cfg.router.temperature,
@@ -551,10 +568,18 @@ fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
 }
 
 fn replay_one(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> anyhow::Result<Outcome> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?;
     let local = tokio::task::LocalSet::new();
     let wall = WallInstant::now();
-    let mut outcome = local.block_on(&runtime, drive(trace, setup, policy, label))?;
+    let mut outcome = match setup.engine {
+        ReplayEngine::Simulated => {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?;
+            local.block_on(&runtime, drive(trace, setup, policy, label))?
+        }
+        ReplayEngine::Reference => {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            local.block_on(&runtime, drive_reference(trace, setup, policy, label))?
+        }
+    };
     outcome.wall = wall.elapsed();
     Ok(outcome)
 }
@@ -717,6 +742,74 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         evictions: [stats.g1_evictions.lock().expect("stats").clone(), g2_evictions, g3_evictions],
         lag_ms: (load(&stats.g3_lag_us_sum) as f64 / acks / 1e3, load(&stats.g3_lag_us_max) as f64 / 1e3),
         timeline,
+        capacity: None,
+    })
+}
+
+/// Replays on the real node: the reference engine on this machine's CPU over real G1/G2/G3 (in a
+/// scratch data directory), with the same actors, in real time. Link bytes, evictions and the
+/// occupancy timeline are the simulator's counters and are not reported here (the node's
+/// Prometheus metrics carry them).
+async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> anyhow::Result<Outcome> {
+    let mut cfg = setup.config.clone();
+    let dir = std::env::temp_dir().join(format!("dynamo-replay-{}-{}", std::process::id(), label.len()));
+    let _ = std::fs::remove_dir_all(&dir);
+    cfg.node.data_dir = dir.clone();
+    cfg.engine.workers = setup.workers;
+    cfg.engine.max_queued_requests = 1 << 16;
+    cfg.router.policy = policy.routing;
+    cfg.retention = match policy.eviction {
+        Eviction::Retention => setup.retention.clone(),
+        Eviction::PlainLru => plain_lru(),
+    };
+    match policy.write_through {
+        WriteThrough::Off => {
+            cfg.tiers.g2.enabled = false;
+            cfg.tiers.g3.enabled = false;
+        }
+        WriteThrough::G2 => cfg.tiers.g3.enabled = false,
+        WriteThrough::G2G3 => {}
+    }
+    let tiers = crate::node::ResolvedTiers::resolve(&cfg)?;
+    let node = tokio::task::spawn_blocking(move || crate::node::Node::build(tiers)).await??;
+    let serving = crate::serving::Serving::start(&cfg, node).await?;
+    let scheduler = match serving.node.call(NodeMsg::Scheduler, None).await? {
+        CallResult::Success(s) => s,
+        _ => bail!("the supervisor did not answer"),
+    };
+    let start = Instant::now();
+    let progress = Rc::new(Progress {
+        label: label.to_string(),
+        total: trace.requests,
+        done: Default::default(),
+        shown: Default::default(),
+        tty: std::io::stderr().is_terminal(),
+    });
+    let mut tasks = tokio::task::JoinSet::new();
+    for (s, turns) in trace.sessions.iter().enumerate() {
+        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone()));
+    }
+    let mut samples = Vec::with_capacity(trace.requests);
+    let mut prompts = Vec::with_capacity(trace.requests);
+    while let Some(done) = tasks.join_next().await {
+        let (s, p) = done.context("a session task failed")??;
+        samples.extend(s);
+        prompts.extend(p);
+    }
+    let elapsed = start.elapsed();
+    serving.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Outcome {
+        policy,
+        samples,
+        wall: Duration::ZERO,
+        virtual_time: elapsed,
+        bound_hit_rate: bound_hit_rate(prompts, cfg.blocks.block_size, Salt(0)),
+        bytes: [0; 4],
+        g3_skipped: 0,
+        evictions: Default::default(),
+        lag_ms: (0.0, 0.0),
+        timeline: Vec::new(),
         capacity: None,
     })
 }
@@ -1104,6 +1197,7 @@ mod tests {
             compare: vec![Axis::Routing],
             sweep: None,
             limit: None,
+            engine: ReplayEngine::Simulated,
             config: None,
             decode_ms: None,
             json: Some(dir.path().join("out.json")),
@@ -1142,5 +1236,48 @@ mod tests {
         assert!(kv.hit_rate(Some(0)) > rr.hit_rate(Some(0)), "{report}");
         assert!(kv.percentile_ms(0.5) < rr.percentile_ms(0.5), "{report}");
         assert!(kv.hit_rate(None) <= kv.bound_hit_rate + 1e-9, "never above the infinite cache: {report}");
+    }
+
+    #[test]
+    fn the_reference_engine_replays_a_small_trace_in_real_time_on_the_real_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.jsonl");
+        let mut lines = String::new();
+        for s in 0..2u64 {
+            lines.push_str(&format!(
+                "{{\"session_id\":\"s{s}\",\"timestamp\":0,\"input_length\":700,\"output_length\":4,\"hash_ids\":[1,{}]}}\n",
+                10 + s
+            ));
+            lines.push_str(&format!(
+                "{{\"session_id\":\"s{s}\",\"input_length\":100,\"output_length\":4,\"hash_ids\":[{}],\"delay\":10}}\n",
+                20 + s
+            ));
+        }
+        std::fs::write(&path, lines).unwrap();
+        let args = ReplayArgs {
+            trace: path,
+            format: None,
+            workers: 2,
+            model: "llama-8b".into(),
+            block_tokens: 32,
+            g1: ByteSize(80 << 30),
+            g2: ByteSize(1 << 40),
+            g3: ByteSize(0),
+            compare: vec![],
+            sweep: None,
+            limit: None,
+            engine: ReplayEngine::Reference,
+            config: None,
+            decode_ms: None,
+            json: None,
+            plots: None,
+        };
+        let (_, outcomes) = replay(&args).unwrap();
+        assert_eq!(outcomes.len(), 1, "only the best configuration");
+        let o = &outcomes[0];
+        assert_eq!(o.samples.len(), 4);
+        assert!(o.samples.iter().all(|s| s.ttft > Duration::ZERO && s.output > 0));
+        // Each session's second turn finds its first turn's blocks; the two sessions share block 1.
+        assert!(o.hit_rate(None) > 0.3, "{:?}", o.samples);
     }
 }
