@@ -35,6 +35,8 @@ pub struct CostModel {
     pub g2_bytes_per_s: f64,
     /// G3 → G1 bytes per second.
     pub g3_bytes_per_s: f64,
+    /// Another node's G2/G3 → G1 bytes per second (G4; 0 = unknown, counted free).
+    pub g4_bytes_per_s: f64,
 }
 
 /// A worker's queued work.
@@ -78,7 +80,9 @@ impl CostModel {
         let g1 = prefix.g1.max(prefix.g1_approximate).min(cap);
         let mut cached = g1;
         let mut load_s = 0.0;
-        for (held, rate) in [(prefix.g2, self.g2_bytes_per_s), (prefix.g3, self.g3_bytes_per_s)] {
+        for (held, rate) in
+            [(prefix.g2, self.g2_bytes_per_s), (prefix.g3, self.g3_bytes_per_s), (prefix.g4, self.g4_bytes_per_s)]
+        {
             let held = held.min(cap);
             if held > cached && self.load_beats_recompute(rate) {
                 load_s += self.seconds((held - cached) * self.image_bytes, rate);
@@ -105,6 +109,7 @@ mod tests {
             decode_weight: 1.0,
             g2_bytes_per_s: 50e9,
             g3_bytes_per_s: 1.6e9,
+            g4_bytes_per_s: 0.0,
         }
     }
 

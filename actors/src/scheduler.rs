@@ -56,8 +56,11 @@ pub struct SchedulerArgs {
 pub struct KvRouting {
     /// The global prefix index, fed by the node's KV events.
     pub index: Arc<PrefixIndex>,
-    /// This node's id in the index.
+    /// This node's id in the index (the first node's, with `workers_per_node`).
     pub node: u16,
+    /// Workers per node when one scheduler routes over several nodes (worker `i` is on node
+    /// `node + i / workers_per_node`); 0 means all on `node`.
+    pub workers_per_node: usize,
     /// The salt and block size requests are hashed with (the workers' own).
     pub salt: Salt,
     /// Tokens per block.
@@ -189,7 +192,11 @@ impl SchedulerState {
         let mut ranked: Vec<(usize, f64, usize, f64)> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {
             let Some(w) = w else { continue };
-            let prefix = self.matches.for_worker(SourceId::worker(kv.node, i as u16));
+            let node = match kv.workers_per_node {
+                0 => kv.node,
+                per => kv.node + (i / per) as u16,
+            };
+            let prefix = self.matches.for_worker(SourceId::worker(node, i as u16));
             let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
             let e = cost.estimate(req.prompt.len(), prefix, queued);
             let alone = cost.estimate(req.prompt.len(), prefix, Queued::default()).ttft_s;

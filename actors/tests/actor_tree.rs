@@ -32,12 +32,12 @@ impl Engine for Scripted {
         Box::pin(async move {
             self.gate.acquire().await.expect("gate").forget();
             assert_ne!(req.prompt[0], 666, "scripted panic");
-            on_event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: [0; 3] });
+            on_event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: [0; 4] });
             on_event(WorkerEvent::Token(self.id as u32));
             Ok(GenOutcome {
                 tokens: vec![self.id as u32],
                 cached_tokens: 0,
-                hit_tokens: [0; 3],
+                hit_tokens: [0; 4],
                 prefill_tokens: req.prompt.len(),
                 finish: Finish::Length,
                 ttft: Duration::ZERO,

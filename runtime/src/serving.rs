@@ -173,6 +173,7 @@ impl Serving {
                 kv: Some(KvRouting {
                     index: index.clone(),
                     node: 0,
+                    workers_per_node: 0,
                     salt,
                     block_tokens,
                     cost: CostModel {
@@ -185,6 +186,8 @@ impl Serving {
                         // G2 → G1 on a CPU engine is a memcpy, far above any prefill rate.
                         g2_bytes_per_s: 0.0,
                         g3_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
+                        // No peers yet (G4 is the peer-link issue).
+                        g4_bytes_per_s: 0.0,
                     },
                     tiers: Some(tiers.clone()),
                     sticky_bonus: cfg.router.sticky_bonus.as_duration(),

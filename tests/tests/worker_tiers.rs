@@ -175,7 +175,7 @@ async fn worker_b_loads_worker_a_prefix_from_g2() {
     second.extend(turn(20, 2));
     let req = request(second);
     let out_b = run(&mut b, &req).await;
-    assert_eq!(out_b.hit_tokens, [0, 3 * B, 0], "the 3 complete prompt blocks come from G2");
+    assert_eq!(out_b.hit_tokens, [0, 3 * B, 0, 0], "the 3 complete prompt blocks come from G2");
     assert_eq!(out_b.cached_tokens, 3 * B);
     assert_eq!(out_b.tokens, recomputed(&req).await, "same greedy output as recomputing everything");
 

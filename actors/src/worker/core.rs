@@ -62,8 +62,8 @@ pub enum WorkerEvent {
     Prefilled {
         /// Prompt tokens not computed.
         cached_tokens: usize,
-        /// Of those, per tier: g1, g2, g3.
-        hit_tokens: [usize; 3],
+        /// Of those, per tier: g1, g2, g3, g4.
+        hit_tokens: [usize; 4],
     },
     /// A generated token.
     Token(u32),
@@ -85,8 +85,8 @@ pub struct GenOutcome {
     pub tokens: Vec<u32>,
     /// Prompt tokens whose KV was not computed: reused in G1 or loaded from G2/G3.
     pub cached_tokens: usize,
-    /// Of those, per tier: g1, g2, g3.
-    pub hit_tokens: [usize; 3],
+    /// Of those, per tier: g1, g2, g3, g4.
+    pub hit_tokens: [usize; 4],
     /// Prompt tokens computed.
     pub prefill_tokens: usize,
     /// Why it ended.
@@ -322,7 +322,7 @@ impl<B: Backend> Worker<B> {
         let mut outcome = GenOutcome {
             tokens: Vec::new(),
             cached_tokens: 0,
-            hit_tokens: [0; 3],
+            hit_tokens: [0; 4],
             prefill_tokens: 0,
             finish: Finish::Length,
             ttft: Duration::ZERO,

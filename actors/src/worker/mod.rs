@@ -399,7 +399,7 @@ async fn run_job(engine: &mut dyn Engine, job: &Job, load: &WorkerLoad) -> Resul
         if let Some(predicted) = job.predicted_cached {
             telemetry::record_prediction(predicted as u64, outcome.cached_tokens as u64);
         }
-        for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3].into_iter().zip(outcome.hit_tokens) {
+        for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3, Tier::G4].into_iter().zip(outcome.hit_tokens) {
             if hit > 0 {
                 telemetry::record_hit_tokens(tier, hit as u64);
             }

@@ -59,6 +59,8 @@ pub struct SimTiming {
     pub disk_read_bytes_per_s: f64,
     /// Disk write bytes per second.
     pub disk_write_bytes_per_s: f64,
+    /// Bytes per second from another node's G2 (the NIC of one worker's GPU; G4).
+    pub network_bytes_per_s: f64,
     /// KV bytes of one block.
     pub block_bytes: u64,
 }
@@ -81,6 +83,8 @@ pub struct SimStats {
     pub g2_to_g1_bytes: AtomicU64,
     /// Bytes read G3 → G1 (disk, then link).
     pub g3_to_g1_bytes: AtomicU64,
+    /// Bytes loaded from other nodes' G2 (G4 → G1).
+    pub g4_to_g1_bytes: AtomicU64,
     /// Bytes written through G1 → G2.
     pub g1_to_g2_bytes: AtomicU64,
     /// Bytes written through G2 → G3.
@@ -121,6 +125,8 @@ pub struct SimNode {
     g3: Option<Mutex<TierRegistry>>,
     disk_free_at: Mutex<Instant>,
     observer: Arc<dyn KvObserver>,
+    /// The other nodes of the cluster, whose G2 this node's workers can load from (G4).
+    peers: std::sync::OnceLock<Vec<std::sync::Weak<SimNode>>>,
     /// Counters for the report.
     pub stats: SimStats,
 }
@@ -150,8 +156,23 @@ impl SimNode {
             g3: tier(g3_blocks),
             disk_free_at: Mutex::new(Instant::now()),
             observer,
+            peers: std::sync::OnceLock::new(),
             stats: SimStats::default(),
         }
+    }
+
+    /// Makes every node of `nodes` a G4 peer of every other.
+    pub fn connect(nodes: &[Arc<SimNode>]) {
+        for (i, node) in nodes.iter().enumerate() {
+            let others = nodes.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, n)| Arc::downgrade(n)).collect();
+            let _ = node.peers.set(others);
+        }
+    }
+
+    fn peer_holds(&self, hash: BlockHash, now: Millis) -> bool {
+        self.peers.get().is_some_and(|peers| {
+            peers.iter().filter_map(std::sync::Weak::upgrade).any(|peer| SimNode::holds(&peer.g2, hash, now))
+        })
     }
 
     /// Evictions by region of G2 and G3 so far.
@@ -374,7 +395,10 @@ impl SimWorker {
         // only while loading it beats recomputing it.
         let link_s = timing.block_bytes as f64 / timing.link_bytes_per_s.max(1.0);
         let disk_s = timing.block_bytes as f64 / timing.disk_read_bytes_per_s.max(1.0);
-        let mut hit = [0usize; 3];
+        // A peer's G2 comes over the NIC straight into the GPU (GPUDirect RDMA): the slower of
+        // the two links paces it.
+        let net_s = link_s.max(timing.block_bytes as f64 / timing.network_bytes_per_s.max(1.0));
+        let mut hit = [0usize; 4];
         let mut from = Vec::with_capacity(cap);
         for (i, &hash) in hashes.iter().enumerate().take(cap) {
             let recompute = timing.recompute_block_s((i + 1) * b, b);
@@ -384,6 +408,8 @@ impl SimWorker {
                 1
             } else if link_s + disk_s < recompute && SimNode::holds(&node.g3, hash, now) {
                 2
+            } else if net_s < recompute && node.peer_holds(hash, now) {
+                3
             } else {
                 break;
             };
@@ -392,13 +418,15 @@ impl SimWorker {
         }
         let cached = from.len() * b;
         let g3_blocks = from.iter().filter(|&&t| t == 2).count() as u64;
-        let link_blocks = from.iter().filter(|&&t| t > 0).count() as u64;
+        let link_blocks = from.iter().filter(|&&t| t == 1 || t == 2).count() as u64;
+        let g4_blocks = from.iter().filter(|&&t| t == 3).count() as u64;
+        node.stats.g4_to_g1_bytes.fetch_add(g4_blocks * timing.block_bytes, Ordering::Relaxed);
         if g3_blocks > 0 {
             node.stats.g3_to_g1_bytes.fetch_add(g3_blocks * timing.block_bytes, Ordering::Relaxed);
             tokio::time::sleep_until(node.disk_read_done(g3_blocks * timing.block_bytes)).await;
         }
         node.stats.g2_to_g1_bytes.fetch_add((link_blocks - g3_blocks) * timing.block_bytes, Ordering::Relaxed);
-        let load = Duration::from_secs_f64(link_blocks as f64 * link_s);
+        let load = Duration::from_secs_f64(link_blocks as f64 * link_s + g4_blocks as f64 * net_s);
         let compute = Duration::from_secs_f64((timing.prefill_s(len) - timing.prefill_s(cached)).max(0.0));
         tokio::time::sleep(load + compute).await;
 
@@ -535,6 +563,7 @@ mod tests {
             link_bytes_per_s: cal.link.h2d_pinned_gb_s * 1e9,
             disk_read_bytes_per_s: cal.disk.seq_read_gb_s * 1e9,
             disk_write_bytes_per_s: cal.disk.seq_write_gb_s * 1e9,
+            network_bytes_per_s: 50e9,
         };
         Arc::new(SimNode::new(
             512,
@@ -577,7 +606,7 @@ mod tests {
         assert_eq!(cold.cached_tokens, 0);
         assert!((cold.ttft.as_secs_f64() - 1.4093).abs() < 0.01, "the calibrated 32K prefill: {:?}", cold.ttft);
         let warm = run(&mut b, &request(32768 + 1, 2)).await;
-        assert_eq!(warm.hit_tokens, [0, 32768, 0], "worker 1 loads worker 0's prefix from G2");
+        assert_eq!(warm.hit_tokens, [0, 32768, 0, 0], "worker 1 loads worker 0's prefix from G2");
         let ratio = cold.ttft.as_secs_f64() / warm.ttft.as_secs_f64();
         assert!((15.0..19.0).contains(&ratio), "the host link allows ~18x: {ratio}");
         let again = run(&mut a, &request(32768 + 1, 3)).await;

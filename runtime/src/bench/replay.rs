@@ -63,9 +63,13 @@ pub struct ReplayArgs {
     /// Its format; detected from the first line when absent.
     #[arg(long, value_enum)]
     pub format: Option<TraceFormat>,
-    /// Simulated workers (one GPU each).
+    /// Simulated workers (one GPU each) per node.
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
+    /// Simulated nodes, each with its own G2 and G3; a worker loads another node's G2 over its
+    /// NIC (G4, 400 Gb/s).
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
     /// Model shape whose calibrated prefill curve times the engine (`llama-1b`, `llama-8b`).
     #[arg(long, default_value = "llama-8b")]
     pub model: String,
@@ -361,7 +365,7 @@ fn load_trace(path: &Path, format: Option<TraceFormat>, limit: Option<usize>) ->
 struct Sample {
     ttft: Duration,
     prompt: usize,
-    hit: [usize; 3],
+    hit: [usize; 4],
     output: usize,
 }
 
@@ -385,7 +389,7 @@ struct Outcome {
     wall: Duration,
     virtual_time: Duration,
     bound_hit_rate: f64,
-    bytes: [u64; 4],
+    bytes: [u64; 5],
     g3_skipped: u64,
     evictions: [BTreeMap<RegionKind, u64>; 3],
     lag_ms: (f64, f64),
@@ -431,14 +435,14 @@ impl Outcome {
             "capacity": self.capacity.as_ref().map(|(tier, size)| serde_json::json!({"tier": tier, "bytes": size.0})),
             "requests": self.samples.len(),
             "hit_rate": self.hit_rate(None),
-            "hit_rate_by_tier": {"g1": self.hit_rate(Some(0)), "g2": self.hit_rate(Some(1)), "g3": self.hit_rate(Some(2))},
+            "hit_rate_by_tier": {"g1": self.hit_rate(Some(0)), "g2": self.hit_rate(Some(1)), "g3": self.hit_rate(Some(2)), "g4": self.hit_rate(Some(3))},
             "prefill_tokens_saved": self.saved_tokens(),
             "ttft_ms": {"p50": self.percentile_ms(0.5), "p90": self.percentile_ms(0.9), "p99": self.percentile_ms(0.99)},
             "throughput": {
                 "requests_per_s": self.samples.len() as f64 / secs,
                 "output_tokens_per_s": self.samples.iter().map(|s| s.output).sum::<usize>() as f64 / secs,
             },
-            "bytes": {"g2_to_g1": self.bytes[0], "g3_to_g1": self.bytes[1], "g1_to_g2": self.bytes[2], "g2_to_g3": self.bytes[3]},
+            "bytes": {"g2_to_g1": self.bytes[0], "g3_to_g1": self.bytes[1], "g1_to_g2": self.bytes[2], "g2_to_g3": self.bytes[3], "g4_to_g1": self.bytes[4]},
             "evictions": {"g1": regions(&self.evictions[0]), "g2": regions(&self.evictions[1]), "g3": regions(&self.evictions[2])},
             "write_through_lag_ms": {"g3_mean": self.lag_ms.0, "g3_max": self.lag_ms.1},
             "g3_writes_skipped_disk_behind": self.g3_skipped,
@@ -453,6 +457,7 @@ impl Outcome {
 #[derive(Debug, Clone)]
 struct Shared {
     workers: usize,
+    nodes: usize,
     block_tokens: usize,
     timing: SimTiming,
     g1: ByteSize,
@@ -493,6 +498,7 @@ fn shared(args: &ReplayArgs) -> anyhow::Result<Shared> {
         sticky_bonus: cfg.router.sticky_bonus.as_duration(),
         temperature: cfg.router.temperature,
         workers: args.workers.max(1),
+        nodes: args.nodes.max(1),
         block_tokens: b,
         timing: SimTiming {
             prefill,
@@ -500,6 +506,8 @@ fn shared(args: &ReplayArgs) -> anyhow::Result<Shared> {
             link_bytes_per_s: calibration.link.h2d_pinned_gb_s * 1e9,
             disk_read_bytes_per_s: calibration.disk.seq_read_gb_s * 1e9,
             disk_write_bytes_per_s: calibration.disk.seq_write_gb_s * 1e9,
+            // One 400 Gb/s RDMA NIC per GPU, as on an 8 × H200 node.
+            network_bytes_per_s: 50e9,
             block_bytes,
         },
         g1: args.g1,
@@ -614,28 +622,36 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     tokio::task::spawn_local(spawn_loop);
     let salt = Salt(0x7265_706c_6179);
     let index = Arc::new(PrefixIndex::new(IndexConfig { max_blocks: 64 << 20, ..IndexConfig::default() }));
-    let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::new(0, 1, index.clone()));
     let retention = match policy.eviction {
         Eviction::Retention => setup.retention.clone(),
         Eviction::PlainLru => plain_lru(),
     };
-    let node = Arc::new(SimNode::new(
-        setup.block_tokens,
-        salt,
-        retention,
-        setup.timing.clone(),
-        policy.write_through,
-        setup.blocks(setup.g2),
-        setup.blocks(setup.g3),
-        PolicyKind::Lru,
-        publisher,
-    ));
+    // One simulated node per `--nodes`, each with its G2/G3 and its KV events (node id n) into
+    // the one index; every node can load from the others' G2 (G4).
+    let nodes: Vec<Arc<SimNode>> = (0..setup.nodes)
+        .map(|n| {
+            let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::new(n as u16, 1, index.clone()));
+            Arc::new(SimNode::new(
+                setup.block_tokens,
+                salt,
+                retention.clone(),
+                setup.timing.clone(),
+                policy.write_through,
+                setup.blocks(setup.g2),
+                setup.blocks(setup.g3),
+                PolicyKind::Lru,
+                publisher,
+            ))
+        })
+        .collect();
+    SimNode::connect(&nodes);
     let epoch = Instant::now();
     let g1_blocks = setup.blocks(setup.g1);
-    let factory_node = node.clone();
+    let factory_nodes = nodes.clone();
+    let per_node = setup.workers;
     let factory: EngineFactory = Arc::new(move |id| {
-        Ok(Box::new(SimulatedEngine::new(id, factory_node.clone(), g1_blocks, PolicyKind::Lru, epoch))
-            as Box<dyn Engine>)
+        let node = factory_nodes[id / per_node].clone();
+        Ok(Box::new(SimulatedEngine::new(id, node, g1_blocks, PolicyKind::Lru, epoch)) as Box<dyn Engine>)
     });
     let t = &setup.timing;
     let cost = CostModel {
@@ -647,9 +663,10 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         decode_weight: 0.0,
         g2_bytes_per_s: t.link_bytes_per_s,
         g3_bytes_per_s: 1.0 / (1.0 / t.disk_read_bytes_per_s + 1.0 / t.link_bytes_per_s),
+        g4_bytes_per_s: t.network_bytes_per_s.min(t.link_bytes_per_s),
     };
     let args = NodeArgs {
-        workers: (0..setup.workers)
+        workers: (0..setup.workers * setup.nodes)
             .map(|id| WorkerArgs {
                 id,
                 factory: factory.clone(),
@@ -665,6 +682,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             kv: Some(KvRouting {
                 index,
                 node: 0,
+                workers_per_node: setup.workers,
                 salt,
                 block_tokens: setup.block_tokens,
                 cost,
@@ -683,20 +701,21 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     };
     let start = Instant::now();
     // Occupancy over virtual time, sampled every 10 virtual seconds.
-    let sampled = node.clone();
+    let sampled = nodes.clone();
     let timeline = Rc::new(std::cell::RefCell::new(Vec::new()));
     let samples_out = timeline.clone();
     let sampler = tokio::task::spawn_local(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(10));
         loop {
             tick.tick().await;
-            let (g2, g3) = sampled.resident();
-            samples_out.borrow_mut().push(Occupancy {
-                at_s: start.elapsed().as_secs_f64(),
-                g1: sampled.stats.g1_resident.load(Ordering::Relaxed),
-                g2,
-                g3,
-            });
+            let mut sample = Occupancy { at_s: start.elapsed().as_secs_f64(), ..Occupancy::default() };
+            for node in &sampled {
+                let (g2, g3) = node.resident();
+                sample.g1 += node.stats.g1_resident.load(Ordering::Relaxed);
+                sample.g2 += g2;
+                sample.g3 += g3;
+            }
+            samples_out.borrow_mut().push(sample);
         }
     });
     let progress = Rc::new(Progress {
@@ -721,10 +740,22 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     sampler.abort();
     let _ = root.call(NodeMsg::Shutdown, None).await;
     let _ = join.await;
-    let stats = &node.stats;
-    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let acks = load(&stats.g3_acks).max(1) as f64;
-    let [g2_evictions, g3_evictions] = node.evictions();
+    let load = |f: &dyn Fn(&SimNode) -> &std::sync::atomic::AtomicU64| -> u64 {
+        nodes.iter().map(|n| f(n).load(Ordering::Relaxed)).sum()
+    };
+    let acks = load(&|n| &n.stats.g3_acks).max(1) as f64;
+    let mut evictions: [BTreeMap<RegionKind, u64>; 3] = Default::default();
+    for node in &nodes {
+        let [g2, g3] = node.evictions();
+        for (tier, by_region) in
+            [node.stats.g1_evictions.lock().expect("stats").clone(), g2, g3].into_iter().enumerate()
+        {
+            for (region, n) in by_region {
+                *evictions[tier].entry(region).or_default() += n;
+            }
+        }
+    }
+    let lag_max = nodes.iter().map(|n| n.stats.g3_lag_us_max.load(Ordering::Relaxed)).max().unwrap_or(0);
     let timeline = timeline.borrow().clone();
     Ok(Outcome {
         policy,
@@ -733,14 +764,15 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         virtual_time,
         bound_hit_rate: bound_hit_rate(prompts, setup.block_tokens, salt),
         bytes: [
-            load(&stats.g2_to_g1_bytes),
-            load(&stats.g3_to_g1_bytes),
-            load(&stats.g1_to_g2_bytes),
-            load(&stats.g2_to_g3_bytes),
+            load(&|n| &n.stats.g2_to_g1_bytes),
+            load(&|n| &n.stats.g3_to_g1_bytes),
+            load(&|n| &n.stats.g1_to_g2_bytes),
+            load(&|n| &n.stats.g2_to_g3_bytes),
+            load(&|n| &n.stats.g4_to_g1_bytes),
         ],
-        g3_skipped: load(&stats.g3_skipped),
-        evictions: [stats.g1_evictions.lock().expect("stats").clone(), g2_evictions, g3_evictions],
-        lag_ms: (load(&stats.g3_lag_us_sum) as f64 / acks / 1e3, load(&stats.g3_lag_us_max) as f64 / 1e3),
+        g3_skipped: load(&|n| &n.stats.g3_skipped),
+        evictions,
+        lag_ms: (load(&|n| &n.stats.g3_lag_us_sum) as f64 / acks / 1e3, lag_max as f64 / 1e3),
         timeline,
         capacity: None,
     })
@@ -805,7 +837,7 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
         wall: Duration::ZERO,
         virtual_time: elapsed,
         bound_hit_rate: bound_hit_rate(prompts, cfg.blocks.block_size, Salt(0)),
-        bytes: [0; 4],
+        bytes: [0; 5],
         g3_skipped: 0,
         evictions: Default::default(),
         lag_ms: (0.0, 0.0),
@@ -907,10 +939,11 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "replay of {} ({} sessions, {} requests) on {} simulated H200 workers, {} ({}-token blocks), G1 {}/worker, G2 {}, G3 {}",
+        "replay of {} ({} sessions, {} requests) on {} node(s) × {} simulated H200 workers, {} ({}-token blocks), G1 {}/worker, G2 {}/node, G3 {}/node",
         trace.name,
         trace.sessions.len(),
         trace.requests,
+        args.nodes,
         args.workers,
         args.model,
         args.block_tokens,
@@ -920,20 +953,21 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
     );
     let _ = writeln!(
         out,
-        "\n| policy | capacity | hit rate | G1 | G2 | G3 | TTFT p50 ms | p90 ms | p99 ms | req/s (virtual) | G2→G1 GB | G3→G1 GB | G1→G2 GB | G2→G3 GB | G1 evictions (sys/conv/gen) | G3 lag ms mean/max | wall s | sim req/s |"
+        "\n| policy | capacity | hit rate | G1 | G2 | G3 | G4 | TTFT p50 ms | p90 ms | p99 ms | req/s (virtual) | G2→G1 GB | G3→G1 GB | G1→G2 GB | G2→G3 GB | G1 evictions (sys/conv/gen) | G3 lag ms mean/max | wall s | sim req/s |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for o in outcomes {
         let ev = |r: RegionKind| o.evictions[0].get(&r).copied().unwrap_or(0);
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{}/{} | {:.1}/{:.1} | {:.1} | {:.0} |",
+            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{}/{} | {:.1}/{:.1} | {:.1} | {:.0} |",
             o.policy.name(),
             o.capacity.as_ref().map_or_else(|| "-".to_string(), |(t, s)| format!("{t}={s}")),
             o.hit_rate(None) * 100.0,
             o.hit_rate(Some(0)) * 100.0,
             o.hit_rate(Some(1)) * 100.0,
             o.hit_rate(Some(2)) * 100.0,
+            o.hit_rate(Some(3)) * 100.0,
             o.percentile_ms(0.5),
             o.percentile_ms(0.9),
             o.percentile_ms(0.99),
@@ -1189,6 +1223,7 @@ mod tests {
             trace: path,
             format: None,
             workers: 4,
+            nodes: 1,
             model: "llama-8b".into(),
             block_tokens: 64,
             g1: ByteSize(80 << 30),
@@ -1258,6 +1293,7 @@ mod tests {
             trace: path,
             format: None,
             workers: 2,
+            nodes: 1,
             model: "llama-8b".into(),
             block_tokens: 32,
             g1: ByteSize(80 << 30),
@@ -1279,5 +1315,57 @@ mod tests {
         assert!(o.samples.iter().all(|s| s.ttft > Duration::ZERO && s.output > 0));
         // Each session's second turn finds its first turn's blocks; the two sessions share block 1.
         assert!(o.hit_rate(None) > 0.3, "{:?}", o.samples);
+    }
+
+    #[test]
+    fn two_nodes_load_each_others_g2_over_g4() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.jsonl");
+        let mut lines = String::new();
+        for s in 0..3u64 {
+            let first: Vec<u64> = (100 * (s + 1)..100 * (s + 1) + 6).collect();
+            lines.push_str(&format!(
+                "{{\"session_id\":\"s{s}\",\"timestamp\":0,\"input_length\":{},\"output_length\":20,\"hash_ids\":{first:?}}}\n",
+                first.len() * 512
+            ));
+            for t in 0..3u64 {
+                lines.push_str(&format!(
+                    "{{\"session_id\":\"s{s}\",\"input_length\":200,\"output_length\":20,\"hash_ids\":[{}],\"delay\":500}}\n",
+                    10_000 + s * 10 + t
+                ));
+            }
+        }
+        std::fs::write(&path, lines).unwrap();
+        let args = ReplayArgs {
+            trace: path,
+            format: None,
+            workers: 2,
+            nodes: 2,
+            model: "llama-8b".into(),
+            block_tokens: 64,
+            g1: ByteSize(80 << 30),
+            g2: ByteSize(1 << 40),
+            g3: ByteSize(0),
+            compare: vec![Axis::Routing],
+            sweep: None,
+            limit: None,
+            engine: ReplayEngine::Simulated,
+            config: None,
+            decode_ms: None,
+            json: None,
+            plots: None,
+        };
+        let (_, outcomes) = replay(&args).unwrap();
+        let rr = outcomes.iter().find(|o| o.policy.routing == RoutingPolicy::RoundRobin).unwrap();
+        // Three sessions over four workers: round-robin moves each session between workers.
+        assert_eq!(rr.samples.len(), 12);
+        let hits: Vec<[usize; 4]> = rr.samples.iter().map(|s| s.hit).collect();
+        assert!(
+            rr.hit_rate(Some(3)) > 0.0,
+            "round-robin over two nodes loads some turns from the other node's G2: {hits:?}"
+        );
+        assert!(rr.bytes[4] > 0);
+        let kv = &outcomes[0];
+        assert!(kv.hit_rate(Some(0)) > rr.hit_rate(Some(0)), "KV-aware keeps sessions on their worker");
     }
 }
