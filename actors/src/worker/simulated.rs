@@ -101,6 +101,10 @@ pub struct SimStats {
     pub g3_lag_us_max: AtomicU64,
     /// Blocks not written to G3 because the disk was too far behind (they stay in G2).
     pub g3_skipped: AtomicU64,
+    /// Time requests waited for their worker's GPU before their prefill began, summed in µs.
+    pub queue_us_sum: AtomicU64,
+    /// Prefills started.
+    pub prefills: AtomicU64,
 }
 
 /// Write-through to G3 skips a block (it stays in G2) rather than queue it behind more than this
@@ -389,6 +393,8 @@ impl SimWorker {
         let cap = (len - 1) / b;
         // The GPU prefills one request at a time; the cached prefix is looked up once it is ours.
         let gpu = self.gpu.lock().await;
+        node.stats.queue_us_sum.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+        node.stats.prefills.fetch_add(1, Ordering::Relaxed);
         let now = now_ms(self.epoch);
 
         // The cached prefix: G1 in place, then G2 over the link, then G3 from disk, each block

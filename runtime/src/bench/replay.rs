@@ -104,6 +104,10 @@ pub struct ReplayArgs {
     /// lowest tiers per region) and whose `[router]` sets the sticky bonus and temperature.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// A calibration file to time the simulated engine with (the format of
+    /// `../shared/calibration/h200.toml`); default: the embedded H200 calibration.
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
     /// Seconds per generated token (default: weights read from HBM once per step, ~3.7 ms for
     /// llama-8b on an H200).
     #[arg(long)]
@@ -391,6 +395,8 @@ struct Outcome {
     bound_hit_rate: f64,
     bytes: [u64; 5],
     g3_skipped: u64,
+    /// Mean wait for the worker's GPU before prefill, ms.
+    queue_ms: f64,
     evictions: [BTreeMap<RegionKind, u64>; 3],
     lag_ms: (f64, f64),
     timeline: Vec<Occupancy>,
@@ -438,6 +444,7 @@ impl Outcome {
             "hit_rate_by_tier": {"g1": self.hit_rate(Some(0)), "g2": self.hit_rate(Some(1)), "g3": self.hit_rate(Some(2)), "g4": self.hit_rate(Some(3))},
             "prefill_tokens_saved": self.saved_tokens(),
             "ttft_ms": {"p50": self.percentile_ms(0.5), "p90": self.percentile_ms(0.9), "p99": self.percentile_ms(0.99)},
+            "queue_ms_mean": self.queue_ms,
             "throughput": {
                 "requests_per_s": self.samples.len() as f64 / secs,
                 "output_tokens_per_s": self.samples.iter().map(|s| s.output).sum::<usize>() as f64 / secs,
@@ -477,7 +484,10 @@ impl Shared {
 }
 
 fn shared(args: &ReplayArgs) -> anyhow::Result<Shared> {
-    let calibration = Calibration::h200();
+    let calibration = match &args.calibration {
+        Some(path) => Calibration::load(path).map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => Calibration::h200(),
+    };
     let prefill = calibration
         .prefill_for(&args.model)
         .with_context(|| format!("no prefill calibration for `{}` (llama-1b, llama-8b)", args.model))?
@@ -771,6 +781,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             load(&|n| &n.stats.g4_to_g1_bytes),
         ],
         g3_skipped: load(&|n| &n.stats.g3_skipped),
+        queue_ms: load(&|n| &n.stats.queue_us_sum) as f64 / load(&|n| &n.stats.prefills).max(1) as f64 / 1e3,
         evictions,
         lag_ms: (load(&|n| &n.stats.g3_lag_us_sum) as f64 / acks / 1e3, lag_max as f64 / 1e3),
         timeline,
@@ -839,6 +850,7 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
         bound_hit_rate: bound_hit_rate(prompts, cfg.blocks.block_size, Salt(0)),
         bytes: [0; 5],
         g3_skipped: 0,
+        queue_ms: 0.0,
         evictions: Default::default(),
         lag_ms: (0.0, 0.0),
         timeline: Vec::new(),
@@ -953,14 +965,14 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
     );
     let _ = writeln!(
         out,
-        "\n| policy | capacity | hit rate | G1 | G2 | G3 | G4 | TTFT p50 ms | p90 ms | p99 ms | req/s (virtual) | G2→G1 GB | G3→G1 GB | G1→G2 GB | G2→G3 GB | G1 evictions (sys/conv/gen) | G3 lag ms mean/max | wall s | sim req/s |"
+        "\n| policy | capacity | hit rate | G1 | G2 | G3 | G4 | TTFT p50 ms | p90 ms | p99 ms | queue ms (mean) | req/s (virtual) | G2→G1 GB | G3→G1 GB | G1→G2 GB | G2→G3 GB | G1 evictions (sys/conv/gen) | G3 lag ms mean/max | wall s | sim req/s |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for o in outcomes {
         let ev = |r: RegionKind| o.evictions[0].get(&r).copied().unwrap_or(0);
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{}/{} | {:.1}/{:.1} | {:.1} | {:.0} |",
+            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{}/{} | {:.1}/{:.1} | {:.1} | {:.0} |",
             o.policy.name(),
             o.capacity.as_ref().map_or_else(|| "-".to_string(), |(t, s)| format!("{t}={s}")),
             o.hit_rate(None) * 100.0,
@@ -971,6 +983,7 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
             o.percentile_ms(0.5),
             o.percentile_ms(0.9),
             o.percentile_ms(0.99),
+            o.queue_ms,
             o.samples.len() as f64 / o.virtual_time.as_secs_f64().max(1e-9),
             gb(o.bytes[0]),
             gb(o.bytes[1]),
@@ -1232,6 +1245,7 @@ mod tests {
             compare: vec![Axis::Routing],
             sweep: None,
             limit: None,
+            calibration: None,
             engine: ReplayEngine::Simulated,
             config: None,
             decode_ms: None,
@@ -1302,6 +1316,7 @@ mod tests {
             compare: vec![],
             sweep: None,
             limit: None,
+            calibration: None,
             engine: ReplayEngine::Reference,
             config: None,
             decode_ms: None,
@@ -1349,6 +1364,7 @@ mod tests {
             compare: vec![Axis::Routing],
             sweep: None,
             limit: None,
+            calibration: None,
             engine: ReplayEngine::Simulated,
             config: None,
             decode_ms: None,
