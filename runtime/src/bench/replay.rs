@@ -740,7 +740,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone()));
     }
     let mut samples = Vec::with_capacity(trace.requests);
-    let mut prompts: Vec<(Instant, Vec<u32>)> = Vec::with_capacity(trace.requests);
+    let mut prompts: Vec<Turned> = Vec::with_capacity(trace.requests);
     while let Some(done) = tasks.join_next().await {
         let (s, p) = done.context("a session task failed")??;
         samples.extend(s);
@@ -858,23 +858,28 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
     })
 }
 
-/// The hit rate of an infinite cache: every block ever computed stays, in arrival order.
-fn bound_hit_rate(mut prompts: Vec<(Instant, Vec<u32>)>, b: usize, salt: Salt) -> f64 {
-    prompts.sort_by_key(|(at, _)| *at);
+/// One request as the bound sees it: when it arrived, its prompt length, and the whole sequence
+/// after it (prompt and answer: the answer's blocks are computed, so an infinite cache has them).
+type Turned = (Instant, usize, Vec<u32>);
+
+/// The hit rate of an infinite cache: every block ever computed — prompts and answers — stays,
+/// in arrival order.
+fn bound_hit_rate(mut turns: Vec<Turned>, b: usize, salt: Salt) -> f64 {
+    turns.sort_by_key(|(at, ..)| *at);
     let mut seen = HashSet::new();
     let (mut hit, mut total) = (0usize, 0usize);
     let mut hasher = BlockHasher::new(salt, b);
-    for (_, prompt) in prompts {
-        let hashes = hasher.hash_sequence(&prompt);
-        let cap = prompt.len().saturating_sub(1) / b;
+    for (_, prompt, sequence) in turns {
+        let hashes = hasher.hash_sequence(&sequence);
+        let cap = prompt.saturating_sub(1) / b;
         hit += hashes.iter().take(cap).take_while(|h| seen.contains(*h)).count() * b;
-        total += prompt.len();
+        total += prompt;
         seen.extend(hashes);
     }
     hit as f64 / total.max(1) as f64
 }
 
-type SessionResult = anyhow::Result<(Vec<Sample>, Vec<(Instant, Vec<u32>)>)>;
+type SessionResult = anyhow::Result<(Vec<Sample>, Vec<Turned>)>;
 
 async fn run_session(
     session: usize,
@@ -908,7 +913,6 @@ async fn run_session(
             vocab_limit: 0,
         };
         let submitted_at = Instant::now();
-        prompts.push((submitted_at, history.clone()));
         let submitted = match scheduler
             .call(
                 |reply| SchedulerMsg::Submit { req, session: Some(id.clone()), hints: Default::default(), reply },
@@ -936,6 +940,7 @@ async fn run_session(
                 JobEvent::Failed(e) => bail!("request failed: {e}"),
             }
         }
+        prompts.push((submitted_at, sample.prompt, history.clone()));
         samples.push(sample);
         progress.tick();
     }
