@@ -338,43 +338,41 @@ async fn serve(
     actor: WorkerRef,
     load: Arc<WorkerLoad>,
 ) {
-    {
-        let mut engine = match std::panic::catch_unwind(AssertUnwindSafe(|| factory(id))) {
-            Ok(Ok(engine)) => engine,
-            Ok(Err(e)) => {
-                let _ = ready.send(Err(e.to_string()));
-                return;
-            }
-            Err(panic) => {
-                let _ = ready.send(Err(panic_message(panic.as_ref())));
-                return;
-            }
-        };
-        let _ = ready.send(Ok(()));
-        while let Some(job) = rx.pop().await {
-            if let Some(fork) = engine.fork() {
-                tokio::task::spawn_local(serve_forked(id, fork, job, load.clone()));
-                continue;
-            }
-            if let Err(what) = run_job(engine.as_mut(), &job, &load).await {
-                let dropped = engine.reset();
-                tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
-                telemetry::record_worker_restart(dropped as u64);
-                // The queue closes before the request's failure is reported: a client that
-                // retries at once is routed to another worker, not queued behind the restart.
-                rx.close();
-                let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
-                while let Some(queued) = rx.pop().await {
-                    load.remove(&queued.req, false);
-                    let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
-                }
-                engine.flush().await;
-                let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
-                return;
-            }
+    let mut engine = match std::panic::catch_unwind(AssertUnwindSafe(|| factory(id))) {
+        Ok(Ok(engine)) => engine,
+        Ok(Err(e)) => {
+            let _ = ready.send(Err(e.to_string()));
+            return;
         }
-        engine.flush().await;
+        Err(panic) => {
+            let _ = ready.send(Err(panic_message(panic.as_ref())));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    while let Some(job) = rx.pop().await {
+        if let Some(fork) = engine.fork() {
+            tokio::task::spawn_local(serve_forked(id, fork, job, load.clone()));
+            continue;
+        }
+        if let Err(what) = run_job(engine.as_mut(), &job, &load).await {
+            let dropped = engine.reset();
+            tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
+            telemetry::record_worker_restart(dropped as u64);
+            // The queue closes before the request's failure is reported: a client that
+            // retries at once is routed to another worker, not queued behind the restart.
+            rx.close();
+            let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
+            while let Some(queued) = rx.pop().await {
+                load.remove(&queued.req, false);
+                let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
+            }
+            engine.flush().await;
+            let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
+            return;
+        }
     }
+    engine.flush().await;
 }
 
 /// Serves one job; reports its events and its end. `Err` carries the message of a panic (the

@@ -728,24 +728,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             samples_out.borrow_mut().push(sample);
         }
     });
-    let progress = Rc::new(Progress {
-        label: label.to_string(),
-        total: trace.requests,
-        done: Default::default(),
-        shown: Default::default(),
-        tty: std::io::stderr().is_terminal(),
-    });
-    let mut tasks = tokio::task::JoinSet::new();
-    for (s, turns) in trace.sessions.iter().enumerate() {
-        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone()));
-    }
-    let mut samples = Vec::with_capacity(trace.requests);
-    let mut prompts: Vec<Turned> = Vec::with_capacity(trace.requests);
-    while let Some(done) = tasks.join_next().await {
-        let (s, p) = done.context("a session task failed")??;
-        samples.extend(s);
-        prompts.extend(p);
-    }
+    let (samples, prompts) = run_sessions(trace, &scheduler, start, label).await?;
     let virtual_time = start.elapsed();
     sampler.abort();
     let _ = root.call(NodeMsg::Shutdown, None).await;
@@ -821,24 +804,7 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
         _ => bail!("the supervisor did not answer"),
     };
     let start = Instant::now();
-    let progress = Rc::new(Progress {
-        label: label.to_string(),
-        total: trace.requests,
-        done: Default::default(),
-        shown: Default::default(),
-        tty: std::io::stderr().is_terminal(),
-    });
-    let mut tasks = tokio::task::JoinSet::new();
-    for (s, turns) in trace.sessions.iter().enumerate() {
-        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone()));
-    }
-    let mut samples = Vec::with_capacity(trace.requests);
-    let mut prompts = Vec::with_capacity(trace.requests);
-    while let Some(done) = tasks.join_next().await {
-        let (s, p) = done.context("a session task failed")??;
-        samples.extend(s);
-        prompts.extend(p);
-    }
+    let (samples, prompts) = run_sessions(trace, &scheduler, start, label).await?;
     let elapsed = start.elapsed();
     serving.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -880,6 +846,30 @@ fn bound_hit_rate(mut turns: Vec<Turned>, b: usize, salt: Salt) -> f64 {
 }
 
 type SessionResult = anyhow::Result<(Vec<Sample>, Vec<Turned>)>;
+
+/// Runs every session of `trace` against `scheduler` (one local task each, from `start`) and
+/// collects what each request did.
+async fn run_sessions(trace: &Trace, scheduler: &SchedulerRef, start: Instant, label: &str) -> SessionResult {
+    let progress = Rc::new(Progress {
+        label: label.to_string(),
+        total: trace.requests,
+        done: Default::default(),
+        shown: Default::default(),
+        tty: std::io::stderr().is_terminal(),
+    });
+    let mut tasks = tokio::task::JoinSet::new();
+    for (s, turns) in trace.sessions.iter().enumerate() {
+        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone()));
+    }
+    let mut samples = Vec::with_capacity(trace.requests);
+    let mut prompts = Vec::with_capacity(trace.requests);
+    while let Some(done) = tasks.join_next().await {
+        let (s, p) = done.context("a session task failed")??;
+        samples.extend(s);
+        prompts.extend(p);
+    }
+    Ok((samples, prompts))
+}
 
 async fn run_session(
     session: usize,
@@ -1209,6 +1199,30 @@ mod plots {
 mod tests {
     use super::*;
 
+    /// A simulated replay of `trace` on one node of 4 workers with large tiers, comparing routing.
+    fn args(trace: PathBuf) -> ReplayArgs {
+        ReplayArgs {
+            trace,
+            format: None,
+            workers: 4,
+            nodes: 1,
+            model: "llama-8b".into(),
+            block_tokens: 64,
+            g1: ByteSize(80 << 30),
+            g2: ByteSize(1 << 40),
+            g3: ByteSize(0),
+            compare: vec![Axis::Routing],
+            sweep: None,
+            limit: None,
+            calibration: None,
+            engine: ReplayEngine::Simulated,
+            config: None,
+            decode_ms: None,
+            json: None,
+            plots: None,
+        }
+    }
+
     #[test]
     fn trace_tokens_are_a_function_of_the_hash_ids() {
         assert_eq!(tokens_of(&[1, 2], 1024), tokens_of(&[1, 2], 1024));
@@ -1237,26 +1251,8 @@ mod tests {
             }
         }
         std::fs::write(&path, lines).unwrap();
-        let args = ReplayArgs {
-            trace: path,
-            format: None,
-            workers: 4,
-            nodes: 1,
-            model: "llama-8b".into(),
-            block_tokens: 64,
-            g1: ByteSize(80 << 30),
-            g2: ByteSize(1 << 40),
-            g3: ByteSize(0),
-            compare: vec![Axis::Routing],
-            sweep: None,
-            limit: None,
-            calibration: None,
-            engine: ReplayEngine::Simulated,
-            config: None,
-            decode_ms: None,
-            json: Some(dir.path().join("out.json")),
-            plots: Some(dir.path().join("plots")),
-        };
+        let args =
+            ReplayArgs { json: Some(dir.path().join("out.json")), plots: Some(dir.path().join("plots")), ..args(path) };
         let trace = load_trace(&args.trace, None, None).unwrap();
         assert_eq!((trace.sessions.len(), trace.requests), (6, 24));
         let report = run(&args).unwrap();
@@ -1308,26 +1304,8 @@ mod tests {
             ));
         }
         std::fs::write(&path, lines).unwrap();
-        let args = ReplayArgs {
-            trace: path,
-            format: None,
-            workers: 2,
-            nodes: 1,
-            model: "llama-8b".into(),
-            block_tokens: 32,
-            g1: ByteSize(80 << 30),
-            g2: ByteSize(1 << 40),
-            g3: ByteSize(0),
-            compare: vec![],
-            sweep: None,
-            limit: None,
-            calibration: None,
-            engine: ReplayEngine::Reference,
-            config: None,
-            decode_ms: None,
-            json: None,
-            plots: None,
-        };
+        let args =
+            ReplayArgs { workers: 2, block_tokens: 32, compare: vec![], engine: ReplayEngine::Reference, ..args(path) };
         let (_, outcomes) = replay(&args).unwrap();
         assert_eq!(outcomes.len(), 1, "only the best configuration");
         let o = &outcomes[0];
@@ -1356,26 +1334,7 @@ mod tests {
             }
         }
         std::fs::write(&path, lines).unwrap();
-        let args = ReplayArgs {
-            trace: path,
-            format: None,
-            workers: 2,
-            nodes: 2,
-            model: "llama-8b".into(),
-            block_tokens: 64,
-            g1: ByteSize(80 << 30),
-            g2: ByteSize(1 << 40),
-            g3: ByteSize(0),
-            compare: vec![Axis::Routing],
-            sweep: None,
-            limit: None,
-            calibration: None,
-            engine: ReplayEngine::Simulated,
-            config: None,
-            decode_ms: None,
-            json: None,
-            plots: None,
-        };
+        let args = ReplayArgs { workers: 2, nodes: 2, ..args(path) };
         let (_, outcomes) = replay(&args).unwrap();
         let rr = outcomes.iter().find(|o| o.policy.routing == RoutingPolicy::RoundRobin).unwrap();
         // Three sessions over four workers: round-robin moves each session between workers.
