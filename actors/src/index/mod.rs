@@ -59,6 +59,7 @@ mod events;
 mod hasher;
 mod matches;
 mod store;
+mod table;
 
 #[cfg(test)]
 mod tests;
@@ -452,9 +453,7 @@ impl Inner {
             KvEventKind::Removed { hashes, tier } => {
                 let location = Location { source, tier: *tier, approximate: false };
                 if let Some(loc) = self.store.existing_location_id(location) {
-                    for &hash in hashes {
-                        self.store.remove(loc, hash);
-                    }
+                    self.store.remove_chain(loc, hashes);
                 }
                 self.stats.removed_events += 1;
             }

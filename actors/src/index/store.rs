@@ -5,12 +5,22 @@
 //! # Layout
 //!
 //! - `blocks`: block hash → [`Entry`] (the block's parent and the sorted list of locations that
-//!   hold it). A chained hash names its whole prefix, so the map needs no tree.
+//!   hold it), in a [`BlockTable`] of one cache line per block. A chained hash names its whole
+//!   prefix, so the map needs no tree.
 //! - `locations`: per location, a log of the blocks it was given (so clearing a source costs its
 //!   own blocks, not a scan) and its *orphan* bookkeeping. The log is append-only: removing a block
 //!   costs nothing there, and the log is compacted (its records checked against the map) when
-//!   more than half of it is stale, so the map is the one place that says who holds what and an
-//!   event touches one hash table per block, not two.
+//!   more than three quarters of it are stale, so the map is the one place that says who holds
+//!   what and an event touches one hash table per block, not two.
+//!
+//! # Memory-level parallelism
+//!
+//! Each block of an event is a cache miss somewhere in the table, and an event names all of its
+//! blocks up front: [`Store::insert_chain`] and [`Store::remove_chain`] prefetch the slot of the
+//! block [`PREFETCH`] places ahead while they work on the current one, a lookup prefetches all of
+//! its jump probes before the first, and a log compaction prefetches ahead too, so the misses
+//! overlap instead of queueing. In a chain the parent of a block is the block just inserted, so
+//! its child count is updated through the slot index the insert returned, not by a second probe.
 //!
 //! # Orphans and the jump search
 //!
@@ -27,7 +37,6 @@
 //! state.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry as MapEntry;
 use std::time::Instant;
 
 use dynamo_tiering::block::BlockHash;
@@ -36,6 +45,7 @@ use smallvec::SmallVec;
 use super::Location;
 use super::hasher::{BlockHashBuild, FxBuild};
 use super::matches::{Marks, Matches};
+use super::table::{BlockTable, Probe};
 
 /// Dense id of a location, assigned on first sight and never reused.
 pub(crate) type LocId = u32;
@@ -52,18 +62,25 @@ const INITIAL_BLOCKS: usize = 1 << 16;
 /// Minimum log length before a compaction is considered.
 const MIN_COMPACT: usize = 64;
 
+/// A log is compacted when it is more than this many times its location's live blocks.
+const COMPACT_RATIO: u64 = 4;
+
+/// How many blocks ahead a chain operation prefetches.
+const PREFETCH: usize = 8;
+
 /// Marks a holder during a log compaction (in `children`, which never gets near it).
 const COMPACT_MARK: u32 = 1 << 31;
 
 /// One block: its parent and the locations holding it. With its key, 64 bytes.
-#[derive(Debug)]
-struct Entry {
+#[derive(Debug, Default)]
+pub(crate) struct Entry {
     /// The parent block; equal to the block's own hash for the first block of a sequence (a hash
     /// is never its own parent), which keeps the entry one cache line with its key.
     parent: BlockHash,
-    /// Sorted by `loc`; never empty while the entry is in the map. Inline up to three holders
-    /// (a block's worker G1 and its node's G2 and G3), so a probe costs one cache miss, not two.
-    holders: SmallVec<[Holder; 3]>,
+    /// Sorted by `loc`; never empty while the entry is in the table (an empty one marks a free
+    /// slot). Inline up to three holders (a block's worker G1 and its node's G2 and G3), so a
+    /// probe costs one cache miss, not two.
+    pub(crate) holders: SmallVec<[Holder; 3]>,
 }
 
 impl Entry {
@@ -78,10 +95,10 @@ impl Entry {
 
 /// One location holding a block.
 #[derive(Debug, Clone, Copy)]
-struct Holder {
-    loc: LocId,
+pub(crate) struct Holder {
+    pub(crate) loc: LocId,
     /// How many children of this block the same location holds.
-    children: u32,
+    pub(crate) children: u32,
 }
 
 /// What the index keeps per location.
@@ -115,7 +132,7 @@ pub(crate) enum Insert {
 /// Blocks, locations and the lookup.
 #[derive(Debug)]
 pub(crate) struct Store {
-    blocks: BlockMap<Entry>,
+    blocks: BlockTable,
     locations: Vec<LocationState>,
     location_ids: HashMap<Location, LocId, FxBuild>,
     max_blocks: usize,
@@ -128,7 +145,7 @@ impl Store {
     pub(crate) fn new(max_blocks: usize, shards: usize) -> Self {
         let initial = max_blocks.min(INITIAL_BLOCKS / shards.max(1));
         Self {
-            blocks: BlockMap::with_capacity_and_hasher(initial, BlockHashBuild),
+            blocks: BlockTable::with_capacity(initial),
             locations: Vec::new(),
             location_ids: HashMap::default(),
             max_blocks,
@@ -183,11 +200,21 @@ impl Store {
     /// Adds the chain `hashes` (parent of `hashes[0]` is `parent`) to `loc`; returns how many
     /// blocks the full index refused.
     pub(crate) fn insert_chain(&mut self, loc: LocId, mut parent: Option<BlockHash>, hashes: &[BlockHash]) -> u64 {
+        // No growth mid-chain, so the slot of the block before stays valid.
+        self.blocks.reserve(hashes.len());
+        for &hash in hashes.iter().take(PREFETCH) {
+            self.blocks.prefetch(hash);
+        }
         let mut rejected = 0;
-        for &hash in hashes {
-            if self.insert(loc, hash, parent) == Insert::Rejected {
-                rejected += 1;
+        // The slot of the previous block while `loc` holds it: the next block's parent.
+        let mut parent_slot = None;
+        for (i, &hash) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH) {
+                self.blocks.prefetch(ahead);
             }
+            let (outcome, slot) = self.insert_at(loc, hash, parent, parent_slot);
+            rejected += u64::from(outcome == Insert::Rejected);
+            parent_slot = slot;
             parent = Some(hash);
         }
         rejected
@@ -195,46 +222,71 @@ impl Store {
 
     /// Adds `hash` (whose parent is `parent`) to `loc`.
     pub(crate) fn insert(&mut self, loc: LocId, hash: BlockHash, parent: Option<BlockHash>) -> Insert {
-        let full = self.blocks.len() >= self.max_blocks;
-        let state = &mut self.locations[loc as usize];
-        let entry = match self.blocks.entry(hash) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(_) if full => return Insert::Rejected,
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(Entry { parent: parent.unwrap_or(hash), holders: SmallVec::new() })
+        self.blocks.reserve(1);
+        self.insert_at(loc, hash, parent, None).0
+    }
+
+    /// Adds `hash` to `loc` with room reserved; `parent_slot`, if given, is the slot of `parent`,
+    /// which `loc` holds. Returns the outcome and, unless rejected, the block's slot.
+    fn insert_at(
+        &mut self,
+        loc: LocId,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        parent_slot: Option<usize>,
+    ) -> (Insert, Option<usize>) {
+        let slot = match self.blocks.probe(hash) {
+            Probe::Found(i) => {
+                let entry = self.blocks.at_mut(i);
+                let Err(at) = entry.find(loc) else { return (Insert::Present, Some(i)) };
+                entry.holders.insert(at, Holder { loc, children: 0 });
+                i
+            }
+            Probe::Vacant(_) if self.blocks.len() >= self.max_blocks => return (Insert::Rejected, None),
+            Probe::Vacant(i) => {
+                let mut holders = SmallVec::new();
+                holders.push(Holder { loc, children: 0 });
+                self.blocks.fill(i, hash, Entry { parent: parent.unwrap_or(hash), holders });
+                i
             }
         };
-        let Err(at) = entry.find(loc) else { return Insert::Present };
+        let state = &mut self.locations[loc as usize];
         // Children of `hash` this location already holds were orphans until now.
-        let children = if state.orphans == 0 { 0 } else { state.orphan_parents.remove(&hash).unwrap_or(0) };
-        state.orphans -= u64::from(children);
-        entry.holders.insert(at, Holder { loc, children });
-        // The parent recorded first wins: it is a function of the hash, and the bookkeeping must
-        // use the same parent on insert and on removal.
-        let parent = entry.parent(hash);
+        if state.orphans != 0
+            && let Some(children) = state.orphan_parents.remove(&hash)
+        {
+            state.orphans -= u64::from(children);
+            let entry = self.blocks.at_mut(slot);
+            let at = entry.find(loc).expect("just added");
+            entry.holders[at].children = children;
+        }
         state.log.push(hash);
         state.live += 1;
-        let compact = state.log.len() >= MIN_COMPACT && state.log.len() as u64 > 2 * state.live;
+        let compact = state.log.len() >= MIN_COMPACT && state.log.len() as u64 > COMPACT_RATIO * state.live;
         self.placements += 1;
         if state.location.approximate {
             self.approximate_placements += 1;
         }
-        if let Some(parent) = parent {
-            self.adopt(loc, parent);
+        // The parent recorded first wins: it is a function of the hash, and the bookkeeping must
+        // use the same parent on insert and on removal.
+        match (self.blocks.at(slot).parent(hash), parent_slot) {
+            (Some(recorded), Some(at)) if Some(recorded) == parent => {
+                let entry = self.blocks.at_mut(at);
+                let held = entry.find(loc).expect("the caller's parent slot is held by the location");
+                entry.holders[held].children += 1;
+            }
+            (Some(recorded), _) => self.adopt(loc, recorded),
+            (None, _) => {}
         }
         if compact {
             self.compact(loc);
         }
-        Insert::Added
+        (Insert::Added, Some(slot))
     }
 
     /// A child of `parent` was added to `loc`: count it under the parent, or as an orphan.
     fn adopt(&mut self, loc: LocId, parent: BlockHash) {
-        let held_parent = self.blocks.get_mut(&parent).and_then(|e| {
-            let at = e.find(loc).ok()?;
-            Some(&mut e.holders[at])
-        });
-        match held_parent {
+        match self.held_by(loc, parent) {
             Some(holder) => holder.children += 1,
             None => {
                 let state = &mut self.locations[loc as usize];
@@ -244,15 +296,37 @@ impl Store {
         }
     }
 
+    /// The holder record of `loc` in `hash`'s entry, if `loc` holds it.
+    fn held_by(&mut self, loc: LocId, hash: BlockHash) -> Option<&mut Holder> {
+        let entry = self.blocks.get_mut(hash)?;
+        let at = entry.find(loc).ok()?;
+        Some(&mut entry.holders[at])
+    }
+
+    /// Removes each of `hashes` from `loc` (in order); returns how many `loc` held.
+    pub(crate) fn remove_chain(&mut self, loc: LocId, hashes: &[BlockHash]) -> u64 {
+        for &hash in hashes.iter().take(PREFETCH) {
+            self.blocks.prefetch(hash);
+        }
+        let mut removed = 0;
+        for (i, &hash) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH) {
+                self.blocks.prefetch(ahead);
+            }
+            removed += u64::from(self.remove(loc, hash));
+        }
+        removed
+    }
+
     /// Removes `hash` from `loc`; returns whether `loc` held it.
     pub(crate) fn remove(&mut self, loc: LocId, hash: BlockHash) -> bool {
-        let MapEntry::Occupied(mut slot) = self.blocks.entry(hash) else { return false };
-        let entry = slot.get_mut();
+        let Some(slot) = self.blocks.find(hash) else { return false };
+        let entry = self.blocks.at_mut(slot);
         let Ok(at) = entry.find(loc) else { return false };
         let holder = entry.holders.remove(at);
         let parent = entry.parent(hash);
         if entry.holders.is_empty() {
-            slot.remove();
+            self.blocks.remove_at(slot);
         }
         let state = &mut self.locations[loc as usize];
         state.live -= 1;
@@ -274,11 +348,7 @@ impl Store {
 
     /// A child of `parent` left `loc`: uncount it under the parent, or as an orphan.
     fn abandon(&mut self, loc: LocId, parent: BlockHash) {
-        let held_parent = self.blocks.get_mut(&parent).and_then(|e| {
-            let at = e.find(loc).ok()?;
-            Some(&mut e.holders[at])
-        });
-        match held_parent {
+        match self.held_by(loc, parent) {
             Some(holder) => holder.children -= 1,
             None => {
                 let state = &mut self.locations[loc as usize];
@@ -292,7 +362,8 @@ impl Store {
         }
     }
 
-    /// Drops every block of `loc`, in `O(blocks of loc)` (its log is at most about twice that).
+    /// Drops every block of `loc`, in `O(blocks of loc)` (its log is at most [`COMPACT_RATIO`]
+    /// times that).
     pub(crate) fn clear(&mut self, loc: LocId) {
         let state = &mut self.locations[loc as usize];
         let log = std::mem::take(&mut state.log);
@@ -305,13 +376,16 @@ impl Store {
             self.approximate_placements -= removed;
         }
         // A repeated or stale record finds the location gone from the entry and is skipped.
-        for hash in log {
-            let MapEntry::Occupied(mut slot) = self.blocks.entry(hash) else { continue };
-            let entry = slot.get_mut();
+        for (i, &hash) in log.iter().enumerate() {
+            if let Some(&ahead) = log.get(i + PREFETCH) {
+                self.blocks.prefetch(ahead);
+            }
+            let Some(slot) = self.blocks.find(hash) else { continue };
+            let entry = self.blocks.at_mut(slot);
             let Ok(at) = entry.find(loc) else { continue };
             entry.holders.remove(at);
             if entry.holders.is_empty() {
-                slot.remove();
+                self.blocks.remove_at(slot);
             }
         }
     }
@@ -319,17 +393,29 @@ impl Store {
     /// Rewrites the log of `loc` to the blocks it holds, each once.
     fn compact(&mut self, loc: LocId) {
         let mut log = std::mem::take(&mut self.locations[loc as usize].log);
-        log.retain(|hash| {
-            let Some(entry) = self.blocks.get_mut(hash) else { return false };
-            let Ok(at) = entry.find(loc) else { return false };
+        let blocks = &mut self.blocks;
+        let mut kept = 0;
+        for i in 0..log.len() {
+            if let Some(&next) = log.get(i + PREFETCH) {
+                blocks.prefetch(next);
+            }
+            let hash = log[i];
+            let Some(entry) = blocks.get_mut(hash) else { continue };
+            let Ok(at) = entry.find(loc) else { continue };
             let holder = &mut entry.holders[at];
             // Marked: an earlier record of the same block was kept.
-            let first = holder.children & COMPACT_MARK == 0;
-            holder.children |= COMPACT_MARK;
-            first
-        });
-        for hash in &log {
-            let entry = self.blocks.get_mut(hash).expect("a kept block has an entry");
+            if holder.children & COMPACT_MARK == 0 {
+                holder.children |= COMPACT_MARK;
+                log[kept] = hash;
+                kept += 1;
+            }
+        }
+        log.truncate(kept);
+        for (i, &hash) in log.iter().enumerate() {
+            if let Some(&next) = log.get(i + PREFETCH) {
+                blocks.prefetch(next);
+            }
+            let entry = blocks.get_mut(hash).expect("a kept block has an entry");
             let at = entry.find(loc).expect("a kept block lists its location");
             entry.holders[at].children &= !COMPACT_MARK;
         }
@@ -341,7 +427,7 @@ impl Store {
     #[cfg(test)]
     fn held(&self, loc: LocId) -> std::collections::BTreeSet<BlockHash> {
         let log = &self.locations[loc as usize].log;
-        log.iter().copied().filter(|h| self.blocks.get(h).is_some_and(|e| e.find(loc).is_ok())).collect()
+        log.iter().copied().filter(|&h| self.blocks.get(h).is_some_and(|e| e.find(loc).is_ok())).collect()
     }
 
     /// Sets when `hash` expires from the approximate location `loc`.
@@ -356,7 +442,7 @@ impl Store {
 
     /// The locations that hold `hash`, sorted.
     fn holders(&self, hash: BlockHash) -> &[Holder] {
-        self.blocks.get(&hash).map_or(&[], |e| &e.holders)
+        self.blocks.get(hash).map_or(&[], |e| &e.holders)
     }
 
     /// For every location holding `hashes[0]`, the number of leading blocks of `hashes` it holds.
@@ -368,6 +454,10 @@ impl Store {
     pub(crate) fn find_matches(&self, hashes: &[BlockHash], out: &mut Matches) {
         out.clear_scratch();
         let Some(&first) = hashes.first() else { return };
+        // The jump probes, all at once: their misses overlap with the first block's.
+        for &probe in hashes.iter().step_by(JUMP).skip(1).chain(hashes.last()) {
+            self.blocks.prefetch(probe);
+        }
         let holders = self.holders(first);
         if holders.is_empty() {
             return;
@@ -517,26 +607,29 @@ impl Store {
             let held = self.held(loc);
             assert_eq!(held.len() as u64, state.live, "blocks held by {loc}");
             for &hash in &held {
-                let entry = &self.blocks[&hash];
+                let entry = self.blocks.get(hash).expect("a held block has an entry");
                 let holder = entry.holders[entry.find(loc).expect("held block lists its location")];
                 placements += 1;
                 if let Some(parent) = entry.parent(hash) {
-                    let parent_held = self.blocks.get(&parent).is_some_and(|p| p.find(loc).is_ok());
+                    let parent_held = self.blocks.get(parent).is_some_and(|p| p.find(loc).is_ok());
                     if !parent_held {
                         *orphan_parents.entry(parent).or_insert(0) += 1;
                     }
                 }
-                let children = held.iter().filter(|&&c| c != hash && self.blocks[&c].parent(c) == Some(hash)).count();
+                let children = held
+                    .iter()
+                    .filter(|&&c| c != hash && self.blocks.get(c).and_then(|e| e.parent(c)) == Some(hash))
+                    .count();
                 assert_eq!(holder.children as usize, children, "children of {hash:?} in {loc}");
             }
             assert_eq!(state.orphan_parents, orphan_parents, "orphan parents of {loc}");
             assert_eq!(state.orphans, orphan_parents.values().map(|&c| u64::from(c)).sum::<u64>());
         }
-        for (hash, entry) in &self.blocks {
+        for (hash, entry) in self.blocks.iter() {
             assert!(!entry.holders.is_empty(), "{hash:?} has no holder");
             assert!(entry.holders.windows(2).all(|w| w[0].loc < w[1].loc));
             for h in &entry.holders {
-                assert!(self.locations[h.loc as usize].log.contains(hash));
+                assert!(self.locations[h.loc as usize].log.contains(&hash));
             }
         }
         assert_eq!(self.placements, placements);
