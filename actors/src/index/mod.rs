@@ -276,7 +276,7 @@ impl PrefixIndex {
     /// Applies `event` if it is the next one of its source; see [`Applied`] for the rest.
     pub fn apply(&self, event: &KvEvent) -> Applied {
         let source = event.source;
-        let mut guard = self.shard(source).write();
+        let mut guard = write_spinning(self.shard(source));
         let inner = &mut *guard;
         let state = *inner.sources.entry(source).or_insert(SourceState {
             epoch: event.epoch,
@@ -385,7 +385,7 @@ impl PrefixIndex {
     pub fn find_matches(&self, hashes: &[BlockHash], out: &mut Matches) {
         out.results.clear();
         for shard in self.shards.iter() {
-            shard.0.read().store.find_matches(hashes, out);
+            read_spinning(&shard.0).store.find_matches(hashes, out);
         }
     }
 
@@ -422,6 +422,53 @@ impl PrefixIndex {
     fn with_store(&self, f: impl Fn(&Store)) {
         for shard in self.shards.iter() {
             f(&shard.0.read().store);
+        }
+    }
+}
+
+/// How long a lock acquisition of the hot paths spins before it parks the thread.
+const SPIN_LIMIT: Duration = Duration::from_micros(50);
+
+/// Takes `lock` for reading, spinning (not parking) while a writer holds it for up to
+/// [`SPIN_LIMIT`]: an event holds a shard for a microsecond or so, far less than a park and wake
+/// cost.
+fn read_spinning(lock: &RwLock<Inner>) -> parking_lot::RwLockReadGuard<'_, Inner> {
+    if let Some(guard) = lock.try_read() {
+        return guard;
+    }
+    let start = Instant::now();
+    loop {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+            if !lock.is_locked_exclusive()
+                && let Some(guard) = lock.try_read()
+            {
+                return guard;
+            }
+        }
+        if start.elapsed() > SPIN_LIMIT {
+            return lock.read();
+        }
+    }
+}
+
+/// Takes `lock` for writing, spinning as [`read_spinning`] does.
+fn write_spinning(lock: &RwLock<Inner>) -> parking_lot::RwLockWriteGuard<'_, Inner> {
+    if let Some(guard) = lock.try_write() {
+        return guard;
+    }
+    let start = Instant::now();
+    loop {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+            if !lock.is_locked()
+                && let Some(guard) = lock.try_write()
+            {
+                return guard;
+            }
+        }
+        if start.elapsed() > SPIN_LIMIT {
+            return lock.write();
         }
     }
 }
