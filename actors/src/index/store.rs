@@ -518,6 +518,10 @@ impl Store {
                 lo = hi;
                 continue;
             }
+            // Someone drops out in (lo, hi): the bisection's probes, all at once.
+            for &hash in &hashes[lo + 1..hi] {
+                self.blocks.prefetch(hash);
+            }
             if holding == 0 {
                 // Everyone drops out somewhere in (lo, hi].
                 self.bisect(hashes, lo, hi, &mut out.alive, tag, marks);

@@ -24,6 +24,19 @@ const MAX_LOAD_DEN: usize = 8;
 /// The fewest slots a table has.
 const MIN_SLOTS: usize = 64;
 
+/// Hints the CPU to load `slot`'s cache line.
+#[inline(always)]
+fn prefetch_line(slot: &Slot) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` only hints the cache about an address; it never faults and reads
+    // nothing into the program, and the address is a live slot anyway.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(slot).cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = slot;
+}
+
 /// One block: its hash and entry, a cache line.
 #[derive(Debug, Default)]
 #[repr(C, align(64))]
@@ -84,19 +97,14 @@ impl BlockTable {
         ((hash.0 as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
     }
 
-    /// Starts loading the line `hash` will be probed at, so that a later probe of it does not wait
-    /// for memory. Only a hint: it changes nothing and costs one instruction.
+    /// Starts loading the lines `hash` will be probed at (its home slot and the next, where a
+    /// collision or the end of a cluster is found), so that a later probe of it does not wait for
+    /// memory. Only a hint: it changes nothing and costs two instructions.
     #[inline]
     pub(crate) fn prefetch(&self, hash: BlockHash) {
-        let slot: *const Slot = &self.slots[self.home(hash)];
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `_mm_prefetch` only hints the cache about an address; it never faults or reads
-        // data into the program, and the address is a live slot of `self.slots` anyway.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(slot.cast());
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = slot;
+        let home = self.home(hash);
+        prefetch_line(&self.slots[home]);
+        prefetch_line(&self.slots[(home + 1) & self.mask]);
     }
 
     /// Finds `hash`, or the empty slot where it would be inserted.
