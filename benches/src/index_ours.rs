@@ -12,10 +12,14 @@
 //! - a lookup is `PrefixIndex::find_matches` over the prompt's chained hashes into a per-lane
 //!   reusable `Matches`; the answer is `(worker, leading blocks)` per location.
 //!
-//! Both lookups and events run inline on the replay threads: with two lanes, two threads share the
-//! index (lookups under its shards' read locks, an event under its source's shard's write lock),
-//! and every answer is exact for the lane's own workers — there is no queue to settle.
-//! `DYNAMO_BENCH_SHARDS` overrides the index's default shard count.
+//! [`Ours`] runs lookups and events inline on the replay threads: with two lanes, two threads
+//! share the index (lookups under its shards' read locks, an event under its source's shard's
+//! write lock), and every answer is exact for the lane's own workers — there is no queue to
+//! settle. [`OursWriter`] is the node's other way of feeding the index, the way Dynamo's
+//! `ThreadPoolIndexer` works: the replay threads look up and hand events to an
+//! [`IndexWriter`](dynamo_actors::index::IndexWriter) with its own threads (named in the row), and
+//! `settle`/`finish` wait for them to be applied. `DYNAMO_BENCH_SHARDS` overrides the index's
+//! default shard count.
 //!
 //! This file needs `dynamo-actors`, `dynamo-config` and `dynamo-tiering` next to the harness
 //! (`crate::index_replay`, `crate::index_workload`), so the peer workspace includes it by path too.
@@ -24,7 +28,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use dynamo_actors::index::{IndexConfig, KvEvent, KvEventKind, Matches, PrefixIndex, SourceId};
+use dynamo_actors::index::{IndexConfig, IndexWriter, KvEvent, KvEventKind, Matches, PrefixIndex, SourceId};
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
 
@@ -43,7 +47,7 @@ fn block_hash(seq: u64) -> BlockHash {
 /// A fresh [`PrefixIndex`] over a workload's blocks, with per-worker event numbering.
 #[derive(Debug)]
 pub struct Ours {
-    index: PrefixIndex,
+    index: Arc<PrefixIndex>,
     arena: Arc<[BlockHash]>,
     /// The last `seq` given to each worker's events.
     seq: Vec<AtomicU64>,
@@ -58,7 +62,7 @@ impl Ours {
             Some(shards) => PrefixIndex::with_shards(config, shards),
             None => PrefixIndex::new(config),
         };
-        Self { index, arena, seq: (0..workers).map(|_| AtomicU64::new(0)).collect() }
+        Self { index: Arc::new(index), arena, seq: (0..workers).map(|_| AtomicU64::new(0)).collect() }
     }
 
     /// The index (for its stats).
@@ -68,6 +72,31 @@ impl Ours {
 
     fn source(worker: u32) -> SourceId {
         SourceId::worker(0, u16::try_from(worker).expect("fewer than 65 536 workers"))
+    }
+
+    fn event(&self, op: &Op) -> KvEvent {
+        let (worker, kind) = match op {
+            Op::Stored { worker, parent, blocks } => {
+                let hashes = self.arena[range(blocks)].to_vec();
+                (*worker, KvEventKind::Stored { hashes, parent: parent.map(block_hash), tier: TierName::G1 })
+            }
+            Op::Removed { worker, blocks } => {
+                (*worker, KvEventKind::Removed { hashes: self.arena[range(blocks)].to_vec(), tier: TierName::G1 })
+            }
+            Op::Lookup { .. } => unreachable!("lookups are not events"),
+        };
+        let seq = self.seq[worker as usize].fetch_add(1, Ordering::Relaxed) + 1;
+        KvEvent { source: Self::source(worker), epoch: 1, seq, kind }
+    }
+
+    fn lookup(&self, query: Range<usize>, matches: &mut Matches, answer: Option<&mut Vec<(u32, u32)>>) -> usize {
+        self.index.find_matches(&self.arena[query], matches);
+        let found = matches.locations();
+        if let Some(answer) = answer {
+            answer.clear();
+            answer.extend(found.iter().map(|m| (u32::from(m.location.source.worker), m.blocks as u32)));
+        }
+        found.len()
     }
 }
 
@@ -88,18 +117,7 @@ impl BenchIndex for Ours {
     }
 
     fn event(&self, _: &Workload, op: &Op, _: u64) -> KvEvent {
-        let (worker, kind) = match op {
-            Op::Stored { worker, parent, blocks } => {
-                let hashes = self.arena[range(blocks)].to_vec();
-                (*worker, KvEventKind::Stored { hashes, parent: parent.map(block_hash), tier: TierName::G1 })
-            }
-            Op::Removed { worker, blocks } => {
-                (*worker, KvEventKind::Removed { hashes: self.arena[range(blocks)].to_vec(), tier: TierName::G1 })
-            }
-            Op::Lookup { .. } => unreachable!("lookups are not events"),
-        };
-        let seq = self.seq[worker as usize].fetch_add(1, Ordering::Relaxed) + 1;
-        KvEvent { source: Self::source(worker), epoch: 1, seq, kind }
+        Ours::event(self, op)
     }
 
     fn lane(&self) -> OursLane<'_> {
@@ -117,13 +135,69 @@ impl Lane for OursLane<'_> {
     }
 
     fn lookup(&mut self, query: Range<usize>, answer: Option<&mut Vec<(u32, u32)>>) -> usize {
-        self.owner.index.find_matches(&self.owner.arena[query], &mut self.matches);
-        let found = self.matches.locations();
-        if let Some(answer) = answer {
-            answer.clear();
-            answer.extend(found.iter().map(|m| (u32::from(m.location.source.worker), m.blocks as u32)));
-        }
-        found.len()
+        self.owner.lookup(query, &mut self.matches, answer)
+    }
+}
+
+/// [`Ours`] fed through an [`IndexWriter`] of `threads` writer threads.
+#[derive(Debug)]
+pub struct OursWriter {
+    ours: Ours,
+    writer: IndexWriter,
+}
+
+impl OursWriter {
+    /// An empty index for `workers` workers over `arena`, with `threads` writer threads.
+    pub fn new(arena: Arc<[BlockHash]>, workers: u32, threads: usize) -> Self {
+        let ours = Ours::new(arena, workers);
+        let writer = IndexWriter::spawn(ours.index.clone(), threads, None).expect("starting the writer threads");
+        Self { ours, writer }
+    }
+}
+
+/// A replay thread's handle on [`OursWriter`].
+#[derive(Debug)]
+pub struct OursWriterLane<'a> {
+    owner: &'a OursWriter,
+    matches: Matches,
+}
+
+impl BenchIndex for OursWriter {
+    type Query = Range<usize>;
+    type Event = KvEvent;
+    type Lane<'a> = OursWriterLane<'a>;
+
+    fn query(&self, _: &Workload, blocks: Range<u32>) -> Range<usize> {
+        range(&blocks)
+    }
+
+    fn event(&self, _: &Workload, op: &Op, _: u64) -> KvEvent {
+        self.ours.event(op)
+    }
+
+    fn lane(&self) -> OursWriterLane<'_> {
+        OursWriterLane { owner: self, matches: Matches::new() }
+    }
+
+    fn finish(&self) {
+        self.writer.flush();
+    }
+}
+
+impl Lane for OursWriterLane<'_> {
+    type Query = Range<usize>;
+    type Event = KvEvent;
+
+    fn apply(&mut self, event: KvEvent) {
+        self.owner.writer.send(event);
+    }
+
+    fn lookup(&mut self, query: Range<usize>, answer: Option<&mut Vec<(u32, u32)>>) -> usize {
+        self.owner.ours.lookup(query, &mut self.matches, answer)
+    }
+
+    fn settle(&mut self) {
+        self.owner.writer.flush();
     }
 }
 
@@ -155,5 +229,12 @@ mod tests {
         let two = check_parallel(&make, &w, &w.lanes(2), &reference);
         assert!(two.exact(), "{two:?}");
         assert!(timed_pass_parallel(&make, &w, &w.lanes(2)) > std::time::Duration::ZERO);
+        for threads in [1, 2] {
+            let make = || OursWriter::new(arena.clone(), w.workers, threads);
+            let one = check_single(&make, &w, &reference);
+            assert!(one.exact(), "{threads} writer threads: {one:?}");
+            let two = check_parallel(&make, &w, &w.lanes(2), &reference);
+            assert!(two.exact(), "{threads} writer threads, 2 lanes: {two:?}");
+        }
     }
 }

@@ -60,6 +60,7 @@ mod hasher;
 mod matches;
 mod store;
 mod table;
+mod writer;
 
 #[cfg(test)]
 mod tests;
@@ -74,6 +75,7 @@ use parking_lot::RwLock;
 
 pub use events::{EventDecodeError, KvEvent, KvEventKind, SourceId};
 pub use matches::{Location, LocationMatch, Matches, WorkerPrefix};
+pub use writer::{IndexWriter, OnApplied};
 
 use store::{Insert, LocId, Store};
 
@@ -262,10 +264,15 @@ impl PrefixIndex {
         self.shards.len()
     }
 
-    /// The shard of `source`: a node's workers round-robin over the shards.
-    fn shard(&self, source: SourceId) -> &RwLock<Inner> {
+    /// The number of the shard of `source`: a node's workers round-robin over the shards.
+    pub fn shard_index(&self, source: SourceId) -> usize {
         let mixed = usize::from(source.worker) ^ usize::from(source.node).wrapping_mul(0x9E37_79B1);
-        &self.shards[mixed % self.shards.len()].0
+        mixed % self.shards.len()
+    }
+
+    /// The shard of `source`.
+    fn shard(&self, source: SourceId) -> &RwLock<Inner> {
+        &self.shards[self.shard_index(source)].0
     }
 
     /// The configuration.
@@ -275,38 +282,23 @@ impl PrefixIndex {
 
     /// Applies `event` if it is the next one of its source; see [`Applied`] for the rest.
     pub fn apply(&self, event: &KvEvent) -> Applied {
-        let source = event.source;
-        let mut guard = write_spinning(self.shard(source));
-        let inner = &mut *guard;
-        let state = *inner.sources.entry(source).or_insert(SourceState {
-            epoch: event.epoch,
-            last_seq: 0,
-            awaiting_resync: false,
-        });
-        let outcome = if event.epoch < state.epoch {
-            Applied::Stale
-        } else if event.epoch > state.epoch {
-            inner.clear_source(source);
-            inner.stats.new_epochs += 1;
-            let fresh = SourceState { epoch: event.epoch, last_seq: 0, awaiting_resync: false };
-            inner.sources.insert(source, fresh);
-            match inner.sequence(source, fresh, event.seq) {
-                Applied::Applied => Applied::NewEpoch { previous: state.epoch },
-                other => other,
-            }
-        } else {
-            inner.sequence(source, state, event.seq)
-        };
-        match outcome {
-            Applied::Applied | Applied::NewEpoch { .. } => {
-                inner.sources.get_mut(&source).expect("source inserted above").last_seq = event.seq;
-                inner.apply_kind(source, &event.kind);
-            }
-            Applied::Stale => inner.stats.stale_events += 1,
-            Applied::Gap { .. } => inner.stats.gaps += 1,
-            Applied::AwaitingResync { .. } => inner.stats.refused_events += 1,
+        write_spinning(self.shard(event.source)).apply(event)
+    }
+
+    /// Applies `events` in order, as [`PrefixIndex::apply`] would one by one, taking a shard's lock
+    /// once for each run of consecutive events of that shard; `outcomes` gets one entry per event
+    /// (it is cleared first).
+    pub fn apply_run(&self, events: &[KvEvent], outcomes: &mut Vec<Applied>) {
+        outcomes.clear();
+        let mut rest = events;
+        while let Some(first) = rest.first() {
+            let shard = self.shard_index(first.source);
+            let len = rest.iter().take_while(|e| self.shard_index(e.source) == shard).count();
+            let mut inner = write_spinning(&self.shards[shard].0);
+            outcomes.extend(rest[..len].iter().map(|event| inner.apply(event)));
+            drop(inner);
+            rest = &rest[len..];
         }
-        outcome
     }
 
     /// Replaces everything the index has from `source` (its exact locations) with `snapshot`,
@@ -474,6 +466,41 @@ fn write_spinning(lock: &RwLock<Inner>) -> parking_lot::RwLockWriteGuard<'_, Inn
 }
 
 impl Inner {
+    /// [`PrefixIndex::apply`] under the shard's lock.
+    fn apply(&mut self, event: &KvEvent) -> Applied {
+        let source = event.source;
+        let inner = self;
+        let state = *inner.sources.entry(source).or_insert(SourceState {
+            epoch: event.epoch,
+            last_seq: 0,
+            awaiting_resync: false,
+        });
+        let outcome = if event.epoch < state.epoch {
+            Applied::Stale
+        } else if event.epoch > state.epoch {
+            inner.clear_source(source);
+            inner.stats.new_epochs += 1;
+            let fresh = SourceState { epoch: event.epoch, last_seq: 0, awaiting_resync: false };
+            inner.sources.insert(source, fresh);
+            match inner.sequence(source, fresh, event.seq) {
+                Applied::Applied => Applied::NewEpoch { previous: state.epoch },
+                other => other,
+            }
+        } else {
+            inner.sequence(source, state, event.seq)
+        };
+        match outcome {
+            Applied::Applied | Applied::NewEpoch { .. } => {
+                inner.sources.get_mut(&source).expect("source inserted above").last_seq = event.seq;
+                inner.apply_kind(source, &event.kind);
+            }
+            Applied::Stale => inner.stats.stale_events += 1,
+            Applied::Gap { .. } => inner.stats.gaps += 1,
+            Applied::AwaitingResync { .. } => inner.stats.refused_events += 1,
+        }
+        outcome
+    }
+
     /// Decides whether the event `seq` of `source` (in its current epoch) applies.
     fn sequence(&mut self, source: SourceId, state: SourceState, seq: u64) -> Applied {
         if state.awaiting_resync {

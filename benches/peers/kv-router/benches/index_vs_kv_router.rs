@@ -22,7 +22,7 @@ use std::sync::Arc;
 use dynamo_kv_router::indexer::positional::SearchMode;
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer};
 use kv_router_peer_bench::dynamo::{JUMP_SIZE, PositionalDirect, Radix, ThreadPool, dynamo_chain, local_arena};
-use kv_router_peer_bench::index_ours::{Ours, block_arena};
+use kv_router_peer_bench::index_ours::{Ours, OursWriter, block_arena};
 use kv_router_peer_bench::index_replay::{
     BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
 };
@@ -47,6 +47,10 @@ fn main() {
 
         let arena = block_arena(&w);
         let ours = || Ours::new(arena.clone(), w.workers);
+        let ours_writer = |threads| {
+            let arena = arena.clone();
+            move || OursWriter::new(arena.clone(), w.workers, threads)
+        };
         let baseline = || HashBaseline::new(seq.clone());
         let radix = || Radix::new(local.clone());
         let positional = || PositionalDirect::new(local.clone());
@@ -68,6 +72,10 @@ fn main() {
         // One replay thread.
         if settings.wants("ours: PrefixIndex") {
             rows.push(measure_single("ours: PrefixIndex", false, &ours, &w, &reference, passes));
+        }
+        let name = "ours: PrefixIndex (+1 writer thread)";
+        if settings.wants(name) {
+            rows.push(measure_single(name, false, &ours_writer(1), &w, &reference, passes));
         }
         if settings.wants("ours: HashBaseline (sharded RwLock<HashMap>)") {
             rows.push(measure_single(
@@ -97,6 +105,10 @@ fn main() {
         // Two replay threads.
         if settings.wants("ours: PrefixIndex") {
             rows.push(measure_parallel("ours: PrefixIndex", false, &ours, &w, &lanes, &reference, passes));
+        }
+        let name = "ours: PrefixIndex (+2 writer threads)";
+        if settings.wants(name) {
+            rows.push(measure_parallel(name, false, &ours_writer(2), &w, &lanes, &reference, passes));
         }
         let name = "ours: HashBaseline (sharded RwLock<HashMap>)";
         if settings.wants(name) {

@@ -1,0 +1,148 @@
+//! Applying KV events on threads of the index's own, off the threads that produce them.
+//!
+//! A KV event is produced where blocks move: on an engine's thread, in a store actor, or on the
+//! connection of a peer node. Applying it there makes that thread pay for the index (a shard's
+//! write lock and a cache miss per block) in the middle of work that has its own deadline.
+//! [`IndexWriter`] takes events through a queue instead and applies them on `threads` writer
+//! threads, while lookups go on in parallel on the threads that route. Each source's events go
+//! to one writer (by the source's shard), so they are applied in the order they were sent; a
+//! writer applies what has queued up in runs of up to [`RUN`] events per lock acquisition.
+//!
+//! What a lookup sees: every event sent before it *and applied* — the queue adds a delay of a
+//! few microseconds between a block moving and the index knowing. [`IndexWriter::flush`] waits
+//! until everything sent so far is applied (tests, and shutdown).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+
+use super::{Applied, KvEvent, PrefixIndex};
+
+/// The most events a writer applies under one lock acquisition: long enough to amortize the
+/// lock, short enough that a lookup waits a few microseconds at most.
+pub(crate) const RUN: usize = 8;
+
+/// How many events may wait per writer before [`IndexWriter::send`] blocks (back-pressure: a
+/// producer faster than the index is slowed down rather than growing the queue without bound).
+pub(crate) const QUEUE: usize = 1 << 16;
+
+/// Called on a writer thread with every event and what the index did with it.
+pub type OnApplied = Arc<dyn Fn(&KvEvent, Applied) + Send + Sync>;
+
+/// One writer thread's queue and progress.
+#[derive(Debug)]
+struct Lane {
+    tx: Sender<KvEvent>,
+    /// Events sent to this lane.
+    sent: AtomicU64,
+    /// Events this lane's thread has applied.
+    applied: Arc<AtomicU64>,
+}
+
+/// Writer threads applying events to a [`PrefixIndex`]; see the module docs.
+pub struct IndexWriter {
+    index: Arc<PrefixIndex>,
+    lanes: Vec<Lane>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for IndexWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IndexWriter").field("lanes", &self.lanes).finish_non_exhaustive()
+    }
+}
+
+impl IndexWriter {
+    /// Starts `threads` writer threads (at least 1) for `index`; `on_applied`, if given, hears of
+    /// every event applied (metrics, logging a gap).
+    pub fn spawn(index: Arc<PrefixIndex>, threads: usize, on_applied: Option<OnApplied>) -> std::io::Result<Self> {
+        let mut lanes = Vec::new();
+        let mut handles = Vec::new();
+        for k in 0..threads.max(1) {
+            let (tx, rx) = crossbeam_channel::bounded(QUEUE);
+            let applied = Arc::new(AtomicU64::new(0));
+            let (thread_index, thread_applied, thread_hook) = (index.clone(), applied.clone(), on_applied.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("index-writer-{k}"))
+                .spawn(move || write_loop(&thread_index, &rx, &thread_applied, thread_hook.as_ref()))?;
+            lanes.push(Lane { tx, sent: AtomicU64::new(0), applied });
+            handles.push(handle);
+        }
+        Ok(Self { index, lanes, threads: handles })
+    }
+
+    /// The index it writes.
+    pub fn index(&self) -> &Arc<PrefixIndex> {
+        &self.index
+    }
+
+    /// Queues `event`. Events of one source must be sent in order (from one thread, or under the
+    /// lock that numbers them); they are applied in that order.
+    pub fn send(&self, event: KvEvent) {
+        let lane = &self.lanes[self.index.shard_index(event.source) % self.lanes.len()];
+        lane.sent.fetch_add(1, Ordering::Relaxed);
+        // Sending fails only once the writer thread is gone, i.e. during drop.
+        let _ = lane.tx.send(event);
+    }
+
+    /// Waits until every event sent before this call is applied.
+    pub fn flush(&self) {
+        for lane in &self.lanes {
+            let target = lane.sent.load(Ordering::Relaxed);
+            let mut spins = 0u32;
+            while lane.applied.load(Ordering::Acquire) < target {
+                spins += 1;
+                if spins < 256 {
+                    std::hint::spin_loop();
+                } else if spins < 1024 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for IndexWriter {
+    /// Applies what is queued, then stops the writer threads.
+    fn drop(&mut self) {
+        // Closing the channels ends each thread's loop once its queue is empty.
+        self.lanes.clear();
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// One writer thread: waits for an event, then applies it and whatever queued behind it.
+fn write_loop(index: &PrefixIndex, rx: &Receiver<KvEvent>, applied: &AtomicU64, on_applied: Option<&OnApplied>) {
+    let mut run = Vec::with_capacity(RUN);
+    let mut outcomes = Vec::with_capacity(RUN);
+    while let Ok(first) = rx.recv() {
+        run.push(first);
+        loop {
+            while run.len() < RUN {
+                match rx.try_recv() {
+                    Ok(event) => run.push(event),
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                }
+            }
+            index.apply_run(&run, &mut outcomes);
+            if let Some(hook) = on_applied {
+                for (event, &outcome) in run.iter().zip(&outcomes) {
+                    hook(event, outcome);
+                }
+            }
+            applied.fetch_add(run.len() as u64, Ordering::Release);
+            let full = run.len() == RUN;
+            run.clear();
+            if !full {
+                break;
+            }
+        }
+    }
+}
