@@ -312,8 +312,8 @@ pub struct BenchSettings {
     pub passes: usize,
     /// Whether to measure at all: `false` under `--test` or `--list` (as `cargo test --benches` runs it).
     pub run: bool,
-    /// Only the rows whose name contains one of these (`DYNAMO_BENCH_ROWS`, comma-separated; default
-    /// every row).
+    /// Only the rows whose name contains one of these (`DYNAMO_BENCH_ROWS`, comma-separated, `=name`
+    /// for an exact name; default every row).
     pub rows: Vec<String>,
 }
 
@@ -333,9 +333,11 @@ impl BenchSettings {
         Self { trace, workers, passes, run, rows }
     }
 
-    /// Whether the row `name` is selected by `DYNAMO_BENCH_ROWS`.
+    /// Whether the row `name` is selected by `DYNAMO_BENCH_ROWS` (a pattern that starts with `=`
+    /// must match the whole name).
     pub fn wants(&self, name: &str) -> bool {
-        self.rows.is_empty() || self.rows.iter().any(|r| name.contains(r.as_str()))
+        self.rows.is_empty()
+            || self.rows.iter().any(|r| r.strip_prefix('=').map_or_else(|| name.contains(r.as_str()), |exact| name == exact))
     }
 }
 
