@@ -337,7 +337,10 @@ impl BenchSettings {
     /// must match the whole name).
     pub fn wants(&self, name: &str) -> bool {
         self.rows.is_empty()
-            || self.rows.iter().any(|r| r.strip_prefix('=').map_or_else(|| name.contains(r.as_str()), |exact| name == exact))
+            || self
+                .rows
+                .iter()
+                .any(|r| r.strip_prefix('=').map_or_else(|| name.contains(r.as_str()), |exact| name == exact))
     }
 }
 

@@ -318,20 +318,33 @@ impl Store {
             self.blocks.prefetch(hash);
         }
         let mut removed = 0;
+        // Leaves come first, so the parent of a block is usually the next block: the slot where
+        // the last removal found its parent is tried before a probe.
+        let mut hint = None;
         for (i, &hash) in hashes.iter().enumerate() {
             if let Some(&ahead) = hashes.get(i + PREFETCH) {
                 self.blocks.prefetch(ahead);
             }
-            removed += u64::from(self.remove(loc, hash));
+            let (held, parent_slot) = self.remove_hinted(loc, hash, hint);
+            removed += u64::from(held);
+            hint = parent_slot;
         }
         removed
     }
 
     /// Removes `hash` from `loc`; returns whether `loc` held it.
     pub(crate) fn remove(&mut self, loc: LocId, hash: BlockHash) -> bool {
-        let Some(slot) = self.blocks.find(hash) else { return false };
+        self.remove_hinted(loc, hash, None).0
+    }
+
+    /// Removes `hash` from `loc`, trying slot `hint` before a probe; returns whether `loc` held
+    /// it and, if `loc` holds its parent, the parent's slot.
+    fn remove_hinted(&mut self, loc: LocId, hash: BlockHash, hint: Option<usize>) -> (bool, Option<usize>) {
+        let Some(slot) = hint.filter(|&i| self.blocks.holds_at(i, hash)).or_else(|| self.blocks.find(hash)) else {
+            return (false, None);
+        };
         let entry = self.blocks.at_mut(slot);
-        let Ok(at) = entry.find(loc) else { return false };
+        let Ok(at) = entry.find(loc) else { return (false, None) };
         let holder = entry.holders.remove(at);
         let parent = entry.parent(hash);
         if entry.holders.is_empty() {
@@ -350,17 +363,22 @@ impl Store {
             key.orphans += u64::from(holder.children);
             *state.orphan_parents.entry(hash).or_insert(0) += holder.children;
         }
-        if let Some(parent) = parent {
-            self.abandon(loc, parent);
-        }
-        true
+        let parent_slot = parent.and_then(|parent| self.abandon(loc, parent));
+        (true, parent_slot)
     }
 
-    /// A child of `parent` left `loc`: uncount it under the parent, or as an orphan.
-    fn abandon(&mut self, loc: LocId, parent: BlockHash) {
-        match self.held_by(loc, parent) {
-            Some(holder) => holder.children -= 1,
-            None => {
+    /// A child of `parent` left `loc`: uncount it under the parent, or as an orphan. Returns the
+    /// parent's slot if `loc` holds it.
+    fn abandon(&mut self, loc: LocId, parent: BlockHash) -> Option<usize> {
+        if let Some(slot) = self.blocks.find(parent) {
+            let entry = self.blocks.at_mut(slot);
+            if let Ok(at) = entry.find(loc) {
+                entry.holders[at].children -= 1;
+                return Some(slot);
+            }
+        }
+        {
+            {
                 let state = &mut self.locations[loc as usize];
                 self.keys[loc as usize].orphans -= 1;
                 let count = state.orphan_parents.get_mut(&parent).expect("an orphan's parent is counted");
@@ -370,6 +388,7 @@ impl Store {
                 }
             }
         }
+        None
     }
 
     /// Drops every block of `loc`, in `O(blocks of loc)` (its log is at most [`COMPACT_RATIO`]
