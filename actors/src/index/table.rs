@@ -6,15 +6,11 @@
 //! slot is one aligned 64-byte line holding the key and its [`Entry`], so a probe that hits costs
 //! one line.
 //!
-//! Linear probing from a Fibonacci-hashed home slot. A removal leaves a *tombstone* (probes go on
-//! past it, an insertion reuses it) unless the next slot is free, so it touches one slot; live
-//! blocks and tombstones together stay under [`MAX_LOAD_NUM`]/[`MAX_LOAD_DEN`] of the slots, and
-//! when tombstones push past that the table is rebuilt (same size if that makes room, else twice
-//! the size). A slot is free when its entry has no holder (the store never keeps an entry without
-//! one); a free slot's `hash` tells a tombstone ([`TOMBSTONE`]) from an empty one. Slot indices are
-//! stable until the next [`BlockTable::reserve`] that rebuilds, which is what lets a `Stored`
-//! event reach a block's parent (the block before it) by index, and a `Removed` event try the
-//! parent's slot before probing.
+//! Linear probing from a Fibonacci-hashed home slot, at most [`MAX_LOAD_NUM`]/[`MAX_LOAD_DEN`]
+//! full, with backward-shift deletion (no tombstones: a removal moves the rest of its cluster back,
+//! so probe lengths never degrade). A slot is empty when its entry has no holder; the store never
+//! keeps an entry without one. Slot indices are stable until the next removal or growth, which is
+//! what lets a `Stored` event reach a block's parent (the block before it) by index.
 
 use dynamo_tiering::block::BlockHash;
 use smallvec::SmallVec;
@@ -28,10 +24,6 @@ const MAX_LOAD_DEN: usize = 8;
 
 /// The fewest slots a table has.
 const MIN_SLOTS: usize = 64;
-
-/// The `hash` of a free slot that is a tombstone (any other value: empty). Only free slots are
-/// read this way, so a block whose hash happens to be this value is still stored correctly.
-const TOMBSTONE: BlockHash = BlockHash(u128::MAX);
 
 /// Hints the CPU to load `slot`'s cache line.
 #[inline(always)]
@@ -55,7 +47,6 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// Free: empty or a tombstone.
     fn is_empty(&self) -> bool {
         self.entry.holders.is_empty()
     }
@@ -70,7 +61,6 @@ pub(crate) struct BlockTable {
     /// `64 - log2(slots.len())`: the shift that turns a Fibonacci product into a home slot.
     shift: u32,
     len: usize,
-    tombstones: usize,
 }
 
 /// Where [`BlockTable::probe`] ended.
@@ -92,7 +82,7 @@ impl BlockTable {
     fn with_slots(count: usize) -> Self {
         debug_assert!(count.is_power_of_two());
         let slots = std::iter::repeat_with(Slot::default).take(count).collect();
-        Self { slots, mask: count - 1, shift: 64 - count.trailing_zeros(), len: 0, tombstones: 0 }
+        Self { slots, mask: count - 1, shift: 64 - count.trailing_zeros(), len: 0 }
     }
 
     /// Blocks in the table.
@@ -118,22 +108,17 @@ impl BlockTable {
         prefetch_line(&self.slots[(home + 1) & self.mask]);
     }
 
-    /// Finds `hash`, or the free slot where it would be inserted (the first tombstone on its
-    /// probe path, else the empty slot that ended it).
+    /// Finds `hash`, or the empty slot where it would be inserted.
     #[inline]
     pub(crate) fn probe(&self, hash: BlockHash) -> Probe {
         let mut i = self.home(hash);
-        let mut tombstone = None;
         loop {
             let slot = &self.slots[i];
-            if !slot.is_empty() {
-                if slot.hash == hash {
-                    return Probe::Found(i);
-                }
-            } else if slot.hash == TOMBSTONE {
-                tombstone = tombstone.or(Some(i));
-            } else {
-                return Probe::Vacant(tombstone.unwrap_or(i));
+            if slot.is_empty() {
+                return Probe::Vacant(i);
+            }
+            if slot.hash == hash {
+                return Probe::Found(i);
             }
             i = (i + 1) & self.mask;
         }
@@ -182,27 +167,18 @@ impl BlockTable {
     /// with no growth or removal since that probe; [`BlockTable::reserve`] first.
     pub(crate) fn fill(&mut self, i: usize, hash: BlockHash, entry: Entry) {
         debug_assert!(self.slots[i].is_empty() && !entry.holders.is_empty());
-        if self.slots[i].hash == TOMBSTONE {
-            self.tombstones -= 1;
-        }
-        debug_assert!((self.len + self.tombstones) * MAX_LOAD_DEN < self.slots.len() * MAX_LOAD_NUM + MAX_LOAD_DEN);
+        debug_assert!(self.len < self.slots.len() * MAX_LOAD_NUM / MAX_LOAD_DEN + 1);
         self.slots[i] = Slot { hash, entry };
         self.len += 1;
     }
 
-    /// Makes room for `additional` more blocks without a rebuild, rebuilding now if needed (which
-    /// moves every block: slot indices taken before are void).
+    /// Makes room for `additional` more blocks without growing.
     pub(crate) fn reserve(&mut self, additional: usize) {
         let needed = self.len + additional;
-        if (needed + self.tombstones) * MAX_LOAD_DEN <= self.slots.len() * MAX_LOAD_NUM {
+        if needed * MAX_LOAD_DEN <= self.slots.len() * MAX_LOAD_NUM {
             return;
         }
-        // Without the tombstones, at most half full: rebuild at the same size; else grow.
-        let count = if 2 * needed * MAX_LOAD_DEN <= self.slots.len() * MAX_LOAD_NUM {
-            self.slots.len()
-        } else {
-            (needed * MAX_LOAD_DEN).div_ceil(MAX_LOAD_NUM).next_power_of_two().max(self.slots.len() * 2)
-        };
+        let count = (needed * MAX_LOAD_DEN).div_ceil(MAX_LOAD_NUM).next_power_of_two().max(self.slots.len() * 2);
         let old = std::mem::replace(self, Self::with_slots(count));
         for slot in old.slots.into_vec().into_iter().filter(|s| !s.is_empty()) {
             let Probe::Vacant(i) = self.probe(slot.hash) else { unreachable!("keys are unique") };
@@ -210,23 +186,25 @@ impl BlockTable {
         }
     }
 
-    /// Frees slot `i`, whose entry has no holder left. Other blocks keep their slots.
+    /// Frees slot `i`, whose entry has no holder left, moving the rest of its cluster back. Slot
+    /// indices of other blocks may change.
     pub(crate) fn remove_at(&mut self, i: usize) {
         debug_assert!(self.slots[i].is_empty());
-        self.len -= 1;
-        let next = &self.slots[(i + 1) & self.mask];
-        // No probe path goes through `i` to a block further on if the next slot is empty.
-        let next_empty = next.is_empty() && next.hash != TOMBSTONE;
-        let slot = &mut self.slots[i];
-        if slot.entry.holders.spilled() {
+        if self.slots[i].entry.holders.spilled() {
             // Give the heap buffer back; an inline empty list is what a free slot holds.
-            slot.entry.holders = SmallVec::new();
+            self.slots[i].entry.holders = SmallVec::new();
         }
-        if next_empty {
-            slot.hash = BlockHash(0);
-        } else {
-            slot.hash = TOMBSTONE;
-            self.tombstones += 1;
+        self.len -= 1;
+        let mut hole = i;
+        let mut j = (i + 1) & self.mask;
+        while !self.slots[j].is_empty() {
+            // The entry at `j` may fill the hole unless its home lies cyclically in (hole, j].
+            let home = self.home(self.slots[j].hash);
+            if (j.wrapping_sub(home) & self.mask) >= (j.wrapping_sub(hole) & self.mask) {
+                self.slots.swap(hole, j);
+                hole = j;
+            }
+            j = (j + 1) & self.mask;
         }
     }
 
@@ -255,7 +233,7 @@ mod tests {
 
     /// Random inserts and removals, including keys that share their home slot, against a HashMap.
     #[test]
-    fn matches_a_hash_map_through_growth_tombstones_and_rebuilds() {
+    fn matches_a_hash_map_through_growth_and_backward_shift() {
         let mut table = BlockTable::with_capacity(0);
         let mut model: HashMap<BlockHash, u32> = HashMap::new();
         let mut inserted = std::collections::HashSet::new();
@@ -268,8 +246,8 @@ mod tests {
             // Few distinct keys so removals hit; some differ only in their high 64 bits.
             let k = next() % 3000;
             let hash = match k {
-                // The tombstone marker and the empty slot's default are valid block hashes too.
-                2999 => TOMBSTONE,
+                // The empty slot's default and the largest value are valid block hashes too.
+                2999 => BlockHash(u128::MAX),
                 k => BlockHash(u128::from(k % 1000) | (u128::from(k / 1000) << 64)),
             };
             if next() % 3 == 0 {
@@ -289,14 +267,15 @@ mod tests {
                 inserted.insert(hash);
             }
             assert_eq!(table.len(), model.len());
-            let free_marked = table.slots.iter().filter(|s| s.is_empty() && s.hash == TOMBSTONE).count();
-            assert_eq!(table.tombstones, free_marked, "tombstone count at step {step}");
         }
         for (&hash, &t) in &model {
             assert_eq!(tag(&table, hash), Some(t));
         }
         assert_eq!(table.iter().count(), model.len());
         assert!(model.len() > 100, "the test keeps a populated table");
-        assert!(inserted.contains(&TOMBSTONE) && inserted.contains(&BlockHash(0)), "the special keys took part");
+        assert!(
+            inserted.contains(&BlockHash(u128::MAX)) && inserted.contains(&BlockHash(0)),
+            "the special keys took part"
+        );
     }
 }
