@@ -418,51 +418,46 @@ impl PrefixIndex {
     }
 }
 
-/// How long a lock acquisition of the hot paths spins before it parks the thread.
+/// How long a lock acquisition of the hot paths keeps trying before it parks the thread.
 const SPIN_LIMIT: Duration = Duration::from_micros(50);
 
-/// Takes `lock` for reading, spinning (not parking) while a writer holds it for up to
-/// [`SPIN_LIMIT`]: an event holds a shard for a microsecond or so, far less than a park and wake
-/// cost.
-fn read_spinning(lock: &RwLock<Inner>) -> parking_lot::RwLockReadGuard<'_, Inner> {
-    if let Some(guard) = lock.try_read() {
+/// Spins of a lock acquisition before it starts yielding the CPU between tries.
+const SPINS: u32 = 128;
+
+/// Takes a lock with `try_lock`, spinning (not parking) while it is held: an event holds a shard
+/// for a microsecond or so, far less than a park and wake. After [`SPINS`] spins it yields the
+/// CPU between tries (the holder may be waiting for this very core), and after [`SPIN_LIMIT`] it
+/// parks with `lock`.
+fn acquire<G>(held: impl Fn() -> bool, try_lock: impl Fn() -> Option<G>, lock: impl FnOnce() -> G) -> G {
+    if let Some(guard) = try_lock() {
         return guard;
     }
-    let start = Instant::now();
-    loop {
-        for _ in 0..64 {
-            std::hint::spin_loop();
-            if !lock.is_locked_exclusive()
-                && let Some(guard) = lock.try_read()
-            {
-                return guard;
-            }
-        }
-        if start.elapsed() > SPIN_LIMIT {
-            return lock.read();
+    for _ in 0..SPINS {
+        std::hint::spin_loop();
+        if !held()
+            && let Some(guard) = try_lock()
+        {
+            return guard;
         }
     }
+    let start = Instant::now();
+    while start.elapsed() < SPIN_LIMIT {
+        std::thread::yield_now();
+        if let Some(guard) = try_lock() {
+            return guard;
+        }
+    }
+    lock()
 }
 
-/// Takes `lock` for writing, spinning as [`read_spinning`] does.
+/// Takes `lock` for reading; see [`acquire`].
+fn read_spinning(lock: &RwLock<Inner>) -> parking_lot::RwLockReadGuard<'_, Inner> {
+    acquire(|| lock.is_locked_exclusive(), || lock.try_read(), || lock.read())
+}
+
+/// Takes `lock` for writing; see [`acquire`].
 fn write_spinning(lock: &RwLock<Inner>) -> parking_lot::RwLockWriteGuard<'_, Inner> {
-    if let Some(guard) = lock.try_write() {
-        return guard;
-    }
-    let start = Instant::now();
-    loop {
-        for _ in 0..64 {
-            std::hint::spin_loop();
-            if !lock.is_locked()
-                && let Some(guard) = lock.try_write()
-            {
-                return guard;
-            }
-        }
-        if start.elapsed() > SPIN_LIMIT {
-            return lock.write();
-        }
-    }
+    acquire(|| lock.is_locked(), || lock.try_write(), || lock.write())
 }
 
 impl Inner {
