@@ -67,6 +67,7 @@ mod tests;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use dynamo_config::TierName;
@@ -214,7 +215,12 @@ pub const DEFAULT_SHARDS: usize = 2;
 
 /// One shard: an independent index of the sources assigned to it, on its own cache lines.
 #[repr(align(128))]
-struct Shard(RwLock<Inner>);
+struct Shard(RwLock<Inner>, Waiting);
+
+/// Lookups waiting for a shard's read lock: a writer applying a run of events lets them in
+/// between two events instead of after the whole run.
+#[derive(Debug, Default)]
+struct Waiting(std::sync::atomic::AtomicU32);
 
 /// The global prefix index. `Send + Sync`; every method takes `&self`.
 pub struct PrefixIndex {
@@ -248,12 +254,15 @@ impl PrefixIndex {
         let per_shard = config.max_blocks.div_ceil(count);
         let shards = (0..count)
             .map(|_| {
-                Shard(RwLock::new(Inner {
-                    store: Store::new(per_shard, count),
-                    sources: HashMap::default(),
-                    expiry: VecDeque::new(),
-                    stats: IndexStats::default(),
-                }))
+                Shard(
+                    RwLock::new(Inner {
+                        store: Store::new(per_shard, count),
+                        sources: HashMap::default(),
+                        expiry: VecDeque::new(),
+                        stats: IndexStats::default(),
+                    }),
+                    Waiting::default(),
+                )
             })
             .collect();
         Self { config, shards }
@@ -294,8 +303,20 @@ impl PrefixIndex {
         while let Some(first) = rest.first() {
             let shard = self.shard_index(first.source);
             let len = rest.iter().take_while(|e| self.shard_index(e.source) == shard).count();
-            let mut inner = write_spinning(&self.shards[shard].0);
-            outcomes.extend(rest[..len].iter().map(|event| inner.apply(event)));
+            let Shard(lock, waiting) = &self.shards[shard];
+            let mut inner = write_spinning(lock);
+            for event in &rest[..len] {
+                if waiting.0.load(Ordering::Relaxed) > 0 {
+                    // Let the waiting lookups in (for a bounded time), then go on.
+                    drop(inner);
+                    let start = Instant::now();
+                    while waiting.0.load(Ordering::Relaxed) > 0 && start.elapsed() < HANDOFF {
+                        std::hint::spin_loop();
+                    }
+                    inner = write_spinning(lock);
+                }
+                outcomes.push(inner.apply(event));
+            }
             drop(inner);
             rest = &rest[len..];
         }
@@ -377,7 +398,7 @@ impl PrefixIndex {
     pub fn find_matches(&self, hashes: &[BlockHash], out: &mut Matches) {
         out.results.clear();
         for shard in self.shards.iter() {
-            read_spinning(&shard.0).store.find_matches(hashes, out);
+            read_waiting(shard).store.find_matches(hashes, out);
         }
     }
 
@@ -453,6 +474,21 @@ fn acquire<G>(held: impl Fn() -> bool, try_lock: impl Fn() -> Option<G>, lock: i
 /// Takes `lock` for reading; see [`acquire`].
 fn read_spinning(lock: &RwLock<Inner>) -> parking_lot::RwLockReadGuard<'_, Inner> {
     acquire(|| lock.is_locked_exclusive(), || lock.try_read(), || lock.read())
+}
+
+/// How long a writer between two events of a run waits for the lookups it let in.
+const HANDOFF: Duration = Duration::from_micros(20);
+
+/// Takes `shard` for reading as [`read_spinning`] does, counted among its waiting lookups while
+/// it waits.
+fn read_waiting(shard: &Shard) -> parking_lot::RwLockReadGuard<'_, Inner> {
+    if let Some(guard) = shard.0.try_read() {
+        return guard;
+    }
+    shard.1.0.fetch_add(1, Ordering::Relaxed);
+    let guard = read_spinning(&shard.0);
+    shard.1.0.fetch_sub(1, Ordering::Relaxed);
+    guard
 }
 
 /// Takes `lock` for writing; see [`acquire`].

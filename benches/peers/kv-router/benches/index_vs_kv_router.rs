@@ -77,6 +77,10 @@ fn main() {
         if settings.wants(name) {
             rows.push(measure_single(name, false, &ours_writer(1), &w, &reference, passes));
         }
+        let name = "ours: PrefixIndex (+2 writer threads)";
+        if settings.wants(name) {
+            rows.push(measure_single(name, false, &ours_writer(2), &w, &reference, passes));
+        }
         if settings.wants("ours: HashBaseline (sharded RwLock<HashMap>)") {
             rows.push(measure_single(
                 "ours: HashBaseline (sharded RwLock<HashMap>)",
@@ -96,6 +100,10 @@ fn main() {
         let name = "Dynamo ThreadPool<CRTC> (+1 pool thread)";
         if settings.wants(name) {
             rows.push(measure_single(name, true, &crtc_pool(1), &w, &reference, passes));
+        }
+        let name = "Dynamo ThreadPool<CRTC> (+2 pool threads)";
+        if settings.wants(name) {
+            rows.push(measure_single(name, true, &crtc_pool(2), &w, &reference, passes));
         }
         let name = "Dynamo ThreadPool<PositionalIndexer> (+1 pool thread)";
         if settings.wants(name) {
