@@ -107,12 +107,8 @@ pub fn timed_pass_single<I: BenchIndex>(make: &dyn Fn() -> I, workload: &Workloa
     let mut lane = index.lane();
     let start = Instant::now();
     black_box(run_lane(&mut lane, steps));
-    let lanes = start.elapsed();
     index.finish();
     let elapsed = start.elapsed();
-    if std::env::var("DBG_SPLIT").is_ok() {
-        eprintln!("lane {lanes:?} total {elapsed:?}");
-    }
     drop(lane);
     elapsed
 }

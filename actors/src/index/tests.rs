@@ -811,3 +811,57 @@ fn churn_compacts_the_log_and_clear_still_drops_everything() {
     assert!(answers(&index, &c[..150]).is_empty());
     index.with_store(Store::check_invariants);
 }
+
+#[test]
+fn a_writer_applies_each_sources_events_in_order_and_reports_every_outcome() {
+    let inline = PrefixIndex::default();
+    let index = Arc::new(PrefixIndex::default());
+    let heard: Arc<parking_lot::Mutex<Vec<(SourceId, u64, Applied)>>> = Arc::default();
+    let hook: OnApplied = {
+        let heard = heard.clone();
+        Arc::new(move |event: &KvEvent, outcome| heard.lock().push((event.source, event.seq, outcome)))
+    };
+    let writer = IndexWriter::spawn(index.clone(), 2, Some(hook)).expect("writer threads");
+    let sources = [W00, W01, SourceId::worker(0, 2), N0];
+    let mut events = Vec::new();
+    for (k, &source) in sources.iter().enumerate() {
+        let c = chain(10 + k as u64, 200);
+        for round in 0..25u64 {
+            let seq = 2 * round + 1;
+            let lo = (round as usize * 7) % 150;
+            let parent = lo.checked_sub(1).map(|p| c[p]);
+            events.push(stored(source, seq, TierName::G1, parent, &c[lo..lo + 40]));
+            let tail: Vec<BlockHash> = c[lo + 30..lo + 40].iter().rev().copied().collect();
+            events.push(removed(source, seq + 1, TierName::G1, &tail));
+        }
+    }
+    // Interleave the sources (each source's own events stay in order) and add a gap.
+    events.sort_by_key(|e| (e.seq, e.source));
+    events.push(stored(W01, 99, TierName::G1, None, &chain(99, 3)));
+    for event in &events {
+        inline.apply(event);
+        writer.send(event.clone());
+    }
+    writer.flush();
+    for (k, _) in sources.iter().enumerate() {
+        let query = chain(10 + k as u64, 200);
+        assert_eq!(answers(&index, &query), answers(&inline, &query));
+    }
+    assert_eq!(index.stats(), inline.stats());
+    let heard = heard.lock().clone();
+    assert_eq!(heard.len(), events.len(), "one outcome per event");
+    for &source in &sources {
+        let seqs: Vec<u64> = heard.iter().filter(|h| h.0 == source).map(|h| h.1).collect();
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{source:?} applied out of order: {seqs:?}");
+    }
+    assert!(heard.contains(&(W01, 99, Applied::Gap { source: W01, expected: 51, got: 99 })));
+
+    // Dropping the writer applies what is still queued.
+    let c = chain(500, 64);
+    for (i, block) in c.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|p| c[p]);
+        writer.send(stored(N0, 51 + i as u64, TierName::G2, parent, std::slice::from_ref(block)));
+    }
+    drop(writer);
+    assert_eq!(answers(&index, &c), BTreeMap::from([(exact(N0, TierName::G2), 64)]));
+}
