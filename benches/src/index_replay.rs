@@ -373,7 +373,8 @@ pub struct Measurement {
     pub peer: bool,
     /// Workers in the workload.
     pub workers: u32,
-    /// Replay threads (lanes) used.
+    /// Threads the row used: its replay threads (lanes) plus the index's own helper threads
+    /// ([`Measurement::with_helpers`]); rows are compared within the same count.
     pub threads: usize,
     /// Best pass time.
     pub time: Duration,
@@ -409,17 +410,36 @@ impl Measurement {
     }
 }
 
+impl Measurement {
+    /// The same row, counting `helpers` threads of the index's own (pool or writer threads)
+    /// besides its replay threads.
+    pub fn with_helpers(mut self, helpers: usize) -> Self {
+        self.threads += helpers;
+        self
+    }
+}
+
+/// The (workers, threads) groups of `rows`, in order of first appearance.
+fn groups(rows: &[Measurement]) -> Vec<(u32, usize)> {
+    let mut groups: Vec<(u32, usize)> = Vec::new();
+    for key in rows.iter().map(|r| (r.workers, r.threads)) {
+        if !groups.contains(&key) {
+            groups.push(key);
+        }
+    }
+    groups.sort_by_key(|&(workers, threads)| (workers, threads));
+    groups
+}
+
 /// Prints the table: per worker count and thread count, every row with its ratio to the best peer
-/// row of the same group (in block ops/s); then, per group, the row named `headline` against the
-/// best peer row.
+/// row of the same group (in block ops/s); then, per group, the best row whose name starts with
+/// `headline` against the best peer row.
 pub fn print_table(rows: &[Measurement], headline: &str) {
     println!(
         "\n{:>7} {:>7}  {:<52} {:>13} {:>12} {:>12}  exactness",
         "workers", "threads", "index", "block ops/s", "requests/s", "× best peer"
     );
-    let mut groups: Vec<(u32, usize)> = rows.iter().map(|r| (r.workers, r.threads)).collect();
-    groups.dedup();
-    for (workers, threads) in groups {
+    for (workers, threads) in groups(rows) {
         let group: Vec<&Measurement> = rows.iter().filter(|r| r.workers == workers && r.threads == threads).collect();
         let best_peer = group.iter().filter(|r| r.peer).map(|r| r.block_ops_per_s).fold(0.0, f64::max);
         for r in group {
@@ -439,22 +459,20 @@ pub fn print_table(rows: &[Measurement], headline: &str) {
     print_summary(rows, headline);
 }
 
-/// Prints, per worker count and thread count, the block ops/s of the row named `headline` divided by
-/// the best peer row's (nothing if the table has no peer rows).
+/// Prints, per worker count and thread count, the block ops/s of the best row whose name starts
+/// with `headline` divided by the best peer row's (nothing if the table has no peer rows).
 fn print_summary(rows: &[Measurement], headline: &str) {
-    let mut groups: Vec<(u32, usize)> = rows.iter().map(|r| (r.workers, r.threads)).collect();
-    groups.dedup();
     let best = |peer: bool, workers: u32, threads: usize| {
         rows.iter()
             .filter(|r| r.workers == workers && r.threads == threads)
-            .filter(|r| if peer { r.peer } else { r.name == headline })
+            .filter(|r| if peer { r.peer } else { !r.peer && r.name.starts_with(headline) })
             .max_by(|a, b| a.block_ops_per_s.total_cmp(&b.block_ops_per_s))
     };
     if !rows.iter().any(|r| r.peer) {
         return;
     }
     println!("\n{:>7} {:>7}  {:<44} {:<52} {:>12}", "workers", "threads", "ours", "best peer", "× best peer");
-    for (workers, threads) in groups {
+    for (workers, threads) in groups(rows) {
         let (Some(ours), Some(peer)) = (best(false, workers, threads), best(true, workers, threads)) else { continue };
         println!(
             "{:>7} {:>7}  {:<44} {:<52} {:>11.2}×",

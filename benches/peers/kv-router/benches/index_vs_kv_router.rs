@@ -7,12 +7,16 @@
 //! timed (best of `DYNAMO_BENCH_PASSES`, default 5). Columns: block ops/s (looked-up + stored +
 //! removed blocks per second), requests/s, and the ratio to the best Dynamo row of the same group.
 //!
-//! Threads: "1" rows replay the whole stream on one thread; "2" rows split it into two lanes by the
-//! routed worker's parity (a request's lookup and events on its worker's lane), so every worker's
-//! events stay ordered on one thread and both lanes carry about half the block ops. Dynamo's
-//! `ThreadPoolIndexer` rows also run its own pool threads (named in the row), which apply the events
-//! the replay threads enqueue; `RadixTree` is single-threaded (`Rc` nodes, `&mut self` writes), so it
-//! has no 2-thread row. See `kv_router_peer_bench::dynamo` for how each index is driven.
+//! Threads: a row replays the whole stream on one thread ("1 replay"), or splits it into two lanes
+//! by the routed worker's parity ("2 replay": a request's lookup and events on its worker's lane),
+//! so every worker's events stay ordered on one thread and both lanes carry about half the block
+//! ops. Some indexes also run helper threads of their own that apply the events the replay threads
+//! hand them: Dynamo's `ThreadPoolIndexer` its pool, ours an `IndexWriter`. The "threads" column
+//! counts both, and rows are compared only with rows of the same count, so neither side is
+//! measured against the other with more threads. `RadixTree` is single-threaded (`Rc` nodes,
+//! `&mut self` writes), so it has only a 1-thread row; `ConcurrentRadixTreeCompressed` runs only
+//! behind its pool, so it has no 1-thread row. See `kv_router_peer_bench::dynamo` for how each
+//! index is driven.
 //!
 //! `cargo bench --bench index_vs_kv_router` in `benches/peers/kv-router`.
 
@@ -69,70 +73,67 @@ fn main() {
             }
         };
 
-        // One replay thread.
-        if settings.wants("ours: PrefixIndex") {
-            rows.push(measure_single("ours: PrefixIndex", false, &ours, &w, &reference, passes));
-        }
-        let name = "ours: PrefixIndex (+1 writer thread)";
+        // Rows are compared at equal total threads: replay threads (one lane, or two) plus the
+        // index's own helper threads (our IndexWriter's, Dynamo's ThreadPoolIndexer's).
+        //
+        // 1 thread.
+        let name = "ours: PrefixIndex (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, false, &ours_writer(1), &w, &reference, passes));
+            rows.push(measure_single(name, false, &ours, &w, &reference, passes));
         }
-        let name = "ours: PrefixIndex (+2 writer threads)";
+        let name = "ours: HashBaseline (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, false, &ours_writer(2), &w, &reference, passes));
+            rows.push(measure_single(name, false, &baseline, &w, &reference, passes));
         }
-        if settings.wants("ours: HashBaseline (sharded RwLock<HashMap>)") {
-            rows.push(measure_single(
-                "ours: HashBaseline (sharded RwLock<HashMap>)",
-                false,
-                &baseline,
-                &w,
-                &reference,
-                passes,
-            ));
-        }
-        if settings.wants("Dynamo RadixTree") {
-            rows.push(measure_single("Dynamo RadixTree", true, &radix, &w, &reference, passes));
-        }
-        if settings.wants("Dynamo PositionalIndexer (direct)") {
-            rows.push(measure_single("Dynamo PositionalIndexer (direct)", true, &positional, &w, &reference, passes));
-        }
-        let name = "Dynamo ThreadPool<CRTC> (+1 pool thread)";
+        let name = "Dynamo RadixTree (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, true, &crtc_pool(1), &w, &reference, passes));
+            rows.push(measure_single(name, true, &radix, &w, &reference, passes));
         }
-        let name = "Dynamo ThreadPool<CRTC> (+2 pool threads)";
+        let name = "Dynamo PositionalIndexer direct (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, true, &crtc_pool(2), &w, &reference, passes));
-        }
-        let name = "Dynamo ThreadPool<PositionalIndexer> (+1 pool thread)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, true, &positional_pool(1), &w, &reference, passes));
+            rows.push(measure_single(name, true, &positional, &w, &reference, passes));
         }
 
-        // Two replay threads.
-        if settings.wants("ours: PrefixIndex") {
-            rows.push(measure_parallel("ours: PrefixIndex", false, &ours, &w, &lanes, &reference, passes));
-        }
-        let name = "ours: PrefixIndex (+2 writer threads)";
+        // 2 threads.
+        let name = "ours: PrefixIndex (2 replay)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &ours_writer(2), &w, &lanes, &reference, passes));
+            rows.push(measure_parallel(name, false, &ours, &w, &lanes, &reference, passes));
         }
-        let name = "ours: HashBaseline (sharded RwLock<HashMap>)";
+        let name = "ours: PrefixIndex (1 replay + 1 writer)";
+        if settings.wants(name) {
+            rows.push(measure_single(name, false, &ours_writer(1), &w, &reference, passes).with_helpers(1));
+        }
+        let name = "ours: HashBaseline (2 replay)";
         if settings.wants(name) {
             rows.push(measure_parallel(name, false, &baseline, &w, &lanes, &reference, passes));
         }
-        let name = "Dynamo PositionalIndexer (direct)";
+        let name = "Dynamo PositionalIndexer direct (2 replay)";
         if settings.wants(name) {
             rows.push(measure_parallel(name, true, &positional, &w, &lanes, &reference, passes));
         }
-        let name = "Dynamo ThreadPool<CRTC> (+2 pool threads)";
+        let name = "Dynamo ThreadPool<CRTC> (1 replay + 1 pool)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, true, &crtc_pool(2), &w, &lanes, &reference, passes));
+            rows.push(measure_single(name, true, &crtc_pool(1), &w, &reference, passes).with_helpers(1));
         }
-        let name = "Dynamo ThreadPool<PositionalIndexer> (+2 pool threads)";
+        let name = "Dynamo ThreadPool<PositionalIndexer> (1 replay + 1 pool)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, true, &positional_pool(2), &w, &lanes, &reference, passes));
+            rows.push(measure_single(name, true, &positional_pool(1), &w, &reference, passes).with_helpers(1));
+        }
+
+        // 4 threads (on this 2-core machine, two per core).
+        let name = "ours: PrefixIndex (2 replay + 2 writers)";
+        if settings.wants(name) {
+            rows.push(measure_parallel(name, false, &ours_writer(2), &w, &lanes, &reference, passes).with_helpers(2));
+        }
+        let name = "Dynamo ThreadPool<CRTC> (2 replay + 2 pool)";
+        if settings.wants(name) {
+            rows.push(measure_parallel(name, true, &crtc_pool(2), &w, &lanes, &reference, passes).with_helpers(2));
+        }
+        let name = "Dynamo ThreadPool<PositionalIndexer> (2 replay + 2 pool)";
+        if settings.wants(name) {
+            rows.push(
+                measure_parallel(name, true, &positional_pool(2), &w, &lanes, &reference, passes).with_helpers(2),
+            );
         }
     }
     print_table(&rows, "ours: PrefixIndex");
