@@ -2,10 +2,16 @@
 //!
 //! [`KvPublisher`] is the node's [`KvObserver`]: every change of where blocks are (a worker's G1
 //! registering or evicting, G2 admitting or evicting, G3 acknowledging a write or dropping a
-//! block) becomes a [`KvEvent`] with its source's next sequence number, applied to the index at
-//! once. One lock orders sequencing and application, so the index sees each source's events in
-//! order without gaps; a source that restarts (a new node process) gets a new epoch, so the
-//! index drops what its previous incarnation reported.
+//! block) becomes a [`KvEvent`] with its source's next sequence number. One lock orders
+//! sequencing and hand-off, so the index sees each source's events in order without gaps; a
+//! source that restarts (a new node process) gets a new epoch, so the index drops what its
+//! previous incarnation reported.
+//!
+//! Where the events are applied: [`KvPublisher::new`] applies each at once on the calling thread
+//! (deterministic: the simulated replay uses it); [`KvPublisher::with_writer`] hands them to an
+//! [`IndexWriter`], so the engine threads that publish most of them never wait on the index. The
+//! scheduler then flushes the writer before a routing decision, so a decision still sees every
+//! event published before it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +20,7 @@ use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
 use parking_lot::Mutex;
 
-use crate::index::{Applied, KvEvent, KvEventKind, PrefixIndex, SourceId};
+use crate::index::{Applied, IndexWriter, KvEvent, KvEventKind, OnApplied, PrefixIndex, SourceId};
 use crate::telemetry;
 use crate::tiers::{BlockSite, KvObserver};
 
@@ -24,6 +30,7 @@ pub struct KvPublisher {
     node: u16,
     epoch: u64,
     index: Arc<PrefixIndex>,
+    writer: Option<Arc<IndexWriter>>,
     seqs: Mutex<HashMap<SourceId, u64>>,
 }
 
@@ -31,7 +38,18 @@ impl KvPublisher {
     /// Publishes node `node`'s events into `index`, as incarnation `epoch` (e.g. the start time
     /// in nanoseconds: a restarted node must use a larger one).
     pub fn new(node: u16, epoch: u64, index: Arc<PrefixIndex>) -> Self {
-        Self { node, epoch, index, seqs: Mutex::new(HashMap::new()) }
+        Self { node, epoch, index, writer: None, seqs: Mutex::new(HashMap::new()) }
+    }
+
+    /// Like [`KvPublisher::new`], but the events are applied by `writer` (which must write
+    /// `writer.index()`, and should have been spawned with [`KvPublisher::on_applied`]).
+    pub fn with_writer(node: u16, epoch: u64, writer: Arc<IndexWriter>) -> Self {
+        Self { node, epoch, index: writer.index().clone(), writer: Some(writer), seqs: Mutex::new(HashMap::new()) }
+    }
+
+    /// What a writer thread does with each outcome: the metric, and an error log on a gap.
+    pub fn on_applied() -> OnApplied {
+        Arc::new(|event: &KvEvent, outcome: Applied| record(event, outcome))
     }
 
     /// The index it feeds.
@@ -47,19 +65,28 @@ impl KvPublisher {
     }
 
     fn publish(&self, source: SourceId, kind: KvEventKind) {
-        let kind_label = kind.as_str();
         let mut seqs = self.seqs.lock();
         let seq = seqs.entry(source).or_insert(0);
         *seq += 1;
         let event = KvEvent { source, epoch: self.epoch, seq: *seq, kind };
+        if let Some(writer) = &self.writer {
+            // Sent under the lock that numbered it, so the writer gets each source's events in order.
+            writer.send(event);
+            return;
+        }
         let outcome = self.index.apply(&event);
         drop(seqs);
-        telemetry::record_index_event(kind_label, outcome.as_str());
-        if let Applied::Gap { expected, got, .. } = outcome {
-            // Cannot happen in-process (sequencing and application share one lock); if it does,
-            // the index refuses this source until a resync, and says so.
-            tracing::error!(?source, expected, got, "KV event gap in-process; the index awaits a resync");
-        }
+        record(&event, outcome);
+    }
+}
+
+/// Records what the index did with `event`.
+fn record(event: &KvEvent, outcome: Applied) {
+    telemetry::record_index_event(event.kind.as_str(), outcome.as_str());
+    if let Applied::Gap { expected, got, .. } = outcome {
+        // Cannot happen in-process (sequencing and application are ordered by one lock); if it
+        // does, the index refuses this source until a resync, and says so.
+        tracing::error!(source = ?event.source, expected, got, "KV event gap in-process; the index awaits a resync");
     }
 }
 

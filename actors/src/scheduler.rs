@@ -24,7 +24,7 @@ use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, Supervi
 use tokio::sync::mpsc;
 
 use crate::cost::{CostModel, Queued};
-use crate::index::{Matches, PrefixIndex, SourceId};
+use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId};
 use crate::session::{SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
@@ -56,6 +56,10 @@ pub struct SchedulerArgs {
 pub struct KvRouting {
     /// The global prefix index, fed by the node's KV events.
     pub index: Arc<PrefixIndex>,
+    /// The writer applying those events, if they are not applied where they are published: each
+    /// decision first waits for what was sent to it (microseconds), so it sees every event
+    /// published before it.
+    pub writer: Option<Arc<IndexWriter>>,
     /// This node's id in the index (the first node's, with `workers_per_node`).
     pub node: u16,
     /// Workers per node when one scheduler routes over several nodes (worker `i` is on node
@@ -182,6 +186,9 @@ impl SchedulerState {
     fn kv_order(&mut self, kv: &KvRouting, req: &GenRequest, sticky: Option<usize>) -> Vec<(usize, usize, f64)> {
         let started = Instant::now();
         let hashes = BlockHasher::new(kv.salt, kv.block_tokens).hash_sequence(&req.prompt);
+        if let Some(writer) = &kv.writer {
+            writer.flush();
+        }
         kv.index.find_matches(&hashes, &mut self.matches);
         let mut cost = kv.cost;
         if let Some(measured) =

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dynamo_actors::cost::CostModel;
-use dynamo_actors::index::{IndexConfig, PrefixIndex};
+use dynamo_actors::index::{IndexConfig, IndexWriter, PrefixIndex};
 use dynamo_actors::publisher::KvPublisher;
 use dynamo_actors::scheduler::{Hints, KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::stores::{StoreArgs, Watermarks};
@@ -109,7 +109,13 @@ impl Serving {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1);
-        let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::new(0, epoch, index.clone()));
+        // Applied on a writer thread of the index's own: the engine threads that publish most
+        // events never wait on the index.
+        let writer = Arc::new(
+            IndexWriter::spawn(index.clone(), 1, Some(KvPublisher::on_applied()))
+                .context("starting the index writer")?,
+        );
+        let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::with_writer(0, epoch, writer.clone()));
         let recovered = std::mem::take(&mut node.recovery.blocks);
         let g2 = match (node.g2, node.g2_registry) {
             (Some(pool), Some(registry)) => Some(G2Tier::new(pool, registry).with_observer(publisher.clone())),
@@ -172,6 +178,7 @@ impl Serving {
                 seed: cfg.model.seed,
                 kv: Some(KvRouting {
                     index: index.clone(),
+                    writer: Some(writer),
                     node: 0,
                     workers_per_node: 0,
                     salt,

@@ -84,16 +84,20 @@ impl IndexWriter {
     pub fn send(&self, event: KvEvent) {
         let lane = &self.lanes[self.index.shard_index(event.source) % self.lanes.len()];
         lane.sent.fetch_add(1, Ordering::Relaxed);
-        // Sending fails only once the writer thread is gone, i.e. during drop.
-        let _ = lane.tx.send(event);
+        // Sending fails only once the writer thread is gone (it panicked): the index will miss
+        // this source's events from here on, so say so.
+        if lane.tx.send(event).is_err() {
+            tracing::error!("the index writer thread is gone; a KV event was dropped");
+        }
     }
 
-    /// Waits until every event sent before this call is applied.
+    /// Waits until every event sent before this call is applied (or its writer thread is gone:
+    /// a thread that panicked applies nothing more, and waiting for it would never end).
     pub fn flush(&self) {
-        for lane in &self.lanes {
+        for (lane, thread) in self.lanes.iter().zip(&self.threads) {
             let target = lane.sent.load(Ordering::Relaxed);
             let mut spins = 0u32;
-            while lane.applied.load(Ordering::Acquire) < target {
+            while lane.applied.load(Ordering::Acquire) < target && !thread.is_finished() {
                 spins += 1;
                 if spins < 256 {
                     std::hint::spin_loop();

@@ -691,6 +691,8 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             seed: 42,
             kv: Some(KvRouting {
                 index,
+                // Applied where published: the replay is deterministic in virtual time.
+                writer: None,
                 node: 0,
                 workers_per_node: setup.workers,
                 salt,
