@@ -33,7 +33,8 @@ fn main() {
         let seq: Arc<[u64]> = workload.seq_hashes.clone().into();
         let make = || HashBaseline::new(seq.clone());
         let arena = block_arena(&workload);
-        let ours = || Ours::new(arena.clone(), workload.workers);
+        let ours = || Ours::new(arena.clone(), workload.workers, 1);
+        let ours2 = || Ours::new(arena.clone(), workload.workers, 2);
         let lanes = workload.lanes(2);
         let (baseline, prefix) = ("ours: HashBaseline (sharded RwLock<HashMap>)", "ours: PrefixIndex");
         if settings.wants(prefix) {
@@ -43,7 +44,7 @@ fn main() {
             rows.push(measure_single(baseline, false, &make, &workload, &reference, settings.passes));
         }
         if settings.wants(prefix) {
-            rows.push(measure_parallel(prefix, false, &ours, &workload, &lanes, &reference, settings.passes));
+            rows.push(measure_parallel(prefix, false, &ours2, &workload, &lanes, &reference, settings.passes));
         }
         if settings.wants(baseline) {
             rows.push(measure_parallel(baseline, false, &make, &workload, &lanes, &reference, settings.passes));

@@ -54,14 +54,12 @@ pub struct Ours {
 }
 
 impl Ours {
-    /// An empty index for `workers` workers over `arena` (from [`block_arena`]).
-    pub fn new(arena: Arc<[BlockHash]>, workers: u32) -> Self {
+    /// An empty index for `workers` workers over `arena` (from [`block_arena`]), of one shard
+    /// per thread that will apply events at the same time (`DYNAMO_BENCH_SHARDS` overrides it).
+    pub fn new(arena: Arc<[BlockHash]>, workers: u32, appliers: usize) -> Self {
         let config = IndexConfig { max_blocks: 1 << 26, ..IndexConfig::default() };
-        // `DYNAMO_BENCH_SHARDS` overrides the index's default shard count.
-        let index = match std::env::var("DYNAMO_BENCH_SHARDS").ok().and_then(|v| v.parse().ok()) {
-            Some(shards) => PrefixIndex::with_shards(config, shards),
-            None => PrefixIndex::new(config),
-        };
+        let shards = std::env::var("DYNAMO_BENCH_SHARDS").ok().and_then(|v| v.parse().ok()).unwrap_or(appliers);
+        let index = PrefixIndex::with_shards(config, shards);
         Self { index: Arc::new(index), arena, seq: (0..workers).map(|_| AtomicU64::new(0)).collect() }
     }
 
@@ -147,9 +145,10 @@ pub struct OursWriter {
 }
 
 impl OursWriter {
-    /// An empty index for `workers` workers over `arena`, with `threads` writer threads.
+    /// An empty index for `workers` workers over `arena`, with `threads` writer threads (and as
+    /// many shards).
     pub fn new(arena: Arc<[BlockHash]>, workers: u32, threads: usize) -> Self {
-        let ours = Ours::new(arena, workers);
+        let ours = Ours::new(arena, workers, threads);
         let writer = IndexWriter::spawn(ours.index.clone(), threads, None).expect("starting the writer threads");
         Self { ours, writer }
     }
@@ -223,9 +222,10 @@ mod tests {
         assert!(w.removed_blocks > 0);
         let reference = w.reference_answers();
         let arena = block_arena(&w);
-        let make = || Ours::new(arena.clone(), w.workers);
+        let make = || Ours::new(arena.clone(), w.workers, 1);
         let one = check_single(&make, &w, &reference);
         assert!(one.exact(), "{one:?}");
+        let make = || Ours::new(arena.clone(), w.workers, 2);
         let two = check_parallel(&make, &w, &w.lanes(2), &reference);
         assert!(two.exact(), "{two:?}");
         assert!(timed_pass_parallel(&make, &w, &w.lanes(2)) > std::time::Duration::ZERO);

@@ -42,10 +42,13 @@
 //! way, per worker thread). One shard restores the single global snapshot. Events of one source
 //! must be applied in order anyway, and the scheduler applies them from one mailbox.
 //!
-//! Why [`DEFAULT_SHARDS`] is 2: a lookup probes every shard (one extra first-block probe per
-//! shard) and a block held by sources of two shards is stored in both, so single-threaded
-//! replays get slower with each shard (measured: 4 shards cost up to ~25% on one thread), while
-//! 2 already lets one event writer and one other thread proceed in parallel.
+//! How many shards: one per thread that applies events at the same time. A lookup probes every
+//! shard and a block held by sources of two shards is stored in both, so each shard costs a
+//! single thread about 8% more instructions (and 4 shards up to ~25% of its time), while two
+//! threads applying events to one shard serialize on its lock (measured on the peer bench: two
+//! replay threads ran at 1.2–1.4× one thread on one shard, 1.5–2.2× on two). [`DEFAULT_SHARDS`]
+//! is 1 because the serving node applies all its events on one [`IndexWriter`] thread and the
+//! simulated replay on its one thread; lookups run beside that writer either way.
 //!
 //! The hot paths take a shard's lock by spinning, then yielding, and park only after 50 µs: an
 //! event holds a shard for about a microsecond, and parking and waking a thread costs several
@@ -222,7 +225,7 @@ struct Inner {
 }
 
 /// How many shards [`PrefixIndex::new`] splits the index into; see the module docs.
-pub const DEFAULT_SHARDS: usize = 2;
+pub const DEFAULT_SHARDS: usize = 1;
 
 /// One shard: an independent index of the sources assigned to it, on its own cache lines.
 #[repr(align(128))]

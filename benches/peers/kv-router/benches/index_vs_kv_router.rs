@@ -50,7 +50,9 @@ fn main() {
         let lanes = w.lanes(2);
 
         let arena = block_arena(&w);
-        let ours = || Ours::new(arena.clone(), w.workers);
+        // One shard per thread applying events: 1 on one replay thread, 2 on two.
+        let ours = || Ours::new(arena.clone(), w.workers, 1);
+        let ours2 = || Ours::new(arena.clone(), w.workers, 2);
         let ours_writer = |threads| {
             let arena = arena.clone();
             move || OursWriter::new(arena.clone(), w.workers, threads)
@@ -97,7 +99,7 @@ fn main() {
         // 2 threads.
         let name = "ours: PrefixIndex (2 replay)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &ours, &w, &lanes, &reference, passes));
+            rows.push(measure_parallel(name, false, &ours2, &w, &lanes, &reference, passes));
         }
         let name = "ours: PrefixIndex (1 replay + 1 writer)";
         if settings.wants(name) {
