@@ -16,6 +16,7 @@
 //! (the worker decides again with its own measurements when it onboards).
 
 use crate::index::WorkerPrefix;
+use crate::tiers::NodeTiers;
 
 /// The numbers the estimate is made of.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -58,6 +59,20 @@ pub struct Estimate {
 }
 
 impl CostModel {
+    /// This model with the bandwidths measured on `tiers`' real transfers: G2 → G1 where none is
+    /// configured (0, as the workers decide), G3 reads once G3 has been read.
+    pub fn measured_on(mut self, tiers: &NodeTiers) -> Self {
+        if self.g2_bytes_per_s <= 0.0
+            && let Some(measured) = tiers.g2.as_ref().and_then(|g2| g2.measured_load_bandwidth())
+        {
+            self.g2_bytes_per_s = measured;
+        }
+        if let Some(measured) = tiers.g3.as_ref().and_then(|g3| g3.measured_read_bandwidth()) {
+            self.g3_bytes_per_s = measured;
+        }
+        self
+    }
+
     fn seconds(&self, bytes: usize, rate: f64) -> f64 {
         if rate > 0.0 { bytes as f64 / rate } else { 0.0 }
     }

@@ -69,7 +69,8 @@ pub struct KvRouting {
     pub salt: Salt,
     /// Tokens per block.
     pub block_tokens: usize,
-    /// The cost model; its G3 rate is replaced by the measured one once G3 has been read.
+    /// The cost model; its G3 rate is replaced by the measured one once G3 has been read, and
+    /// its G2 rate, if 0, by the measured G2 → G1 load bandwidth once a load was timed.
     pub cost: CostModel,
     /// The node's tiers, for live measurements (none for a simulated node).
     pub tiers: Option<Arc<NodeTiers>>,
@@ -190,12 +191,10 @@ impl SchedulerState {
             writer.flush();
         }
         kv.index.find_matches(&hashes, &mut self.matches);
-        let mut cost = kv.cost;
-        if let Some(measured) =
-            kv.tiers.as_ref().and_then(|t| t.g3.as_ref()).and_then(|g3| g3.measured_read_bandwidth())
-        {
-            cost.g3_bytes_per_s = measured;
-        }
+        let cost = match &kv.tiers {
+            Some(tiers) => kv.cost.measured_on(tiers),
+            None => kv.cost,
+        };
         let mut ranked: Vec<(usize, f64, usize, f64)> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {
             let Some(w) = w else { continue };

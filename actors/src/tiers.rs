@@ -61,6 +61,7 @@ pub struct G2Tier {
     registry: Arc<Mutex<TierRegistry>>,
     inner: Mutex<G2Inner>,
     observer: Arc<dyn KvObserver>,
+    load_bandwidth: MeasuredBandwidth,
 }
 
 #[derive(Debug)]
@@ -72,7 +73,24 @@ impl G2Tier {
     /// A G2 tier over `pool`, with `registry` deciding what stays (shared with whoever reports
     /// its stats).
     pub fn new(pool: HostPool, registry: Arc<Mutex<TierRegistry>>) -> Self {
-        Self { pool, registry, inner: Mutex::new(G2Inner { slots: HashMap::new() }), observer: Arc::new(NoObserver) }
+        Self {
+            pool,
+            registry,
+            inner: Mutex::new(G2Inner { slots: HashMap::new() }),
+            observer: Arc::new(NoObserver),
+            load_bandwidth: MeasuredBandwidth::default(),
+        }
+    }
+
+    /// Folds one batched load into G1 (`bytes` of payload scattered in `elapsed`) into the
+    /// measured G2 → G1 bandwidth: the host link on a GPU worker, memcpy on the CPU engine.
+    pub fn observe_load(&self, bytes: usize, elapsed: Duration) {
+        self.load_bandwidth.observe(bytes, elapsed);
+    }
+
+    /// Measured G2 → G1 bandwidth in bytes per second, once a load was timed.
+    pub fn measured_load_bandwidth(&self) -> Option<f64> {
+        self.load_bandwidth.get()
     }
 
     /// Reports what this tier stores and drops to `observer`.
@@ -232,6 +250,32 @@ impl G3Health {
     }
 }
 
+/// A link's bandwidth as measured on real transfers: an exponentially weighted mean of bytes per
+/// second, so the cost model follows the machine as it is now.
+#[derive(Debug, Default)]
+pub struct MeasuredBandwidth(Mutex<Option<f64>>);
+
+impl MeasuredBandwidth {
+    /// Folds one transfer of `bytes` in `elapsed` in.
+    pub fn observe(&self, bytes: usize, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        if secs <= 0.0 || bytes == 0 {
+            return;
+        }
+        let sample = bytes as f64 / secs;
+        let mut bw = self.0.lock().expect("bandwidth lock");
+        *bw = Some(match *bw {
+            Some(old) => 0.8 * old + 0.2 * sample,
+            None => sample,
+        });
+    }
+
+    /// Bytes per second, once a transfer was timed.
+    pub fn get(&self) -> Option<f64> {
+        *self.0.lock().expect("bandwidth lock")
+    }
+}
+
 /// G3: the store and what it holds.
 #[derive(Debug)]
 pub struct G3Tier {
@@ -241,7 +285,7 @@ pub struct G3Tier {
     pub health: G3Health,
     registry: Arc<Mutex<TierRegistry>>,
     observer: Arc<dyn KvObserver>,
-    read_bandwidth: Mutex<Option<f64>>,
+    read_bandwidth: MeasuredBandwidth,
 }
 
 impl G3Tier {
@@ -253,7 +297,7 @@ impl G3Tier {
             health: G3Health::default(),
             registry,
             observer: Arc::new(NoObserver),
-            read_bandwidth: Mutex::new(None),
+            read_bandwidth: MeasuredBandwidth::default(),
         }
     }
 
@@ -275,24 +319,14 @@ impl G3Tier {
         self.observer.stored(BlockSite::Node(TierName::G3), parent, &[hash]);
     }
 
-    /// Folds one batched read of `bytes` in `elapsed` into the measured read bandwidth (an
-    /// exponentially weighted mean, so the cost model follows the disk as it is now).
+    /// Folds one batched read of `bytes` in `elapsed` into the measured read bandwidth.
     pub fn observe_read(&self, bytes: usize, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        if secs <= 0.0 || bytes == 0 {
-            return;
-        }
-        let sample = bytes as f64 / secs;
-        let mut bw = self.read_bandwidth.lock().expect("G3 bandwidth lock");
-        *bw = Some(match *bw {
-            Some(old) => 0.8 * old + 0.2 * sample,
-            None => sample,
-        });
+        self.read_bandwidth.observe(bytes, elapsed);
     }
 
     /// Measured read bandwidth in bytes per second, once a read was timed.
     pub fn measured_read_bandwidth(&self) -> Option<f64> {
-        *self.read_bandwidth.lock().expect("G3 bandwidth lock")
+        self.read_bandwidth.get()
     }
 
     /// Whether reads and writes may go to G3 now (false while the node is degraded).
@@ -409,7 +443,8 @@ impl WriteBatch {
 pub struct LoadCost {
     /// Prompt tokens per second the engine prefills (measured at start-up).
     pub prefill_tokens_per_s: f64,
-    /// G2 → G1 bytes per second (the host link, or memcpy on a CPU engine); 0 = unknown.
+    /// G2 → G1 bytes per second from configuration (the host link, or memcpy on a CPU engine);
+    /// 0 = use the measured bandwidth ([`G2Tier::measured_load_bandwidth`]).
     pub g2_read_bytes_per_s: f64,
     /// G3 → G2 bytes per second from configuration (`tiers.g3.read_gb_s`); 0 = use the measured
     /// bandwidth.

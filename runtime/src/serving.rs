@@ -141,7 +141,8 @@ impl Serving {
             write_batch: WriteBatch::from_config(&cfg.tiers),
             cost: LoadCost {
                 prefill_tokens_per_s,
-                // G2 → G1 on a CPU engine is a memcpy: never slower than compute.
+                // G2 → G1: measured on the workers' batched loads (until then, loads are assumed
+                // to beat compute).
                 g2_read_bytes_per_s: 0.0,
                 g3_read_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
             },
@@ -190,7 +191,8 @@ impl Serving {
                         decode_s_per_token: decode_step.as_secs_f64(),
                         // The reference engine serves one request at a time.
                         decode_weight: 1.0,
-                        // G2 → G1 on a CPU engine is a memcpy, far above any prefill rate.
+                        // G2 → G1 and G3 → G2: this machine's, measured on real transfers
+                        // (`CostModel::measured_on`); a configured G3 rate stands until then.
                         g2_bytes_per_s: 0.0,
                         g3_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
                         // No peers yet (G4 is the peer-link issue).

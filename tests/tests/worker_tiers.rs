@@ -5,6 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use dynamo_actors::cost::CostModel;
 use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Watermarks};
 use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NoObserver, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
@@ -176,6 +177,23 @@ async fn worker_b_loads_worker_a_prefix_from_g2() {
     let req = request(second);
     let out_b = run(&mut b, &req).await;
     assert_eq!(out_b.hit_tokens, [0, 3 * B, 0, 0], "the 3 complete prompt blocks come from G2");
+    let g2 = n.tiers.g2.as_ref().expect("G2");
+    let measured = g2.measured_load_bandwidth().expect("the G2 → G1 load was timed");
+    assert!(measured.is_finite() && measured > 0.0, "{measured} B/s");
+    // The router's cost model takes it where no G2 rate is configured, and keeps a configured one.
+    let base = CostModel {
+        block_tokens: B,
+        image_bytes: 4096,
+        prefill_tokens_per_s: 1000.0,
+        decode_s_per_token: 0.01,
+        decode_weight: 1.0,
+        g2_bytes_per_s: 0.0,
+        g3_bytes_per_s: 0.0,
+        g4_bytes_per_s: 0.0,
+    };
+    assert_eq!(base.measured_on(&n.tiers).g2_bytes_per_s, measured);
+    let configured = CostModel { g2_bytes_per_s: 5e9, ..base };
+    assert_eq!(configured.measured_on(&n.tiers).g2_bytes_per_s, 5e9);
     assert_eq!(out_b.cached_tokens, 3 * B);
     assert_eq!(out_b.tokens, recomputed(&req).await, "same greedy output as recomputing everything");
 

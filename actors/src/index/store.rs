@@ -209,7 +209,7 @@ impl Store {
     /// blocks the full index refused.
     pub(crate) fn insert_chain(&mut self, loc: LocId, mut parent: Option<BlockHash>, hashes: &[BlockHash]) -> u64 {
         // No growth mid-chain, so the slot of the block before stays valid.
-        self.blocks.reserve(hashes.len());
+        self.reserve(hashes.len());
         for &hash in hashes.iter().take(PREFETCH) {
             self.blocks.prefetch(hash);
         }
@@ -230,8 +230,14 @@ impl Store {
 
     /// Adds `hash` (whose parent is `parent`) to `loc`.
     pub(crate) fn insert(&mut self, loc: LocId, hash: BlockHash, parent: Option<BlockHash>) -> Insert {
-        self.blocks.reserve(1);
+        self.reserve(1);
         self.insert_at(loc, hash, parent, None).0
+    }
+
+    /// Makes room in the table for `blocks` new blocks, but never for more than `max_blocks` in
+    /// all: a full index refuses new blocks, so growing past that would only waste memory.
+    fn reserve(&mut self, blocks: usize) {
+        self.blocks.reserve(blocks.min(self.max_blocks.saturating_sub(self.blocks.len())));
     }
 
     /// Adds `hash` to `loc` with room reserved; `parent_slot`, if given, is the slot of `parent`,
@@ -451,6 +457,12 @@ impl Store {
         }
         debug_assert_eq!(log.len() as u64, self.locations[loc as usize].live);
         self.locations[loc as usize].log = log;
+    }
+
+    /// The block table's slots (tests).
+    #[cfg(test)]
+    pub(crate) fn table_slots(&self) -> usize {
+        self.blocks.slots()
     }
 
     /// The blocks `loc` holds, each once (tests).

@@ -90,6 +90,12 @@ impl BlockTable {
         self.len
     }
 
+    /// Slots in the table (tests).
+    #[cfg(test)]
+    pub(crate) fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
     /// The slot `hash` is probed from. The low 64 bits of a block hash are already uniform; the
     /// Fibonacci multiply takes the slot from its high bits, so a key set that differs only in high
     /// bits (a test's small integers, say) still spreads.

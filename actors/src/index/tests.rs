@@ -250,6 +250,23 @@ fn a_full_index_refuses_new_blocks_but_not_new_holders() {
 }
 
 #[test]
+fn a_full_index_does_not_grow_its_table() {
+    let max_blocks = 1000;
+    let index = PrefixIndex::with_shards(IndexConfig { max_blocks, ..IndexConfig::default() }, 1);
+    let c = chain(12, 5000);
+    index.apply(&stored(W00, 1, TierName::G1, None, &c));
+    // Events far longer than the room left, and single blocks, once full.
+    for (k, block) in c.iter().enumerate().take(50) {
+        index.apply(&stored(W01, k as u64 + 1, TierName::G1, k.checked_sub(1).map(|p| c[p]), &[*block]));
+    }
+    index.apply(&stored(W10, 1, TierName::G1, None, &chain(13, 5000)));
+    assert_eq!(index.stats().blocks, max_blocks as u64);
+    // Room for `max_blocks` at the table's load bound, no more.
+    let most = (max_blocks * 8).div_ceil(5).next_power_of_two();
+    index.with_store(|store| assert!(store.table_slots() <= most, "{} slots", store.table_slots()));
+}
+
+#[test]
 fn approximate_placements_expire_lazily_and_refresh() {
     let ttl = Duration::from_secs(10);
     let index = PrefixIndex::new(IndexConfig { approximate_ttl: ttl, ..IndexConfig::default() });

@@ -33,7 +33,7 @@ use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use tokio::task::JoinSet;
 
 use crate::telemetry::{Tier, record_tier_error, record_transfer, record_write_lag, record_write_skipped};
-use crate::tiers::{BlockSite, NodeTiers};
+use crate::tiers::{BlockSite, G2Tier, NodeTiers};
 
 /// One generation request, already tokenized.
 #[derive(Clone, Debug, PartialEq)]
@@ -455,7 +455,11 @@ impl<B: Backend> Worker<B> {
         let cap = (req.prompt.len() - 1) / b;
         let tiers = self.tiers.clone();
         let image_bytes = tiers.layout.payload_bytes() + HEADER_LEN;
-        let g2_ok = tiers.cost.load_beats_recompute(image_bytes, tiers.cost.g2_read_bytes_per_s, b);
+        let g2_bw = match tiers.cost.g2_read_bytes_per_s {
+            bw if bw > 0.0 => bw,
+            _ => tiers.g2.as_ref().and_then(G2Tier::measured_load_bandwidth).unwrap_or(0.0),
+        };
+        let g2_ok = tiers.cost.load_beats_recompute(image_bytes, g2_bw, b);
         let g3_ok = tiers.g2.is_some()
             && tiers.g3.as_ref().is_some_and(|g3| {
                 let bw = match tiers.cost.g3_read_bytes_per_s {
@@ -572,7 +576,11 @@ impl<B: Backend> Worker<B> {
             let payloads: Vec<&[u8]> =
                 loads.iter().map(|(_, img)| &img.as_slice()[HEADER_LEN..HEADER_LEN + payload]).collect();
             self.model.backend().kv_scatter(&mut self.kv, &pages, &payloads).map_err(ModelError::from)?;
-            record_transfer(Tier::G2, Tier::G1, (payload * loads.len()) as u64, started.elapsed());
+            let elapsed = started.elapsed();
+            record_transfer(Tier::G2, Tier::G1, (payload * loads.len()) as u64, elapsed);
+            if let Some(g2) = &tiers.g2 {
+                g2.observe_load(payload * loads.len(), elapsed);
+            }
         }
         Ok(())
     }
