@@ -242,6 +242,7 @@ impl Store {
 
     /// Adds `hash` to `loc` with room reserved; `parent_slot`, if given, is the slot of `parent`,
     /// which `loc` holds. Returns the outcome and, unless rejected, the block's slot.
+    #[inline(always)]
     fn insert_at(
         &mut self,
         loc: LocId,
@@ -345,13 +346,21 @@ impl Store {
 
     /// Removes `hash` from `loc`, trying slot `hint` before a probe; returns whether `loc` held
     /// it and, if `loc` holds its parent, the parent's slot.
+    #[inline(always)]
     fn remove_hinted(&mut self, loc: LocId, hash: BlockHash, hint: Option<usize>) -> (bool, Option<usize>) {
         let Some(slot) = hint.filter(|&i| self.blocks.holds_at(i, hash)).or_else(|| self.blocks.find(hash)) else {
             return (false, None);
         };
         let entry = self.blocks.at_mut(slot);
         let Ok(at) = entry.find(loc) else { return (false, None) };
-        let holder = entry.holders.remove(at);
+        let holder = if entry.holders.len() == 1 {
+            // The usual case: the last holder goes (no shifting, no call).
+            let holder = entry.holders[0];
+            entry.holders.clear();
+            holder
+        } else {
+            entry.holders.remove(at)
+        };
         let parent = entry.parent(hash);
         if entry.holders.is_empty() {
             self.blocks.remove_at(slot);

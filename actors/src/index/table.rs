@@ -194,6 +194,7 @@ impl BlockTable {
 
     /// Frees slot `i`, whose entry has no holder left, moving the rest of its cluster back. Slot
     /// indices of other blocks may change.
+    #[inline]
     pub(crate) fn remove_at(&mut self, i: usize) {
         debug_assert!(self.slots[i].is_empty());
         if self.slots[i].entry.holders.spilled() {
