@@ -104,14 +104,13 @@ impl BlockTable {
         ((hash.0 as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
     }
 
-    /// Starts loading the lines `hash` will be probed at (its home slot and the next, where a
-    /// collision or the end of a cluster is found), so that a later probe of it does not wait for
-    /// memory. Only a hint: it changes nothing and costs two instructions.
+    /// Starts loading the line `hash` will be probed at (its home slot; the hardware's adjacent-
+    /// line prefetcher tends to bring the next), so that a later probe of it does not wait for
+    /// memory. Only a hint: it changes nothing. (Prefetching the next line too measured no faster
+    /// and cost 2% more instructions.)
     #[inline]
     pub(crate) fn prefetch(&self, hash: BlockHash) {
-        let home = self.home(hash);
-        prefetch_line(&self.slots[home]);
-        prefetch_line(&self.slots[(home + 1) & self.mask]);
+        prefetch_line(&self.slots[self.home(hash)]);
     }
 
     /// Finds `hash`, or the empty slot where it would be inserted.
