@@ -64,6 +64,22 @@ pub struct GpuCheckArgs {
     /// Skip the reference-engine prefill table (llama-1b and llama-8b at 2K/8K/32K tokens).
     #[arg(long)]
     pub no_prefill: bool,
+    /// Skip the end-to-end section: TTFT of one prompt cold and with its prefix in G1, G2, G3
+    /// or computed by another worker, through the node's worker loop on the device.
+    #[arg(long)]
+    pub no_e2e: bool,
+    /// The end-to-end section's model shape.
+    #[arg(long, default_value = "llama-8b")]
+    pub e2e_model: String,
+    /// The end-to-end section's prompt length in tokens.
+    #[arg(long, default_value_t = 32 * 1024)]
+    pub e2e_prompt_tokens: usize,
+    /// Runs per end-to-end scenario (the median counts).
+    #[arg(long, default_value_t = 3)]
+    pub e2e_runs: usize,
+    /// Directory for the end-to-end section's G3 file (on the disk to measure).
+    #[arg(long, default_value = "/tmp/dynamo-node-gpu-check")]
+    pub e2e_dir: PathBuf,
 }
 
 /// `serve` options; each flag overrides its key in the configuration file.
@@ -145,7 +161,8 @@ fn gpu_check(args: &GpuCheckArgs) -> ExitCode {
     match gpu_check(&opts) {
         Ok(report) => {
             print!("{report}");
-            if report.all_passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+            let e2e_ok = args.no_e2e || cached_prefix_ttft(args);
+            if report.all_passed() && e2e_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
         }
         Err(e @ dynamo_kernels::KernelError::CudaUnavailable(_)) => {
             eprintln!("no usable CUDA device: {e}");
@@ -154,6 +171,60 @@ fn gpu_check(args: &GpuCheckArgs) -> ExitCode {
         Err(e) => {
             eprintln!("error: gpu-check could not start: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// The end-to-end section on the CUDA device; prints its table. False if it could not run.
+fn cached_prefix_ttft(args: &GpuCheckArgs) -> bool {
+    use crate::bench::cached_ttft::{CachedTtftOptions, run};
+    use dynamo_kernels::cuda::CudaBackend;
+    use dynamo_kernels::cuda::check::pinned_copy_time;
+    use dynamo_tiering::g2::HostPool;
+
+    let Some(shape) = dynamo_config::ModelShape::named(&args.e2e_model) else {
+        eprintln!("error: --e2e-model {:?} is not a known shape", args.e2e_model);
+        return false;
+    };
+    let opts = CachedTtftOptions {
+        shape,
+        dtype: dynamo_config::Dtype::Bf16,
+        block_tokens: 32,
+        prompt_tokens: args.e2e_prompt_tokens,
+        runs: args.e2e_runs,
+        dir: args.e2e_dir.clone(),
+        seed: args.seed,
+        // Loads are weighed against this device's prefill rate, measured first.
+        prefill_tokens_per_s: None,
+    };
+    let ordinal = args.device;
+    let make = || CudaBackend::new(ordinal).map_err(anyhow::Error::from);
+    let prepare = |cuda: &CudaBackend, pool: &HostPool| {
+        let (ptr, len) = pool.region();
+        // SAFETY: the pool's mapping lives as long as the node the harness builds, and the
+        // registration is dropped before the node (the harness keeps it in front of the tiers).
+        unsafe { cuda.register_host(ptr, len) }.map_err(anyhow::Error::from)
+    };
+    let copy = |bytes: usize| {
+        let cuda = CudaBackend::new(ordinal).ok()?;
+        pinned_copy_time(&cuda, bytes, 5).ok()
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the end-to-end section: {e}");
+            return false;
+        }
+    };
+    println!("\n# End to end: one CUDA worker pair, {} shape", shape.name);
+    match runtime.block_on(run(&make, &prepare, &copy, &opts)) {
+        Ok(report) => {
+            print!("{report}");
+            true
+        }
+        Err(e) => {
+            eprintln!("error: the end-to-end section failed: {e:#}");
+            false
         }
     }
 }

@@ -803,6 +803,29 @@ fn gb_s(bytes: usize, ms: f64) -> f64 {
     bytes as f64 / (ms * 1e-3) / 1e9
 }
 
+/// The median time of one plain copy of `bytes` from registered (pinned, not write-combined) host
+/// memory to the device, over `reps` runs: the host link's limit for loading that much KV.
+pub fn pinned_copy_time(cuda: &CudaBackend, bytes: usize, reps: usize) -> Result<std::time::Duration, KernelError> {
+    use cudarc::driver::result as drv;
+    let bytes = bytes.max(1);
+    let mut host = HostMapping::new(bytes)?;
+    host.bytes_mut().fill(1);
+    // SAFETY: `host` outlives `reg` (dropped at the end of this function, before `host`).
+    let reg = unsafe { cuda.register_host(host.ptr, host.len) }?;
+    let dev: CudaSlice<u8> = cuda.stream.alloc_zeros(bytes).map_err(|_| KernelError::OutOfMemory { bytes })?;
+    let (dptr, _g) = dev.device_ptr(&cuda.stream);
+    let ms = time_ms(cuda, reps, || {
+        // SAFETY: `host` is registered and holds `bytes`; the device buffer holds `bytes`; the
+        // timer waits for the copy before the next one.
+        let src = unsafe { std::slice::from_raw_parts(host.ptr, bytes) };
+        // SAFETY: see above.
+        unsafe { drv::memcpy_htod_async(dptr, src, cuda.stream.cu_stream()) }
+            .map_err(super::driver_err("cuMemcpyHtoDAsync"))
+    })?;
+    drop(reg);
+    Ok(std::time::Duration::from_secs_f64(ms / 1e3))
+}
+
 /// Gather/scatter against plain copies of the same bytes: on the device (G1 pages ↔ contiguous
 /// device buffer vs `cuMemcpyDtoD`), and G1 ↔ G2 (registered host payloads vs one pinned
 /// `cuMemcpy`), plus the bounce path for unregistered host buffers (wall clock).

@@ -1,4 +1,5 @@
 //! Operator-facing benchmarks, run from the `dynamo-node bench` subcommands.
 
+pub mod cached_ttft;
 pub mod replay;
 pub mod storage;
