@@ -24,7 +24,7 @@ use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, Supervi
 use tokio::sync::mpsc;
 
 use crate::cost::{CostModel, Queued};
-use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId};
+use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId, WorkerViews};
 use crate::session::{SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
@@ -162,6 +162,8 @@ pub struct SchedulerState {
     sessions: HashMap<String, SessionEntry>,
     session_of: HashMap<ActorId, String>,
     matches: Matches,
+    /// Every worker's view of the last lookup.
+    views: WorkerViews,
 }
 
 impl std::fmt::Debug for SchedulerState {
@@ -191,6 +193,7 @@ impl SchedulerState {
             writer.flush();
         }
         kv.index.find_matches(&hashes, &mut self.matches);
+        self.matches.views(&mut self.views);
         let cost = match &kv.tiers {
             Some(tiers) => kv.cost.measured_on(tiers),
             None => kv.cost,
@@ -202,7 +205,7 @@ impl SchedulerState {
                 0 => kv.node,
                 per => kv.node + (i / per) as u16,
             };
-            let prefix = self.matches.for_worker(SourceId::worker(node, i as u16));
+            let prefix = self.views.for_worker(SourceId::worker(node, i as u16));
             let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
             let e = cost.estimate(req.prompt.len(), prefix, queued);
             let alone = cost.estimate(req.prompt.len(), prefix, Queued::default()).ttft_s;
@@ -349,6 +352,7 @@ impl Actor for SchedulerActor {
             sessions: HashMap::new(),
             session_of: HashMap::new(),
             matches: Matches::new(),
+            views: WorkerViews::default(),
         })
     }
 

@@ -1,8 +1,11 @@
 //! The answer of a prefix lookup, and its per-worker view for the cost model.
 
+use std::collections::HashMap;
+
 use dynamo_config::TierName;
 
 use super::events::SourceId;
+use super::hasher::FxBuild;
 use super::store::LocId;
 
 /// Where blocks are held: one source's tier. A worker's G1 fed by
@@ -141,5 +144,71 @@ impl Matches {
             *slot = (*slot).max(m.blocks);
         }
         view
+    }
+}
+
+/// Every worker's [`WorkerPrefix`] for one lookup, built in one pass over its answer
+/// ([`Matches::views`]), so that ranking `W` workers costs `O(answer + W)` rather than the
+/// `O(answer × W)` of calling [`Matches::for_worker`] per worker. Reusable across lookups.
+#[derive(Debug, Default)]
+pub struct WorkerViews {
+    /// A worker's own G1: exact and approximate.
+    workers: HashMap<SourceId, (usize, usize), FxBuild>,
+    /// A node's stores: G2, G3, and the best G2 or G3 of any of its sources (what another node
+    /// would load over a peer link).
+    nodes: HashMap<u16, (usize, usize, usize), FxBuild>,
+    /// The two nodes with the longest such prefix, best first: G4 for a worker is the best of
+    /// them that is not its own node.
+    far: [(u16, usize); 2],
+}
+
+impl WorkerViews {
+    /// What `worker` can reuse or load, tier by tier: equal to [`Matches::for_worker`].
+    pub fn for_worker(&self, worker: SourceId) -> WorkerPrefix {
+        let (g1, g1_approximate) = self.workers.get(&worker).copied().unwrap_or_default();
+        let (g2, g3, _) = self.nodes.get(&worker.node).copied().unwrap_or_default();
+        let g4 = self.far.iter().find(|(node, _)| *node != worker.node).map_or(0, |&(_, blocks)| blocks);
+        WorkerPrefix { g1, g1_approximate, g2, g3, g4 }
+    }
+
+    fn clear(&mut self) {
+        self.workers.clear();
+        self.nodes.clear();
+        self.far = [(0, 0); 2];
+    }
+}
+
+impl Matches {
+    /// Fills `views` with every worker's view of this answer (see [`WorkerViews`]).
+    pub fn views(&self, views: &mut WorkerViews) {
+        views.clear();
+        for m in &self.results {
+            let Location { source, tier, approximate } = m.location;
+            match (tier, approximate) {
+                (TierName::G1, approximate) => {
+                    let own = views.workers.entry(source).or_default();
+                    let slot = if approximate { &mut own.1 } else { &mut own.0 };
+                    *slot = (*slot).max(m.blocks);
+                }
+                (TierName::G2 | TierName::G3, false) => {
+                    let node = views.nodes.entry(source.node).or_default();
+                    if source.is_node_store() {
+                        let slot = if tier == TierName::G2 { &mut node.0 } else { &mut node.1 };
+                        *slot = (*slot).max(m.blocks);
+                    }
+                    node.2 = node.2.max(m.blocks);
+                }
+                _ => {}
+            }
+        }
+        // The two best nodes for G4 (distinct nodes, best first).
+        for (&node, &(_, _, far)) in &views.nodes {
+            if far > views.far[0].1 {
+                views.far[1] = views.far[0];
+                views.far[0] = (node, far);
+            } else if far > views.far[1].1 {
+                views.far[1] = (node, far);
+            }
+        }
     }
 }

@@ -88,7 +88,7 @@ use dynamo_tiering::block::BlockHash;
 use parking_lot::RwLock;
 
 pub use events::{EventDecodeError, KvEvent, KvEventKind, SourceId};
-pub use matches::{Location, LocationMatch, Matches, WorkerPrefix};
+pub use matches::{Location, LocationMatch, Matches, WorkerPrefix, WorkerViews};
 pub use writer::{IndexWriter, OnApplied};
 
 use store::{Insert, LocId, Store};

@@ -111,6 +111,59 @@ fn the_worker_view_splits_tiers_and_nodes() {
     assert_eq!(out.for_worker(W10), WorkerPrefix { g1: 0, g1_approximate: 0, g2: 50, g3: 0, g4: 40 });
     assert_eq!(out.longest(), 50);
     assert_eq!(out.blocks_at(exact(W01, TierName::G1)), 30);
+    let mut views = WorkerViews::default();
+    out.views(&mut views);
+    for worker in [W00, W01, W10, SourceId::worker(2, 0)] {
+        assert_eq!(views.for_worker(worker), out.for_worker(worker), "{worker:?}");
+    }
+}
+
+/// The one-pass views agree with the per-worker scan on random clusters: several nodes, each
+/// with workers' G1 (exact and approximate) and its stores' G2 and G3.
+#[test]
+fn worker_views_agree_with_the_per_worker_scan() {
+    let mut state = 0x5eed_u64;
+    let mut views = WorkerViews::default();
+    for round in 0..200u64 {
+        let index = PrefixIndex::default();
+        let c = chain(round, 40);
+        let nodes = 1 + splitmix(&mut state) % 4;
+        let mut seq: HashMap<SourceId, u64> = HashMap::new();
+        let mut next = |source: SourceId| {
+            let s = seq.entry(source).or_insert(0);
+            *s += 1;
+            *s
+        };
+        for node in 0..nodes as u16 {
+            for worker in 0..3u16 {
+                let n = (splitmix(&mut state) % 41) as usize;
+                let w = SourceId::worker(node, worker);
+                if n > 0 {
+                    index.apply(&stored(w, next(w), TierName::G1, None, &c[..n]));
+                }
+                let n = (splitmix(&mut state) % 41) as usize;
+                if n > 0 && splitmix(&mut state).is_multiple_of(3) {
+                    index.record_routing(w, &c[..n], Instant::now());
+                }
+            }
+            let store = SourceId::node_store(node);
+            for tier in [TierName::G2, TierName::G3] {
+                let n = (splitmix(&mut state) % 41) as usize;
+                if n > 0 {
+                    index.apply(&stored(store, next(store), tier, None, &c[..n]));
+                }
+            }
+        }
+        let mut out = Matches::new();
+        index.find_matches(&c, &mut out);
+        out.views(&mut views);
+        for node in 0..=nodes as u16 {
+            for worker in 0..4u16 {
+                let w = SourceId::worker(node, worker);
+                assert_eq!(views.for_worker(w), out.for_worker(w), "round {round}, {w:?}");
+            }
+        }
+    }
 }
 
 #[test]
