@@ -12,7 +12,10 @@
 //!   looked up once. Throughput: blocks in the queries.
 //!
 //! After criterion, a plain timed loop (best of a few repetitions) prints both rates in block
-//! ops/s, plus lookups/s, so the numbers need no parsing of criterion's output.
+//! ops/s, plus lookups/s, so the numbers need no parsing of criterion's output. It also times
+//! what a routing decision does with an answer: every worker's tier view, by one scan of the
+//! answer per worker (`Matches::for_worker`) and by one pass for all (`Matches::views`), and prints
+//! the ratio.
 //!
 //! Run with `cargo bench -p dynamo-benches --bench prefix_index`.
 
@@ -20,7 +23,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use dynamo_actors::index::{Applied, IndexConfig, KvEvent, KvEventKind, Matches, PrefixIndex, SourceId};
+use dynamo_actors::index::{
+    Applied, IndexConfig, KvEvent, KvEventKind, Matches, PrefixIndex, SourceId, WorkerPrefix, WorkerViews,
+};
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
 
@@ -149,6 +154,31 @@ fn lookup_all(index: &PrefixIndex, queries: &[Vec<BlockHash>], out: &mut Matches
     total
 }
 
+/// Every worker's view of every query's answer, worker by worker (`views = None`) or in one pass.
+fn all_views(
+    index: &PrefixIndex,
+    queries: &[Vec<BlockHash>],
+    out: &mut Matches,
+    views: Option<&mut WorkerViews>,
+) -> usize {
+    let workers: Vec<SourceId> =
+        (0..NODES).flat_map(|n| (0..WORKERS_PER_NODE).map(move |w| SourceId::worker(n, w))).collect();
+    let mut total = 0;
+    let mut views = views;
+    for q in queries {
+        index.find_matches(q, out);
+        let prefix = |v: WorkerPrefix| v.g1 + v.g2 + v.g3 + v.g4;
+        match views.as_deref_mut() {
+            Some(views) => {
+                out.views(views);
+                total += workers.iter().map(|&w| prefix(views.for_worker(w))).sum::<usize>();
+            }
+            None => total += workers.iter().map(|&w| prefix(out.for_worker(w))).sum::<usize>(),
+        }
+    }
+    total
+}
+
 /// Best rate of `f` (which performs `ops` operations per call) over [`TABLE_REPS`] repetitions.
 fn best_rate(ops: u64, mut f: impl FnMut()) -> f64 {
     let mut best = 0.0f64;
@@ -194,5 +224,26 @@ fn main() {
     );
     println!("  apply         {:>8.1} M block ops/s  (16-block stored and removed events)", apply / 1e6);
     println!("  find_matches  {:>8.1} M block ops/s  ({:.2} M lookups/s)", find / 1e6, lookups / 1e6);
+
+    let mut views = WorkerViews::default();
+    let n = queries.len() as u64;
+    assert_eq!(
+        all_views(&w.index, &queries, &mut out, None),
+        all_views(&w.index, &queries, &mut out, Some(&mut views)),
+        "both ways give every worker the same view"
+    );
+    let scan = best_rate(n, || {
+        black_box(all_views(&w.index, &queries, &mut out, None));
+    });
+    let one_pass = best_rate(n, || {
+        black_box(all_views(&w.index, &queries, &mut out, Some(&mut views)));
+    });
+    println!(
+        "  lookup + {} workers' views: {:.1} k/s one pass vs {:.1} k/s a scan per worker: {:.2}×",
+        NODES * WORKERS_PER_NODE,
+        one_pass / 1e3,
+        scan / 1e3,
+        one_pass / scan
+    );
     assert_eq!(w.index.stats().blocks, stats.blocks, "a round leaves the index as it found it");
 }
