@@ -40,7 +40,8 @@
 //! read at different moments, so with more than one shard an answer need not equal the state
 //! after one global prefix of all events (Dynamo's `ThreadPoolIndexer` relaxes this the same
 //! way, per worker thread). One shard restores the single global snapshot. Events of one source
-//! must be applied in order anyway, and the scheduler applies them from one mailbox.
+//! must be applied in order anyway: the node's `KvPublisher` numbers them under one lock and hands
+//! them to one writer.
 //!
 //! How many shards: one per thread that applies events at the same time. A lookup probes every
 //! shard and a block held by sources of two shards is stored in both, so each shard costs a
