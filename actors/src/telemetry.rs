@@ -1,7 +1,7 @@
 //! The node's metrics as every crate records them: every name the node exports and the typed
 //! functions that record them. The exporter and the tier poller live in the runtime.
 //!
-//! Metrics go through the [`metrics`] facade to a global [`metrics_exporter_prometheus`] recorder
+//! Metrics go through the [`metrics`] facade to a global `metrics_exporter_prometheus` recorder
 //! that serves `GET /metrics` on `metrics.listen`. Every histogram is a true Prometheus histogram
 //! with the buckets of `metrics.latency_buckets_seconds` (the exporter's default summaries lose
 //! samples between scrapes). Names follow DESIGN.md §8: prefix `dynamo_node_`, the unit in the
