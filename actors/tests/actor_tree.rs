@@ -12,7 +12,6 @@ use dynamo_actors::worker::{
     WorkerEvent,
 };
 use dynamo_config::{QueuePolicy, RoutingPolicy};
-use dynamo_kernels::sampling::Sampling;
 use ractor::Actor;
 use ractor::rpc::CallResult;
 use tokio::sync::Semaphore;
@@ -56,15 +55,7 @@ impl Engine for Scripted {
 }
 
 fn request(first: u32) -> GenRequest {
-    GenRequest {
-        prompt: vec![first, 1, 2],
-        regions: vec![],
-        max_tokens: 1,
-        sampling: Sampling::Greedy,
-        seed: 0,
-        stop_tokens: vec![],
-        vocab_limit: 0,
-    }
+    GenRequest::greedy(vec![first, 1, 2], 1)
 }
 
 async fn node(gate: Arc<Semaphore>, policy: RoutingPolicy) -> (ractor::ActorRef<NodeMsg>, SchedulerRef) {

@@ -12,7 +12,6 @@ use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
-use dynamo_kernels::sampling::Sampling;
 use dynamo_tiering::block::{BlockHash, BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
@@ -116,15 +115,7 @@ impl KvObserver for Recorder {
 }
 
 fn request(prompt: Vec<u32>) -> GenRequest {
-    GenRequest {
-        regions: vec![(0..B, RegionKind::System)],
-        prompt,
-        max_tokens: 6,
-        sampling: Sampling::Greedy,
-        seed: 0,
-        stop_tokens: vec![],
-        vocab_limit: 0,
-    }
+    GenRequest { regions: vec![(0..B, RegionKind::System)], ..GenRequest::greedy(prompt, 6) }
 }
 
 fn turn(n: usize, seed: u32) -> Vec<u32> {

@@ -55,6 +55,22 @@ pub struct GenRequest {
     pub vocab_limit: usize,
 }
 
+impl GenRequest {
+    /// Greedy decoding of at most `max_tokens` after `prompt`: no regions (all conversation), no
+    /// stop tokens, the whole vocabulary.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            regions: vec![],
+            max_tokens,
+            sampling: Sampling::Greedy,
+            seed: 0,
+            stop_tokens: vec![],
+            vocab_limit: 0,
+        }
+    }
+}
+
 /// What a request reports while it runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WorkerEvent {

@@ -155,19 +155,10 @@ impl JobQueue {
 mod tests {
     use super::*;
     use crate::worker::GenRequest;
-    use dynamo_kernels::sampling::Sampling;
 
     fn job(tag: usize, priority: i32, cost_s: f64) -> Job {
         let (events, _) = tokio::sync::mpsc::unbounded_channel();
-        let req = GenRequest {
-            prompt: vec![0; tag + 1],
-            regions: vec![],
-            max_tokens: 1,
-            sampling: Sampling::Greedy,
-            seed: 0,
-            stop_tokens: vec![],
-            vocab_limit: 0,
-        };
+        let req = GenRequest::greedy(vec![0; tag + 1], 1);
         Job { req, predicted_cached: None, priority, cost_s, events }
     }
 

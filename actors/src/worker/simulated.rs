@@ -557,7 +557,6 @@ mod tests {
     use super::*;
     use crate::tiers::NoObserver;
     use dynamo_config::Calibration;
-    use dynamo_kernels::sampling::Sampling;
 
     fn node(write_through: WriteThrough) -> Arc<SimNode> {
         let cal = Calibration::h200();
@@ -585,15 +584,7 @@ mod tests {
     }
 
     fn request(tokens: usize, seed: u64) -> GenRequest {
-        GenRequest {
-            prompt: (0..tokens as u32).collect(),
-            regions: vec![],
-            max_tokens: 3,
-            sampling: Sampling::Greedy,
-            seed,
-            stop_tokens: vec![],
-            vocab_limit: 0,
-        }
+        GenRequest { seed, ..GenRequest::greedy((0..tokens as u32).collect(), 3) }
     }
 
     async fn run(engine: &mut SimulatedEngine, req: &GenRequest) -> GenOutcome {

@@ -34,7 +34,6 @@ use dynamo_actors::worker::{
     Engine, EngineFactory, EngineHost, GenRequest, JobEvent, WorkerArgs, WorkerEvent, local_spawner,
 };
 use dynamo_config::{ByteSize, Calibration, RegionKind, RetentionSection, RoutingPolicy};
-use dynamo_kernels::sampling::Sampling;
 use dynamo_tiering::block::{BlockHasher, Salt};
 use dynamo_tiering::registry::PolicyKind;
 use ractor::Actor;
@@ -896,13 +895,9 @@ async fn run_session(
         let mut regions = vec![(0..system, RegionKind::System)];
         regions.push((system..history.len(), RegionKind::Conversation));
         let req = GenRequest {
-            prompt: history.clone(),
             regions,
-            max_tokens: turn.output_length,
-            sampling: Sampling::Greedy,
             seed: (session as u64) << 20 | k as u64,
-            stop_tokens: vec![],
-            vocab_limit: 0,
+            ..GenRequest::greedy(history.clone(), turn.output_length)
         };
         let submitted_at = Instant::now();
         let submitted = match scheduler
