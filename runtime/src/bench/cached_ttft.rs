@@ -29,7 +29,6 @@ use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, unix_millis};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection};
 use dynamo_kernels::backend::Backend;
 use dynamo_kernels::model::{HostWeights, Llama};
-use dynamo_kernels::sampling::Sampling;
 use dynamo_tiering::block::{BlockLayout, Salt, SaltInputs};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
@@ -192,17 +191,9 @@ pub async fn run<B: Backend, G>(
     let store = Arc::new(store);
     let g3_registry = TierRegistry::new(store.capacity_slots() as usize, PolicyKind::Lru);
     let g2_registry = TierRegistry::new(blocks + 4, PolicyKind::Lru);
-    let tiers = Arc::new(NodeTiers {
-        block_tokens: b,
-        salt,
-        layout,
-        retention: RetentionSection::default(),
-        g2: Some(G2Tier::new(pool, Arc::new(Mutex::new(g2_registry)))),
-        g3: Some(G3Tier::new(store, Arc::new(Mutex::new(g3_registry)))),
-        write_batch: WriteBatch::default(),
-        cost: LoadCost { prefill_tokens_per_s, ..LoadCost::default() },
-        observer: Arc::new(NoObserver),
-    });
+    let g2 = G2Tier::new(pool, Arc::new(Mutex::new(g2_registry)));
+    let g3 = G3Tier::new(store, Arc::new(Mutex::new(g3_registry)));
+    let tiers = scratch_tiers(opts, layout, salt, Some((g2, g3)), prefill_tokens_per_s);
     let node = Scratch { _registration: registration, tiers };
     let pages = blocks + 4;
     let mut a = Worker::new(Llama::new(first, &weights)?, node.tiers.clone(), pages, PolicyKind::Lru)?.with_id(0);
@@ -258,15 +249,7 @@ pub async fn run<B: Backend, G>(
 /// The prompt of run `r` (each run its own tokens), generating one token.
 fn request(opts: &CachedTtftOptions, vocab: u32, r: u32) -> GenRequest {
     let prompt = (0..opts.prompt_tokens as u32).map(|i| (i * 7919 + r * 104_729 + 11) % vocab).collect();
-    GenRequest {
-        regions: vec![(0..opts.prompt_tokens, RegionKind::Conversation)],
-        prompt,
-        max_tokens: 1,
-        sampling: Sampling::Greedy,
-        seed: 0,
-        stop_tokens: vec![],
-        vocab_limit: 0,
-    }
+    GenRequest { regions: vec![(0..opts.prompt_tokens, RegionKind::Conversation)], ..GenRequest::greedy(prompt, 1) }
 }
 
 /// Prompt tokens per second of a cold prefill of the prompt's length, on a worker of its own with
@@ -278,17 +261,7 @@ async fn measure_prefill<B: Backend>(
     salt: Salt,
     opts: &CachedTtftOptions,
 ) -> anyhow::Result<f64> {
-    let tiers = Arc::new(NodeTiers {
-        block_tokens: opts.block_tokens,
-        salt,
-        layout,
-        retention: RetentionSection::default(),
-        g2: None,
-        g3: None,
-        write_batch: WriteBatch::default(),
-        cost: LoadCost::default(),
-        observer: Arc::new(NoObserver),
-    });
+    let tiers = scratch_tiers(opts, layout, salt, None, 0.0);
     let pages = opts.prompt_tokens.div_ceil(opts.block_tokens) + 4;
     let backend = make().context("the measuring worker's backend")?;
     let mut worker = Worker::new(Llama::new(backend, weights)?, tiers, pages, PolicyKind::Lru)?;
@@ -298,6 +271,28 @@ async fn measure_prefill<B: Backend>(
     worker.reset();
     let out = first_token(&mut worker, &request(opts, vocab, 1_001)).await?;
     Ok(out.prefill_tokens as f64 / out.ttft.as_secs_f64().max(1e-9))
+}
+
+/// The scratch node's tiers: G2 and G3 if given, loads weighed against `prefill_tokens_per_s`.
+fn scratch_tiers(
+    opts: &CachedTtftOptions,
+    layout: BlockLayout,
+    salt: Salt,
+    stores: Option<(G2Tier, G3Tier)>,
+    prefill_tokens_per_s: f64,
+) -> Arc<NodeTiers> {
+    let (g2, g3) = stores.map_or((None, None), |(g2, g3)| (Some(g2), Some(g3)));
+    Arc::new(NodeTiers {
+        block_tokens: opts.block_tokens,
+        salt,
+        layout,
+        retention: RetentionSection::default(),
+        g2,
+        g3,
+        write_batch: WriteBatch::default(),
+        cost: LoadCost { prefill_tokens_per_s, ..LoadCost::default() },
+        observer: Arc::new(NoObserver),
+    })
 }
 
 /// Runs `req` on `worker` to its first token.
@@ -327,20 +322,31 @@ mod tests {
     use super::*;
     use dynamo_kernels::CpuBackend;
 
+    /// The `tiny` shape in 16-token f32 blocks, its G3 file in `dir`.
+    fn tiny(
+        dir: &tempfile::TempDir,
+        prompt_tokens: usize,
+        runs: usize,
+        seed: u64,
+        prefill_tokens_per_s: Option<f64>,
+    ) -> CachedTtftOptions {
+        CachedTtftOptions {
+            shape: ModelShape::named("tiny").expect("tiny"),
+            dtype: Dtype::F32,
+            block_tokens: 16,
+            prompt_tokens,
+            runs,
+            dir: dir.path().to_path_buf(),
+            seed,
+            prefill_tokens_per_s,
+        }
+    }
+
     /// The five scenarios on the CPU backend: each takes its prefix from the tier it names.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn each_scenario_takes_its_prefix_from_its_tier() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let opts = CachedTtftOptions {
-            shape: ModelShape::named("tiny").expect("tiny"),
-            dtype: Dtype::F32,
-            block_tokens: 16,
-            prompt_tokens: 16 * 12 + 5,
-            runs: 2,
-            dir: dir.path().to_path_buf(),
-            seed: 3,
-            prefill_tokens_per_s: Some(0.0),
-        };
+        let opts = tiny(&dir, 16 * 12 + 5, 2, 3, Some(0.0));
         let report = run(&|| Ok(CpuBackend::default()), &|_: &CpuBackend, _: &HostPool| Ok(()), &memcpy_time, &opts)
             .await
             .expect("the harness runs");
@@ -367,16 +373,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_prefill_rate_is_measured_when_not_given() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let opts = CachedTtftOptions {
-            shape: ModelShape::named("tiny").expect("tiny"),
-            dtype: Dtype::F32,
-            block_tokens: 16,
-            prompt_tokens: 16 * 6 + 1,
-            runs: 1,
-            dir: dir.path().to_path_buf(),
-            seed: 4,
-            prefill_tokens_per_s: None,
-        };
+        let opts = tiny(&dir, 16 * 6 + 1, 1, 4, None);
         let report = run(&|| Ok(CpuBackend::default()), &|_: &CpuBackend, _: &HostPool| Ok(()), &|_| None, &opts)
             .await
             .expect("the harness runs");
