@@ -15,7 +15,7 @@
 //! [`Ours`] runs lookups and events inline on the replay threads: with two lanes, two threads
 //! share the index (lookups under its shards' read locks, an event under its source's shard's
 //! write lock), and every answer is exact for the lane's own workers — there is no queue to
-//! settle. [`OursWriter`] is the node's other way of feeding the index, the way Dynamo's
+//! settle. [`Ours::with_writer`] is the node's other way of feeding the index, the way Dynamo's
 //! `ThreadPoolIndexer` works: the replay threads look up and hand events to an
 //! [`IndexWriter`](dynamo_actors::index::IndexWriter) with its own threads (named in the row), and
 //! `settle`/`finish` wait for them to be applied. `DYNAMO_BENCH_SHARDS` overrides the index's
@@ -44,13 +44,15 @@ fn block_hash(seq: u64) -> BlockHash {
     BlockHash(u128::from(seq))
 }
 
-/// A fresh [`PrefixIndex`] over a workload's blocks, with per-worker event numbering.
+/// A fresh [`PrefixIndex`] over a workload's blocks, with per-worker event numbering; events are
+/// applied on the replay threads, or through an [`IndexWriter`] ([`Ours::with_writer`]).
 #[derive(Debug)]
 pub struct Ours {
     index: Arc<PrefixIndex>,
     arena: Arc<[BlockHash]>,
     /// The last `seq` given to each worker's events.
     seq: Vec<AtomicU64>,
+    writer: Option<IndexWriter>,
 }
 
 impl Ours {
@@ -60,7 +62,15 @@ impl Ours {
         let config = IndexConfig { max_blocks: 1 << 26, ..IndexConfig::default() };
         let shards = std::env::var("DYNAMO_BENCH_SHARDS").ok().and_then(|v| v.parse().ok()).unwrap_or(appliers);
         let index = PrefixIndex::with_shards(config, shards);
-        Self { index: Arc::new(index), arena, seq: (0..workers).map(|_| AtomicU64::new(0)).collect() }
+        Self { index: Arc::new(index), arena, seq: (0..workers).map(|_| AtomicU64::new(0)).collect(), writer: None }
+    }
+
+    /// Like [`Ours::new`], with its events applied by `threads` writer threads (and as many
+    /// shards).
+    pub fn with_writer(arena: Arc<[BlockHash]>, workers: u32, threads: usize) -> Self {
+        let mut ours = Self::new(arena, workers, threads);
+        ours.writer = Some(IndexWriter::spawn(ours.index.clone(), threads, None).expect("starting the writer threads"));
+        ours
     }
 
     /// The index (for its stats).
@@ -72,29 +82,10 @@ impl Ours {
         SourceId::worker(0, u16::try_from(worker).expect("fewer than 65 536 workers"))
     }
 
-    fn event(&self, op: &Op) -> KvEvent {
-        let (worker, kind) = match op {
-            Op::Stored { worker, parent, blocks } => {
-                let hashes = self.arena[range(blocks)].to_vec();
-                (*worker, KvEventKind::Stored { hashes, parent: parent.map(block_hash), tier: TierName::G1 })
-            }
-            Op::Removed { worker, blocks } => {
-                (*worker, KvEventKind::Removed { hashes: self.arena[range(blocks)].to_vec(), tier: TierName::G1 })
-            }
-            Op::Lookup { .. } => unreachable!("lookups are not events"),
-        };
-        let seq = self.seq[worker as usize].fetch_add(1, Ordering::Relaxed) + 1;
-        KvEvent { source: Self::source(worker), epoch: 1, seq, kind }
-    }
-
-    fn lookup(&self, query: Range<usize>, matches: &mut Matches, answer: Option<&mut Vec<(u32, u32)>>) -> usize {
-        self.index.find_matches(&self.arena[query], matches);
-        let found = matches.locations();
-        if let Some(answer) = answer {
-            answer.clear();
-            answer.extend(found.iter().map(|m| (u32::from(m.location.source.worker), m.blocks as u32)));
+    fn flush(&self) {
+        if let Some(writer) = &self.writer {
+            writer.flush();
         }
-        found.len()
     }
 }
 
@@ -115,11 +106,26 @@ impl BenchIndex for Ours {
     }
 
     fn event(&self, _: &Workload, op: &Op, _: u64) -> KvEvent {
-        Ours::event(self, op)
+        let (worker, kind) = match op {
+            Op::Stored { worker, parent, blocks } => {
+                let hashes = self.arena[range(blocks)].to_vec();
+                (*worker, KvEventKind::Stored { hashes, parent: parent.map(block_hash), tier: TierName::G1 })
+            }
+            Op::Removed { worker, blocks } => {
+                (*worker, KvEventKind::Removed { hashes: self.arena[range(blocks)].to_vec(), tier: TierName::G1 })
+            }
+            Op::Lookup { .. } => unreachable!("lookups are not events"),
+        };
+        let seq = self.seq[worker as usize].fetch_add(1, Ordering::Relaxed) + 1;
+        KvEvent { source: Self::source(worker), epoch: 1, seq, kind }
     }
 
     fn lane(&self) -> OursLane<'_> {
         OursLane { owner: self, matches: Matches::new() }
+    }
+
+    fn finish(&self) {
+        self.flush();
     }
 }
 
@@ -128,75 +134,27 @@ impl Lane for OursLane<'_> {
     type Event = KvEvent;
 
     fn apply(&mut self, event: KvEvent) {
-        let applied = self.owner.index.apply(&event);
-        debug_assert!(matches!(applied, dynamo_actors::index::Applied::Applied), "{applied:?}");
+        match &self.owner.writer {
+            Some(writer) => writer.send(event),
+            None => {
+                let applied = self.owner.index.apply(&event);
+                debug_assert!(matches!(applied, dynamo_actors::index::Applied::Applied), "{applied:?}");
+            }
+        }
     }
 
     fn lookup(&mut self, query: Range<usize>, answer: Option<&mut Vec<(u32, u32)>>) -> usize {
-        self.owner.lookup(query, &mut self.matches, answer)
-    }
-}
-
-/// [`Ours`] fed through an [`IndexWriter`] of `threads` writer threads.
-#[derive(Debug)]
-pub struct OursWriter {
-    ours: Ours,
-    writer: IndexWriter,
-}
-
-impl OursWriter {
-    /// An empty index for `workers` workers over `arena`, with `threads` writer threads (and as
-    /// many shards).
-    pub fn new(arena: Arc<[BlockHash]>, workers: u32, threads: usize) -> Self {
-        let ours = Ours::new(arena, workers, threads);
-        let writer = IndexWriter::spawn(ours.index.clone(), threads, None).expect("starting the writer threads");
-        Self { ours, writer }
-    }
-}
-
-/// A replay thread's handle on [`OursWriter`].
-#[derive(Debug)]
-pub struct OursWriterLane<'a> {
-    owner: &'a OursWriter,
-    matches: Matches,
-}
-
-impl BenchIndex for OursWriter {
-    type Query = Range<usize>;
-    type Event = KvEvent;
-    type Lane<'a> = OursWriterLane<'a>;
-
-    fn query(&self, _: &Workload, blocks: Range<u32>) -> Range<usize> {
-        range(&blocks)
-    }
-
-    fn event(&self, _: &Workload, op: &Op, _: u64) -> KvEvent {
-        self.ours.event(op)
-    }
-
-    fn lane(&self) -> OursWriterLane<'_> {
-        OursWriterLane { owner: self, matches: Matches::new() }
-    }
-
-    fn finish(&self) {
-        self.writer.flush();
-    }
-}
-
-impl Lane for OursWriterLane<'_> {
-    type Query = Range<usize>;
-    type Event = KvEvent;
-
-    fn apply(&mut self, event: KvEvent) {
-        self.owner.writer.send(event);
-    }
-
-    fn lookup(&mut self, query: Range<usize>, answer: Option<&mut Vec<(u32, u32)>>) -> usize {
-        self.owner.ours.lookup(query, &mut self.matches, answer)
+        self.owner.index.find_matches(&self.owner.arena[query], &mut self.matches);
+        let found = self.matches.locations();
+        if let Some(answer) = answer {
+            answer.clear();
+            answer.extend(found.iter().map(|m| (u32::from(m.location.source.worker), m.blocks as u32)));
+        }
+        found.len()
     }
 
     fn settle(&mut self) {
-        self.owner.writer.flush();
+        self.owner.flush();
     }
 }
 
@@ -230,7 +188,7 @@ mod tests {
         assert!(two.exact(), "{two:?}");
         assert!(timed_pass_parallel(&make, &w, &w.lanes(2)) > std::time::Duration::ZERO);
         for threads in [1, 2] {
-            let make = || OursWriter::new(arena.clone(), w.workers, threads);
+            let make = || Ours::with_writer(arena.clone(), w.workers, threads);
             let one = check_single(&make, &w, &reference);
             assert!(one.exact(), "{threads} writer threads: {one:?}");
             let two = check_parallel(&make, &w, &w.lanes(2), &reference);

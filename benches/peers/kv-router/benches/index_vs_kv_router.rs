@@ -26,7 +26,7 @@ use std::sync::Arc;
 use dynamo_kv_router::indexer::positional::SearchMode;
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer};
 use kv_router_peer_bench::dynamo::{JUMP_SIZE, PositionalDirect, Radix, ThreadPool, dynamo_chain, local_arena};
-use kv_router_peer_bench::index_ours::{Ours, OursWriter, block_arena};
+use kv_router_peer_bench::index_ours::{Ours, block_arena};
 use kv_router_peer_bench::index_replay::{
     BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
 };
@@ -55,7 +55,7 @@ fn main() {
         let ours2 = || Ours::new(arena.clone(), w.workers, 2);
         let ours_writer = |threads| {
             let arena = arena.clone();
-            move || OursWriter::new(arena.clone(), w.workers, threads)
+            move || Ours::with_writer(arena.clone(), w.workers, threads)
         };
         let baseline = || HashBaseline::new(seq.clone());
         let radix = || Radix::new(local.clone());
