@@ -10,7 +10,10 @@ use super::store::LocId;
 
 /// Where blocks are held: one source's tier. A worker's G1 fed by
 /// [`record_routing`](super::PrefixIndex::record_routing) is a separate, *approximate* location.
+///
+/// Eight-byte aligned, so that copying one into a lookup's answer is one move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(align(8))]
 pub struct Location {
     /// The source that reports (or, if approximate, is assumed to hold) the blocks.
     pub source: SourceId,
@@ -55,8 +58,6 @@ pub struct Matches {
     pub(crate) results: Vec<LocationMatch>,
     /// Scratch of the lookup: locations still matching, split at each probe.
     pub(crate) alive: Vec<LocId>,
-    pub(crate) next: Vec<LocId>,
-    pub(crate) dropped: Vec<LocId>,
     /// Locations that are not prefix-closed, walked block by block.
     pub(crate) walk: Vec<LocId>,
     /// Per location id: set tags and prefix lengths (see [`Marks`]).
@@ -108,8 +109,6 @@ impl Matches {
     /// Clears the lookup scratch, not the results.
     pub(crate) fn clear_scratch(&mut self) {
         self.alive.clear();
-        self.next.clear();
-        self.dropped.clear();
         self.walk.clear();
     }
 

@@ -35,6 +35,12 @@
 //! its children the location also holds, and per location a multiset of the missing parents of
 //! its orphans. A location with orphans is walked block by block, so answers stay exact in every
 //! state.
+//!
+//! The same bookkeeping makes a probe cheap when a block is held by many locations (a system
+//! prompt every worker has): every prefix-closed holder of a later probe is still a candidate, so
+//! while few locations have orphans (they are listed), the candidates holding a probe are counted
+//! from the length of its holder list, not found one by one ([`Members`]). A lookup then pays per
+//! location only to list the first block's holders and to write each one's answer.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -67,6 +73,10 @@ const COMPACT_RATIO: u64 = 4;
 
 /// How many blocks ahead a chain operation prefetches.
 const PREFETCH: usize = 8;
+
+/// With at most this many locations with orphans in the store, a lookup counts its candidates
+/// among a probe's holders instead of tagging them (see [`Members`]).
+const COUNTED_ORPHANED: usize = 8;
 
 /// Marks a holder during a log compaction (in `children`, which never gets near it).
 const COMPACT_MARK: u32 = 1 << 31;
@@ -124,6 +134,22 @@ struct LocationState {
     deadlines: BlockMap<Instant>,
 }
 
+/// How a lookup tells the members of a candidate set — prefix-closed locations that hold a probe
+/// `hashes[lo]` — among the holders of a later probe.
+///
+/// - *Tagged*: the members carry `tag` in [`Marks`], and the holders are checked one by one.
+/// - *Counted*: every prefix-closed holder of a later probe is a member or one of `outside`
+///   other candidates known to hold it (they were split off as holding a probe further on), so
+///   the members among `h` holders are `h - outside - (listed locations with orphans among them)`:
+///   a few binary searches, whatever the number of holders. This is what makes a lookup over a
+///   block every worker holds cost nothing per worker until the candidates split.
+#[derive(Debug, Clone, Copy)]
+struct Members {
+    tag: u32,
+    outside: usize,
+    counted: bool,
+}
+
 /// The outcome of adding one block to one location.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Insert {
@@ -143,6 +169,9 @@ pub(crate) struct Store {
     /// Indexed by location id, as `locations`.
     keys: Vec<LocationKey>,
     location_ids: HashMap<Location, LocId, FxBuild>,
+    /// The locations with orphans (any order); few in practice, so lookups count holders instead
+    /// of tagging them while there are at most [`COUNTED_ORPHANED`] (see [`Store::jump`]).
+    orphaned: Vec<LocId>,
     max_blocks: usize,
     placements: u64,
     approximate_placements: u64,
@@ -157,6 +186,7 @@ impl Store {
             locations: Vec::new(),
             keys: Vec::new(),
             location_ids: HashMap::default(),
+            orphaned: Vec::new(),
             max_blocks,
             placements: 0,
             approximate_placements: 0,
@@ -266,22 +296,21 @@ impl Store {
             }
         };
         let state = &mut self.locations[loc as usize];
-        let key = &mut self.keys[loc as usize];
+        let LocationKey { location, orphans } = self.keys[loc as usize];
         // Children of `hash` this location already holds were orphans until now.
-        if key.orphans != 0
-            && let Some(children) = state.orphan_parents.remove(&hash)
-        {
-            key.orphans -= u64::from(children);
-            let entry = self.blocks.at_mut(slot);
-            let at = entry.find(loc).expect("just added");
-            entry.holders[at].children = children;
-        }
+        let adopted = if orphans != 0 { state.orphan_parents.remove(&hash) } else { None };
         state.log.push(hash);
         state.live += 1;
         let compact = state.log.len() >= MIN_COMPACT && state.log.len() as u64 > COMPACT_RATIO * state.live;
         self.placements += 1;
-        if key.location.approximate {
+        if location.approximate {
             self.approximate_placements += 1;
+        }
+        if let Some(children) = adopted {
+            self.set_orphans(loc, orphans - u64::from(children));
+            let entry = self.blocks.at_mut(slot);
+            let at = entry.find(loc).expect("just added");
+            entry.holders[at].children = children;
         }
         // The parent recorded first wins: it is a function of the hash, and the bookkeeping must
         // use the same parent on insert and on removal.
@@ -305,9 +334,8 @@ impl Store {
         match self.held_by(loc, parent) {
             Some(holder) => holder.children += 1,
             None => {
-                let state = &mut self.locations[loc as usize];
-                self.keys[loc as usize].orphans += 1;
-                *state.orphan_parents.entry(parent).or_insert(0) += 1;
+                *self.locations[loc as usize].orphan_parents.entry(parent).or_insert(0) += 1;
+                self.set_orphans(loc, self.keys[loc as usize].orphans + 1);
             }
         }
     }
@@ -366,17 +394,17 @@ impl Store {
             self.blocks.remove_at(slot);
         }
         let state = &mut self.locations[loc as usize];
-        let key = &mut self.keys[loc as usize];
+        let LocationKey { location, orphans } = self.keys[loc as usize];
         state.live -= 1;
         self.placements -= 1;
-        if key.location.approximate {
+        if location.approximate {
             state.deadlines.remove(&hash);
             self.approximate_placements -= 1;
         }
         // Its children in this location become orphans.
         if holder.children > 0 {
-            key.orphans += u64::from(holder.children);
             *state.orphan_parents.entry(hash).or_insert(0) += holder.children;
+            self.set_orphans(loc, orphans + u64::from(holder.children));
         }
         let parent_slot = parent.and_then(|parent| self.abandon(loc, parent));
         (true, parent_slot)
@@ -392,27 +420,37 @@ impl Store {
                 return Some(slot);
             }
         }
-        {
-            {
-                let state = &mut self.locations[loc as usize];
-                self.keys[loc as usize].orphans -= 1;
-                let count = state.orphan_parents.get_mut(&parent).expect("an orphan's parent is counted");
-                *count -= 1;
-                if *count == 0 {
-                    state.orphan_parents.remove(&parent);
-                }
-            }
+        let state = &mut self.locations[loc as usize];
+        let count = state.orphan_parents.get_mut(&parent).expect("an orphan's parent is counted");
+        *count -= 1;
+        if *count == 0 {
+            state.orphan_parents.remove(&parent);
         }
+        self.set_orphans(loc, self.keys[loc as usize].orphans - 1);
         None
+    }
+
+    /// Sets how many orphans `loc` has, keeping [`Store::orphaned`] in step.
+    fn set_orphans(&mut self, loc: LocId, orphans: u64) {
+        let key = &mut self.keys[loc as usize];
+        match (key.orphans, orphans) {
+            (0, 1..) => self.orphaned.push(loc),
+            (1.., 0) => {
+                let at = self.orphaned.iter().position(|&l| l == loc).expect("a location with orphans is listed");
+                self.orphaned.swap_remove(at);
+            }
+            _ => {}
+        }
+        key.orphans = orphans;
     }
 
     /// Drops every block of `loc`, in `O(blocks of loc)` (its log is at most [`COMPACT_RATIO`]
     /// times that).
     pub(crate) fn clear(&mut self, loc: LocId) {
+        self.set_orphans(loc, 0);
         let state = &mut self.locations[loc as usize];
         let log = std::mem::take(&mut state.log);
-        let key = &mut self.keys[loc as usize];
-        key.orphans = 0;
+        let key = &self.keys[loc as usize];
         state.orphan_parents = BlockMap::default();
         state.deadlines = BlockMap::default();
         let removed = std::mem::take(&mut state.live);
@@ -503,6 +541,12 @@ impl Store {
     ///
     /// Appends to `out.results` (the caller clears it), so several shards can answer into one.
     pub(crate) fn find_matches(&self, hashes: &[BlockHash], out: &mut Matches) {
+        self.find_matches_with(hashes, out, self.orphaned.len() <= COUNTED_ORPHANED);
+    }
+
+    /// [`Store::find_matches`], telling a probe's holders apart by counting (see [`Members`]) or
+    /// by tags.
+    pub(crate) fn find_matches_with(&self, hashes: &[BlockHash], out: &mut Matches, counted: bool) {
         out.clear_scratch();
         let Some(&first) = hashes.first() else { return };
         // The jump probes, all at once: their misses overlap with the first block's.
@@ -514,47 +558,55 @@ impl Store {
             return;
         }
         out.marks.prepare(self.locations.len());
-        for holder in holders {
-            if self.keys[holder.loc as usize].orphans == 0 {
-                out.alive.push(holder.loc);
-            } else {
-                out.walk.push(holder.loc);
+        if self.orphaned.is_empty() {
+            out.alive.extend(holders.iter().map(|h| h.loc));
+        } else {
+            for holder in holders {
+                if self.keys[holder.loc as usize].orphans == 0 {
+                    out.alive.push(holder.loc);
+                } else {
+                    out.walk.push(holder.loc);
+                }
             }
         }
-        self.jump(hashes, out);
+        self.jump(hashes, out, counted);
         self.walk(hashes, out);
-        // In location order, as the first block's holders are.
-        let Matches { results, marks, .. } = out;
-        results.extend(holders.iter().map(|h| super::LocationMatch {
-            location: self.keys[h.loc as usize].location,
-            blocks: marks.len[h.loc as usize] as usize,
+        // In location order, as the first block's holders are. (One bounds check per holder:
+        // both arrays are as long as `keys`.)
+        let keys = &self.keys[..];
+        let lens = &out.marks.len[..keys.len()];
+        out.results.extend(holders.iter().map(|h| {
+            let at = h.loc as usize;
+            super::LocationMatch { location: keys[at].location, blocks: lens[at] as usize }
         }));
     }
 
     /// The jump search over the prefix-closed locations in `out.alive` (all hold `hashes[0]`).
     ///
-    /// A candidate set is tagged in `out.marks`, so testing a probe's holders against it costs
-    /// one array read per holder, and a probe that every candidate (or none) holds moves on
-    /// without touching the set.
-    fn jump(&self, hashes: &[BlockHash], out: &mut Matches) {
+    /// A probe that every candidate (or none) holds moves on without touching the candidates; only
+    /// a probe that splits them costs a pass over them.
+    fn jump(&self, hashes: &[BlockHash], out: &mut Matches, counted: bool) {
         let n = hashes.len();
-        let marks = &mut out.marks;
-        let mut tag = marks.fresh();
-        for &loc in &out.alive {
-            marks.tag[loc as usize] = tag;
+        let Matches { alive, marks, .. } = out;
+        let mut members = Members { tag: marks.fresh(), outside: 0, counted };
+        if !counted {
+            for &loc in alive.iter() {
+                marks.tag[loc as usize] = members.tag;
+            }
         }
         let mut lo = 0;
-        while !out.alive.is_empty() {
+        while !alive.is_empty() {
             if lo + 1 == n {
-                for loc in out.alive.drain(..) {
+                for &loc in alive.iter() {
                     marks.len[loc as usize] = n as u32;
                 }
+                alive.clear();
                 return;
             }
             let hi = (lo + JUMP).min(n - 1);
             let holders = self.holders(hashes[hi]);
-            let holding = holders.iter().filter(|h| marks.has(h.loc, tag)).count();
-            if holding == out.alive.len() {
+            let holding = self.holding(holders, members, marks);
+            if holding == alive.len() {
                 lo = hi;
                 continue;
             }
@@ -562,38 +614,28 @@ impl Store {
             for &hash in &hashes[lo + 1..hi] {
                 self.blocks.prefetch(hash);
             }
-            if holding == 0 {
-                // Everyone drops out somewhere in (lo, hi].
-                self.bisect(hashes, lo, hi, &mut out.alive, tag, marks);
-                out.alive.clear();
-                return;
-            }
-            // Survivors get a new tag and go on; the others keep `tag` and are bisected.
-            let next_tag = marks.fresh();
-            for h in holders {
-                if marks.has(h.loc, tag) {
-                    marks.tag[h.loc as usize] = next_tag;
-                }
-            }
-            out.next.clear();
-            out.dropped.clear();
-            for &loc in &out.alive {
-                if marks.has(loc, next_tag) {
-                    out.next.push(loc);
-                } else {
-                    out.dropped.push(loc);
-                }
-            }
-            std::mem::swap(&mut out.alive, &mut out.next);
-            self.bisect(hashes, lo, hi, &mut out.dropped, tag, marks);
-            tag = next_tag;
+            // The survivors go first, with a fresh tag; the others keep theirs and are bisected.
+            let (held, fresh) =
+                if holding == 0 { (0, members.tag) } else { self.split(holders, alive, members, marks) };
+            let stopped = Members { outside: held, ..members };
+            self.bisect(hashes, lo, hi, &mut alive[held..], stopped, marks);
+            alive.truncate(held);
+            members.tag = fresh;
             lo = hi;
         }
     }
 
-    /// Every location in `set` (exactly the locations tagged `tag`) holds `hashes[lo]` and not
+    /// Every location in `set` (told apart as `members` says) holds `hashes[lo]` and not
     /// `hashes[hi]`: record where each stops.
-    fn bisect(&self, hashes: &[BlockHash], lo: usize, hi: usize, set: &mut [LocId], tag: u32, marks: &mut Marks) {
+    fn bisect(
+        &self,
+        hashes: &[BlockHash],
+        lo: usize,
+        hi: usize,
+        set: &mut [LocId],
+        members: Members,
+        marks: &mut Marks,
+    ) {
         if set.is_empty() {
             return;
         }
@@ -605,30 +647,50 @@ impl Store {
         }
         let mid = lo + (hi - lo) / 2;
         let holders = self.holders(hashes[mid]);
-        let holding = holders.iter().filter(|h| marks.has(h.loc, tag)).count();
+        let holding = self.holding(holders, members, marks);
         if holding == 0 {
-            return self.bisect(hashes, lo, mid, set, tag, marks);
+            return self.bisect(hashes, lo, mid, set, members, marks);
         }
         if holding == set.len() {
-            return self.bisect(hashes, mid, hi, set, tag, marks);
+            return self.bisect(hashes, mid, hi, set, members, marks);
         }
-        // Those still holding `hashes[mid]` get a new tag and go first.
-        let mid_tag = marks.fresh();
+        let (held, fresh) = self.split(holders, set, members, marks);
+        let (holding, stopped) = set.split_at_mut(held);
+        self.bisect(hashes, lo, mid, stopped, Members { outside: members.outside + held, ..members }, marks);
+        self.bisect(hashes, mid, hi, holding, Members { tag: fresh, ..members }, marks);
+    }
+
+    /// How many members of a candidate set hold the block whose holders are `holders`.
+    #[inline]
+    fn holding(&self, holders: &[Holder], members: Members, marks: &Marks) -> usize {
+        if members.counted {
+            let orphaned = self.orphaned.iter().filter(|&&loc| holders.binary_search_by_key(&loc, |h| h.loc).is_ok());
+            let other = orphaned.count() + members.outside;
+            debug_assert!(other <= holders.len(), "the orphan bookkeeping is exact");
+            holders.len().saturating_sub(other)
+        } else {
+            holders.iter().filter(|h| marks.has(h.loc, members.tag)).count()
+        }
+    }
+
+    /// Moves the members of `set` that hold the block whose holders are `holders` to its front,
+    /// tagged with a fresh tag; returns how many there are and the tag.
+    fn split(&self, holders: &[Holder], set: &mut [LocId], members: Members, marks: &mut Marks) -> (usize, u32) {
+        let fresh = marks.fresh();
         for h in holders {
-            if marks.has(h.loc, tag) {
-                marks.tag[h.loc as usize] = mid_tag;
+            // Counting needs no tags to tell the set apart, so every holder may take the new one.
+            if members.counted || marks.has(h.loc, members.tag) {
+                marks.tag[h.loc as usize] = fresh;
             }
         }
-        let mut split = 0;
+        let mut held = 0;
         for i in 0..set.len() {
-            if marks.has(set[i], mid_tag) {
-                set.swap(i, split);
-                split += 1;
+            if marks.has(set[i], fresh) {
+                set.swap(i, held);
+                held += 1;
             }
         }
-        let (holding, stopped) = set.split_at_mut(split);
-        self.bisect(hashes, lo, mid, stopped, tag, marks);
-        self.bisect(hashes, mid, hi, holding, mid_tag, marks);
+        (held, fresh)
     }
 
     /// The block-by-block walk for locations with orphans (all hold `hashes[0]`).
