@@ -195,6 +195,21 @@ async fn worker_b_loads_worker_a_prefix_from_g2() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_computed_in_chunks_answers_as_one_pass_does() {
+    let req = request(turn(3 * B + 9, 5));
+    let n = node(16);
+    // Chunks of 7 tokens: none of them ends on a block boundary.
+    let mut chunked = n.worker().with_prefill_chunk(7);
+    let out = run(&mut chunked, &req).await;
+    assert_eq!(out.prefill_tokens, req.prompt.len());
+    assert_eq!(out.tokens, recomputed(&req).await, "same greedy output as one forward pass");
+    // Its blocks are the same blocks: another worker loads them from G2 and answers the same.
+    let loaded = run(&mut n.worker(), &req).await;
+    assert_eq!(loaded.cached_tokens, 3 * B);
+    assert_eq!(loaded.tokens, out.tokens);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_come_back_from_g3_when_g2_is_too_small() {
     let n = node(8); // 4 usable G2 blocks: the prefix does not stay in G2
     let (mut a, mut b) = (n.worker(), n.worker());

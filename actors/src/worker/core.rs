@@ -191,6 +191,8 @@ pub struct Worker<B: Backend> {
     /// Sealed G2 images waiting for their G2 → G3 write.
     g3_batch: Vec<PendingWrite>,
     writes: JoinSet<()>,
+    /// Most prompt tokens computed in one forward pass (see [`Worker::with_prefill_chunk`]).
+    prefill_chunk: usize,
 }
 
 impl<B: Backend> std::fmt::Debug for Worker<B> {
@@ -250,7 +252,16 @@ impl<B: Backend> Worker<B> {
             gathers: Vec::new(),
             g3_batch: Vec::new(),
             writes: JoinSet::new(),
+            prefill_chunk: usize::MAX,
         })
+    }
+
+    /// Computes a prompt in forward passes of at most `tokens` tokens (`engine.max_batch_tokens`),
+    /// each attending to the KV the ones before it wrote: what bounds a pass's activation memory
+    /// whatever the prompt's length. By default a prompt is one pass.
+    pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
+        self.prefill_chunk = tokens.max(1);
+        self
     }
 
     /// The same worker as worker `id` of its node (the G1 site it reports KV events for).
@@ -406,7 +417,12 @@ impl<B: Backend> Worker<B> {
             seq.push(SeqBlock { page, registered: None });
         }
         let table: Vec<u32> = seq.iter().map(|s| s.page).collect();
-        let mut logits = self.model.forward(&mut self.kv, &req.prompt[cached..], cached, &table, b)?;
+        let mut logits = Vec::new();
+        let mut pos = cached;
+        for chunk in req.prompt[cached..].chunks(self.prefill_chunk) {
+            logits = self.model.forward(&mut self.kv, chunk, pos, &table, b)?;
+            pos += chunk.len();
+        }
         for i in cached / b..hashes.len() {
             self.register(i, seq, hashes, Self::region_of(req, i * b), now, true);
         }
