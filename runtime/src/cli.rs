@@ -178,8 +178,8 @@ fn gpu_check(args: &GpuCheckArgs) -> ExitCode {
 /// The end-to-end section on the CUDA device; prints its table. False if it could not run.
 fn cached_prefix_ttft(args: &GpuCheckArgs) -> bool {
     use crate::bench::cached_ttft::{CachedTtftOptions, run};
-    use dynamo_kernels::cuda::CudaBackend;
     use dynamo_kernels::cuda::check::pinned_copy_time;
+    use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
     use dynamo_tiering::g2::HostPool;
 
     let Some(shape) = dynamo_config::ModelShape::named(&args.e2e_model) else {
@@ -217,7 +217,8 @@ fn cached_prefix_ttft(args: &GpuCheckArgs) -> bool {
         }
     };
     println!("\n# End to end: one CUDA worker pair, {} shape", shape.name);
-    match runtime.block_on(run(&make, &prepare, &copy, &opts)) {
+    let share = |registration: &HostRegistration, cuda: &CudaBackend| registration.share(cuda);
+    match runtime.block_on(run(&make, &prepare, &share, &copy, &opts)) {
         Ok(report) => {
             print!("{report}");
             true

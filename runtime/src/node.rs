@@ -6,13 +6,15 @@
 //! slot headers), and rebuilds the G3 registry from what the store recovered, so a restarted node
 //! knows every block it had written — each of them verified again when it is read.
 
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
-use dynamo_config::{ByteSize, DeviceKind, IoEngineKind, ModelShape, NodeConfig};
+use dynamo_config::{ByteSize, DeviceKind, Dtype, IoEngineKind, ModelShape, NodeConfig};
+use dynamo_kernels::KernelError;
+use dynamo_kernels::cuda::DeviceInfo;
 use dynamo_kernels::model::weights::read_hf_config;
 use dynamo_tiering::block::BlockLayout;
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
@@ -48,6 +50,119 @@ pub struct G3Plan {
     pub policy: PolicyKind,
 }
 
+/// Where the engines run: `engine.device` resolved against what the machine has.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineDevice {
+    /// The reference engine on the CPU backend; G1 in host memory.
+    Cpu,
+    /// The reference engine on CUDA: worker `i` on device `i % device_count`, G1 in its memory.
+    Cuda(DeviceInfo),
+}
+
+impl EngineDevice {
+    /// The device ordinal of worker `worker` (CUDA only).
+    pub fn ordinal_of(&self, worker: usize) -> Option<usize> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda(info) => Some(worker % info.device_count.max(1)),
+        }
+    }
+}
+
+impl fmt::Display for EngineDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(info) => write!(f, "cuda ({info})"),
+        }
+    }
+}
+
+/// Device memory a CUDA worker needs besides its weights, activations and G1: the context,
+/// cuBLAS's workspace and the backend's staging buffers.
+pub const CUDA_WORKER_OVERHEAD: u64 = 1 << 30;
+
+/// Decides where the engines run. `probe` reports the first CUDA device (or why there is none);
+/// it is only called when `engine.device` is `"cuda"` or `"auto"`.
+fn resolve_device(
+    cfg: &NodeConfig,
+    probe: &dyn Fn() -> Result<DeviceInfo, KernelError>,
+) -> anyhow::Result<EngineDevice> {
+    let bf16 = cfg.model.dtype == Dtype::Bf16;
+    match cfg.engine.device {
+        DeviceKind::Cpu => Ok(EngineDevice::Cpu),
+        DeviceKind::Cuda => {
+            let info = probe().context("engine.device = \"cuda\" but no CUDA device is usable")?;
+            if !bf16 {
+                bail!(
+                    "engine.device = \"cuda\" keeps weights and KV in bf16, but model.dtype = \"{}\"; set model.dtype = \"bf16\"",
+                    cfg.model.dtype
+                );
+            }
+            Ok(EngineDevice::Cuda(info))
+        }
+        DeviceKind::Auto => match probe() {
+            Ok(info) if bf16 => Ok(EngineDevice::Cuda(info)),
+            Ok(info) => {
+                tracing::info!(
+                    device = %info,
+                    dtype = %cfg.model.dtype,
+                    "a GPU is present, but the CUDA engine keeps bf16 and model.dtype is not; running on the CPU"
+                );
+                Ok(EngineDevice::Cpu)
+            }
+            Err(e) => {
+                tracing::debug!(reason = %e, "no usable CUDA device; running on the CPU");
+                Ok(EngineDevice::Cpu)
+            }
+        },
+    }
+}
+
+/// G1 bytes per worker on a CUDA device: `tiers.g1.capacity`, or with 0 what is left of
+/// `gpu_memory_fraction` of the device (at most what is free) shared by the workers on it, after
+/// each one's weights, activations for `engine.max_batch_tokens` tokens and
+/// [`CUDA_WORKER_OVERHEAD`]. Fails with the numbers when the workers would not fit.
+pub fn g1_bytes_on_device(cfg: &NodeConfig, shape: &ModelShape, info: &DeviceInfo) -> anyhow::Result<u64> {
+    let workers = cfg.engine.workers.max(1);
+    let per_device = workers.div_ceil(info.device_count.max(1)) as u64;
+    let fraction = cfg.tiers.g1.gpu_memory_fraction;
+    let usable = ((info.total_memory as f64 * fraction) as u64).min(info.free_memory as u64);
+    let weights = dynamo_kernels::model::weight_bytes(shape);
+    let activations = dynamo_kernels::model::forward_bytes(shape, cfg.engine.max_batch_tokens.max(1));
+    let fixed = weights + activations + CUDA_WORKER_OVERHEAD;
+    let configured = cfg.tiers.g1.capacity.as_u64();
+    let share = usable / per_device;
+    let explain = || {
+        format!(
+            "{} has {} free of {}; each of its {per_device} worker(s) needs {} of weights, {} of activations \
+             (engine.max_batch_tokens = {}) and {} of overhead",
+            info.name,
+            ByteSize(info.free_memory as u64),
+            ByteSize(info.total_memory as u64),
+            ByteSize(weights),
+            ByteSize(activations),
+            cfg.engine.max_batch_tokens,
+            ByteSize(CUDA_WORKER_OVERHEAD),
+        )
+    };
+    if configured > 0 {
+        let free_share = info.free_memory as u64 / per_device;
+        if configured + fixed > free_share {
+            bail!("tiers.g1.capacity = {} does not fit: {}", ByteSize(configured), explain());
+        }
+        return Ok(configured);
+    }
+    match share.checked_sub(fixed) {
+        Some(left) if left > 0 => Ok(left),
+        _ => bail!(
+            "tiers.g1.capacity = 0 leaves no G1: gpu_memory_fraction = {fraction} gives each worker {}; {}",
+            ByteSize(share),
+            explain()
+        ),
+    }
+}
+
 /// What the node will run, derived from its configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ResolvedTiers {
@@ -68,7 +183,7 @@ pub struct ResolvedTiers {
     /// Engine workers (each with its own G1).
     pub workers: usize,
     /// Where the engines run.
-    pub device: &'static str,
+    pub device: EngineDevice,
     /// G1, per worker.
     pub g1: MemoryTierPlan,
     /// G2, shared by the workers.
@@ -80,8 +195,14 @@ pub struct ResolvedTiers {
 }
 
 impl ResolvedTiers {
-    /// Resolves a validated configuration.
+    /// Resolves a validated configuration on this machine (probing for a GPU when
+    /// `engine.device` allows one).
     pub fn resolve(cfg: &NodeConfig) -> anyhow::Result<Self> {
+        Self::resolve_with(cfg, &dynamo_kernels::cuda::probe)
+    }
+
+    /// [`ResolvedTiers::resolve`] with `probe` reporting the CUDA device.
+    pub fn resolve_with(cfg: &NodeConfig, probe: &dyn Fn() -> Result<DeviceInfo, KernelError>) -> anyhow::Result<Self> {
         let shape = match cfg.model_shape() {
             Some(shape) => shape,
             None => {
@@ -94,18 +215,20 @@ impl ResolvedTiers {
         let layout = BlockLayout::for_model(&shape, cfg.model.dtype, block_tokens);
         let image_bytes = layout.image_bytes();
         let slot_bytes = align_up(image_bytes);
-        let device = match cfg.engine.device {
-            // The CUDA backend comes with the reference-engine work; until then every engine is a CPU one.
-            DeviceKind::Auto | DeviceKind::Cpu => "cpu",
-            DeviceKind::Cuda => {
-                bail!("engine.device = \"cuda\": this build has no CUDA backend yet; use \"auto\" or \"cpu\"")
-            }
-        };
-        // G1 on the CPU holds the paged layout, which has no header or alignment padding.
+        let device = resolve_device(cfg, probe)?;
+        // G1 holds the paged layout, which has no header or alignment padding.
         let g1_block_bytes = layout.payload_bytes() as u64;
+        let g1_capacity = match &device {
+            EngineDevice::Cpu if cfg.tiers.g1.capacity.as_u64() == 0 => bail!(
+                "tiers.g1.capacity = 0 derives G1 from GPU memory, but the engines run on the CPU \
+                 (no usable CUDA device, or model.dtype is not bf16); set a size such as \"256MiB\""
+            ),
+            EngineDevice::Cpu => cfg.tiers.g1.capacity.as_u64(),
+            EngineDevice::Cuda(info) => g1_bytes_on_device(cfg, &shape, info)?,
+        };
         let g1 = MemoryTierPlan {
-            capacity: cfg.tiers.g1.capacity.as_u64(),
-            blocks: cfg.tiers.g1.capacity.as_u64() / g1_block_bytes,
+            capacity: g1_capacity,
+            blocks: g1_capacity / g1_block_bytes,
             policy: cfg.tiers.g1.eviction.into(),
         };
         let g2 = cfg.tiers.g2.enabled.then(|| {
@@ -179,13 +302,21 @@ impl ResolvedTiers {
             ByteSize(self.image_bytes as u64),
             ByteSize(self.slot_bytes as u64),
         );
+        let _ = writeln!(out, "engines: {} × reference on {}", self.workers, self.device);
         let _ = writeln!(out, "{:<4} {:<44} {:>10} {:>9} {:<6}", "tier", "medium", "capacity", "blocks", "policy");
         let policy = |p: PolicyKind| if p == PolicyKind::Lru { "lru" } else { "lfu" };
         let _ = writeln!(
             out,
             "{:<4} {:<44} {:>10} {:>9} {:<6}",
             "G1",
-            format!("{} memory, per worker × {}", self.device, self.workers),
+            format!(
+                "{} memory, per worker × {}",
+                match self.device {
+                    EngineDevice::Cpu => "host",
+                    EngineDevice::Cuda(_) => "device",
+                },
+                self.workers
+            ),
             ByteSize(self.g1.capacity).to_string(),
             self.g1.blocks,
             policy(self.g1.policy)
@@ -446,6 +577,118 @@ impl ShutdownSignals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn h200(free: u64) -> DeviceInfo {
+        DeviceInfo {
+            ordinal: 0,
+            name: "NVIDIA H200".into(),
+            compute_capability: (9, 0),
+            total_memory: (141 * GIB) as usize,
+            free_memory: free as usize,
+            device_count: 1,
+        }
+    }
+
+    fn gpu_config(workers: usize, g1: u64) -> NodeConfig {
+        let mut cfg = NodeConfig::default();
+        cfg.model.name = "llama-8b".into();
+        cfg.model.dtype = Dtype::Bf16;
+        cfg.engine.device = DeviceKind::Cuda;
+        cfg.engine.workers = workers;
+        cfg.tiers.g1.capacity = ByteSize(g1);
+        cfg
+    }
+
+    fn no_gpu() -> Result<DeviceInfo, KernelError> {
+        Err(KernelError::CudaUnavailable("libcuda.so.1 not found".into()))
+    }
+
+    #[test]
+    fn the_weights_of_llama_8b_are_its_published_parameter_count_in_bf16() {
+        // Llama 3.1 8B: 8,030,261,248 parameters (untied output head).
+        assert_eq!(dynamo_kernels::model::weight_bytes(&ModelShape::LLAMA_8B), 2 * 8_030_261_248);
+    }
+
+    #[test]
+    fn g1_on_a_gpu_is_what_the_memory_fraction_leaves_after_weights_and_activations() {
+        let cfg = gpu_config(2, 0);
+        let info = h200(140 * GIB);
+        let tiers = ResolvedTiers::resolve_with(&cfg, &|| Ok(info.clone())).unwrap();
+        assert_eq!(tiers.device, EngineDevice::Cuda(info.clone()));
+        let share = (141.0 * GIB as f64 * cfg.tiers.g1.gpu_memory_fraction) as u64 / 2;
+        let weights = dynamo_kernels::model::weight_bytes(&ModelShape::LLAMA_8B);
+        let activations = dynamo_kernels::model::forward_bytes(&ModelShape::LLAMA_8B, cfg.engine.max_batch_tokens);
+        assert_eq!(tiers.g1.capacity, share - weights - activations - CUDA_WORKER_OVERHEAD);
+        // Two workers on an H200 each get room for well over a 32K-token prompt's KV (4 GiB).
+        assert!(tiers.g1.blocks * tiers.block_tokens as u64 > 100_000, "{} blocks", tiers.g1.blocks);
+        assert_eq!(tiers.g1.blocks, tiers.g1.capacity / tiers.layout.payload_bytes() as u64);
+        assert!(tiers.render().contains("cuda (cuda:0 NVIDIA H200"), "{}", tiers.render());
+
+        // Less free memory than the fraction allows: what is free counts.
+        let busy = ResolvedTiers::resolve_with(&cfg, &|| Ok(h200(60 * GIB))).unwrap();
+        assert_eq!(busy.g1.capacity, 30 * GIB - weights - activations - CUDA_WORKER_OVERHEAD);
+    }
+
+    #[test]
+    fn a_gpu_too_small_for_the_workers_is_refused_with_the_numbers() {
+        let err = format!("{:#}", ResolvedTiers::resolve_with(&gpu_config(8, 0), &|| Ok(h200(140 * GIB))).unwrap_err());
+        assert!(err.contains("leaves no G1") && err.contains("8 worker(s)") && err.contains("weights"), "{err}");
+        let err = format!(
+            "{:#}",
+            ResolvedTiers::resolve_with(&gpu_config(1, 200 * GIB), &|| Ok(h200(140 * GIB))).unwrap_err()
+        );
+        assert!(err.contains("does not fit"), "{err}");
+        // An explicit size that fits is taken as it is.
+        let tiers = ResolvedTiers::resolve_with(&gpu_config(1, 8 * GIB), &|| Ok(h200(140 * GIB))).unwrap();
+        assert_eq!(tiers.g1.capacity, 8 * GIB);
+    }
+
+    #[test]
+    fn auto_runs_on_the_cpu_without_a_gpu_or_without_bf16_and_cuda_says_why_it_cannot() {
+        let mut cfg = NodeConfig::default();
+        assert_eq!(cfg.engine.device, DeviceKind::Auto);
+        assert_eq!(ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap().device, EngineDevice::Cpu);
+        // A GPU, but f32 weights (the default): the CUDA engine keeps bf16, so the CPU it is.
+        assert_eq!(ResolvedTiers::resolve_with(&cfg, &|| Ok(h200(140 * GIB))).unwrap().device, EngineDevice::Cpu);
+
+        cfg.tiers.g1.capacity = ByteSize(0);
+        let err = format!("{:#}", ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap_err());
+        assert!(err.contains("engines run on the CPU"), "{err}");
+
+        let cfg = gpu_config(1, 0);
+        let err = format!("{:#}", ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap_err());
+        assert!(err.contains("no CUDA device is usable") && err.contains("libcuda.so.1 not found"), "{err}");
+        let mut f32_cfg = gpu_config(1, 0);
+        f32_cfg.model.dtype = Dtype::F32;
+        let err = format!("{:#}", ResolvedTiers::resolve_with(&f32_cfg, &|| Ok(h200(140 * GIB))).unwrap_err());
+        assert!(err.contains("model.dtype = \"bf16\""), "{err}");
+    }
+
+    #[test]
+    fn engine_device_cuda_on_this_machine_runs_on_its_gpu_or_says_why_not() {
+        let cfg = gpu_config(1, 0);
+        match dynamo_kernels::cuda::probe() {
+            Ok(info) => {
+                let tiers = ResolvedTiers::resolve(&cfg).unwrap();
+                assert_eq!(tiers.device, EngineDevice::Cuda(info));
+                assert!(tiers.g1.blocks > 0);
+            }
+            Err(reason) => {
+                let err = format!("{:#}", ResolvedTiers::resolve(&cfg).unwrap_err());
+                assert!(err.contains("no CUDA device is usable") && err.contains(&reason.to_string()), "{err}");
+            }
+        }
+    }
+
+    #[test]
+    fn workers_spread_over_the_devices() {
+        let info = DeviceInfo { device_count: 2, ..h200(140 * GIB) };
+        let device = EngineDevice::Cuda(info);
+        assert_eq!((0..4).map(|w| device.ordinal_of(w)).collect::<Vec<_>>(), [Some(0), Some(1), Some(0), Some(1)]);
+        assert_eq!(EngineDevice::Cpu.ordinal_of(0), None);
+    }
 
     #[test]
     fn a_checkpoint_shape_comes_from_its_config_json() {

@@ -5,6 +5,11 @@
 //! "is loading faster than recomputing?"), and starts the NodeSupervisor with one WorkerActor per
 //! `engine.workers`, the SchedulerActor and the G2/G3 store actors. [`NodeGenerator`] hands each
 //! request to the scheduler, which queues it on a worker or answers "overloaded" at once.
+//!
+//! The workers' engines run where [`EngineDevice`] says. On CUDA each worker opens its own backend
+//! (stream, cuBLAS, kernels) on its device, in its engine thread, with its G1 pool in device memory;
+//! the G2 pool is registered with the device once (page-locked and mapped), and every worker's
+//! backend gathers into and scatters from it directly.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -21,17 +26,19 @@ use dynamo_actors::worker::{
     Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, Worker, WorkerArgs, WorkerError, WorkerEvent,
 };
 use dynamo_config::{NodeConfig, TierName};
-use dynamo_kernels::CpuBackend;
+use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::Sampling;
+use dynamo_kernels::{Backend, CpuBackend};
 use dynamo_tiering::block::{Salt, SaltInputs};
+use dynamo_tiering::registry::PolicyKind;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use ractor::Actor;
 use ractor::rpc::CallResult;
 
 use crate::frontend::{FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator};
-use crate::node::Node;
+use crate::node::{EngineDevice, Node};
 
 /// How often the store actors check occupancy and G3 health.
 const STORE_PERIOD: Duration = Duration::from_millis(500);
@@ -45,6 +52,9 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 pub struct Serving {
     /// The root of the tree.
     pub node: NodeRef,
+    /// The G2 pool's registration with the CUDA device. Declared before `tiers`, so it is dropped
+    /// (the pool unregistered) before the pool can be.
+    _g2_registration: Option<Arc<HostRegistration>>,
     /// The tiers the workers share.
     pub tiers: Arc<NodeTiers>,
     /// The model's name as clients address it.
@@ -93,12 +103,44 @@ impl Serving {
         let threads_each = (cores / workers).max(1);
         let pages = plan.g1.blocks as usize;
         let block_tokens = plan.block_tokens;
+        let device = plan.device.clone();
 
+        // The engine's rates, measured on the device the workers use; on CUDA the same backend
+        // then registers the G2 pool with the device.
         let measure_weights = weights.clone();
-        let (prefill_tokens_per_s, decode_step) =
-            tokio::task::spawn_blocking(move || measure_engine(&measure_weights, threads_each, block_tokens))
-                .await
-                .context("start-up task")??;
+        let g2_pool = node.g2.take();
+        let batch_blocks = (cfg.engine.max_batch_tokens / block_tokens).max(4);
+        let (prefill_tokens_per_s, decode_step, g2_pool, g2_registration) =
+            tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                match device {
+                    EngineDevice::Cpu => {
+                        let model = Llama::new(CpuBackend::new(threads_each), measure_weights.as_ref())
+                            .context("building the model")?;
+                        let (rate, step) = measure_engine(&model, block_tokens, 4)?;
+                        Ok((rate, step, g2_pool, None))
+                    }
+                    EngineDevice::Cuda(info) => {
+                        let backend = CudaBackend::new(info.ordinal)
+                            .with_context(|| format!("opening {info} for the first worker"))?;
+                        let registration = match &g2_pool {
+                            // SAFETY: the pool's mapping lives in the node's tiers, which outlive the
+                            // registration: `Serving` declares it first and so drops it first.
+                            Some(pool) => Some(Arc::new(
+                                unsafe { backend.register_host(pool.region().0, pool.region().1) }
+                                    .context("registering the G2 pool with the device")?,
+                            )),
+                            None => None,
+                        };
+                        let model = Llama::new(backend, measure_weights.as_ref()).context("uploading the model")?;
+                        // One full forward pass of the engine (`engine.max_batch_tokens`).
+                        let (rate, step) = measure_engine(&model, block_tokens, batch_blocks)?;
+                        Ok((rate, step, g2_pool, registration))
+                    }
+                }
+            })
+            .await
+            .context("start-up task")??;
+        node.g2 = g2_pool;
 
         // Every change of where blocks are becomes a KV event in the index the scheduler reads.
         let index = Arc::new(PrefixIndex::new(IndexConfig {
@@ -149,13 +191,28 @@ impl Serving {
             observer: publisher,
         });
 
-        let factory_tiers = tiers.clone();
-        let policy = plan.g1.policy;
-        let factory: EngineFactory = Arc::new(move |id| {
-            let model = Llama::new(CpuBackend::new(threads_each), weights.as_ref())?;
-            let worker = Worker::new(model, factory_tiers.clone(), pages, policy)?.with_id(id);
-            Ok(Box::new(worker) as Box<dyn Engine>)
-        });
+        let spec = EngineSpec {
+            weights,
+            tiers: tiers.clone(),
+            pages,
+            policy: plan.g1.policy,
+            prefill_chunk: cfg.engine.max_batch_tokens,
+        };
+        // Called on each worker's engine thread, at start and after a restart.
+        let factory: EngineFactory = match plan.device.clone() {
+            EngineDevice::Cpu => Arc::new(move |id| spec.engine(CpuBackend::new(threads_each), id)),
+            device @ EngineDevice::Cuda(_) => {
+                let registration = g2_registration.clone();
+                Arc::new(move |id| {
+                    let ordinal = device.ordinal_of(id).unwrap_or(0);
+                    let backend = CudaBackend::new(ordinal).map_err(dynamo_kernels::model::ModelError::from)?;
+                    if let Some(registration) = &registration {
+                        registration.share(&backend);
+                    }
+                    spec.engine(backend, id)
+                })
+            }
+        };
         let queue_bound = cfg.engine.max_queued_requests.max(1);
         let store = |high: f64, low: f64| StoreArgs {
             tiers: tiers.clone(),
@@ -218,6 +275,7 @@ impl Serving {
         });
         Ok(Self {
             node,
+            _g2_registration: g2_registration,
             tiers,
             model: cfg.model.name.clone(),
             max_context: pages * block_tokens,
@@ -250,15 +308,39 @@ impl Serving {
     }
 }
 
-/// Times a prefill of four blocks and one decode step on a scratch KV pool (after one warm-up
-/// pass, so thread start-up and first-touch page faults are not counted): the engine's rates for
-/// the cost model.
-fn measure_engine(weights: &HostWeights, threads: usize, block_tokens: usize) -> anyhow::Result<(f64, Duration)> {
-    let model = Llama::new(CpuBackend::new(threads), weights).context("building the model")?;
-    let blocks = 5u32;
+/// What every worker's engine is built from.
+struct EngineSpec {
+    weights: Arc<HostWeights>,
+    tiers: Arc<NodeTiers>,
+    pages: usize,
+    policy: PolicyKind,
+    prefill_chunk: usize,
+}
+
+impl EngineSpec {
+    /// Worker `id` on `backend`: the model uploaded, its G1 pool allocated there.
+    fn engine<B: Backend + 'static>(&self, backend: B, id: usize) -> Result<Box<dyn Engine>, WorkerError> {
+        let model = Llama::new(backend, self.weights.as_ref())?;
+        let worker = Worker::new(model, self.tiers.clone(), self.pages, self.policy)?
+            .with_id(id)
+            .with_prefill_chunk(self.prefill_chunk);
+        Ok(Box::new(worker))
+    }
+}
+
+/// Times a prefill of `prefill_blocks` blocks and one decode step on a scratch KV pool (after one
+/// warm-up pass, so thread start-up, first-touch page faults and kernel loading are not counted):
+/// the engine's rates for the cost model. A GPU needs a long prefill to show its rate; a CPU's
+/// rate shows on a few blocks.
+fn measure_engine<B: Backend>(
+    model: &Llama<B>,
+    block_tokens: usize,
+    prefill_blocks: usize,
+) -> anyhow::Result<(f64, Duration)> {
+    let blocks = prefill_blocks as u32 + 1;
     let mut kv = model.kv_pool(block_tokens, blocks as usize).context("a scratch KV pool")?;
     let table: Vec<u32> = (0..blocks).collect();
-    let tokens: Vec<u32> = (0..(4 * block_tokens) as u32).collect();
+    let tokens: Vec<u32> = (0..(prefill_blocks * block_tokens) as u32).collect();
     model.forward(&mut kv, &tokens, 0, &table, block_tokens).context("warming up")?;
     let started = Instant::now();
     model.forward(&mut kv, &tokens, 0, &table, block_tokens).context("measuring prefill")?;

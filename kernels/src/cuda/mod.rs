@@ -64,6 +64,8 @@ pub struct DeviceInfo {
     pub compute_capability: (i32, i32),
     /// Device memory in bytes.
     pub total_memory: usize,
+    /// Device memory free when probed (other processes' and contexts' use excluded), in bytes.
+    pub free_memory: usize,
     /// Devices visible to the driver.
     pub device_count: usize,
 }
@@ -99,7 +101,8 @@ pub fn probe() -> Result<DeviceInfo, KernelError> {
     probe_ordinal(0)
 }
 
-fn probe_ordinal(ordinal: usize) -> Result<DeviceInfo, KernelError> {
+/// [`probe`] for device `ordinal`.
+pub fn probe_ordinal(ordinal: usize) -> Result<DeviceInfo, KernelError> {
     loader::require_library(loader::DRIVER)?;
     loader::guarded("CUDA driver", || {
         let count = CudaContext::device_count()
@@ -112,11 +115,13 @@ fn probe_ordinal(ordinal: usize) -> Result<DeviceInfo, KernelError> {
         }
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| KernelError::CudaUnavailable(format!("cannot create a context on cuda:{ordinal}: {e:?}")))?;
+        let (free_memory, _) = ctx.mem_get_info().map_err(driver_err("cuMemGetInfo"))?;
         Ok(DeviceInfo {
             ordinal,
             name: ctx.name().map_err(driver_err("cuDeviceGetName"))?,
             compute_capability: ctx.compute_capability().map_err(driver_err("cuDeviceGetAttribute"))?,
             total_memory: ctx.total_mem().map_err(driver_err("cuDeviceTotalMem"))?,
+            free_memory,
             device_count: count as usize,
         })
     })
@@ -214,21 +219,35 @@ impl CudaKv {
 }
 
 /// Host memory registered with the device ([`CudaBackend::register_host`]); unregistered on drop.
+///
+/// The registration is portable (every context of the process may use it); [`HostRegistration::share`]
+/// lets another backend copy through it directly too, until the registration drops.
 #[derive(Debug)]
 pub struct HostRegistration {
     ctx: Arc<CudaContext>,
-    regions: Arc<Mutex<Vec<Region>>>,
-    host: usize,
+    region: Region,
+    /// The region lists of every backend that uses the registration, the registering one first.
+    users: Mutex<Vec<Arc<Mutex<Vec<Region>>>>>,
+}
+
+impl HostRegistration {
+    /// Lets `backend` (a backend of the same process, any device context) gather into and scatter
+    /// from the registered memory directly.
+    pub fn share(&self, backend: &CudaBackend) {
+        backend.regions.lock().unwrap_or_else(|e| e.into_inner()).push(self.region);
+        self.users.lock().unwrap_or_else(|e| e.into_inner()).push(backend.regions.clone());
+    }
 }
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        regions.retain(|r| r.host != self.host);
+        for regions in self.users.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
+            regions.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.host != self.region.host);
+        }
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: `host` was registered by `register_host` and is unregistered exactly once, here;
+        // SAFETY: the region was registered by `register_host` and is unregistered exactly once, here;
         // the backend waits for its stream after every launch that used it, so no copy is in flight.
-        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.host as *mut std::ffi::c_void) }.result();
+        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.region.host as *mut std::ffi::c_void) }.result();
     }
 }
 
@@ -379,9 +398,9 @@ impl CudaBackend {
             let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
             return Err(driver_err("cuMemHostGetDevicePointer")(e));
         }
-        let host = ptr as usize;
-        self.regions.lock().unwrap_or_else(|e| e.into_inner()).push(Region { host, len, device });
-        Ok(HostRegistration { ctx: self.ctx.clone(), regions: self.regions.clone(), host })
+        let region = Region { host: ptr as usize, len, device };
+        self.regions.lock().unwrap_or_else(|e| e.into_inner()).push(region);
+        Ok(HostRegistration { ctx: self.ctx.clone(), region, users: Mutex::new(vec![self.regions.clone()]) })
     }
 
     /// Device addresses of `payloads` (each `len` bytes) when every one lies in a registered region.

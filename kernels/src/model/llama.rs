@@ -103,6 +103,25 @@ struct Layer<B: Backend> {
     w_down: B::Weight,
 }
 
+/// Bytes of the weights [`Llama::new`] uploads for `shape` to a backend that keeps them as bf16
+/// (the CUDA backend), the output head counted apart from the embedding (a tied head is
+/// uploaded as a second matrix too).
+pub fn weight_bytes(shape: &ModelShape) -> u64 {
+    let elements: usize =
+        super::weights::tensor_specs(shape, false).iter().map(|(_, dims)| dims.iter().product::<usize>()).sum();
+    elements as u64 * 2
+}
+
+/// Bytes of the activations one [`Llama::forward`] over `tokens` tokens allocates: its f32
+/// buffers, and the bf16 copy of the widest one that the CUDA backend's GEMM makes.
+pub fn forward_bytes(shape: &ModelShape, tokens: usize) -> u64 {
+    let (h, q, kv, f) = (shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn);
+    // x, normed, proj; q, attn; k, v; gate, up, act; then the last row, its norm and the logits.
+    let f32s = tokens * (3 * h + 2 * q + 2 * kv + 3 * f) + 2 * h + shape.vocab;
+    let bf16s = tokens * f.max(h).max(q);
+    (f32s * 4 + bf16s * 2) as u64
+}
+
 /// The reference model on backend `B`.
 pub struct Llama<B: Backend> {
     backend: B,

@@ -147,16 +147,18 @@ fn ms(d: Duration) -> f64 {
 
 /// The scratch node: tiers and the device registration of G2 (dropped first).
 struct Scratch<G> {
-    _registration: G,
+    registration: G,
     tiers: Arc<NodeTiers>,
 }
 
 /// Runs the five scenarios. `make` builds one backend per worker; `prepare` gets the first
 /// backend and the G2 pool before any work (CUDA registers the pool's mapping there) and returns
-/// what must live as long as the node; `plain_copy` times a plain copy of that many bytes.
+/// what must live as long as the node; `share` hands that to the second worker's backend, as the
+/// node does; `plain_copy` times a plain copy of that many bytes.
 pub async fn run<B: Backend, G>(
     make: &dyn Fn() -> anyhow::Result<B>,
     prepare: &dyn Fn(&B, &HostPool) -> anyhow::Result<G>,
+    share: &dyn Fn(&G, &B),
     plain_copy: &dyn Fn(usize) -> Option<Duration>,
     opts: &CachedTtftOptions,
 ) -> anyhow::Result<CachedTtftReport> {
@@ -194,10 +196,11 @@ pub async fn run<B: Backend, G>(
     let g2 = G2Tier::new(pool, Arc::new(Mutex::new(g2_registry)));
     let g3 = G3Tier::new(store, Arc::new(Mutex::new(g3_registry)));
     let tiers = scratch_tiers(opts, layout, salt, Some((g2, g3)), prefill_tokens_per_s);
-    let node = Scratch { _registration: registration, tiers };
+    let node = Scratch { registration, tiers };
     let pages = blocks + 4;
     let mut a = Worker::new(Llama::new(first, &weights)?, node.tiers.clone(), pages, PolicyKind::Lru)?.with_id(0);
     let second = make().context("the second worker's backend")?;
+    share(&node.registration, &second);
     let mut other = Worker::new(Llama::new(second, &weights)?, node.tiers.clone(), pages, PolicyKind::Lru)?.with_id(1);
 
     let names = ["cold", "G1", "other worker", "G2", "G3"];
@@ -347,9 +350,10 @@ mod tests {
     async fn each_scenario_takes_its_prefix_from_its_tier() {
         let dir = tempfile::tempdir().expect("tempdir");
         let opts = tiny(&dir, 16 * 12 + 5, 2, 3, Some(0.0));
-        let report = run(&|| Ok(CpuBackend::default()), &|_: &CpuBackend, _: &HostPool| Ok(()), &memcpy_time, &opts)
-            .await
-            .expect("the harness runs");
+        let report =
+            run(&|| Ok(CpuBackend::default()), &|_: &CpuBackend, _: &HostPool| Ok(()), &|_, _| {}, &memcpy_time, &opts)
+                .await
+                .expect("the harness runs");
         let cached = 12 * 16;
         let hits = |s: &str| report.row(s).expect(s).hit_tokens;
         assert_eq!(hits("cold"), [0, 0, 0, 0]);
@@ -374,9 +378,10 @@ mod tests {
     async fn the_prefill_rate_is_measured_when_not_given() {
         let dir = tempfile::tempdir().expect("tempdir");
         let opts = tiny(&dir, 16 * 6 + 1, 1, 4, None);
-        let report = run(&|| Ok(CpuBackend::default()), &|_: &CpuBackend, _: &HostPool| Ok(()), &|_| None, &opts)
-            .await
-            .expect("the harness runs");
+        let report =
+            run(&|| Ok(CpuBackend::default()), &|_: &CpuBackend, _: &HostPool| Ok(()), &|_, _| {}, &|_| None, &opts)
+                .await
+                .expect("the harness runs");
         assert!(report.prefill_tokens_per_s.is_finite() && report.prefill_tokens_per_s > 0.0, "{report}");
         assert_eq!(report.row("G1").expect("G1").hit_tokens, [6 * 16, 0, 0, 0]);
         assert_eq!(report.rows.len(), 5);
