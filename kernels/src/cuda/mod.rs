@@ -235,7 +235,10 @@ impl HostRegistration {
     /// from the registered memory directly.
     pub fn share(&self, backend: &CudaBackend) {
         backend.regions.lock().unwrap_or_else(|e| e.into_inner()).push(self.region);
-        self.users.lock().unwrap_or_else(|e| e.into_inner()).push(backend.regions.clone());
+        let mut users = self.users.lock().unwrap_or_else(|e| e.into_inner());
+        // Backends dropped since (a worker restarted) no longer need the region removed.
+        users.retain(|regions| Arc::strong_count(regions) > 1);
+        users.push(backend.regions.clone());
     }
 }
 
