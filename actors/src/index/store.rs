@@ -571,14 +571,21 @@ impl Store {
         }
         self.jump(hashes, out, counted);
         self.walk(hashes, out);
-        // In location order, as the first block's holders are. (One bounds check per holder:
-        // both arrays are as long as `keys`.)
+        // In location order, as the first block's holders are. Written into the spare capacity
+        // and counted once at the end, not one length update per answer.
         let keys = &self.keys[..];
         let lens = &out.marks.len[..keys.len()];
-        out.results.extend(holders.iter().map(|h| {
+        let results = &mut out.results;
+        results.reserve(holders.len());
+        let spare = &mut results.spare_capacity_mut()[..holders.len()];
+        for (slot, h) in spare.iter_mut().zip(holders) {
             let at = h.loc as usize;
-            super::LocationMatch { location: keys[at].location, blocks: lens[at] as usize }
-        }));
+            slot.write(super::LocationMatch { location: keys[at].location, blocks: lens[at] as usize });
+        }
+        let len = results.len() + holders.len();
+        // SAFETY: the `holders.len()` slots past the old length were written just above, and
+        // `reserve` made them part of the allocation.
+        unsafe { results.set_len(len) };
     }
 
     /// The jump search over the prefix-closed locations in `out.alive` (all hold `hashes[0]`).
