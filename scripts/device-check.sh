@@ -82,6 +82,8 @@ capacity_per_path = "1GiB"
 EOF
 "$bin" --config "$out/node.toml" --http "$http" --metrics "$metrics" > "$out/node.log" 2>&1 &
 node=$!
+# Whatever ends the script (a failed check, a closed pipe), the node does not outlive it.
+trap 'kill $node 2>/dev/null' EXIT
 for _ in $(seq 1 600); do
     grep -q '^ready' "$out/node.log" && break
     kill -0 $node 2>/dev/null || break
