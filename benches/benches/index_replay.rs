@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use dynamo_benches::index_ours::{Ours, block_arena};
 use dynamo_benches::index_replay::{
-    BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
+    BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table, time_rows,
 };
 use dynamo_benches::index_workload::{Workload, WorkloadConfig};
 
@@ -25,7 +25,7 @@ fn main() {
         return;
     }
     let prompts = dynamo_benches::index_workload::read_trace(&settings.trace).expect("reading the trace");
-    let mut rows = Vec::new();
+    let mut measured = Vec::new();
     for &workers in &settings.workers {
         let workload = Workload::from_prompts(&prompts, WorkloadConfig::new(workers)).expect("building the workload");
         describe(&workload);
@@ -36,19 +36,22 @@ fn main() {
         let ours = || Ours::new(arena.clone(), workload.workers, 1);
         let ours2 = || Ours::new(arena.clone(), workload.workers, 2);
         let lanes = workload.lanes(2);
+        // After what its rows borrow, so it is dropped first.
+        let mut rows = Vec::new();
         let (baseline, prefix) = ("ours: HashBaseline (sharded RwLock<HashMap>)", "ours: PrefixIndex");
         if settings.wants(prefix) {
-            rows.push(measure_single(prefix, false, &ours, &workload, &reference, settings.passes));
+            rows.push(measure_single(prefix, false, &ours, &workload, &reference));
         }
         if settings.wants(baseline) {
-            rows.push(measure_single(baseline, false, &make, &workload, &reference, settings.passes));
+            rows.push(measure_single(baseline, false, &make, &workload, &reference));
         }
         if settings.wants(prefix) {
-            rows.push(measure_parallel(prefix, false, &ours2, &workload, &lanes, &reference, settings.passes));
+            rows.push(measure_parallel(prefix, false, &ours2, &workload, &lanes, &reference));
         }
         if settings.wants(baseline) {
-            rows.push(measure_parallel(baseline, false, &make, &workload, &lanes, &reference, settings.passes));
+            rows.push(measure_parallel(baseline, false, &make, &workload, &lanes, &reference));
         }
+        measured.extend(time_rows(rows, settings.passes));
     }
-    print_table(&rows, "ours: PrefixIndex");
+    print_table(&measured, "ours: PrefixIndex");
 }

@@ -8,9 +8,9 @@
 //!   ([`Workload::lanes`]: a request, lookup then events, goes to the lane of the worker it was routed
 //!   to, so each worker's events stay in order on one thread), one thread per lane released together,
 //!   from the first lane's start until the last lane is done and [`BenchIndex::finish`] (e.g.
-//!   draining queues) has returned. The best
-//!   of several passes counts: block ops/s = [`Workload::block_ops`] / time, requests/s =
-//!   [`Workload::requests`] / time. One lane runs on the calling thread.
+//!   draining queues) has returned. The best of several passes counts, and the passes of all the
+//!   rows of one workload take turns ([`time_rows`]): block ops/s = [`Workload::block_ops`] /
+//!   time, requests/s = [`Workload::requests`] / time. One lane runs on the calling thread.
 //! - **checks** a pass against [`Workload::reference_answers`]: after each request's events the lane
 //!   calls [`Lane::settle`] (an index that applies events asynchronously waits for them there), and
 //!   every lookup's answer must equal the reference — with several lanes, restricted to the workers
@@ -267,38 +267,72 @@ where
     total
 }
 
-/// Best of `passes` timed passes.
-pub fn best_of(passes: usize, mut pass: impl FnMut() -> Duration) -> Duration {
-    (0..passes.max(1)).map(|_| pass()).min().unwrap_or_default()
+/// A row checked for exact answers and ready to be timed by [`time_rows`].
+pub struct Row<'a> {
+    name: String,
+    peer: bool,
+    threads: usize,
+    check: Check,
+    workload: &'a Workload,
+    pass: Box<dyn FnMut() -> Duration + 'a>,
 }
 
-/// Checks and times a single-threaded row: one exactness pass, then the best of `passes`.
-pub fn measure_single<I: BenchIndex>(
+impl fmt::Debug for Row<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Row").field("name", &self.name).field("threads", &self.threads).finish_non_exhaustive()
+    }
+}
+
+impl Row<'_> {
+    /// The same row, counting `helpers` threads of the index's own (pool or writer threads)
+    /// besides its replay threads.
+    pub fn with_helpers(mut self, helpers: usize) -> Self {
+        self.threads += helpers;
+        self
+    }
+}
+
+/// A single-threaded row: its exactness pass runs now, its timed passes in [`time_rows`].
+pub fn measure_single<'a, I: BenchIndex>(
     name: &str,
     peer: bool,
-    make: &dyn Fn() -> I,
-    workload: &Workload,
+    make: &'a dyn Fn() -> I,
+    workload: &'a Workload,
     reference: &[Vec<(u32, u32)>],
-    passes: usize,
-) -> Measurement {
+) -> Row<'a> {
     let check = check_single(make, workload, reference);
-    let time = best_of(passes, || timed_pass_single(make, workload));
-    Measurement::new(name, peer, workload, 1, time, check)
+    let pass = Box::new(move || timed_pass_single(make, workload));
+    Row { name: name.into(), peer, threads: 1, check, workload, pass }
 }
 
-/// Checks and times a row over `lanes` threads: one exactness pass, then the best of `passes`.
-pub fn measure_parallel<I: BenchIndex + Sync>(
+/// A row over `lanes` threads: its exactness pass runs now, its timed passes in [`time_rows`].
+pub fn measure_parallel<'a, I: BenchIndex + Sync>(
     name: &str,
     peer: bool,
-    make: &dyn Fn() -> I,
-    workload: &Workload,
-    lanes: &[Vec<u32>],
+    make: &'a dyn Fn() -> I,
+    workload: &'a Workload,
+    lanes: &'a [Vec<u32>],
     reference: &[Vec<(u32, u32)>],
-    passes: usize,
-) -> Measurement {
+) -> Row<'a> {
     let check = check_parallel(make, workload, lanes, reference);
-    let time = best_of(passes, || timed_pass_parallel(make, workload, lanes));
-    Measurement::new(name, peer, workload, lanes.len(), time, check)
+    let pass = Box::new(move || timed_pass_parallel(make, workload, lanes));
+    Row { name: name.into(), peer, threads: lanes.len(), check, workload, pass }
+}
+
+/// Times `rows` over `passes` rounds of one pass per row, in turn, and keeps each row's best pass:
+/// a noisy stretch of a shared machine then falls on every row alike rather than on whichever
+/// row was running, so the ratios between rows hold better than the absolute numbers.
+pub fn time_rows(mut rows: Vec<Row<'_>>, passes: usize) -> Vec<Measurement> {
+    let mut best = vec![Duration::MAX; rows.len()];
+    for _ in 0..passes.max(1) {
+        for (row, best) in rows.iter_mut().zip(&mut best) {
+            *best = (*best).min((row.pass)());
+        }
+    }
+    rows.into_iter()
+        .zip(best)
+        .map(|(row, time)| Measurement::new(row.name, row.peer, row.workload, row.threads, time, row.check))
+        .collect()
 }
 
 /// Settings of a replay bench binary, from the environment and its arguments.
@@ -308,7 +342,7 @@ pub struct BenchSettings {
     pub trace: std::path::PathBuf,
     /// Worker counts (`DYNAMO_BENCH_WORKERS`, comma-separated, default `8,64,256`).
     pub workers: Vec<u32>,
-    /// Timed passes per row, best counts (`DYNAMO_BENCH_PASSES`, default 5).
+    /// Timed passes per row, best counts (`DYNAMO_BENCH_PASSES`, default 5); see [`time_rows`].
     pub passes: usize,
     /// Whether to measure at all: `false` under `--test` or `--list` (as `cargo test --benches` runs it).
     pub run: bool,
@@ -374,7 +408,7 @@ pub struct Measurement {
     /// Workers in the workload.
     pub workers: u32,
     /// Threads the row used: its replay threads (lanes) plus the index's own helper threads
-    /// ([`Measurement::with_helpers`]); rows are compared within the same count.
+    /// ([`Row::with_helpers`]); rows are compared within the same count.
     pub threads: usize,
     /// Best pass time.
     pub time: Duration,
@@ -407,15 +441,6 @@ impl Measurement {
             requests_per_s: workload.requests as f64 / secs,
             check,
         }
-    }
-}
-
-impl Measurement {
-    /// The same row, counting `helpers` threads of the index's own (pool or writer threads)
-    /// besides its replay threads.
-    pub fn with_helpers(mut self, helpers: usize) -> Self {
-        self.threads += helpers;
-        self
     }
 }
 
@@ -639,5 +664,48 @@ mod tests {
         assert_eq!(two.lookups, w.requests);
         assert!(timed_pass_parallel(&make, &w, &w.lanes(2)) > Duration::ZERO);
         assert!(timed_pass_single(&make, &w) > Duration::ZERO);
+    }
+
+    #[test]
+    fn rows_take_turns_and_keep_their_best_pass() {
+        let w = workload();
+        let reference = w.reference_answers();
+        let seq: Arc<[u64]> = w.seq_hashes.clone().into();
+        let make = || HashBaseline::new(seq.clone());
+        let lanes = w.lanes(2);
+        let rows = vec![
+            measure_single("one", false, &make, &w, &reference),
+            measure_parallel("two", true, &make, &w, &lanes, &reference).with_helpers(1),
+        ];
+        let measured = time_rows(rows, 3);
+        let summary: Vec<(&str, bool, usize, bool)> =
+            measured.iter().map(|m| (m.name.as_str(), m.peer, m.threads, m.check.exact())).collect();
+        assert_eq!(summary, [("one", false, 1, true), ("two", true, 3, true)]);
+        for m in &measured {
+            assert!(m.time > Duration::ZERO && m.time < Duration::MAX, "{m:?}");
+            assert!((m.block_ops_per_s - w.block_ops as f64 / m.time.as_secs_f64()).abs() < 1e-6 * m.block_ops_per_s);
+        }
+
+        // The passes interleave: row A, row B, row A, row B…
+        let order = std::cell::RefCell::new(Vec::new());
+        let order = &order;
+        let row = |name: &'static str| Row {
+            name: name.into(),
+            peer: false,
+            threads: 1,
+            check: Check::default(),
+            workload: &w,
+            pass: Box::new(move || {
+                order.borrow_mut().push(name);
+                Duration::from_millis(if order.borrow().len() == 3 { 1 } else { 5 })
+            }),
+        };
+        let measured = time_rows(vec![row("a"), row("b")], 2);
+        assert_eq!(*order.borrow(), ["a", "b", "a", "b"]);
+        // The third pass (row a's second) was its fastest; row b kept 5 ms.
+        assert_eq!(
+            measured.iter().map(|m| m.time).collect::<Vec<_>>(),
+            [Duration::from_millis(1), Duration::from_millis(5)]
+        );
     }
 }

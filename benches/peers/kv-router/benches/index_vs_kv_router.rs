@@ -28,7 +28,7 @@ use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer};
 use kv_router_peer_bench::dynamo::{JUMP_SIZE, PositionalDirect, Radix, ThreadPool, dynamo_chain, local_arena};
 use kv_router_peer_bench::index_ours::{Ours, block_arena};
 use kv_router_peer_bench::index_replay::{
-    BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table,
+    BenchSettings, HashBaseline, describe, measure_parallel, measure_single, print_table, time_rows,
 };
 use kv_router_peer_bench::index_workload::{Workload, WorkloadConfig, read_trace};
 
@@ -39,7 +39,7 @@ fn main() {
     }
     let prompts = read_trace(&settings.trace).expect("reading the trace");
     let passes = settings.passes;
-    let mut rows = Vec::new();
+    let mut measured = Vec::new();
     for &workers in &settings.workers {
         let config = WorkloadConfig { chain: dynamo_chain, ..WorkloadConfig::new(workers) };
         let w = Workload::from_prompts(&prompts, config).expect("building the workload");
@@ -57,6 +57,7 @@ fn main() {
             let arena = arena.clone();
             move || Ours::with_writer(arena.clone(), w.workers, threads)
         };
+        let (ours_writer1, ours_writer2) = (ours_writer(1), ours_writer(2));
         let baseline = || HashBaseline::new(seq.clone());
         let radix = || Radix::new(local.clone());
         let positional = || PositionalDirect::new(local.clone());
@@ -64,6 +65,7 @@ fn main() {
             let local = local.clone();
             move || ThreadPool::new(ConcurrentRadixTreeCompressed::new(), threads, local.clone())
         };
+        let (crtc_pool1, crtc_pool2) = (crtc_pool(1), crtc_pool(2));
         let positional_pool = |threads| {
             let local = local.clone();
             move || {
@@ -74,69 +76,74 @@ fn main() {
                 )
             }
         };
+        let (positional_pool1, positional_pool2) = (positional_pool(1), positional_pool(2));
 
+        // After what its rows borrow, so it is dropped first.
+        let mut rows = Vec::new();
         // Rows are compared at equal total threads: replay threads (one lane, or two) plus the
         // index's own helper threads (our IndexWriter's, Dynamo's ThreadPoolIndexer's).
         //
         // 1 thread.
         let name = "ours: PrefixIndex (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, false, &ours, &w, &reference, passes));
+            rows.push(measure_single(name, false, &ours, &w, &reference));
         }
         let name = "ours: HashBaseline (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, false, &baseline, &w, &reference, passes));
+            rows.push(measure_single(name, false, &baseline, &w, &reference));
         }
         let name = "Dynamo RadixTree (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, true, &radix, &w, &reference, passes));
+            rows.push(measure_single(name, true, &radix, &w, &reference));
         }
         let name = "Dynamo PositionalIndexer direct (1 replay)";
         if settings.wants(name) {
-            rows.push(measure_single(name, true, &positional, &w, &reference, passes));
+            rows.push(measure_single(name, true, &positional, &w, &reference));
         }
 
         // 2 threads.
         let name = "ours: PrefixIndex (2 replay)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &ours2, &w, &lanes, &reference, passes));
+            rows.push(measure_parallel(name, false, &ours2, &w, &lanes, &reference));
         }
         let name = "ours: PrefixIndex (1 replay + 1 writer)";
         if settings.wants(name) {
-            rows.push(measure_single(name, false, &ours_writer(1), &w, &reference, passes).with_helpers(1));
+            rows.push(measure_single(name, false, &ours_writer1, &w, &reference).with_helpers(1));
         }
         let name = "ours: HashBaseline (2 replay)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &baseline, &w, &lanes, &reference, passes));
+            rows.push(measure_parallel(name, false, &baseline, &w, &lanes, &reference));
         }
         let name = "Dynamo PositionalIndexer direct (2 replay)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, true, &positional, &w, &lanes, &reference, passes));
+            rows.push(measure_parallel(name, true, &positional, &w, &lanes, &reference));
         }
         let name = "Dynamo ThreadPool<CRTC> (1 replay + 1 pool)";
         if settings.wants(name) {
-            rows.push(measure_single(name, true, &crtc_pool(1), &w, &reference, passes).with_helpers(1));
+            rows.push(measure_single(name, true, &crtc_pool1, &w, &reference).with_helpers(1));
         }
         let name = "Dynamo ThreadPool<PositionalIndexer> (1 replay + 1 pool)";
         if settings.wants(name) {
-            rows.push(measure_single(name, true, &positional_pool(1), &w, &reference, passes).with_helpers(1));
+            rows.push(measure_single(name, true, &positional_pool1, &w, &reference).with_helpers(1));
         }
 
         // 4 threads (on this 2-core machine, two per core).
         let name = "ours: PrefixIndex (2 replay + 2 writers)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &ours_writer(2), &w, &lanes, &reference, passes).with_helpers(2));
+            rows.push(measure_parallel(name, false, &ours_writer2, &w, &lanes, &reference).with_helpers(2));
         }
         let name = "Dynamo ThreadPool<CRTC> (2 replay + 2 pool)";
         if settings.wants(name) {
-            rows.push(measure_parallel(name, true, &crtc_pool(2), &w, &lanes, &reference, passes).with_helpers(2));
+            rows.push(measure_parallel(name, true, &crtc_pool2, &w, &lanes, &reference).with_helpers(2));
         }
         let name = "Dynamo ThreadPool<PositionalIndexer> (2 replay + 2 pool)";
         if settings.wants(name) {
             rows.push(
-                measure_parallel(name, true, &positional_pool(2), &w, &lanes, &reference, passes).with_helpers(2),
+                measure_parallel(name, true, &positional_pool2, &w, &lanes, &reference).with_helpers(2),
             );
         }
+        // The rows' passes take turns, so the machine's noise falls on all of them alike.
+        measured.extend(time_rows(rows, passes));
     }
-    print_table(&rows, "ours: PrefixIndex");
+    print_table(&measured, "ours: PrefixIndex");
 }
