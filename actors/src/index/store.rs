@@ -757,6 +757,11 @@ impl Store {
             }
         }
         assert_eq!(self.placements, placements);
+        let mut listed = self.orphaned.clone();
+        listed.sort_unstable();
+        let with_orphans: Vec<LocId> =
+            (0..self.keys.len() as LocId).filter(|&l| self.keys[l as usize].orphans > 0).collect();
+        assert_eq!(listed, with_orphans, "the list of locations with orphans");
     }
 }
 
