@@ -51,7 +51,7 @@ use smallvec::SmallVec;
 use super::Location;
 use super::hasher::{BlockHashBuild, FxBuild};
 use super::matches::{Marks, Matches};
-use super::table::{BlockTable, Probe};
+use super::table::{BlockTable, PREFETCH, Probe};
 
 /// Dense id of a location, assigned on first sight and never reused.
 pub(crate) type LocId = u32;
@@ -70,9 +70,6 @@ const MIN_COMPACT: usize = 64;
 
 /// A log is compacted when it is more than this many times its location's live blocks.
 const COMPACT_RATIO: u64 = 4;
-
-/// How many blocks ahead a chain operation prefetches.
-const PREFETCH: usize = 8;
 
 /// With at most this many locations with orphans in the store, a lookup counts its candidates
 /// among a probe's holders instead of tagging them (see [`Members`]).
@@ -240,16 +237,12 @@ impl Store {
     pub(crate) fn insert_chain(&mut self, loc: LocId, mut parent: Option<BlockHash>, hashes: &[BlockHash]) -> u64 {
         // No growth mid-chain, so the slot of the block before stays valid.
         self.reserve(hashes.len());
-        for &hash in hashes.iter().take(PREFETCH) {
-            self.blocks.prefetch(hash);
-        }
+        self.blocks.prefetch_each(hashes.iter().take(PREFETCH).copied());
         let mut rejected = 0;
         // The slot of the previous block while `loc` holds it: the next block's parent.
         let mut parent_slot = None;
         for (i, &hash) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + PREFETCH) {
-                self.blocks.prefetch(ahead);
-            }
+            self.blocks.prefetch_ahead(hashes, i);
             let (outcome, slot) = self.insert_at(loc, hash, parent, parent_slot);
             rejected += u64::from(outcome == Insert::Rejected);
             parent_slot = slot;
@@ -349,17 +342,13 @@ impl Store {
 
     /// Removes each of `hashes` from `loc` (in order); returns how many `loc` held.
     pub(crate) fn remove_chain(&mut self, loc: LocId, hashes: &[BlockHash]) -> u64 {
-        for &hash in hashes.iter().take(PREFETCH) {
-            self.blocks.prefetch(hash);
-        }
+        self.blocks.prefetch_each(hashes.iter().take(PREFETCH).copied());
         let mut removed = 0;
         // Leaves come first, so the parent of a block is usually the next block: the slot where
         // the last removal found its parent is tried before a probe.
         let mut hint = None;
         for (i, &hash) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + PREFETCH) {
-                self.blocks.prefetch(ahead);
-            }
+            self.blocks.prefetch_ahead(hashes, i);
             let (held, parent_slot) = self.remove_hinted(loc, hash, hint);
             removed += u64::from(held);
             hint = parent_slot;
@@ -460,9 +449,7 @@ impl Store {
         }
         // A repeated or stale record finds the location gone from the entry and is skipped.
         for (i, &hash) in log.iter().enumerate() {
-            if let Some(&ahead) = log.get(i + PREFETCH) {
-                self.blocks.prefetch(ahead);
-            }
+            self.blocks.prefetch_ahead(&log, i);
             let Some(slot) = self.blocks.find(hash) else { continue };
             let entry = self.blocks.at_mut(slot);
             let Ok(at) = entry.find(loc) else { continue };
@@ -479,6 +466,8 @@ impl Store {
         let blocks = &mut self.blocks;
         let mut kept = 0;
         for i in 0..log.len() {
+            // Spelled out rather than `prefetch_ahead`: the loop writes `log`, and the call cost
+            // the index 1% more instructions (callgrind).
             if let Some(&next) = log.get(i + PREFETCH) {
                 blocks.prefetch(next);
             }
@@ -495,9 +484,7 @@ impl Store {
         }
         log.truncate(kept);
         for (i, &hash) in log.iter().enumerate() {
-            if let Some(&next) = log.get(i + PREFETCH) {
-                blocks.prefetch(next);
-            }
+            blocks.prefetch_ahead(&log, i);
             let entry = blocks.get_mut(hash).expect("a kept block has an entry");
             let at = entry.find(loc).expect("a kept block lists its location");
             entry.holders[at].children &= !COMPACT_MARK;
@@ -618,9 +605,7 @@ impl Store {
                 continue;
             }
             // Someone drops out in (lo, hi): the bisection's probes, all at once.
-            for &hash in &hashes[lo + 1..hi] {
-                self.blocks.prefetch(hash);
-            }
+            self.blocks.prefetch_each(hashes[lo + 1..hi].iter().copied());
             // The survivors go first, with a fresh tag; the others keep theirs and are bisected.
             let (held, fresh) =
                 if holding == 0 { (0, members.tag) } else { self.split(holders, alive, members, marks) };

@@ -22,6 +22,9 @@ use super::store::Entry;
 const MAX_LOAD_NUM: usize = 5;
 const MAX_LOAD_DEN: usize = 8;
 
+/// How many blocks ahead a walk over an event's (or a log's) blocks prefetches.
+pub(crate) const PREFETCH: usize = 8;
+
 /// The fewest slots a table has.
 const MIN_SLOTS: usize = 64;
 
@@ -111,6 +114,23 @@ impl BlockTable {
     #[inline]
     pub(crate) fn prefetch(&self, hash: BlockHash) {
         prefetch_line(&self.slots[self.home(hash)]);
+    }
+
+    /// Starts loading the lines of all of `hashes` (their misses overlap).
+    #[inline(always)]
+    pub(crate) fn prefetch_each(&self, hashes: impl IntoIterator<Item = BlockHash>) {
+        for hash in hashes {
+            self.prefetch(hash);
+        }
+    }
+
+    /// At step `i` of a walk over `hashes`, starts loading the block [`PREFETCH`] places ahead,
+    /// so the walk keeps that many misses in flight.
+    #[inline(always)]
+    pub(crate) fn prefetch_ahead(&self, hashes: &[BlockHash], i: usize) {
+        if let Some(&ahead) = hashes.get(i + PREFETCH) {
+            self.prefetch(ahead);
+        }
     }
 
     /// Finds `hash`, or the empty slot where it would be inserted.
