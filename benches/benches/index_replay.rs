@@ -39,18 +39,10 @@ fn main() {
         // After what its rows borrow, so it is dropped first.
         let mut rows = Vec::new();
         let (baseline, prefix) = ("ours: HashBaseline (sharded RwLock<HashMap>)", "ours: PrefixIndex");
-        if settings.wants(prefix) {
-            rows.push(measure_single(prefix, false, &ours, &workload, &reference));
-        }
-        if settings.wants(baseline) {
-            rows.push(measure_single(baseline, false, &make, &workload, &reference));
-        }
-        if settings.wants(prefix) {
-            rows.push(measure_parallel(prefix, false, &ours2, &workload, &lanes, &reference));
-        }
-        if settings.wants(baseline) {
-            rows.push(measure_parallel(baseline, false, &make, &workload, &lanes, &reference));
-        }
+        rows.extend(settings.row(prefix, |n| measure_single(n, false, &ours, &workload, &reference)));
+        rows.extend(settings.row(baseline, |n| measure_single(n, false, &make, &workload, &reference)));
+        rows.extend(settings.row(prefix, |n| measure_parallel(n, false, &ours2, &workload, &lanes, &reference)));
+        rows.extend(settings.row(baseline, |n| measure_parallel(n, false, &make, &workload, &lanes, &reference)));
         measured.extend(time_rows(rows, settings.passes));
     }
     print_table(&measured, "ours: PrefixIndex");

@@ -376,6 +376,12 @@ impl BenchSettings {
                 .iter()
                 .any(|r| r.strip_prefix('=').map_or_else(|| name.contains(r.as_str()), |exact| name == exact))
     }
+
+    /// The row `name`, measured by `measure` (its exactness pass runs then) if it is selected;
+    /// rows not asked for are not built.
+    pub fn row<'a>(&self, name: &str, measure: impl FnOnce(&str) -> Row<'a>) -> Option<Row<'a>> {
+        self.wants(name).then(|| measure(name))
+    }
 }
 
 /// Prints what a workload is made of.

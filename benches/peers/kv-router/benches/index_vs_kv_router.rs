@@ -84,64 +84,48 @@ fn main() {
         // index's own helper threads (our IndexWriter's, Dynamo's ThreadPoolIndexer's).
         //
         // 1 thread.
-        let name = "ours: PrefixIndex (1 replay)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, false, &ours, &w, &reference));
-        }
-        let name = "ours: HashBaseline (1 replay)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, false, &baseline, &w, &reference));
-        }
-        let name = "Dynamo RadixTree (1 replay)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, true, &radix, &w, &reference));
-        }
-        let name = "Dynamo PositionalIndexer direct (1 replay)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, true, &positional, &w, &reference));
-        }
+        rows.extend(settings.row("ours: PrefixIndex (1 replay)", |n| measure_single(n, false, &ours, &w, &reference)));
+        rows.extend(
+            settings.row("ours: HashBaseline (1 replay)", |n| measure_single(n, false, &baseline, &w, &reference)),
+        );
+        rows.extend(settings.row("Dynamo RadixTree (1 replay)", |n| measure_single(n, true, &radix, &w, &reference)));
+        rows.extend(settings.row("Dynamo PositionalIndexer direct (1 replay)", |n| {
+            measure_single(n, true, &positional, &w, &reference)
+        }));
 
         // 2 threads.
-        let name = "ours: PrefixIndex (2 replay)";
-        if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &ours2, &w, &lanes, &reference));
-        }
-        let name = "ours: PrefixIndex (1 replay + 1 writer)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, false, &ours_writer1, &w, &reference).with_helpers(1));
-        }
-        let name = "ours: HashBaseline (2 replay)";
-        if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &baseline, &w, &lanes, &reference));
-        }
-        let name = "Dynamo PositionalIndexer direct (2 replay)";
-        if settings.wants(name) {
-            rows.push(measure_parallel(name, true, &positional, &w, &lanes, &reference));
-        }
-        let name = "Dynamo ThreadPool<CRTC> (1 replay + 1 pool)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, true, &crtc_pool1, &w, &reference).with_helpers(1));
-        }
-        let name = "Dynamo ThreadPool<PositionalIndexer> (1 replay + 1 pool)";
-        if settings.wants(name) {
-            rows.push(measure_single(name, true, &positional_pool1, &w, &reference).with_helpers(1));
-        }
+        rows.extend(
+            settings
+                .row("ours: PrefixIndex (2 replay)", |n| measure_parallel(n, false, &ours2, &w, &lanes, &reference)),
+        );
+        rows.extend(settings.row("ours: PrefixIndex (1 replay + 1 writer)", |n| {
+            measure_single(n, false, &ours_writer1, &w, &reference).with_helpers(1)
+        }));
+        rows.extend(
+            settings.row("ours: HashBaseline (2 replay)", |n| {
+                measure_parallel(n, false, &baseline, &w, &lanes, &reference)
+            }),
+        );
+        rows.extend(settings.row("Dynamo PositionalIndexer direct (2 replay)", |n| {
+            measure_parallel(n, true, &positional, &w, &lanes, &reference)
+        }));
+        rows.extend(settings.row("Dynamo ThreadPool<CRTC> (1 replay + 1 pool)", |n| {
+            measure_single(n, true, &crtc_pool1, &w, &reference).with_helpers(1)
+        }));
+        rows.extend(settings.row("Dynamo ThreadPool<PositionalIndexer> (1 replay + 1 pool)", |n| {
+            measure_single(n, true, &positional_pool1, &w, &reference).with_helpers(1)
+        }));
 
         // 4 threads (on this 2-core machine, two per core).
-        let name = "ours: PrefixIndex (2 replay + 2 writers)";
-        if settings.wants(name) {
-            rows.push(measure_parallel(name, false, &ours_writer2, &w, &lanes, &reference).with_helpers(2));
-        }
-        let name = "Dynamo ThreadPool<CRTC> (2 replay + 2 pool)";
-        if settings.wants(name) {
-            rows.push(measure_parallel(name, true, &crtc_pool2, &w, &lanes, &reference).with_helpers(2));
-        }
-        let name = "Dynamo ThreadPool<PositionalIndexer> (2 replay + 2 pool)";
-        if settings.wants(name) {
-            rows.push(
-                measure_parallel(name, true, &positional_pool2, &w, &lanes, &reference).with_helpers(2),
-            );
-        }
+        rows.extend(settings.row("ours: PrefixIndex (2 replay + 2 writers)", |n| {
+            measure_parallel(n, false, &ours_writer2, &w, &lanes, &reference).with_helpers(2)
+        }));
+        rows.extend(settings.row("Dynamo ThreadPool<CRTC> (2 replay + 2 pool)", |n| {
+            measure_parallel(n, true, &crtc_pool2, &w, &lanes, &reference).with_helpers(2)
+        }));
+        rows.extend(settings.row("Dynamo ThreadPool<PositionalIndexer> (2 replay + 2 pool)", |n| {
+            measure_parallel(n, true, &positional_pool2, &w, &lanes, &reference).with_helpers(2)
+        }));
         // The rows' passes take turns, so the machine's noise falls on all of them alike.
         measured.extend(time_rows(rows, passes));
     }
