@@ -806,7 +806,6 @@ fn gb_s(bytes: usize, ms: f64) -> f64 {
 /// The median time of one plain copy of `bytes` from registered (pinned, not write-combined) host
 /// memory to the device, over `reps` runs: the host link's limit for loading that much KV.
 pub fn pinned_copy_time(cuda: &CudaBackend, bytes: usize, reps: usize) -> Result<std::time::Duration, KernelError> {
-    use cudarc::driver::result as drv;
     let bytes = bytes.max(1);
     let mut host = HostMapping::new(bytes)?;
     host.bytes_mut().fill(1);
@@ -814,16 +813,27 @@ pub fn pinned_copy_time(cuda: &CudaBackend, bytes: usize, reps: usize) -> Result
     let reg = unsafe { cuda.register_host(host.ptr, host.len) }?;
     let dev: CudaSlice<u8> = cuda.stream.alloc_zeros(bytes).map_err(|_| KernelError::OutOfMemory { bytes })?;
     let (dptr, _g) = dev.device_ptr(&cuda.stream);
-    let ms = time_ms(cuda, reps, || {
-        // SAFETY: `host` is registered and holds `bytes`; the device buffer holds `bytes`; the
-        // timer waits for the copy before the next one.
-        let src = unsafe { std::slice::from_raw_parts(host.ptr, bytes) };
-        // SAFETY: see above.
-        unsafe { drv::memcpy_htod_async(dptr, src, cuda.stream.cu_stream()) }
-            .map_err(super::driver_err("cuMemcpyHtoDAsync"))
-    })?;
+    let ms = htod_ms(cuda, &host, dptr, bytes, reps)?;
     drop(reg);
     Ok(std::time::Duration::from_secs_f64(ms / 1e3))
+}
+
+/// The median time of a plain copy of the first `bytes` of `host` (registered with the device)
+/// to the device buffer at `dptr` (at least `bytes` long), in milliseconds.
+fn htod_ms(
+    cuda: &CudaBackend,
+    host: &HostMapping,
+    dptr: cudarc::driver::sys::CUdeviceptr,
+    bytes: usize,
+    reps: usize,
+) -> Result<f64, KernelError> {
+    time_ms(cuda, reps, || {
+        let src = &host.bytes()[..bytes];
+        // SAFETY: `host` is registered (pinned) and `src` is its first `bytes`; the device buffer
+        // holds `bytes`; the timer waits for the copy before the next one.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dptr, src, cuda.stream.cu_stream()) }
+            .map_err(super::driver_err("cuMemcpyHtoDAsync"))
+    })
 }
 
 /// Gather/scatter against plain copies of the same bytes: on the device (G1 pages ↔ contiguous
@@ -891,12 +901,7 @@ fn bandwidth_checks(
         // SAFETY: see above; completion is awaited by the timer before the next use.
         unsafe { drv::memcpy_dtoh_async(dst, dptr, cuda.stream.cu_stream()) }.map_err(err("cuMemcpyDtoHAsync"))
     })?;
-    let h2d = time_ms(cuda, reps, || {
-        // SAFETY: as above, the other way.
-        let src = unsafe { std::slice::from_raw_parts(host.ptr, bytes) };
-        // SAFETY: see above.
-        unsafe { drv::memcpy_htod_async(dptr, src, cuda.stream.cu_stream()) }.map_err(err("cuMemcpyHtoDAsync"))
-    })?;
+    let h2d = htod_ms(cuda, &host, dptr, bytes, reps)?;
     let g2_gather = {
         let mut times = Vec::new();
         for _ in 0..=reps {
