@@ -35,28 +35,30 @@ __device__ __forceinline__ void copy_page(unsigned char* dst, const unsigned cha
     }
 }
 
-// Gather: grid.x = n_blocks * n_pages (n_pages = layers * 2). Payload i (at payloads[i], any
-// device-accessible address: device staging or mapped pinned host memory) receives block blocks[i].
-extern "C" __global__ void kv_gather_pages(const u64_t* __restrict__ pages, int n_pages,
+// Gather: grid.x = n_blocks * n_pages, one job per (block, page) for pages first_page ..
+// first_page + n_pages of the [layer][k|v] order (all of them: 0 .. layers * 2; one layer's: 2l ..
+// 2l + 2). Payload i (at payloads[i], any device-accessible address: device staging or mapped pinned
+// host memory) receives those pages of block blocks[i] at their payload offsets.
+extern "C" __global__ void kv_gather_pages(const u64_t* __restrict__ pages, int first_page, int n_pages,
                                            const unsigned int* __restrict__ blocks, const u64_t* __restrict__ payloads,
                                            int n_blocks, u64_t page_bytes, int vec16) {
     const long long job = blockIdx.x;
     if (job >= (long long)n_blocks * n_pages) return;
     const int i = (int)(job / n_pages);
-    const int p = (int)(job % n_pages);
+    const int p = first_page + (int)(job % n_pages);
     const unsigned char* src = (const unsigned char*)pages[p] + (u64_t)blocks[i] * page_bytes;
     unsigned char* dst = (unsigned char*)payloads[i] + (u64_t)p * page_bytes;
     copy_page(dst, src, page_bytes, vec16);
 }
 
 // Scatter: the reverse; payload i lands in block blocks[i] (the host refuses duplicate targets).
-extern "C" __global__ void kv_scatter_pages(const u64_t* __restrict__ pages, int n_pages,
+extern "C" __global__ void kv_scatter_pages(const u64_t* __restrict__ pages, int first_page, int n_pages,
                                             const unsigned int* __restrict__ blocks, const u64_t* __restrict__ payloads,
                                             int n_blocks, u64_t page_bytes, int vec16) {
     const long long job = blockIdx.x;
     if (job >= (long long)n_blocks * n_pages) return;
     const int i = (int)(job / n_pages);
-    const int p = (int)(job % n_pages);
+    const int p = first_page + (int)(job % n_pages);
     const unsigned char* src = (const unsigned char*)payloads[i] + (u64_t)p * page_bytes;
     unsigned char* dst = (unsigned char*)pages[p] + (u64_t)blocks[i] * page_bytes;
     copy_page(dst, src, page_bytes, vec16);

@@ -106,6 +106,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     type Weight: Send + Sync;
     /// The paged KV pool of one engine (G1).
     type Kv: Send + Sync;
+    /// A batch of KV copies started by [`Backend::kv_gather_start`] or [`Backend::kv_scatter_start`];
+    /// dropping it waits for them.
+    type Copies: Send + std::fmt::Debug;
 
     /// "cpu" or "cuda".
     fn name(&self) -> &'static str;
@@ -208,4 +211,46 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Scatters block-image payloads from host memory into blocks of the pool.
     fn kv_scatter(&self, kv: &mut Self::Kv, blocks: &[u32], payloads: &[&[u8]]) -> Result<(), KernelError>;
+
+    /// [`Self::kv_gather`] on the backend's copy engine, behind the compute queued so far, without
+    /// waiting: compute queued later runs alongside it. A backend without a copy engine (the CPU)
+    /// copies before it returns.
+    ///
+    /// # Safety
+    /// Until the copies are finished ([`Self::copies_wait`], or dropped): every `out` buffer stays
+    /// allocated and nobody else reads or writes it, and no block of `blocks` is written (by
+    /// [`Self::kv_write`] or a scatter).
+    unsafe fn kv_gather_start(
+        &self,
+        kv: &Self::Kv,
+        blocks: &[u32],
+        out: &mut [&mut [u8]],
+    ) -> Result<Self::Copies, KernelError>;
+
+    /// [`Self::kv_scatter`] on the backend's copy engine, behind the compute queued so far, without
+    /// waiting. Layer by layer: compute queued later that reads or writes a layer of the pool waits
+    /// (on the device, not the host) for that layer's pages only, so a prefix's later layers load
+    /// while its first ones are already attended to.
+    ///
+    /// # Safety
+    /// Until the copies are finished ([`Self::copies_wait`], or dropped): every payload stays
+    /// allocated and unchanged.
+    unsafe fn kv_scatter_start(
+        &self,
+        kv: &mut Self::Kv,
+        blocks: &[u32],
+        payloads: &[&[u8]],
+    ) -> Result<Self::Copies, KernelError>;
+
+    /// Whether the copies have finished; never waits.
+    fn copies_done(&self, copies: &Self::Copies) -> Result<bool, KernelError>;
+
+    /// Waits for the copies and answers how long they took on the copy engine, from their start to
+    /// their end (what a link's bandwidth is measured on).
+    fn copies_wait(&self, copies: Self::Copies) -> Result<std::time::Duration, KernelError>;
 }
+
+/// Copies that finished before their start call returned, and how long they took: what a backend
+/// without a copy engine answers.
+#[derive(Clone, Copy, Debug)]
+pub struct FinishedCopies(pub std::time::Duration);

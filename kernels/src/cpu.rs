@@ -4,7 +4,9 @@
 //! many rows a call holds. That is the determinism contract of [`Backend`], and what makes a prefix
 //! loaded from any tier give bitwise the logits of a recomputed one.
 
-use crate::backend::{AttentionSpec, Backend, KernelError};
+use std::time::{Duration, Instant};
+
+use crate::backend::{AttentionSpec, Backend, FinishedCopies, KernelError};
 use crate::kv_layout::{HostKvPool, PagedLayout};
 
 /// A weight tensor in host memory, row-major `[rows, cols]`.
@@ -128,6 +130,7 @@ impl Backend for CpuBackend {
     type Buf = Vec<f32>;
     type Weight = CpuWeight;
     type Kv = HostKvPool;
+    type Copies = FinishedCopies;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -415,6 +418,38 @@ impl Backend for CpuBackend {
 
     fn kv_scatter(&self, kv: &mut HostKvPool, blocks: &[u32], payloads: &[&[u8]]) -> Result<(), KernelError> {
         Ok(kv.scatter(blocks, payloads)?)
+    }
+
+    /// The CPU has no copy engine: the gather runs before this returns.
+    unsafe fn kv_gather_start(
+        &self,
+        kv: &HostKvPool,
+        blocks: &[u32],
+        out: &mut [&mut [u8]],
+    ) -> Result<FinishedCopies, KernelError> {
+        let started = Instant::now();
+        self.kv_gather(kv, blocks, out)?;
+        Ok(FinishedCopies(started.elapsed()))
+    }
+
+    /// The CPU has no copy engine: the scatter runs before this returns.
+    unsafe fn kv_scatter_start(
+        &self,
+        kv: &mut HostKvPool,
+        blocks: &[u32],
+        payloads: &[&[u8]],
+    ) -> Result<FinishedCopies, KernelError> {
+        let started = Instant::now();
+        self.kv_scatter(kv, blocks, payloads)?;
+        Ok(FinishedCopies(started.elapsed()))
+    }
+
+    fn copies_done(&self, _: &FinishedCopies) -> Result<bool, KernelError> {
+        Ok(true)
+    }
+
+    fn copies_wait(&self, copies: FinishedCopies) -> Result<Duration, KernelError> {
+        Ok(copies.0)
     }
 }
 

@@ -2,17 +2,22 @@
 //! G2 (or, when G2 is too small, from G3, verified) instead of recomputed, with the same greedy
 //! output as a worker that recomputed everything; a prefix already in a worker's G1 is reused in
 //! place; a corrupted G3 slot is detected, dropped and recomputed with the output unchanged.
+//! Workers on a backend whose copies finish later than they start (as on a CUDA copy stream) keep
+//! every copy's buffers and pages until it ends, and answer the same.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use dynamo_actors::cost::CostModel;
 use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Watermarks};
 use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NoObserver, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
-use dynamo_kernels::CpuBackend;
+use dynamo_kernels::kv_layout::{HostKvPool, PagedLayout};
 use dynamo_kernels::model::{HostWeights, Llama};
-use dynamo_tiering::block::{BlockHash, BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs};
+use dynamo_kernels::{AttentionSpec, Backend, CpuBackend, KernelError};
+use dynamo_tiering::block::{BlockHash, BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs, verify_image};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
@@ -80,8 +85,231 @@ fn node_with(g2_slots: u32, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
 
 impl Node {
     fn worker(&self) -> Worker<CpuBackend> {
-        let model = Llama::new(CpuBackend::default(), self.weights.as_ref()).expect("model");
+        self.worker_on(CpuBackend::default())
+    }
+
+    fn worker_on<E: Backend>(&self, backend: E) -> Worker<E> {
+        let model = Llama::new(backend, self.weights.as_ref()).expect("model");
         Worker::new(model, self.tiers.clone(), 32, PolicyKind::Lru).expect("worker")
+    }
+}
+
+/// The CPU backend with an emulated copy engine that behaves as a CUDA copy stream may: a started
+/// copy has not happened when its start call returns, and `copies_done` answers false until the
+/// copies are waited for.
+/// - A started gather reads the pages at once (the stream reads them behind the compute before
+///   it) but writes its output buffers only when waited for; until then they hold a poison byte.
+/// - A started scatter lands in the pool at the next `kv_write` (as the compute stream waits for a
+///   layer's copies before it writes or reads that layer), from the payloads as they are then.
+/// - A write into a block that a gather still reads, a payload that changed before its scatter
+///   landed, or attention over a pool with a scatter still pending is recorded as a violation.
+#[derive(Debug, Default)]
+struct EmulatedCopyEngine {
+    cpu: CpuBackend,
+    state: Mutex<CopyEngineState>,
+}
+
+#[derive(Debug, Default)]
+struct CopyEngineState {
+    /// Blocks that a gather in flight reads.
+    gathering: HashSet<u32>,
+    /// The started scatter not landed yet.
+    scatter: Option<PendingScatter>,
+    violations: Vec<String>,
+}
+
+/// A started scatter: target blocks, payload addresses (address, length) and the bytes they held.
+#[derive(Debug)]
+struct PendingScatter {
+    blocks: Vec<u32>,
+    payloads: Vec<(usize, usize)>,
+    bytes: Vec<Vec<u8>>,
+}
+
+/// A copy in flight on the emulated engine.
+#[derive(Debug)]
+enum EmulatedCopies {
+    /// The blocks read, their bytes, and the output buffers (address, length) still to fill.
+    Gather(Vec<u32>, Vec<Vec<u8>>, Vec<(usize, usize)>),
+    Scatter,
+}
+
+const POISON: u8 = 0xA5;
+
+impl EmulatedCopyEngine {
+    fn violations(&self) -> Vec<String> {
+        self.state.lock().unwrap().violations.clone()
+    }
+
+    /// Lands the pending scatter in `kv`, as the device would before compute touches the pool.
+    fn land_scatter(&self, kv: &mut HostKvPool) {
+        let mut state = self.state.lock().unwrap();
+        let Some(PendingScatter { blocks, payloads, bytes }) = state.scatter.take() else { return };
+        // SAFETY: the worker keeps the payloads' images until the copies are waited for, which the
+        // violation check below and the answers of the test hold it to.
+        let now: Vec<&[u8]> =
+            payloads.iter().map(|&(ptr, len)| unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }).collect();
+        if now.iter().zip(&bytes).any(|(now, then)| now != &then.as_slice()) {
+            state.violations.push("a payload changed before its scatter landed".into());
+        }
+        kv.scatter(&blocks, &now).expect("scatter");
+    }
+}
+
+impl Backend for EmulatedCopyEngine {
+    type Buf = Vec<f32>;
+    type Weight = <CpuBackend as Backend>::Weight;
+    type Kv = HostKvPool;
+    type Copies = EmulatedCopies;
+
+    fn name(&self) -> &'static str {
+        "cpu+emulated-copy-engine"
+    }
+    fn kv_elem_bytes(&self) -> usize {
+        self.cpu.kv_elem_bytes()
+    }
+    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Weight, KernelError> {
+        self.cpu.weight(data, rows, cols)
+    }
+    fn zeros(&self, len: usize) -> Result<Vec<f32>, KernelError> {
+        self.cpu.zeros(len)
+    }
+    fn upload(&self, data: &[f32]) -> Result<Vec<f32>, KernelError> {
+        self.cpu.upload(data)
+    }
+    fn download(&self, buf: &Vec<f32>, out: &mut [f32]) -> Result<(), KernelError> {
+        self.cpu.download(buf, out)
+    }
+    fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Vec<f32>) -> Result<(), KernelError> {
+        self.cpu.embed(table, tokens, out)
+    }
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        w: &Self::Weight,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        self.cpu.rmsnorm(x, w, rows, dim, eps, out)
+    }
+    fn matmul(&self, x: &Vec<f32>, rows: usize, w: &Self::Weight, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        self.cpu.matmul(x, rows, w, out)
+    }
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        theta: f32,
+    ) -> Result<(), KernelError> {
+        self.cpu.rope(x, rows, heads, head_dim, positions, theta)
+    }
+    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        self.cpu.swiglu(gate, up, len, out)
+    }
+    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) -> Result<(), KernelError> {
+        self.cpu.add_assign(x, y, len)
+    }
+    fn kv_pool(&self, layout: PagedLayout, num_blocks: usize) -> Result<HostKvPool, KernelError> {
+        self.cpu.kv_pool(layout, num_blocks)
+    }
+    fn kv_write(
+        &self,
+        kv: &mut HostKvPool,
+        layer: usize,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        slots: &[u32],
+    ) -> Result<(), KernelError> {
+        self.land_scatter(kv);
+        let b = kv.layout().block_tokens as u32;
+        let mut state = self.state.lock().unwrap();
+        if let Some(s) = slots.iter().find(|&&s| state.gathering.contains(&(s / b))) {
+            let block = s / b;
+            state.violations.push(format!("kv_write into block {block} while a gather reads it"));
+        }
+        drop(state);
+        self.cpu.kv_write(kv, layer, k, v, slots)
+    }
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        kv: &HostKvPool,
+        layer: usize,
+        spec: AttentionSpec,
+        block_table: &[u32],
+        positions: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        let mut state = self.state.lock().unwrap();
+        if state.scatter.is_some() {
+            state.violations.push("attention before the started scatter landed".into());
+        }
+        drop(state);
+        self.cpu.attention(q, kv, layer, spec, block_table, positions, out)
+    }
+    fn kv_gather(&self, kv: &HostKvPool, blocks: &[u32], out: &mut [&mut [u8]]) -> Result<(), KernelError> {
+        self.cpu.kv_gather(kv, blocks, out)
+    }
+    fn kv_scatter(&self, kv: &mut HostKvPool, blocks: &[u32], payloads: &[&[u8]]) -> Result<(), KernelError> {
+        self.land_scatter(kv);
+        self.cpu.kv_scatter(kv, blocks, payloads)
+    }
+    unsafe fn kv_gather_start(
+        &self,
+        kv: &HostKvPool,
+        blocks: &[u32],
+        out: &mut [&mut [u8]],
+    ) -> Result<EmulatedCopies, KernelError> {
+        let mut read: Vec<Vec<u8>> = out.iter().map(|o| vec![0; o.len()]).collect();
+        let mut views: Vec<&mut [u8]> = read.iter_mut().map(|r| r.as_mut_slice()).collect();
+        self.cpu.kv_gather(kv, blocks, &mut views)?;
+        for o in out.iter_mut() {
+            o.fill(POISON);
+        }
+        self.state.lock().unwrap().gathering.extend(blocks);
+        let outs = out.iter_mut().map(|o| (o.as_mut_ptr() as usize, o.len())).collect();
+        Ok(EmulatedCopies::Gather(blocks.to_vec(), read, outs))
+    }
+    unsafe fn kv_scatter_start(
+        &self,
+        kv: &mut HostKvPool,
+        blocks: &[u32],
+        payloads: &[&[u8]],
+    ) -> Result<EmulatedCopies, KernelError> {
+        self.land_scatter(kv);
+        let at = payloads.iter().map(|p| (p.as_ptr() as usize, p.len())).collect();
+        let bytes = payloads.iter().map(|p| p.to_vec()).collect();
+        self.state.lock().unwrap().scatter = Some(PendingScatter { blocks: blocks.to_vec(), payloads: at, bytes });
+        Ok(EmulatedCopies::Scatter)
+    }
+    fn copies_done(&self, _: &EmulatedCopies) -> Result<bool, KernelError> {
+        Ok(false)
+    }
+    fn copies_wait(&self, copies: EmulatedCopies) -> Result<Duration, KernelError> {
+        let mut state = self.state.lock().unwrap();
+        match copies {
+            EmulatedCopies::Gather(blocks, read, outs) => {
+                for b in &blocks {
+                    state.gathering.remove(b);
+                }
+                for ((ptr, len), bytes) in outs.into_iter().zip(read) {
+                    // SAFETY: the worker keeps the output buffers (its G2 slots) until this wait,
+                    // as `kv_gather_start` requires.
+                    unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }.copy_from_slice(&bytes);
+                }
+            }
+            EmulatedCopies::Scatter => {
+                if state.scatter.is_some() {
+                    state.violations.push("a scatter waited for before any compute made it land".into());
+                }
+            }
+        }
+        Ok(Duration::from_micros(50))
     }
 }
 
@@ -122,7 +350,7 @@ fn turn(n: usize, seed: u32) -> Vec<u32> {
     (0..n as u32).map(|i| (i * 7919 + seed * 104_729 + 11) % 199_000).collect()
 }
 
-async fn run(worker: &mut Worker<CpuBackend>, req: &GenRequest) -> GenOutcome {
+async fn run<E: Backend>(worker: &mut Worker<E>, req: &GenRequest) -> GenOutcome {
     let mut streamed = Vec::new();
     let mut prefilled = None;
     let outcome = worker
@@ -207,6 +435,39 @@ async fn a_prompt_computed_in_chunks_answers_as_one_pass_does() {
     let loaded = run(&mut n.worker(), &req).await;
     assert_eq!(loaded.cached_tokens, 3 * B);
     assert_eq!(loaded.tokens, out.tokens);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_that_finish_later_than_they_start_keep_their_buffers_and_answers() {
+    let n = node(32);
+    let first = turn(4 * B + 9, 7);
+    let req = request(first.clone());
+    // Passes of 20 tokens, so gathers are in flight while later passes compute.
+    let mut a = n.worker_on(EmulatedCopyEngine::default()).with_prefill_chunk(20);
+    let out_a = run(&mut a, &req).await;
+    assert_eq!(out_a.tokens, recomputed(&req).await, "same greedy output as one pass on the CPU");
+    assert_eq!(a.model().backend().violations(), Vec::<String>::new());
+    // The turn ended with every prompt block sealed in G2 over the bytes the gather delivered.
+    let g2 = n.tiers.g2.as_ref().expect("G2");
+    let hashes = BlockHasher::new(n.tiers.salt, B).hash_sequence(&first);
+    assert_eq!(hashes.len(), 4);
+    for &hash in &hashes {
+        let image = g2.get(hash, 0).expect("in G2 at the turn's end");
+        assert!(!image.as_slice()[HEADER_LEN..].iter().all(|&b| b == POISON));
+        verify_image(image.as_slice(), hash).expect("sealed after its bytes arrived");
+    }
+
+    // Worker C, on the same emulated engine, loads the prefix from G2 with a scatter that lands
+    // only when its first pass writes the pool, and answers as recomputing does.
+    let mut second = first.clone();
+    second.extend(&out_a.tokens);
+    second.extend(turn(12, 8));
+    let req2 = request(second);
+    let mut c = n.worker_on(EmulatedCopyEngine::default()).with_prefill_chunk(20);
+    let out_c = run(&mut c, &req2).await;
+    assert_eq!(out_c.hit_tokens[1], 4 * B, "the prompt's blocks come from G2");
+    assert_eq!(out_c.tokens, recomputed(&req2).await);
+    assert_eq!(c.model().backend().violations(), Vec::<String>::new());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

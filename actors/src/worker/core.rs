@@ -11,9 +11,15 @@
 //!    or G3 (loaded: G3 → a G2 slot, verified → G1 page). A G3 block that fails verification ends
 //!    the cached prefix there; the rest is recomputed. At least the last prompt token is always
 //!    computed, so the engine has its logits.
-//! 2. prefill the rest; register every newly completed block in G1 and write it through: gathered
-//!    into a sealed image in a G2 slot, admitted to G2, and written to G3 in the background, as far
-//!    down as its region's retention policy allows.
+//! 2. prefill the rest, in passes of at most `engine.max_batch_tokens`; register the blocks each
+//!    pass completes in G1 and write them through: gathered into a sealed image in a G2 slot,
+//!    admitted to G2, and written to G3 in the background, as far down as its region's retention
+//!    policy allows.
+//!
+//! Copies between G1 and G2 run on the backend's copy engine where it has one (a CUDA copy stream):
+//! a pass's gather runs while the next pass computes, and a loaded prefix's scatter runs layer by
+//! layer ahead of the first pass's attention. The worker keeps the copies' buffers (G2 slots and
+//! images) until they finish, and no G1 page with a gather in flight is reused before it ends.
 //! 3. decode; generated blocks are registered and written through as they complete.
 //! 4. release the request's G1 references and set the holds of its blocks (conversation context
 //!    survives a tool-call gap this way).
@@ -28,7 +34,7 @@ use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, sample};
 use dynamo_tiering::block::{BlockHash, BlockHasher, HEADER_LEN, ImageSpec, RetentionMeta, payload_mut, seal};
-use dynamo_tiering::g2::SlotRef;
+use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use tokio::task::JoinSet;
 
@@ -188,6 +194,13 @@ pub struct Worker<B: Backend> {
     registry: TierRegistry,
     /// Completed blocks waiting for their G1 → G2 gather.
     gathers: Vec<PendingGather>,
+    /// G1 → G2 gathers in flight on the copy engine, oldest first.
+    copying: Vec<Copying<B>>,
+    /// Per G1 page, whether a gather in `copying` reads it: such a page is neither freed nor
+    /// reused until the gather ends ([`Worker::free_page`], [`Worker::alloc_page`]).
+    gathering: Vec<bool>,
+    /// The G2 → G1 scatter of the cached prefix in flight, until the first pass has run.
+    loading: Option<Loading<B>>,
     /// Sealed G2 images waiting for their G2 → G3 write.
     g3_batch: Vec<PendingWrite>,
     writes: JoinSet<()>,
@@ -215,6 +228,22 @@ struct PendingGather {
     page: u32,
     region: RegionKind,
     completed: Instant,
+}
+
+/// A G1 → G2 gather in flight: the blocks and the G2 slots their images land in.
+struct Copying<B: Backend> {
+    /// Declared first so that it drops first: dropping it waits for the copies, and only then may
+    /// the slots go back to the pool.
+    copies: B::Copies,
+    blocks: Vec<PendingGather>,
+    slots: Vec<SlotMut>,
+}
+
+/// A G2 → G1 scatter in flight and the images it reads.
+struct Loading<B: Backend> {
+    /// Declared first: dropping it waits for the copies before the images are released.
+    copies: B::Copies,
+    images: Vec<SlotRef>,
 }
 
 /// A block image in G2 on its way to G3.
@@ -250,6 +279,9 @@ impl<B: Backend> Worker<B> {
             by_hash: HashMap::new(),
             registry: TierRegistry::new(pages, policy),
             gathers: Vec::new(),
+            copying: Vec::new(),
+            gathering: vec![false; pages],
+            loading: None,
             g3_batch: Vec::new(),
             writes: JoinSet::new(),
             prefill_chunk: usize::MAX,
@@ -290,6 +322,10 @@ impl<B: Backend> Worker<B> {
     /// registered blocks were dropped; they are reported cleared.
     pub fn reset(&mut self) -> usize {
         let dropped = self.by_hash.len();
+        // Dropping the copies in flight waits for them; their images are not trusted either.
+        self.loading = None;
+        self.copying.clear();
+        self.gathering.fill(false);
         self.free = (0..self.pages as u32).rev().collect();
         self.by_hash.clear();
         self.gathers.clear();
@@ -298,8 +334,10 @@ impl<B: Backend> Worker<B> {
         dropped
     }
 
-    /// Sends every pending G3 write and waits for all background writes started so far.
+    /// Finishes the gathers in flight, sends every pending G3 write and waits for all background
+    /// writes started so far.
     pub async fn flush(&mut self) {
+        self.finish_gathers(true);
         self.send_g3_batch();
         while self.writes.join_next().await.is_some() {}
     }
@@ -314,7 +352,22 @@ impl<B: Backend> Worker<B> {
         }
         let victim = self.registry.evict(1, now).pop().ok_or(WorkerError::Overloaded)?;
         self.tiers.observer.removed(self.site(), &[victim.hash]);
-        Ok(self.by_hash.remove(&victim.hash).expect("a registered block has a page"))
+        let page = self.by_hash.remove(&victim.hash).expect("a registered block has a page");
+        self.settle_page(page);
+        Ok(page)
+    }
+
+    /// Returns `page` to the free list, once no gather reads it.
+    fn free_page(&mut self, page: u32) {
+        self.settle_page(page);
+        self.free.push(page);
+    }
+
+    /// Finishes the gathers in flight if one of them reads `page`, which is about to be reused.
+    fn settle_page(&mut self, page: u32) {
+        if self.gathering[page as usize] {
+            self.finish_gathers(true);
+        }
     }
 
     fn region_of(req: &GenRequest, token: usize) -> RegionKind {
@@ -356,8 +409,12 @@ impl<B: Backend> Worker<B> {
             corrupt_blocks: 0,
         };
         let result = self.run(req, &hashes, &mut seq, &mut outcome, now, start_time, on_event).await;
-        // The turn's blocks leave G1 for G2 before any page can be reused, and its G3 batch goes.
+        // A scatter still in flight (the request failed before its first pass) ends here.
+        self.loading = None;
+        // The turn's blocks are in G2 when it ends (the next turn may be served anywhere), and its
+        // G3 batch goes.
         self.gather_pending();
+        self.finish_gathers(true);
         self.send_g3_batch();
         // Release the request's references whatever happened; private pages go back to the pool.
         // The turn's answer becomes conversation context for the next turn (an agent resends
@@ -385,7 +442,7 @@ impl<B: Backend> Worker<B> {
                         }
                     }
                 }
-                None => self.free.push(block.page),
+                None => self.free_page(block.page),
             }
         }
         result.map(|()| outcome)
@@ -421,17 +478,19 @@ impl<B: Backend> Worker<B> {
         let mut pos = cached;
         for chunk in req.prompt[cached..].chunks(self.prefill_chunk) {
             logits = self.model.forward(&mut self.kv, chunk, pos, &table, b)?;
+            self.finish_load()?;
+            // The blocks this pass completed leave for G2 while the next pass computes.
+            let done = (pos + chunk.len()) / b;
+            for i in pos / b..done.min(hashes.len()) {
+                self.register(i, seq, hashes, Self::region_of(req, i * b), now, true);
+            }
+            self.gather_pending();
             pos += chunk.len();
-        }
-        for i in cached / b..hashes.len() {
-            self.register(i, seq, hashes, Self::region_of(req, i * b), now, true);
         }
         if !on_event(WorkerEvent::Prefilled { cached_tokens: cached, hit_tokens: outcome.hit_tokens }) {
             outcome.finish = Finish::Stop;
             return Ok(());
         }
-        // The prompt's blocks leave for G2 in one gather while the first token is sampled.
-        self.gather_pending();
 
         // 3. Decode.
         let mut rng = SeededRng::new(req.seed);
@@ -585,7 +644,7 @@ impl<B: Backend> Worker<B> {
                             for s in seq.drain(..) {
                                 match s.registered {
                                     Some(hash) => drop(self.registry.release(hash)),
-                                    None => self.free.push(s.page),
+                                    None => self.free_page(s.page),
                                 }
                             }
                             return Err(e);
@@ -602,17 +661,32 @@ impl<B: Backend> Worker<B> {
             }
         }
         if !loads.is_empty() {
-            let started = Instant::now();
             let payload = tiers.layout.payload_bytes();
             let pages: Vec<u32> = loads.iter().map(|(p, _)| *p).collect();
             let payloads: Vec<&[u8]> =
                 loads.iter().map(|(_, img)| &img.as_slice()[HEADER_LEN..HEADER_LEN + payload]).collect();
-            self.model.backend().kv_scatter(&mut self.kv, &pages, &payloads).map_err(ModelError::from)?;
-            let elapsed = started.elapsed();
-            record_transfer(Tier::G2, Tier::G1, (payload * loads.len()) as u64, elapsed);
-            if let Some(g2) = &tiers.g2 {
-                g2.observe_load(payload * loads.len(), elapsed);
-            }
+            // SAFETY: the payloads lie in the images, which `self.loading` keeps (immutable, and
+            // referenced so their slots are not reused) until the copies are finished or dropped.
+            let copies = unsafe { self.model.backend().kv_scatter_start(&mut self.kv, &pages, &payloads) }
+                .map_err(ModelError::from)?;
+            drop(payloads);
+            let images = loads.into_iter().map(|(_, image)| image).collect();
+            self.loading = Some(Loading { copies, images });
+        }
+        Ok(())
+    }
+
+    /// Waits for the prefix's scatter (the first pass has queued its compute behind it) and records
+    /// the load's bandwidth; the images are released.
+    fn finish_load(&mut self) -> Result<(), WorkerError> {
+        let Some(Loading { copies, images }) = self.loading.take() else {
+            return Ok(());
+        };
+        let elapsed = self.model.backend().copies_wait(copies).map_err(ModelError::from)?;
+        let bytes = self.tiers.layout.payload_bytes() * images.len();
+        record_transfer(Tier::G2, Tier::G1, bytes as u64, elapsed);
+        if let Some(g2) = &self.tiers.g2 {
+            g2.observe_load(bytes, elapsed);
         }
         Ok(())
     }
@@ -637,7 +711,7 @@ impl<B: Backend> Worker<B> {
                 let mut gone = Vec::with_capacity(evicted.len());
                 for victim in evicted {
                     if let Some(page) = self.by_hash.remove(&victim.hash) {
-                        self.free.push(page);
+                        self.free_page(page);
                         gone.push(victim.hash);
                     }
                 }
@@ -683,9 +757,10 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Gathers every pending block from G1 into sealed images in G2 slots, in one batched kernel
-    /// call, admits them to G2 and queues them for G3.
+    /// Starts gathering every pending block from G1 into G2 slots, in one batched copy on the copy
+    /// engine; [`Self::finish_gathers`] seals the images, admits them to G2 and queues them for G3.
     fn gather_pending(&mut self) {
+        self.finish_gathers(false);
         if self.gathers.is_empty() {
             return;
         }
@@ -695,7 +770,6 @@ impl<B: Backend> Worker<B> {
             return;
         };
         let now = unix_millis();
-        let started = Instant::now();
         let pending = std::mem::take(&mut self.gathers);
         let mut blocks = Vec::with_capacity(pending.len());
         let mut slots = Vec::with_capacity(pending.len());
@@ -718,11 +792,54 @@ impl<B: Backend> Worker<B> {
         let pages: Vec<u32> = blocks.iter().map(|p| p.page).collect();
         let mut payloads: Vec<&mut [u8]> =
             slots.iter_mut().map(|s| payload_mut(s.as_mut_slice(), &tiers.layout)).collect();
-        if let Err(e) = self.model.backend().kv_gather(&self.kv, &pages, &mut payloads) {
-            tracing::warn!(error = %e, blocks = blocks.len(), "G1 → G2 gather failed; the blocks stay in G1 only");
-            return;
+        // SAFETY: the slots go into `self.copying` with the copies and nobody else holds them; the
+        // pages are marked in `self.gathering`, which keeps them from being freed or reused (and so
+        // written) until the copies are finished.
+        let started = unsafe { self.model.backend().kv_gather_start(&self.kv, &pages, &mut payloads) };
+        drop(payloads);
+        match started {
+            Ok(copies) => {
+                for &page in &pages {
+                    self.gathering[page as usize] = true;
+                }
+                self.copying.push(Copying { copies, blocks, slots });
+                // Without a copy engine they are done already.
+                self.finish_gathers(false);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, blocks = blocks.len(), "G1 → G2 gather failed; the blocks stay in G1 only")
+            }
         }
-        record_transfer(Tier::G1, Tier::G2, (tiers.layout.payload_bytes() * blocks.len()) as u64, started.elapsed());
+    }
+
+    /// Finishes the gathers in flight, oldest first: every one when `wait`, otherwise those done.
+    /// Each finished block's image is sealed, admitted to G2 and queued for G3.
+    fn finish_gathers(&mut self, wait: bool) {
+        while let Some(first) = self.copying.first() {
+            if !wait && !self.model.backend().copies_done(&first.copies).unwrap_or(true) {
+                return;
+            }
+            let Copying { copies, blocks, slots } = self.copying.remove(0);
+            for p in &blocks {
+                self.gathering[p.page as usize] = false;
+            }
+            match self.model.backend().copies_wait(copies) {
+                Ok(elapsed) => self.admit_gathered(blocks, slots, elapsed),
+                Err(e) => {
+                    tracing::warn!(error = %e, blocks = blocks.len(), "G1 → G2 gather failed; the blocks stay in G1 only")
+                }
+            }
+        }
+    }
+
+    /// Seals gathered images, admits them to G2 and queues them for G3.
+    fn admit_gathered(&mut self, blocks: Vec<PendingGather>, slots: Vec<SlotMut>, elapsed: Duration) {
+        let tiers = self.tiers.clone();
+        let Some(g2) = tiers.g2.as_ref() else {
+            return;
+        };
+        let now = unix_millis();
+        record_transfer(Tier::G1, Tier::G2, (tiers.layout.payload_bytes() * blocks.len()) as u64, elapsed);
         for (p, mut slot) in blocks.into_iter().zip(slots) {
             let policy = tiers.retention.policy(p.region);
             let spec = ImageSpec {
@@ -782,6 +899,7 @@ impl<B: Backend> Worker<B> {
 
     /// Flushes a batch whose oldest block waited past its bound.
     fn maybe_flush_batches(&mut self) {
+        self.finish_gathers(false);
         let batch = self.tiers.write_batch;
         if self.gathers.len() >= batch.g2_blocks
             || self.gathers.first().is_some_and(|p| p.completed.elapsed() >= batch.g2_delay)

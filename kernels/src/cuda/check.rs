@@ -543,6 +543,9 @@ pub fn kernel_checks(cuda: &CudaBackend, cpu: &CpuBackend, seed: u64) -> Vec<Ker
     let gather: Vec<u32> = permutation(&mut rng, blocks)[..7].to_vec();
     let scatter: Vec<u32> = permutation(&mut rng, blocks)[..7].to_vec();
     out.push(registered_gather_check(cuda, cpu, layout, blocks, &k, &v, &gather, &scatter));
+    let q = random(&mut rng, 5 * 4 * layout.kv_heads * layout.head_dim, 2.0);
+    let case = StartedCase { layout, blocks, k: &k, v: &v, gather: &gather, scatter: &scatter, q: &q };
+    out.push(started_copies_check(cuda, cpu, &case));
     let (rows, vocab) = (4, 128_256);
     let mut logits = random(&mut rng, rows * vocab, 10.0);
     logits[vocab + 5] = 100.0;
@@ -723,6 +726,89 @@ fn to_bf16_check(cuda: &CudaBackend, x: &[f32]) -> KernelCheck {
     }
 }
 
+/// A pool filled with `k`/`v`, `gather` started into host images, the images started into the
+/// `scatter` blocks of a fresh pool, and attention of the 5 rows of `q` queued over those blocks
+/// before the scatter is waited for.
+struct StartedCase<'a> {
+    layout: PagedLayout,
+    blocks: usize,
+    k: &'a [f32],
+    v: &'a [f32],
+    gather: &'a [u32],
+    scatter: &'a [u32],
+    q: &'a [f32],
+}
+
+impl StartedCase<'_> {
+    fn spec(&self) -> AttentionSpec {
+        let l = self.layout;
+        AttentionSpec {
+            heads: 4 * l.kv_heads,
+            kv_heads: l.kv_heads,
+            head_dim: l.head_dim,
+            block_tokens: l.block_tokens,
+        }
+    }
+
+    /// Runs the case on `b` with the images in `host`: the gathered images, then the attention
+    /// output, then the scattered pages gathered back (all as f32).
+    fn run<B: Backend>(&self, b: &B, host: &mut [u8]) -> Result<(Vec<f32>, Vec<f32>), KernelError> {
+        let (layout, n) = (self.layout, self.gather.len());
+        let eb = b.kv_elem_bytes();
+        let payload = PagedLayout { elem_bytes: eb, ..layout }.payload_bytes();
+        let host = &mut host[..n * payload];
+        let slots: Vec<u32> = (0..(self.blocks * layout.block_tokens) as u32).collect();
+        let kv = Runner(b).fill_pool(layout, self.blocks, self.k, self.v, &slots)?;
+        host.fill(0xff);
+        let mut outs: Vec<&mut [u8]> = host.chunks_exact_mut(payload).collect();
+        // SAFETY: `host` is neither read nor written until the copies are waited for, just below,
+        // and the gathered blocks are not written.
+        let copies = unsafe { b.kv_gather_start(&kv, self.gather, &mut outs) }?;
+        drop(outs);
+        b.copies_wait(copies)?;
+        let mut images = payload_to_f32(host, eb);
+        let mut fresh = b.kv_pool(PagedLayout { elem_bytes: eb, ..layout }, self.blocks)?;
+        let ins: Vec<&[u8]> = host.chunks_exact(payload).collect();
+        // SAFETY: `host` is not written until the copies are waited for.
+        let copies = unsafe { b.kv_scatter_start(&mut fresh, self.scatter, &ins) }?;
+        let ctx = (self.scatter.len() * layout.block_tokens) as u32;
+        let pos: Vec<u32> = (ctx - 5..ctx).collect();
+        let (dq, mut out) = (b.upload(self.q)?, poisoned(b, self.q.len())?);
+        b.attention(&dq, &fresh, layout.layers - 1, self.spec(), self.scatter, &pos, &mut out)?;
+        b.copies_wait(copies)?;
+        let attention = fetch(b, &out, self.q.len())?;
+        images.extend(Runner(b).gather_f32(layout, &fresh, self.scatter)?);
+        Ok((images, attention))
+    }
+}
+
+/// [`StartedCase`] with registered host images on CUDA (the copy stream's path) against the CPU:
+/// images and pages exact, attention within the reduction tolerance.
+fn started_copies_check(cuda: &CudaBackend, cpu: &CpuBackend, case: &StartedCase<'_>) -> KernelCheck {
+    let name = "kv gather+scatter started on the copy stream, attention queued behind";
+    let run = || -> Result<KernelCheck, KernelError> {
+        let payload = PagedLayout { elem_bytes: 4, ..case.layout }.payload_bytes();
+        let (want_pages, want_attention) = case.run(cpu, &mut vec![0u8; payload * case.gather.len()])?;
+        let mut host = HostMapping::new(payload * case.gather.len())?;
+        // SAFETY: the mapping outlives the registration (dropped first, below).
+        let reg = unsafe { cuda.register_host(host.ptr, host.len) }?;
+        let got = case.run(cuda, host.bytes_mut());
+        drop(reg);
+        let (got_pages, got_attention) = got?;
+        let (_, pages_rel) = difference(&got_pages, &want_pages);
+        let (max_abs, max_rel) = difference(&got_attention, &want_attention);
+        Ok(KernelCheck {
+            name: name.into(),
+            max_abs,
+            max_rel: max_rel.max(pages_rel),
+            tolerance: TOL_REDUCE,
+            passed: pages_rel == 0.0 && max_rel <= TOL_REDUCE,
+            error: None,
+        })
+    };
+    run().unwrap_or_else(|e| failed(name, TOL_REDUCE, e.to_string()))
+}
+
 /// Page-aligned anonymous host memory (what the G2 pool is), unmapped on drop.
 struct HostMapping {
     ptr: *mut u8,
@@ -868,9 +954,9 @@ fn bandwidth_checks(
     };
     let dst_base = dst.device_ptr(&cuda.stream).0;
     let addrs: Vec<u64> = (0..n).map(|i| dst_base + (i * payload) as u64).collect();
-    let gather = time_ms(cuda, reps, || cuda.launch_pages(true, &kv, &blocks, &addrs))?;
+    let gather = time_ms(cuda, reps, || cuda.copy_pages(true, &kv, &blocks, &addrs))?;
     let mut kv_mut = kv;
-    let scatter = time_ms(cuda, reps, || cuda.launch_pages(false, &kv_mut, &blocks, &addrs))?;
+    let scatter = time_ms(cuda, reps, || cuda.copy_pages(false, &kv_mut, &blocks, &addrs))?;
     let dev_base = "cuMemcpyDtoD, same bytes";
     rows.push(BandwidthRow {
         path: "gather G1 -> device buffer".into(),
@@ -922,6 +1008,16 @@ fn bandwidth_checks(
         }
         median(times[1..].to_vec())
     };
+    let g2_scatter_started = {
+        let mut times = Vec::new();
+        for _ in 0..=reps {
+            let ins: Vec<&[u8]> = host.bytes().chunks_exact(payload).collect();
+            // SAFETY: `host` is not written before the copies are waited for, in this iteration.
+            let copies = unsafe { cuda.kv_scatter_start(&mut kv_mut, &blocks, &ins) }?;
+            times.push(cuda.copies_wait(copies)?.as_secs_f64() * 1e3);
+        }
+        median(times[1..].to_vec())
+    };
     drop(reg);
     rows.push(BandwidthRow {
         path: "kv_gather G1 -> G2 (registered, 1 kernel)".into(),
@@ -934,6 +1030,13 @@ fn bandwidth_checks(
         path: "kv_scatter G2 -> G1 (registered, 1 kernel)".into(),
         bytes,
         gb_s: gb_s(bytes, g2_scatter),
+        baseline: "cuMemcpyHtoD pinned, same bytes".into(),
+        baseline_gb_s: gb_s(bytes, h2d),
+    });
+    rows.push(BandwidthRow {
+        path: "kv_scatter_start G2 -> G1 (copy stream, per layer)".into(),
+        bytes,
+        gb_s: gb_s(bytes, g2_scatter_started),
         baseline: "cuMemcpyHtoD pinned, same bytes".into(),
         baseline_gb_s: gb_s(bytes, h2d),
     });

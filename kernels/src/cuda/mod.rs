@@ -10,8 +10,15 @@
 //!   architecture (`sm_XY`) once per process ([`loader::compiled_sources`]).
 //! - `matmul` is `cublasGemmEx` with bf16 inputs and f32 accumulation and output; the activation is
 //!   converted to bf16 in a scratch buffer first.
-//! - Every call is queued on the backend's one stream; `download` and the gather/scatter calls wait
-//!   for it, so results are visible to the host when they return.
+//! - Every call is queued on the backend's compute stream; `download` and the gather/scatter calls
+//!   wait for it, so results are visible to the host when they return.
+//! - Gathers and scatters started with `kv_gather_start` / `kv_scatter_start` run on a second, copy
+//!   stream of lower priority, behind an event recorded on the compute stream, and return at once:
+//!   the compute stream's kernels go first wherever both have work. A started scatter records one
+//!   event per layer, and the compute stream waits for a layer's event (on the device) before its
+//!   first `kv_write` or `attention` on that layer, so a loaded prefix's first layers are attended
+//!   to while the later ones are still crossing the link. [`CudaCopies`] holds the start and end
+//!   events, which time the copies themselves.
 //!
 //! **Gather/scatter and host memory.** `kv_gather` / `kv_scatter` move many blocks per launch. When
 //! every payload lies inside host memory registered with [`CudaBackend::register_host`] (the G2 pool
@@ -28,11 +35,13 @@
 pub mod check;
 pub mod loader;
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
 use crate::backend::{AttentionSpec, Backend, KernelError};
@@ -204,6 +213,9 @@ pub struct CudaKv {
     v: Vec<CudaSlice<u16>>,
     /// Device addresses of the arrays in payload order `[layer][k|v]`, for the gather/scatter kernels.
     pages: CudaSlice<u64>,
+    /// Per layer, the end of the last started scatter's copies of that layer's pages (on the copy
+    /// stream), until compute has been made to wait for it.
+    loading: Vec<Option<CudaEvent>>,
 }
 
 impl CudaKv {
@@ -249,7 +261,9 @@ impl Drop for HostRegistration {
         }
         let _ = self.ctx.bind_to_thread();
         // SAFETY: the region was registered by `register_host` and is unregistered exactly once, here;
-        // the backend waits for its stream after every launch that used it, so no copy is in flight.
+        // the backend waits for its stream after every synchronous launch that used it, and started
+        // copies are finished before their `CudaCopies` is gone (which outlives no G2 pool: the
+        // workers finish theirs at every turn's end), so no copy is in flight.
         let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.region.host as *mut std::ffi::c_void) }.result();
     }
 }
@@ -289,11 +303,53 @@ struct Staging {
 /// Largest bounce-path batch in bytes; bigger batches are moved in several rounds.
 const STAGING_BYTES: usize = 256 << 20;
 
+/// One gather/scatter batch uploaded for the page-copy kernels.
+#[derive(Debug)]
+struct PageJobs {
+    blocks: CudaSlice<u32>,
+    addrs: CudaSlice<u64>,
+    n_blocks: usize,
+    vec16: i32,
+}
+
+/// Gathers or scatters started on the copy stream ([`Backend::kv_gather_start`],
+/// [`Backend::kv_scatter_start`]); dropping it waits for them.
+#[derive(Debug)]
+pub struct CudaCopies {
+    /// The start and end events on the copy stream; `None` once waited for, or when the batch went
+    /// the synchronous way (a payload outside registered memory).
+    queued: Option<(CudaEvent, CudaEvent)>,
+    /// How long a synchronous batch took.
+    finished: Duration,
+    /// The batch's uploaded block ids and addresses, which the copies read (freed on the compute
+    /// stream, once the copies are over).
+    _jobs: Option<PageJobs>,
+}
+
+impl CudaCopies {
+    /// Copies that were over before the start call returned, after `elapsed`.
+    fn finished(elapsed: Duration) -> Self {
+        Self { queued: None, finished: elapsed, _jobs: None }
+    }
+}
+
+impl Drop for CudaCopies {
+    fn drop(&mut self) {
+        if let Some((_, end)) = &self.queued {
+            // Nothing to report an error to: the buffers' owner only needs the copies to be over.
+            let _ = end.synchronize();
+        }
+    }
+}
+
 /// The CUDA backend on one device. See the module documentation.
 pub struct CudaBackend {
     info: DeviceInfo,
     ctx: Arc<CudaContext>,
+    /// The compute stream (the highest priority of the context).
     stream: Arc<CudaStream>,
+    /// The copy stream of started gathers and scatters (the lowest priority).
+    copy: Arc<CudaStream>,
     blas: CudaBlas,
     kernels: Kernels,
     max_smem_optin: usize,
@@ -329,10 +385,15 @@ impl CudaBackend {
         loader::require_library(loader::CUBLAS)?;
         loader::guarded("CUDA backend", || {
             let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
-            // One stream, so cudarc's per-allocation events would only cost time.
+            // The compute and copy streams are ordered by explicit events (see the module
+            // documentation), so cudarc's per-allocation events would only cost time.
             // SAFETY: no allocation of this context exists yet, so none is tracked half-way.
             unsafe { ctx.disable_event_tracking() };
-            let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+            ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+            let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
+                .map_err(driver_err("cuCtxGetStreamPriorityRange"))?;
+            let stream = ctx.new_stream_with_priority(greatest).map_err(driver_err("cuStreamCreateWithPriority"))?;
+            let copy = ctx.new_stream_with_priority(least).map_err(driver_err("cuStreamCreateWithPriority"))?;
             let blas = CudaBlas::new(stream.clone())
                 .map_err(|e| KernelError::CudaUnavailable(format!("cuBLAS failed to initialise: {e:?}")))?;
             let kernels = Kernels::load(&ctx, &info.arch())?;
@@ -345,6 +406,7 @@ impl CudaBackend {
                 info,
                 ctx,
                 stream,
+                copy,
                 blas,
                 kernels,
                 max_smem_optin,
@@ -370,9 +432,25 @@ impl CudaBackend {
         &self.ctx
     }
 
-    /// Waits until every queued call has finished.
+    /// Waits until every call queued on the compute stream has finished.
     pub fn synchronize(&self) -> Result<(), KernelError> {
         self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    /// Makes the compute stream wait (on the device) for the started scatter of `layer`, if any.
+    fn wait_loaded(&self, kv: &CudaKv, layer: usize) -> Result<(), KernelError> {
+        match &kv.loading[layer] {
+            Some(event) => self.stream.wait(event).map_err(driver_err("cuStreamWaitEvent")),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::wait_loaded`] for every layer, forgetting the events (`kv` is exclusively ours).
+    fn wait_all_loaded(&self, kv: &mut CudaKv) -> Result<(), KernelError> {
+        for event in kv.loading.iter_mut().filter_map(Option::take) {
+            self.stream.wait(&event).map_err(driver_err("cuStreamWaitEvent"))?;
+        }
+        Ok(())
     }
 
     fn upload_u32(&self, op: &'static str, data: &[u32]) -> Result<CudaSlice<u32>, KernelError> {
@@ -453,6 +531,7 @@ impl CudaBackend {
         if layer >= kv.layout.layers || block as usize >= kv.num_blocks {
             return Err(KernelError::index("kv_page_f32", format!("layer {layer} block {block}")));
         }
+        self.wait_loaded(kv, layer)?;
         let elems = kv.layout.page_bytes() / 2;
         let array = if v { &kv.v[layer] } else { &kv.k[layer] };
         let page = array.slice(block as usize * elems..(block as usize + 1) * elems);
@@ -460,33 +539,101 @@ impl CudaBackend {
         Ok(raw.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
     }
 
+    /// Uploads a gather/scatter batch's block ids and payload addresses on the compute stream.
+    fn page_jobs(&self, kv: &CudaKv, blocks: &[u32], payload_addrs: &[u64]) -> Result<PageJobs, KernelError> {
+        let page_bytes = kv.layout.page_bytes() as u64;
+        let vec16 = i32::from(page_bytes.is_multiple_of(16) && payload_addrs.iter().all(|a| a.is_multiple_of(16)));
+        Ok(PageJobs {
+            blocks: self.stream.clone_htod(blocks).map_err(driver_err("upload"))?,
+            addrs: self.stream.clone_htod(payload_addrs).map_err(driver_err("upload"))?,
+            n_blocks: blocks.len(),
+            vec16,
+        })
+    }
+
+    /// Queues the copy of pages `pages` (of the `[layer][k|v]` order) of every block of `jobs` on
+    /// `stream`: pool → payloads when `gather`, payloads → pool otherwise.
     fn launch_pages(
         &self,
+        stream: &Arc<CudaStream>,
         gather: bool,
         kv: &CudaKv,
-        blocks: &[u32],
-        payload_addrs: &[u64],
+        jobs: &PageJobs,
+        pages: Range<usize>,
     ) -> Result<(), KernelError> {
-        if blocks.is_empty() {
+        if jobs.n_blocks == 0 || pages.is_empty() {
             return Ok(());
         }
         let page_bytes = kv.layout.page_bytes() as u64;
-        let n_pages = (kv.layout.layers * 2) as i32;
-        let vec16 = i32::from(page_bytes.is_multiple_of(16) && payload_addrs.iter().all(|a| a.is_multiple_of(16)));
-        let d_blocks = self.upload_u32("kv copy", blocks)?;
-        let d_addrs = self.stream.clone_htod(payload_addrs).map_err(driver_err("upload"))?;
-        let n_blocks = blocks.len() as i32;
-        let jobs = blocks.len() * kv.layout.layers * 2;
-        let cfg = LaunchConfig { grid_dim: (jobs as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (first_page, n_pages, n_blocks) = (pages.start as i32, pages.len() as i32, jobs.n_blocks as i32);
+        let grid = (jobs.n_blocks * pages.len()) as u32;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let func = if gather { &self.kernels.gather } else { &self.kernels.scatter };
-        let mut b = self.stream.launch_builder(func);
-        b.arg(&kv.pages).arg(&n_pages).arg(&d_blocks).arg(&d_addrs).arg(&n_blocks).arg(&page_bytes).arg(&vec16);
-        // SAFETY: kv_{gather,scatter}_pages(const u64*, int, const unsigned*, const u64*, int, u64, int):
-        // `pages` holds n_pages array addresses of num_blocks pages each, every block id is below
-        // num_blocks (checked by the caller), and every payload address is device-accessible memory of
-        // n_pages × page_bytes bytes (device staging or registered host memory).
+        let mut b = stream.launch_builder(func);
+        b.arg(&kv.pages)
+            .arg(&first_page)
+            .arg(&n_pages)
+            .arg(&jobs.blocks)
+            .arg(&jobs.addrs)
+            .arg(&n_blocks)
+            .arg(&page_bytes)
+            .arg(&jobs.vec16);
+        // SAFETY: kv_{gather,scatter}_pages(const u64*, int, int, const unsigned*, const u64*, int, u64,
+        // int): `pages` holds layers × 2 array addresses of num_blocks pages each and `pages` lies
+        // inside 0..layers × 2 (the callers pass that or one layer's two), every block id is below
+        // num_blocks (checked by the caller), and every payload address is device-accessible memory
+        // of layers × 2 × page_bytes bytes (device staging or registered host memory).
         unsafe { b.launch(cfg) }.map_err(driver_err(if gather { "kv_gather_pages" } else { "kv_scatter_pages" }))?;
         Ok(())
+    }
+
+    /// Copies every page of `blocks` on the compute stream (queued, not waited for).
+    fn copy_pages(&self, gather: bool, kv: &CudaKv, blocks: &[u32], payload_addrs: &[u64]) -> Result<(), KernelError> {
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let jobs = self.page_jobs(kv, blocks, payload_addrs)?;
+        self.launch_pages(&self.stream, gather, kv, &jobs, 0..kv.layout.layers * 2)
+    }
+
+    /// Starts the copies of a batch on the copy stream, behind the compute queued so far: the
+    /// batch's block ids and addresses are uploaded on the compute stream (its queue is where
+    /// pageable uploads already wait; the copy stream never waits on one), and `queue` launches the
+    /// copies between the timing events. The uploads live in the returned [`CudaCopies`] until the
+    /// copies are over. When anything fails, the copies already queued are waited for before the
+    /// error returns, so no copy outlives the caller's buffers.
+    fn start_copies(
+        &self,
+        kv: &CudaKv,
+        blocks: &[u32],
+        payload_addrs: &[u64],
+        queue: impl FnOnce(&PageJobs) -> Result<(), KernelError>,
+    ) -> Result<CudaCopies, KernelError> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let jobs = self.page_jobs(kv, blocks, payload_addrs)?;
+        let queued = (|| {
+            let computed = self.stream.record_event(None).map_err(driver_err("cuEventRecord"))?;
+            self.copy.wait(&computed).map_err(driver_err("cuStreamWaitEvent"))?;
+            let start = self.copy.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver_err("cuEventRecord"))?;
+            queue(&jobs)?;
+            self.copy.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver_err("cuEventRecord")).map(|end| (start, end))
+        })();
+        match queued {
+            Ok(events) => Ok(CudaCopies { queued: Some(events), finished: Duration::ZERO, _jobs: Some(jobs) }),
+            Err(e) => {
+                let _ = self.copy.synchronize();
+                Err(e)
+            }
+        }
+    }
+
+    /// A scatter's target blocks must be distinct (two payloads into one page race).
+    fn check_distinct(blocks: &[u32]) -> Result<(), KernelError> {
+        let mut seen = std::collections::HashSet::with_capacity(blocks.len());
+        match blocks.iter().find(|&&b| !seen.insert(b)) {
+            Some(&dup) => Err(LayoutError::DuplicateTarget(dup).into()),
+            None => Ok(()),
+        }
     }
 
     fn check_batch(
@@ -539,6 +686,7 @@ impl Backend for CudaBackend {
     type Buf = CudaSlice<f32>;
     type Weight = CudaWeight;
     type Kv = CudaKv;
+    type Copies = CudaCopies;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -775,7 +923,7 @@ impl Backend for CudaBackend {
             }
         }
         let pages = self.stream.clone_htod(&addrs).map_err(driver_err("upload"))?;
-        Ok(CudaKv { layout, num_blocks, k, v, pages })
+        Ok(CudaKv { layout, num_blocks, k, v, pages, loading: (0..layout.layers).map(|_| None).collect() })
     }
 
     fn kv_write(
@@ -798,6 +946,9 @@ impl Backend for CudaBackend {
         }
         if slots.is_empty() {
             return Ok(());
+        }
+        if let Some(event) = kv.loading[layer].take() {
+            self.stream.wait(&event).map_err(driver_err("cuStreamWaitEvent"))?;
         }
         let d_slots = self.upload_u32("kv_write", slots)?;
         let (rows, re) = (slots.len() as i32, row_elems as i32);
@@ -871,6 +1022,7 @@ impl Backend for CudaBackend {
                 )
                 .map_err(driver_err("cuFuncSetAttribute"))?;
         }
+        self.wait_loaded(kv, layer)?;
         let d_table = self.upload_u32("attention", &block_table[..need_blocks])?;
         let d_pos = self.upload_u32("attention", positions)?;
         let group = spec.heads / spec.kv_heads;
@@ -907,8 +1059,11 @@ impl Backend for CudaBackend {
     fn kv_gather(&self, kv: &CudaKv, blocks: &[u32], out: &mut [&mut [u8]]) -> Result<(), KernelError> {
         Self::check_batch(kv, blocks, out.iter().map(|p| p.len()), out.len())?;
         let payload = kv.layout.payload_bytes();
+        for layer in 0..kv.layout.layers {
+            self.wait_loaded(kv, layer)?;
+        }
         if let Some(addrs) = self.mapped_addresses(out.iter().map(|p| p.as_ptr() as usize), payload) {
-            self.launch_pages(true, kv, blocks, &addrs)?;
+            self.copy_pages(true, kv, blocks, &addrs)?;
             return self.synchronize();
         }
         let per_round = (STAGING_BYTES / payload).max(1);
@@ -917,7 +1072,7 @@ impl Backend for CudaBackend {
             self.with_staging(bytes, |dev, host| {
                 let (base, _s) = dev.device_ptr(&self.stream);
                 let addrs: Vec<u64> = (0..chunk.len()).map(|i| base + (i * payload) as u64).collect();
-                self.launch_pages(true, kv, chunk, &addrs)?;
+                self.copy_pages(true, kv, chunk, &addrs)?;
                 // SAFETY: `host` is pinned memory of at least `bytes` that no copy is using (the
                 // previous round was synchronised).
                 let staged = unsafe { std::slice::from_raw_parts_mut(host.ptr, bytes) };
@@ -939,13 +1094,11 @@ impl Backend for CudaBackend {
 
     fn kv_scatter(&self, kv: &mut CudaKv, blocks: &[u32], payloads: &[&[u8]]) -> Result<(), KernelError> {
         Self::check_batch(kv, blocks, payloads.iter().map(|p| p.len()), payloads.len())?;
-        let mut seen = std::collections::HashSet::with_capacity(blocks.len());
-        if let Some(&dup) = blocks.iter().find(|&&b| !seen.insert(b)) {
-            return Err(LayoutError::DuplicateTarget(dup).into());
-        }
+        Self::check_distinct(blocks)?;
         let payload = kv.layout.payload_bytes();
+        self.wait_all_loaded(kv)?;
         if let Some(addrs) = self.mapped_addresses(payloads.iter().map(|p| p.as_ptr() as usize), payload) {
-            self.launch_pages(false, kv, blocks, &addrs)?;
+            self.copy_pages(false, kv, blocks, &addrs)?;
             return self.synchronize();
         }
         let per_round = (STAGING_BYTES / payload).max(1);
@@ -963,10 +1116,80 @@ impl Backend for CudaBackend {
                 unsafe { cudarc::driver::result::memcpy_htod_async(base, &*staged, self.stream.cu_stream()) }
                     .map_err(driver_err("cuMemcpyHtoDAsync"))?;
                 let addrs: Vec<u64> = (0..chunk.len()).map(|i| base + (i * payload) as u64).collect();
-                self.launch_pages(false, kv, chunk, &addrs)?;
+                self.copy_pages(false, kv, chunk, &addrs)?;
                 self.synchronize()
             })?;
         }
         Ok(())
+    }
+
+    unsafe fn kv_gather_start(
+        &self,
+        kv: &CudaKv,
+        blocks: &[u32],
+        out: &mut [&mut [u8]],
+    ) -> Result<CudaCopies, KernelError> {
+        Self::check_batch(kv, blocks, out.iter().map(|p| p.len()), out.len())?;
+        if blocks.is_empty() {
+            return Ok(CudaCopies::finished(Duration::ZERO));
+        }
+        let payload = kv.layout.payload_bytes();
+        let Some(addrs) = self.mapped_addresses(out.iter().map(|p| p.as_ptr() as usize), payload) else {
+            let started = Instant::now();
+            self.kv_gather(kv, blocks, out)?;
+            return Ok(CudaCopies::finished(started.elapsed()));
+        };
+        // A started scatter of these pages is ahead of this gather on the same copy stream.
+        self.start_copies(kv, blocks, &addrs, |jobs| {
+            self.launch_pages(&self.copy, true, kv, jobs, 0..kv.layout.layers * 2)
+        })
+    }
+
+    unsafe fn kv_scatter_start(
+        &self,
+        kv: &mut CudaKv,
+        blocks: &[u32],
+        payloads: &[&[u8]],
+    ) -> Result<CudaCopies, KernelError> {
+        Self::check_batch(kv, blocks, payloads.iter().map(|p| p.len()), payloads.len())?;
+        if blocks.is_empty() {
+            return Ok(CudaCopies::finished(Duration::ZERO));
+        }
+        let payload = kv.layout.payload_bytes();
+        let Some(addrs) = self.mapped_addresses(payloads.iter().map(|p| p.as_ptr() as usize), payload) else {
+            let started = Instant::now();
+            self.kv_scatter(kv, blocks, payloads)?;
+            return Ok(CudaCopies::finished(started.elapsed()));
+        };
+        Self::check_distinct(blocks)?;
+        let mut layer_ends = Vec::with_capacity(kv.layout.layers);
+        let copies = self.start_copies(kv, blocks, &addrs, |jobs| {
+            for layer in 0..kv.layout.layers {
+                self.launch_pages(&self.copy, false, kv, jobs, 2 * layer..2 * layer + 2)?;
+                layer_ends.push(self.copy.record_event(None).map_err(driver_err("cuEventRecord"))?);
+            }
+            Ok(())
+        })?;
+        for (slot, end) in kv.loading.iter_mut().zip(layer_ends) {
+            *slot = Some(end);
+        }
+        Ok(copies)
+    }
+
+    fn copies_done(&self, copies: &CudaCopies) -> Result<bool, KernelError> {
+        match &copies.queued {
+            Some((_, end)) => end.try_is_complete().map_err(driver_err("cuEventQuery")),
+            None => Ok(true),
+        }
+    }
+
+    fn copies_wait(&self, mut copies: CudaCopies) -> Result<Duration, KernelError> {
+        match copies.queued.take() {
+            Some((start, end)) => {
+                let ms = start.elapsed_ms(&end).map_err(driver_err("cuEventElapsedTime"))?;
+                Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+            }
+            None => Ok(copies.finished),
+        }
     }
 }
