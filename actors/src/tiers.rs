@@ -62,7 +62,13 @@ pub struct G2Tier {
     inner: Mutex<G2Inner>,
     observer: Arc<dyn KvObserver>,
     load_bandwidth: MeasuredBandwidth,
+    /// Whether a load of at least [`LINK_SAMPLE_BYTES`] has been timed.
+    load_sampled: AtomicBool,
 }
+
+/// The smallest load that measures the G2 → G1 link for good: smaller ones are dominated by
+/// launch and setup latency.
+pub const LINK_SAMPLE_BYTES: usize = 16 << 20;
 
 #[derive(Debug)]
 struct G2Inner {
@@ -79,13 +85,25 @@ impl G2Tier {
             inner: Mutex::new(G2Inner { slots: HashMap::new() }),
             observer: Arc::new(NoObserver),
             load_bandwidth: MeasuredBandwidth::default(),
+            load_sampled: AtomicBool::new(false),
         }
     }
 
-    /// Folds one batched load into G1 (`bytes` of payload scattered in `elapsed`) into the
-    /// measured G2 → G1 bandwidth: the host link on a GPU worker, memcpy on the CPU engine.
+    /// Folds one batched load into G1 (`bytes` of payload scattered in `elapsed`, with nothing
+    /// else running) into the measured G2 → G1 bandwidth: the host link on a GPU worker, memcpy
+    /// on the CPU engine.
     pub fn observe_load(&self, bytes: usize, elapsed: Duration) {
         self.load_bandwidth.observe(bytes, elapsed);
+        if bytes >= LINK_SAMPLE_BYTES {
+            self.load_sampled.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the next load should be timed alone, before compute runs alongside it: until one
+    /// of at least [`LINK_SAMPLE_BYTES`] has been. A load overlapped with compute shares the
+    /// device with it, so its time says little about the link.
+    pub fn wants_load_sample(&self) -> bool {
+        !self.load_sampled.load(Ordering::Relaxed)
     }
 
     /// Measured G2 → G1 bandwidth in bytes per second, once a load was timed.

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use dynamo_actors::cost::CostModel;
 use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Watermarks};
-use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NoObserver, NodeTiers, WriteBatch};
+use dynamo_actors::tiers::{
+    BlockSite, G2Tier, G3Tier, KvObserver, LINK_SAMPLE_BYTES, LoadCost, NoObserver, NodeTiers, WriteBatch,
+};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::kv_layout::{HostKvPool, PagedLayout};
@@ -102,11 +104,15 @@ impl Node {
 /// - A started scatter lands in the pool at the next `kv_write` (as the compute stream waits for a
 ///   layer's copies before it writes or reads that layer), from the payloads as they are then.
 /// - A write into a block that a gather still reads, a payload that changed before its scatter
-///   landed, or attention over a pool with a scatter still pending is recorded as a violation.
+///   landed, or attention over a pool with a scatter still pending is recorded as a violation;
+///   so is waiting for a scatter before any compute made it land (the emulation has no pool
+///   there to land it in).
+/// - While `fail_scatters` is set, starting a scatter fails.
 #[derive(Debug, Default)]
 struct EmulatedCopyEngine {
     cpu: CpuBackend,
     state: Mutex<CopyEngineState>,
+    fail_scatters: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -281,6 +287,9 @@ impl Backend for EmulatedCopyEngine {
         blocks: &[u32],
         payloads: &[&[u8]],
     ) -> Result<EmulatedCopies, KernelError> {
+        if self.fail_scatters.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(KernelError::CudaUnavailable("emulated: the copy engine failed".into()));
+        }
         self.land_scatter(kv);
         let at = payloads.iter().map(|p| (p.as_ptr() as usize, p.len())).collect();
         let bytes = payloads.iter().map(|p| p.to_vec()).collect();
@@ -306,6 +315,7 @@ impl Backend for EmulatedCopyEngine {
             EmulatedCopies::Scatter => {
                 if state.scatter.is_some() {
                     state.violations.push("a scatter waited for before any compute made it land".into());
+                    state.scatter = None;
                 }
             }
         }
@@ -399,6 +409,7 @@ async fn worker_b_loads_worker_a_prefix_from_g2() {
     let g2 = n.tiers.g2.as_ref().expect("G2");
     let measured = g2.measured_load_bandwidth().expect("the G2 → G1 load was timed");
     assert!(measured.is_finite() && measured > 0.0, "{measured} B/s");
+    assert!(g2.wants_load_sample(), "a load this small does not measure the link for good");
     // The router's cost model takes it where no G2 rate is configured, and keeps a configured one.
     let base = CostModel {
         block_tokens: B,
@@ -458,7 +469,10 @@ async fn copies_that_finish_later_than_they_start_keep_their_buffers_and_answers
     }
 
     // Worker C, on the same emulated engine, loads the prefix from G2 with a scatter that lands
-    // only when its first pass writes the pool, and answers as recomputing does.
+    // only when its first pass writes the pool, and answers as recomputing does. (The link counts
+    // as measured, so the load overlaps the pass instead of running alone to be timed.)
+    g2.observe_load(LINK_SAMPLE_BYTES, Duration::from_millis(1));
+    assert!(!g2.wants_load_sample());
     let mut second = first.clone();
     second.extend(&out_a.tokens);
     second.extend(turn(12, 8));
@@ -468,6 +482,29 @@ async fn copies_that_finish_later_than_they_start_keep_their_buffers_and_answers
     assert_eq!(out_c.hit_tokens[1], 4 * B, "the prompt's blocks come from G2");
     assert_eq!(out_c.tokens, recomputed(&req2).await);
     assert_eq!(c.model().backend().violations(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_load_leaves_no_block_in_g1_over_pages_it_never_filled() {
+    let n = node(32);
+    let req = request(turn(4 * B + 9, 9));
+    let want = run(&mut n.worker(), &req).await.tokens;
+    let hashes = BlockHasher::new(n.tiers.salt, B).hash_sequence(&req.prompt);
+    // The link counts as measured, so loads overlap the first pass (the emulation lands a scatter
+    // at a pass's first write).
+    n.tiers.g2.as_ref().expect("G2").observe_load(LINK_SAMPLE_BYTES, Duration::from_millis(1));
+
+    let mut d = n.worker_on(EmulatedCopyEngine::default());
+    d.model().backend().fail_scatters.store(true, std::sync::atomic::Ordering::Relaxed);
+    let failed = d.generate(&req, &mut |_| true).await;
+    assert!(failed.is_err(), "the load's failure fails the request");
+    assert!(hashes.iter().all(|&h| !d.holds(h)), "no block stays registered over an unfilled page");
+    // With the engine healed, the same worker loads the prefix again and answers right.
+    d.model().backend().fail_scatters.store(false, std::sync::atomic::Ordering::Relaxed);
+    let out = run(&mut d, &req).await;
+    assert_eq!(out.hit_tokens, [0, 4 * B, 0, 0]);
+    assert_eq!(out.tokens, want);
+    assert_eq!(d.model().backend().violations(), Vec::<String>::new());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,7 @@
 //!    admitted to G2, and written to G3 in the background, as far down as its region's retention
 //!    policy allows.
 //!
-//! Copies between G1 and G2 run on the backend's copy engine where it has one (a CUDA copy stream):
+//! Copies between G1 and G2 run on the backend's copy engine where it has one (CUDA streams of their own):
 //! a pass's gather runs while the next pass computes, and a loaded prefix's scatter runs layer by
 //! layer ahead of the first pass's attention. The worker keeps the copies' buffers (G2 slots and
 //! images) until they finish, and no G1 page with a gather in flight is reused before it ends.
@@ -184,6 +184,11 @@ pub const MAX_G3_BATCHES_IN_FLIGHT: usize = 8;
 /// One engine with its G1 pool.
 pub struct Worker<B: Backend> {
     id: usize,
+    /// G1 → G2 gathers in flight on the copy engine, oldest first. Declared before the pool and
+    /// the model, so a dropped worker waits for its copies before the pool goes.
+    copying: Vec<Copying<B>>,
+    /// The G2 → G1 scatter of the cached prefix in flight, until the first pass has run.
+    loading: Option<Loading<B>>,
     model: Llama<B>,
     kv: B::Kv,
     tiers: Arc<NodeTiers>,
@@ -194,13 +199,9 @@ pub struct Worker<B: Backend> {
     registry: TierRegistry,
     /// Completed blocks waiting for their G1 → G2 gather.
     gathers: Vec<PendingGather>,
-    /// G1 → G2 gathers in flight on the copy engine, oldest first.
-    copying: Vec<Copying<B>>,
     /// Per G1 page, whether a gather in `copying` reads it: such a page is neither freed nor
     /// reused until the gather ends ([`Worker::free_page`], [`Worker::alloc_page`]).
     gathering: Vec<bool>,
-    /// The G2 → G1 scatter of the cached prefix in flight, until the first pass has run.
-    loading: Option<Loading<B>>,
     /// Sealed G2 images waiting for their G2 → G3 write.
     g3_batch: Vec<PendingWrite>,
     writes: JoinSet<()>,
@@ -239,11 +240,12 @@ struct Copying<B: Backend> {
     slots: Vec<SlotMut>,
 }
 
-/// A G2 → G1 scatter in flight and the images it reads.
+/// A G2 → G1 scatter in flight, the images it reads and where their blocks are in the sequence.
 struct Loading<B: Backend> {
     /// Declared first: dropping it waits for the copies before the images are released.
     copies: B::Copies,
     images: Vec<SlotRef>,
+    blocks: Vec<usize>,
 }
 
 /// A block image in G2 on its way to G3.
@@ -270,6 +272,8 @@ impl<B: Backend> Worker<B> {
         let kv = model.kv_pool(tiers.block_tokens, pages)?;
         Ok(Self {
             id: 0,
+            copying: Vec::new(),
+            loading: None,
             model,
             kv,
             tiers,
@@ -279,9 +283,7 @@ impl<B: Backend> Worker<B> {
             by_hash: HashMap::new(),
             registry: TierRegistry::new(pages, policy),
             gathers: Vec::new(),
-            copying: Vec::new(),
             gathering: vec![false; pages],
-            loading: None,
             g3_batch: Vec::new(),
             writes: JoinSet::new(),
             prefill_chunk: usize::MAX,
@@ -478,7 +480,7 @@ impl<B: Backend> Worker<B> {
         let mut pos = cached;
         for chunk in req.prompt[cached..].chunks(self.prefill_chunk) {
             logits = self.model.forward(&mut self.kv, chunk, pos, &table, b)?;
-            self.finish_load()?;
+            self.finish_load(seq, false)?;
             // The blocks this pass completed leave for G2 while the next pass computes.
             let done = (pos + chunk.len()) / b;
             for i in pos / b..done.min(hashes.len()) {
@@ -631,6 +633,7 @@ impl<B: Backend> Worker<B> {
 
         // Into G1: resident blocks in place, loaded images in one scatter.
         let mut loads: Vec<(u32, SlotRef)> = Vec::new();
+        let mut loaded: Vec<usize> = Vec::new();
         for (i, source) in plan.into_iter().enumerate() {
             match source {
                 Source::G1(page) => {
@@ -641,6 +644,7 @@ impl<B: Backend> Worker<B> {
                     let page = match self.alloc_page(now) {
                         Ok(page) => page,
                         Err(e) => {
+                            self.forget_loaded(seq, &loaded);
                             for s in seq.drain(..) {
                                 match s.registered {
                                     Some(hash) => drop(self.registry.release(hash)),
@@ -656,6 +660,7 @@ impl<B: Backend> Worker<B> {
                     self.register(i, seq, hashes, region, now, false);
                     self.write_loaded(i, hashes, region, image.clone(), from_g3, now);
                     loads.push((page, image));
+                    loaded.push(i);
                 }
                 Source::G3 => unreachable!("every G3 block was read or cut off"),
             }
@@ -667,28 +672,62 @@ impl<B: Backend> Worker<B> {
                 loads.iter().map(|(_, img)| &img.as_slice()[HEADER_LEN..HEADER_LEN + payload]).collect();
             // SAFETY: the payloads lie in the images, which `self.loading` keeps (immutable, and
             // referenced so their slots are not reused) until the copies are finished or dropped.
-            let copies = unsafe { self.model.backend().kv_scatter_start(&mut self.kv, &pages, &payloads) }
-                .map_err(ModelError::from)?;
+            let started = unsafe { self.model.backend().kv_scatter_start(&mut self.kv, &pages, &payloads) };
             drop(payloads);
+            let copies = match started {
+                Ok(copies) => copies,
+                Err(e) => {
+                    self.forget_loaded(seq, &loaded);
+                    return Err(ModelError::from(e).into());
+                }
+            };
             let images = loads.into_iter().map(|(_, image)| image).collect();
-            self.loading = Some(Loading { copies, images });
+            self.loading = Some(Loading { copies, images, blocks: loaded });
+            // Until the link is measured, a load runs alone and is timed.
+            if tiers.g2.as_ref().is_some_and(G2Tier::wants_load_sample) {
+                self.finish_load(seq, true)?;
+            }
         }
         Ok(())
     }
 
-    /// Waits for the prefix's scatter (the first pass has queued its compute behind it) and records
-    /// the load's bandwidth; the images are released.
-    fn finish_load(&mut self) -> Result<(), WorkerError> {
-        let Some(Loading { copies, images }) = self.loading.take() else {
+    /// Waits for the prefix's scatter (after the first pass has queued its compute behind it, or
+    /// alone when `sample`: then its time measures the G2 → G1 link) and releases its images.
+    /// Blocks whose load failed leave G1.
+    fn finish_load(&mut self, seq: &mut [SeqBlock], sample: bool) -> Result<(), WorkerError> {
+        let Some(Loading { copies, images, blocks }) = self.loading.take() else {
             return Ok(());
         };
-        let elapsed = self.model.backend().copies_wait(copies).map_err(ModelError::from)?;
+        let elapsed = match self.model.backend().copies_wait(copies) {
+            Ok(elapsed) => elapsed,
+            Err(e) => {
+                self.forget_loaded(seq, &blocks);
+                return Err(ModelError::from(e).into());
+            }
+        };
         let bytes = self.tiers.layout.payload_bytes() * images.len();
         record_transfer(Tier::G2, Tier::G1, bytes as u64, elapsed);
-        if let Some(g2) = &self.tiers.g2 {
+        if let Some(g2) = self.tiers.g2.as_ref().filter(|_| sample) {
             g2.observe_load(bytes, elapsed);
         }
         Ok(())
+    }
+
+    /// Takes the loaded blocks at `blocks` of the sequence out of G1: their load failed, so their
+    /// pages hold no KV. The pages become the request's private ones (freed at its end).
+    fn forget_loaded(&mut self, seq: &mut [SeqBlock], blocks: &[usize]) {
+        let mut gone = Vec::with_capacity(blocks.len());
+        for &i in blocks {
+            if let Some(hash) = seq[i].registered.take() {
+                let _ = self.registry.release(hash);
+                let _ = self.registry.remove(hash);
+                self.by_hash.remove(&hash);
+                gone.push(hash);
+            }
+        }
+        if !gone.is_empty() {
+            self.tiers.observer.removed(self.site(), &gone);
+        }
     }
 
     /// Registers complete block `i` of the sequence in G1 (referenced by this request); a

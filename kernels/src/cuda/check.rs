@@ -782,10 +782,10 @@ impl StartedCase<'_> {
     }
 }
 
-/// [`StartedCase`] with registered host images on CUDA (the copy stream's path) against the CPU:
+/// [`StartedCase`] with registered host images on CUDA (the copy streams' path) against the CPU:
 /// images and pages exact, attention within the reduction tolerance.
 fn started_copies_check(cuda: &CudaBackend, cpu: &CpuBackend, case: &StartedCase<'_>) -> KernelCheck {
-    let name = "kv gather+scatter started on the copy stream, attention queued behind";
+    let name = "kv gather+scatter started on the copy streams, attention queued behind";
     let run = || -> Result<KernelCheck, KernelError> {
         let payload = PagedLayout { elem_bytes: 4, ..case.layout }.payload_bytes();
         let (want_pages, want_attention) = case.run(cpu, &mut vec![0u8; payload * case.gather.len()])?;
@@ -1034,7 +1034,7 @@ fn bandwidth_checks(
         baseline_gb_s: gb_s(bytes, h2d),
     });
     rows.push(BandwidthRow {
-        path: "kv_scatter_start G2 -> G1 (copy stream, per layer)".into(),
+        path: "kv_scatter_start G2 -> G1 (load stream, by layer)".into(),
         bytes,
         gb_s: gb_s(bytes, g2_scatter_started),
         baseline: "cuMemcpyHtoD pinned, same bytes".into(),

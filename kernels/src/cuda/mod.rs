@@ -12,13 +12,21 @@
 //!   converted to bf16 in a scratch buffer first.
 //! - Every call is queued on the backend's compute stream; `download` and the gather/scatter calls
 //!   wait for it, so results are visible to the host when they return.
-//! - Gathers and scatters started with `kv_gather_start` / `kv_scatter_start` run on a second, copy
-//!   stream of lower priority, behind an event recorded on the compute stream, and return at once:
-//!   the compute stream's kernels go first wherever both have work. A started scatter records one
-//!   event per layer, and the compute stream waits for a layer's event (on the device) before its
-//!   first `kv_write` or `attention` on that layer, so a loaded prefix's first layers are attended
-//!   to while the later ones are still crossing the link. [`CudaCopies`] holds the start and end
-//!   events, which time the copies themselves.
+//! - Gathers and scatters started with `kv_gather_start` / `kv_scatter_start` run on streams of
+//!   their own, behind an event recorded on the compute stream, and return at once:
+//!   - a started scatter (a prefix loading into G1) is on the critical path of the pass that
+//!     follows it, so its **load** stream has the compute stream's (highest) priority, and its
+//!     copy kernels share the SMs with compute instead of waiting for compute's gaps. It launches
+//!     layer by layer (a few layers per launch when the batch is small) and records an event per
+//!     launch; the compute stream waits for a layer's event (on the device) before its first
+//!     `kv_write` or `attention` on that layer, so a prefix's first layers are attended to while
+//!     the later ones are still crossing the link;
+//!   - a started gather (write-through to G2) is background work: its **store** stream has the
+//!     lowest priority, and it also waits for the load stream, so it never reads a page still
+//!     loading.
+//!
+//!   [`CudaCopies`] holds the start and end events, which time the copies on their stream (with
+//!   whatever compute ran alongside).
 //!
 //! **Gather/scatter and host memory.** `kv_gather` / `kv_scatter` move many blocks per launch. When
 //! every payload lies inside host memory registered with [`CudaBackend::register_host`] (the G2 pool
@@ -213,9 +221,9 @@ pub struct CudaKv {
     v: Vec<CudaSlice<u16>>,
     /// Device addresses of the arrays in payload order `[layer][k|v]`, for the gather/scatter kernels.
     pages: CudaSlice<u64>,
-    /// Per layer, the end of the last started scatter's copies of that layer's pages (on the copy
+    /// Per layer, the end of the last started scatter's copies of that layer's pages (on the load
     /// stream), until compute has been made to wait for it.
-    loading: Vec<Option<CudaEvent>>,
+    loading: Vec<Option<Arc<CudaEvent>>>,
 }
 
 impl CudaKv {
@@ -303,6 +311,10 @@ struct Staging {
 /// Largest bounce-path batch in bytes; bigger batches are moved in several rounds.
 const STAGING_BYTES: usize = 256 << 20;
 
+/// Pages (thread blocks) a started scatter's launch copies at least: a small batch copies several
+/// layers per launch rather than paying a launch for a handful of pages.
+const SCATTER_LAUNCH_CTAS: usize = 512;
+
 /// One gather/scatter batch uploaded for the page-copy kernels.
 #[derive(Debug)]
 struct PageJobs {
@@ -312,12 +324,12 @@ struct PageJobs {
     vec16: i32,
 }
 
-/// Gathers or scatters started on the copy stream ([`Backend::kv_gather_start`],
+/// Gathers or scatters started on the load or store stream ([`Backend::kv_gather_start`],
 /// [`Backend::kv_scatter_start`]); dropping it waits for them.
 #[derive(Debug)]
 pub struct CudaCopies {
-    /// The start and end events on the copy stream; `None` once waited for, or when the batch went
-    /// the synchronous way (a payload outside registered memory).
+    /// The start and end events on their stream; `None` when the batch went the synchronous way
+    /// (empty, or a payload outside registered memory).
     queued: Option<(CudaEvent, CudaEvent)>,
     /// How long a synchronous batch took.
     finished: Duration,
@@ -327,9 +339,11 @@ pub struct CudaCopies {
 }
 
 impl CudaCopies {
-    /// Copies that were over before the start call returned, after `elapsed`.
-    fn finished(elapsed: Duration) -> Self {
-        Self { queued: None, finished: elapsed, _jobs: None }
+    /// Runs `copy` (a synchronous gather or scatter) and answers it as copies already over.
+    fn timed(copy: impl FnOnce() -> Result<(), KernelError>) -> Result<Self, KernelError> {
+        let started = Instant::now();
+        copy()?;
+        Ok(Self { queued: None, finished: started.elapsed(), _jobs: None })
     }
 }
 
@@ -348,8 +362,10 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     /// The compute stream (the highest priority of the context).
     stream: Arc<CudaStream>,
-    /// The copy stream of started gathers and scatters (the lowest priority).
-    copy: Arc<CudaStream>,
+    /// The stream of started scatters (the compute stream's priority).
+    load: Arc<CudaStream>,
+    /// The stream of started gathers (the lowest priority).
+    store: Arc<CudaStream>,
     blas: CudaBlas,
     kernels: Kernels,
     max_smem_optin: usize,
@@ -385,7 +401,7 @@ impl CudaBackend {
         loader::require_library(loader::CUBLAS)?;
         loader::guarded("CUDA backend", || {
             let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
-            // The compute and copy streams are ordered by explicit events (see the module
+            // The compute, load and store streams are ordered by explicit events (see the module
             // documentation), so cudarc's per-allocation events would only cost time.
             // SAFETY: no allocation of this context exists yet, so none is tracked half-way.
             unsafe { ctx.disable_event_tracking() };
@@ -393,7 +409,8 @@ impl CudaBackend {
             let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
                 .map_err(driver_err("cuCtxGetStreamPriorityRange"))?;
             let stream = ctx.new_stream_with_priority(greatest).map_err(driver_err("cuStreamCreateWithPriority"))?;
-            let copy = ctx.new_stream_with_priority(least).map_err(driver_err("cuStreamCreateWithPriority"))?;
+            let load = ctx.new_stream_with_priority(greatest).map_err(driver_err("cuStreamCreateWithPriority"))?;
+            let store = ctx.new_stream_with_priority(least).map_err(driver_err("cuStreamCreateWithPriority"))?;
             let blas = CudaBlas::new(stream.clone())
                 .map_err(|e| KernelError::CudaUnavailable(format!("cuBLAS failed to initialise: {e:?}")))?;
             let kernels = Kernels::load(&ctx, &info.arch())?;
@@ -406,7 +423,8 @@ impl CudaBackend {
                 info,
                 ctx,
                 stream,
-                copy,
+                load,
+                store,
                 blas,
                 kernels,
                 max_smem_optin,
@@ -596,14 +614,17 @@ impl CudaBackend {
         self.launch_pages(&self.stream, gather, kv, &jobs, 0..kv.layout.layers * 2)
     }
 
-    /// Starts the copies of a batch on the copy stream, behind the compute queued so far: the
-    /// batch's block ids and addresses are uploaded on the compute stream (its queue is where
-    /// pageable uploads already wait; the copy stream never waits on one), and `queue` launches the
-    /// copies between the timing events. The uploads live in the returned [`CudaCopies`] until the
-    /// copies are over. When anything fails, the copies already queued are waited for before the
-    /// error returns, so no copy outlives the caller's buffers.
+    /// Starts the copies of a batch on `copy` (the load or store stream), behind the compute
+    /// queued so far and the work of the streams in `after`: the batch's block ids and addresses
+    /// are uploaded on the compute stream (where pageable uploads already wait; a copy stream never
+    /// waits on one), and `queue` launches the copies between the timing events. The uploads live
+    /// in the returned [`CudaCopies`] until the copies are over. When anything fails, the copies
+    /// already queued are waited for before the error returns, so no copy outlives the caller's
+    /// buffers.
     fn start_copies(
         &self,
+        copy: &Arc<CudaStream>,
+        after: &[&Arc<CudaStream>],
         kv: &CudaKv,
         blocks: &[u32],
         payload_addrs: &[u64],
@@ -612,19 +633,36 @@ impl CudaBackend {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
         let jobs = self.page_jobs(kv, blocks, payload_addrs)?;
         let queued = (|| {
-            let computed = self.stream.record_event(None).map_err(driver_err("cuEventRecord"))?;
-            self.copy.wait(&computed).map_err(driver_err("cuStreamWaitEvent"))?;
-            let start = self.copy.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver_err("cuEventRecord"))?;
+            for stream in std::iter::once(&self.stream).chain(after.iter().copied()) {
+                let before = stream.record_event(None).map_err(driver_err("cuEventRecord"))?;
+                copy.wait(&before).map_err(driver_err("cuStreamWaitEvent"))?;
+            }
+            let start = copy.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver_err("cuEventRecord"))?;
             queue(&jobs)?;
-            self.copy.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver_err("cuEventRecord")).map(|end| (start, end))
+            copy.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver_err("cuEventRecord")).map(|end| (start, end))
         })();
         match queued {
             Ok(events) => Ok(CudaCopies { queued: Some(events), finished: Duration::ZERO, _jobs: Some(jobs) }),
             Err(e) => {
-                let _ = self.copy.synchronize();
+                let _ = copy.synchronize();
                 Err(e)
             }
         }
+    }
+
+    /// Checks a batch to start on a copy stream and answers its payloads' device addresses, or
+    /// `None` when it goes the synchronous way: empty, or a payload outside registered memory.
+    fn started_batch(
+        &self,
+        kv: &CudaKv,
+        blocks: &[u32],
+        payloads: impl ExactSizeIterator<Item = (usize, usize)> + Clone,
+    ) -> Result<Option<Vec<u64>>, KernelError> {
+        Self::check_batch(kv, blocks, payloads.clone().map(|(_, len)| len), payloads.len())?;
+        if blocks.is_empty() {
+            return Ok(None);
+        }
+        Ok(self.mapped_addresses(payloads.map(|(ptr, _)| ptr), kv.layout.payload_bytes()))
     }
 
     /// A scatter's target blocks must be distinct (two payloads into one page race).
@@ -1129,19 +1167,12 @@ impl Backend for CudaBackend {
         blocks: &[u32],
         out: &mut [&mut [u8]],
     ) -> Result<CudaCopies, KernelError> {
-        Self::check_batch(kv, blocks, out.iter().map(|p| p.len()), out.len())?;
-        if blocks.is_empty() {
-            return Ok(CudaCopies::finished(Duration::ZERO));
-        }
-        let payload = kv.layout.payload_bytes();
-        let Some(addrs) = self.mapped_addresses(out.iter().map(|p| p.as_ptr() as usize), payload) else {
-            let started = Instant::now();
-            self.kv_gather(kv, blocks, out)?;
-            return Ok(CudaCopies::finished(started.elapsed()));
+        let Some(addrs) = self.started_batch(kv, blocks, out.iter().map(|p| (p.as_ptr() as usize, p.len())))? else {
+            return CudaCopies::timed(|| self.kv_gather(kv, blocks, out));
         };
-        // A started scatter of these pages is ahead of this gather on the same copy stream.
-        self.start_copies(kv, blocks, &addrs, |jobs| {
-            self.launch_pages(&self.copy, true, kv, jobs, 0..kv.layout.layers * 2)
+        // Behind the load stream too: a page is never gathered while a started scatter writes it.
+        self.start_copies(&self.store, &[&self.load], kv, blocks, &addrs, |jobs| {
+            self.launch_pages(&self.store, true, kv, jobs, 0..kv.layout.layers * 2)
         })
     }
 
@@ -1151,27 +1182,25 @@ impl Backend for CudaBackend {
         blocks: &[u32],
         payloads: &[&[u8]],
     ) -> Result<CudaCopies, KernelError> {
-        Self::check_batch(kv, blocks, payloads.iter().map(|p| p.len()), payloads.len())?;
-        if blocks.is_empty() {
-            return Ok(CudaCopies::finished(Duration::ZERO));
-        }
-        let payload = kv.layout.payload_bytes();
-        let Some(addrs) = self.mapped_addresses(payloads.iter().map(|p| p.as_ptr() as usize), payload) else {
-            let started = Instant::now();
-            self.kv_scatter(kv, blocks, payloads)?;
-            return Ok(CudaCopies::finished(started.elapsed()));
+        let at = payloads.iter().map(|p| (p.as_ptr() as usize, p.len()));
+        let Some(addrs) = self.started_batch(kv, blocks, at)? else {
+            return CudaCopies::timed(|| self.kv_scatter(kv, blocks, payloads));
         };
         Self::check_distinct(blocks)?;
-        let mut layer_ends = Vec::with_capacity(kv.layout.layers);
-        let copies = self.start_copies(kv, blocks, &addrs, |jobs| {
-            for layer in 0..kv.layout.layers {
-                self.launch_pages(&self.copy, false, kv, jobs, 2 * layer..2 * layer + 2)?;
-                layer_ends.push(self.copy.record_event(None).map_err(driver_err("cuEventRecord"))?);
+        // Enough layers per launch that one launch has SCATTER_LAUNCH_CTAS pages to copy.
+        let layers = kv.layout.layers;
+        let per_launch = SCATTER_LAUNCH_CTAS.div_ceil(2 * blocks.len()).clamp(1, layers);
+        let mut ends = Vec::with_capacity(layers.div_ceil(per_launch));
+        let copies = self.start_copies(&self.load, &[], kv, blocks, &addrs, |jobs| {
+            for first in (0..layers).step_by(per_launch) {
+                let last = (first + per_launch).min(layers);
+                self.launch_pages(&self.load, false, kv, jobs, 2 * first..2 * last)?;
+                ends.push(Arc::new(self.load.record_event(None).map_err(driver_err("cuEventRecord"))?));
             }
             Ok(())
         })?;
-        for (slot, end) in kv.loading.iter_mut().zip(layer_ends) {
-            *slot = Some(end);
+        for (layer, slot) in kv.loading.iter_mut().enumerate() {
+            *slot = Some(ends[layer / per_launch].clone());
         }
         Ok(copies)
     }
@@ -1183,10 +1212,11 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn copies_wait(&self, mut copies: CudaCopies) -> Result<Duration, KernelError> {
-        match copies.queued.take() {
+    fn copies_wait(&self, copies: CudaCopies) -> Result<Duration, KernelError> {
+        // The events stay in `copies` until this returns, so on an error its drop still waits.
+        match &copies.queued {
             Some((start, end)) => {
-                let ms = start.elapsed_ms(&end).map_err(driver_err("cuEventElapsedTime"))?;
+                let ms = start.elapsed_ms(end).map_err(driver_err("cuEventElapsedTime"))?;
                 Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
             }
             None => Ok(copies.finished),
