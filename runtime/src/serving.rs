@@ -122,6 +122,7 @@ impl Serving {
                     EngineDevice::Cuda(info) => {
                         let backend = CudaBackend::new(info.ordinal)
                             .with_context(|| format!("opening {info} for the first worker"))?;
+                        tracing::info!(device = %info, attention = %backend.attention_kernel(), "CUDA engine");
                         let registration = match &g2_pool {
                             // SAFETY: the pool's mapping lives in the node's tiers, which outlive the
                             // registration: `Serving` declares it first and so drops it first.

@@ -122,6 +122,8 @@ pub struct PrefillRow {
 pub struct GpuCheckReport {
     /// The device.
     pub device: DeviceInfo,
+    /// Which attention kernel serves ([`CudaBackend::attention_kernel`]).
+    pub attention: String,
     /// Kernel comparisons.
     pub kernels: Vec<KernelCheck>,
     /// Copy-path bandwidths.
@@ -142,6 +144,7 @@ impl GpuCheckReport {
 impl fmt::Display for GpuCheckReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "device: {}", self.device)?;
+        writeln!(f, "attention: {}", self.attention)?;
         writeln!(f)?;
         writeln!(f, "{:<44} {:>12} {:>12} {:>10}  result", "kernel (CUDA vs CPU)", "max abs", "max rel", "tolerance")?;
         for k in &self.kernels {
@@ -223,7 +226,14 @@ pub fn gpu_check(opts: &GpuCheckOptions<'_>) -> Result<GpuCheckReport, KernelErr
             })
             .collect(),
     };
-    Ok(GpuCheckReport { device: cuda.device().clone(), kernels, bandwidth, bandwidth_error, prefill })
+    Ok(GpuCheckReport {
+        device: cuda.device().clone(),
+        attention: cuda.attention_kernel(),
+        kernels,
+        bandwidth,
+        bandwidth_error,
+        prefill,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,6 +545,7 @@ fn permutation(rng: &mut SeededRng, n: usize) -> Vec<u32> {
 /// (registered-host gather/scatter, argmax, f32 → bf16).
 pub fn kernel_checks(cuda: &CudaBackend, cpu: &CpuBackend, seed: u64) -> Vec<KernelCheck> {
     let mut out = compare_backends(cuda, cpu, seed);
+    out.extend(attention_checks(cuda, cpu, seed));
     let mut rng = SeededRng::new(seed ^ 0xc0da);
     let layout = PagedLayout { layers: 3, block_tokens: 16, kv_heads: 2, head_dim: 64, elem_bytes: 4 };
     let blocks = 12;
@@ -605,6 +616,30 @@ pub fn compare_backends<T: Backend, R: Backend>(cuda: &T, cpu: &R, seed: u64) ->
         r.kv_write_pages(layout, blocks, &k, &v, &slots)
     }));
 
+    let layout = PagedLayout { layers: 3, block_tokens: 16, kv_heads: 2, head_dim: 64, elem_bytes: 4 };
+    let blocks = 12;
+    let row = layout.kv_heads * layout.head_dim;
+    let n_slots = blocks * layout.block_tokens;
+    let (k, v) = (random_bf16(&mut rng, n_slots * row, 2.0), random_bf16(&mut rng, n_slots * row, 2.0));
+    let gather: Vec<u32> = permutation(&mut rng, blocks)[..7].to_vec();
+    let scatter: Vec<u32> = permutation(&mut rng, blocks)[..7].to_vec();
+    out.push(compare_case("kv gather+scatter 7 blocks (bounce path)", 0.0, cuda, cpu, |r| {
+        r.gather_scatter(layout, blocks, &k, &v, &gather, &scatter)
+    }));
+    out
+}
+
+/// The attention cases (prefill, prefill after a resident prefix, decode; grouped and not; pages
+/// in random order) of `test` against `reference`, named with `label`.
+pub fn attention_cases<T: Backend, R: Backend>(
+    test: &T,
+    reference: &R,
+    seed: u64,
+    tolerance: f64,
+    label: &str,
+) -> Vec<KernelCheck> {
+    let mut rng = SeededRng::new(seed ^ 0xa77e);
+    let mut out = Vec::new();
     for (heads, kv_heads, head_dim, ctx, chunk) in
         [(8, 2, 128, 200usize, 50usize), (8, 2, 128, 200, 1), (4, 4, 64, 77, 77), (32, 8, 128, 1000, 3)]
     {
@@ -625,27 +660,31 @@ pub fn compare_backends<T: Backend, R: Backend>(cuda: &T, cpu: &R, seed: u64) ->
         } else if chunk == ctx {
             "prefill"
         } else {
-            "prefill with resident prefix"
+            "prefill after prefix"
         };
         out.push(compare_case(
-            &format!("attention {what} {chunk}/{ctx} h{heads}/{kv_heads}x{head_dim}"),
-            TOL_REDUCE,
-            cuda,
-            cpu,
+            &format!("attention {what} {chunk}/{ctx} h{heads}/{kv_heads}x{head_dim} [{label}]"),
+            tolerance,
+            test,
+            reference,
             |r| r.attention(layout, blocks, spec, &k, &v, &table, &q, &pos),
         ));
     }
 
-    let layout = PagedLayout { layers: 3, block_tokens: 16, kv_heads: 2, head_dim: 64, elem_bytes: 4 };
-    let blocks = 12;
-    let row = layout.kv_heads * layout.head_dim;
-    let n_slots = blocks * layout.block_tokens;
-    let (k, v) = (random_bf16(&mut rng, n_slots * row, 2.0), random_bf16(&mut rng, n_slots * row, 2.0));
-    let gather: Vec<u32> = permutation(&mut rng, blocks)[..7].to_vec();
-    let scatter: Vec<u32> = permutation(&mut rng, blocks)[..7].to_vec();
-    out.push(compare_case("kv gather+scatter 7 blocks (bounce path)", 0.0, cuda, cpu, |r| {
-        r.gather_scatter(layout, blocks, &k, &v, &gather, &scatter)
-    }));
+    out
+}
+
+/// The attention cases on the kernel that serves: the tensor-core one (bf16 Q and P, so a bf16
+/// tolerance) where it passed its start-up check, and then the fp32 one (which serves other head
+/// dims) with the reduction tolerance.
+fn attention_checks(cuda: &CudaBackend, cpu: &CpuBackend, seed: u64) -> Vec<KernelCheck> {
+    if cuda.set_mma_attention(true).is_err() {
+        return attention_cases(cuda, cpu, seed, TOL_REDUCE, "fp32");
+    }
+    let mut out = attention_cases(cuda, cpu, seed, TOL_BF16, "mma");
+    let _ = cuda.set_mma_attention(false);
+    out.extend(attention_cases(cuda, cpu, seed, TOL_REDUCE, "fp32"));
+    let _ = cuda.set_mma_attention(true);
     out
 }
 
@@ -1067,7 +1106,8 @@ mod tests {
     #[test]
     fn every_case_runs_and_agrees_cpu_against_cpu() {
         let cpu = CpuBackend::new(2);
-        let checks = compare_backends(&cpu, &cpu, 7);
+        let mut checks = compare_backends(&cpu, &cpu, 7);
+        checks.extend(attention_cases(&cpu, &cpu, 7, 0.0, "cpu"));
         assert!(checks.len() >= 14);
         for c in &checks {
             assert!(c.error.is_none(), "{}: {:?}", c.name, c.error);

@@ -19,6 +19,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
     ("norm_rope.cu", include_str!("../../cuda/norm_rope.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
+    ("attention_mma.cu", include_str!("../../cuda/attention_mma.cu")),
     ("kv_copy.cu", include_str!("../../cuda/kv_copy.cu")),
     ("sampling.cu", include_str!("../../cuda/sampling.cu")),
 ];

@@ -10,6 +10,12 @@
 //!   architecture (`sm_XY`) once per process ([`loader::compiled_sources`]).
 //! - `matmul` is `cublasGemmEx` with bf16 inputs and f32 accumulation and output; the activation is
 //!   converted to bf16 in a scratch buffer first.
+//! - Attention runs on the tensor cores (`attention_mma.cu`: bf16 Q and softmax weights, f32
+//!   accumulation, FlashAttention-2's tiling) for head dims 64 and 128 on sm_80 and later, once a
+//!   start-up check has found it within bf16 rounding of the fp32 kernel (`attention.cu`) on this
+//!   device; otherwise, and for other head dims, the fp32 kernel serves.
+//!   [`CudaBackend::attention_kernel`] says which and why; `DYNAMO_CUDA_ATTENTION=fp32` keeps the
+//!   tensor-core kernel off.
 //! - Every call is queued on the backend's compute stream; `download` and the gather/scatter calls
 //!   wait for it, so results are visible to the host when they return.
 //! - Gathers and scatters started with `kv_gather_start` / `kv_scatter_start` run on streams of
@@ -44,6 +50,7 @@ pub mod check;
 pub mod loader;
 
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -64,6 +71,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "rmsnorm_f32",
     "rope_f32",
     "attention_paged",
+    "attention_mma_d64",
+    "attention_mma_d128",
     "kv_write_bf16",
     "kv_gather_pages",
     "kv_scatter_pages",
@@ -154,6 +163,8 @@ struct Kernels {
     rmsnorm: CudaFunction,
     rope: CudaFunction,
     attention: CudaFunction,
+    /// `attention_mma_d64`, `attention_mma_d128`.
+    attention_mma: [CudaFunction; 2],
     kv_write: CudaFunction,
     gather: CudaFunction,
     scatter: CudaFunction,
@@ -184,6 +195,10 @@ impl Kernels {
             rmsnorm: get("norm_rope.cu", "rmsnorm_f32")?,
             rope: get("norm_rope.cu", "rope_f32")?,
             attention: get("attention.cu", "attention_paged")?,
+            attention_mma: [
+                get("attention_mma.cu", "attention_mma_d64")?,
+                get("attention_mma.cu", "attention_mma_d128")?,
+            ],
             kv_write: get("kv_copy.cu", "kv_write_bf16")?,
             gather: get("kv_copy.cu", "kv_gather_pages")?,
             scatter: get("kv_copy.cu", "kv_scatter_pages")?,
@@ -308,6 +323,13 @@ struct Staging {
     host: Option<PinnedBuf>,
 }
 
+/// How far (scaled, as [`check::difference`]) the tensor-core attention may be from the fp32
+/// kernel in its start-up check.
+const MMA_CHECK_TOLERANCE: f64 = 1.0 / 32.0;
+
+/// The environment variable that, set to `fp32`, keeps the tensor-core attention off.
+pub const MMA_ATTENTION_ENV: &str = "DYNAMO_CUDA_ATTENTION";
+
 /// Largest bounce-path batch in bytes; bigger batches are moved in several rounds.
 const STAGING_BYTES: usize = 256 << 20;
 
@@ -369,6 +391,10 @@ pub struct CudaBackend {
     blas: CudaBlas,
     kernels: Kernels,
     max_smem_optin: usize,
+    /// Whether `attention` runs on the tensor cores (see [`CudaBackend::attention_kernel`]).
+    mma_attention: std::sync::atomic::AtomicBool,
+    /// Why the tensor-core attention is off, when it is.
+    mma_off: Option<String>,
     /// bf16 copy of the GEMM's activation.
     x_bf16: Mutex<Option<CudaSlice<u16>>>,
     staging: Mutex<Staging>,
@@ -419,7 +445,7 @@ impl CudaBackend {
                     cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
                 )
                 .map_err(driver_err("cuDeviceGetAttribute"))? as usize;
-            Ok(Self {
+            let mut backend = Self {
                 info,
                 ctx,
                 stream,
@@ -428,11 +454,95 @@ impl CudaBackend {
                 blas,
                 kernels,
                 max_smem_optin,
+                mma_attention: std::sync::atomic::AtomicBool::new(false),
+                mma_off: None,
                 x_bf16: Mutex::new(None),
                 staging: Mutex::new(Staging::default()),
                 regions: Arc::new(Mutex::new(Vec::new())),
-            })
+            };
+            backend.mma_off = backend.enable_mma_attention().map_err(|e| KernelError::Cuda {
+                op: "attention self-check",
+                detail: format!("{e} ({MMA_ATTENTION_ENV}=fp32 skips the tensor-core attention and its check)"),
+            })?;
+            Ok(backend)
         })
+    }
+
+    /// Which attention kernel runs, and why the tensor-core one does not when it does not.
+    pub fn attention_kernel(&self) -> String {
+        match &self.mma_off {
+            None if self.mma_attention.load(Ordering::Relaxed) => {
+                "tensor cores (mma.sync bf16) for head_dim 64 and 128, fp32 otherwise".into()
+            }
+            None => "fp32 (the tensor-core kernel is switched off)".into(),
+            Some(why) => format!("fp32 (the tensor-core kernel is off: {why})"),
+        }
+    }
+
+    /// Switches the tensor-core attention on or off (gpu-check compares both kernels); it cannot be
+    /// switched on where its start-up check kept it off.
+    pub fn set_mma_attention(&self, on: bool) -> Result<(), String> {
+        if let (true, Some(why)) = (on, &self.mma_off) {
+            return Err(why.clone());
+        }
+        self.mma_attention.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Turns the tensor-core attention on once it has matched the fp32 kernel on this device for
+    /// both head dims it serves: nothing serves from it before. `Ok(Some(why))` when it stays off;
+    /// an error when the device failed the check itself.
+    fn enable_mma_attention(&self) -> Result<Option<String>, KernelError> {
+        if std::env::var(MMA_ATTENTION_ENV).is_ok_and(|v| v == "fp32") {
+            return Ok(Some(format!("{MMA_ATTENTION_ENV}=fp32")));
+        }
+        if self.info.compute_capability.0 < 8 {
+            return Ok(Some(format!("{} has no bf16 mma.sync (sm_80 and later)", self.info.arch())));
+        }
+        for head_dim in [64, 128] {
+            let rel = self.attention_agreement(head_dim)?;
+            // A layout or masking error is off by O(1); bf16 Q and P by about 1e-3.
+            if rel.is_nan() || rel > MMA_CHECK_TOLERANCE {
+                return Ok(Some(format!(
+                    "head_dim {head_dim}: it differs from the fp32 kernel by {rel:.2e} (scaled), over {MMA_CHECK_TOLERANCE}"
+                )));
+            }
+        }
+        self.mma_attention.store(true, Ordering::Relaxed);
+        Ok(None)
+    }
+
+    /// The largest scaled difference between the tensor-core and the fp32 attention kernels on a
+    /// seeded case of `head_dim`: 37 query rows after a 113-token prefix, 8 heads over 2 KV heads,
+    /// pages in reverse order, three key tiles of which the last is partial.
+    fn attention_agreement(&self, head_dim: usize) -> Result<f64, KernelError> {
+        let (ctx, rows, b) = (150usize, 37usize, 16usize);
+        let spec = AttentionSpec { heads: 8, kv_heads: 2, head_dim, block_tokens: b };
+        let layout = PagedLayout { layers: 1, block_tokens: b, kv_heads: 2, head_dim, elem_bytes: 2 };
+        let blocks = ctx.div_ceil(b) + 3;
+        let table: Vec<u32> = (0..blocks as u32).rev().collect();
+        let slots: Vec<u32> = (0..ctx).map(|p| table[p / b] * b as u32 + (p % b) as u32).collect();
+        let mut rng = crate::sampling::SeededRng::new(0x5e1f ^ head_dim as u64);
+        let mut random = |n: usize, scale: f32| -> Vec<f32> {
+            (0..n).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32 * scale).collect()
+        };
+        let mut kv = self.kv_pool(layout, blocks)?;
+        let (k, v) = (self.upload(&random(ctx * 2 * head_dim, 2.0))?, self.upload(&random(ctx * 2 * head_dim, 2.0))?);
+        self.kv_write(&mut kv, 0, &k, &v, &slots)?;
+        let q = self.upload(&random(rows * spec.heads * head_dim, 2.0))?;
+        let positions: Vec<u32> = ((ctx - rows) as u32..ctx as u32).collect();
+        let mut outs = Vec::new();
+        for mma in [false, true] {
+            self.mma_attention.store(mma, Ordering::Relaxed);
+            let mut out = self.upload(&vec![f32::NAN; rows * spec.heads * head_dim])?;
+            let ran = self.attention(&q, &kv, 0, spec, &table, &positions, &mut out);
+            self.mma_attention.store(false, Ordering::Relaxed);
+            ran?;
+            let mut host = vec![0.0; rows * spec.heads * head_dim];
+            self.download(&out, &mut host)?;
+            outs.push(host);
+        }
+        Ok(check::difference(&outs[1], &outs[0]).1)
     }
 
     /// The device.
@@ -500,6 +610,34 @@ impl CudaBackend {
         let region = Region { host: ptr as usize, len, device };
         self.regions.lock().unwrap_or_else(|e| e.into_inner()).push(region);
         Ok(HostRegistration { ctx: self.ctx.clone(), region, users: Mutex::new(vec![self.regions.clone()]) })
+    }
+
+    /// The launch of `attention_paged` over `n_qv` query vectors: 16 per block of 4 warps, keys in
+    /// tiles of 32, the shared memory opted into where it exceeds 48 KiB.
+    fn fp32_attention_config(&self, n_qv: usize, spec: AttentionSpec) -> Result<LaunchConfig, KernelError> {
+        const QV_PER_CTA: usize = 16;
+        const KT: usize = 32;
+        let smem = ((2 * KT * (spec.head_dim + 1) + QV_PER_CTA * spec.head_dim) * 4) as u32;
+        if smem as usize > 48 * 1024 {
+            if smem as usize > self.max_smem_optin {
+                return Err(KernelError::shape(
+                    "attention",
+                    format!("head_dim {} needs {smem} B of shared memory", spec.head_dim),
+                ));
+            }
+            self.kernels
+                .attention
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(driver_err("cuFuncSetAttribute"))?;
+        }
+        Ok(LaunchConfig {
+            grid_dim: (n_qv.div_ceil(QV_PER_CTA) as u32, spec.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem,
+        })
     }
 
     /// Device addresses of `payloads` (each `len` bytes) when every one lies in a registered region.
@@ -1010,8 +1148,6 @@ impl Backend for CudaBackend {
         positions: &[u32],
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        const QV_PER_CTA: usize = 16;
-        const KT: usize = 32;
         let l = kv.layout;
         if layer >= l.layers {
             return Err(KernelError::index("attention", format!("layer {layer} of {}", l.layers)));
@@ -1044,36 +1180,32 @@ impl Backend for CudaBackend {
         if let Some(&b) = block_table[..need_blocks].iter().find(|&&b| b as usize >= kv.num_blocks) {
             return Err(KernelError::index("attention", format!("block {b} outside a pool of {}", kv.num_blocks)));
         }
-        let smem = ((2 * KT * (spec.head_dim + 1) + QV_PER_CTA * spec.head_dim) * 4) as u32;
-        if smem as usize > 48 * 1024 {
-            if smem as usize > self.max_smem_optin {
-                return Err(KernelError::shape(
-                    "attention",
-                    format!("head_dim {} needs {smem} B of shared memory", spec.head_dim),
-                ));
+        let group = spec.heads / spec.kv_heads;
+        let mma = match spec.head_dim {
+            64 if self.mma_attention.load(Ordering::Relaxed) => Some(&self.kernels.attention_mma[0]),
+            128 if self.mma_attention.load(Ordering::Relaxed) => Some(&self.kernels.attention_mma[1]),
+            _ => None,
+        };
+        let (func, cfg, name) = match mma {
+            // 64 query vectors (4 warps of 16) per block, static shared memory.
+            Some(func) => {
+                let ctas_x = (rows * group).div_ceil(64) as u32;
+                let cfg = LaunchConfig {
+                    grid_dim: (ctas_x, spec.kv_heads as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (func, cfg, "attention_mma")
             }
-            self.kernels
-                .attention
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .map_err(driver_err("cuFuncSetAttribute"))?;
-        }
+            None => (&self.kernels.attention, self.fp32_attention_config(rows * group, spec)?, "attention_paged"),
+        };
         self.wait_loaded(kv, layer)?;
         let d_table = self.upload_u32("attention", &block_table[..need_blocks])?;
         let d_pos = self.upload_u32("attention", positions)?;
-        let group = spec.heads / spec.kv_heads;
-        let ctas_x = (rows * group).div_ceil(QV_PER_CTA) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (ctas_x, spec.kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: smem,
-        };
         let scale = 1.0 / (spec.head_dim as f32).sqrt();
         let (r, h, kvh, hd, bt) =
             (rows as i32, spec.heads as i32, spec.kv_heads as i32, spec.head_dim as i32, spec.block_tokens as i32);
-        let mut b = self.stream.launch_builder(&self.kernels.attention);
+        let mut b = self.stream.launch_builder(func);
         b.arg(q)
             .arg(&kv.k[layer])
             .arg(&kv.v[layer])
@@ -1086,11 +1218,12 @@ impl Backend for CudaBackend {
             .arg(&hd)
             .arg(&bt)
             .arg(&scale);
-        // SAFETY: attention_paged(const float*, const bf16*, const bf16*, const unsigned*,
-        // const unsigned*, float*, int × 5, float): q and out hold rows × heads × head_dim, the table
-        // covers every position up to the largest with in-range block ids (checked), head_dim ≤ 256
-        // and the dynamic shared memory matches the kernel's layout.
-        unsafe { b.launch(cfg) }.map_err(driver_err("attention_paged"))?;
+        // SAFETY: attention_paged and attention_mma_d{64,128} take (const float*, const bf16*,
+        // const bf16*, const unsigned*, const unsigned*, float*, int × 5, float): q and out hold
+        // rows × heads × head_dim, the table covers every position up to the largest with in-range
+        // block ids (checked), head_dim ≤ 256 (and is the mma entry point's own), and the dynamic
+        // shared memory matches the kernel's layout (none for the mma kernels).
+        unsafe { b.launch(cfg) }.map_err(driver_err(name))?;
         Ok(())
     }
 
