@@ -1,8 +1,8 @@
 //! Finding the CUDA libraries and compiling the kernel sources with NVRTC.
 //!
 //! `cudarc` loads its libraries lazily by bare name and panics when one is missing, so every entry
-//! point of the CUDA backend first calls [`require_libraries`]: it `dlopen`s each library (`RTLD_NOW`)
-//! and turns absence into [`KernelError::CudaUnavailable`]. A library that is not on the loader's
+//! point of the CUDA backend first calls `require_library` for each library it needs: it
+//! `dlopen`s it (`RTLD_NOW`) and turns absence into [`KernelError::CudaUnavailable`]. A library that is not on the loader's
 //! search path but sits in a known directory (`DYNAMO_CUDA_LIB_DIR`, `DYNAMO_NVRTC_LIB_DIR`,
 //! `$CUDA_HOME/lib64`, `/usr/local/cuda/lib64`, a Python wheel's `nvidia/cu13/lib`) is loaded by full
 //! path with `RTLD_GLOBAL` and kept loaded: the dynamic loader then satisfies cudarc's later
