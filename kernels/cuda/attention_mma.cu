@@ -6,7 +6,10 @@
 // Work split: a thread block owns MMA_QV query vectors of one KV head (vector index
 // qi = r * group + g, as in attention_paged), one warp per 16 of them. Keys and values go through
 // shared memory in tiles of MMA_KEYS, row-major [key][dim] with rows padded to STRIDE elements
-// (16-byte aligned rows; the fragment reads below fall in distinct banks). Per tile, each warp:
+// (16-byte aligned rows; the fragment reads below fall in distinct banks), two tiles in flight:
+// the next tile's cp.async copies run while the warps compute on this one. Dynamic shared memory
+// of mma_smem_bytes(D) (69,632 bytes at D = 128, so the host opts in above 48 KiB). Per tile,
+// each warp:
 // 1. S = Q Kᵀ (16 × 64) with Q's fragments held in registers for the whole kernel;
 // 2. masks keys past each row's position, updates the row's running max and sum (online
 //    softmax, in log2 units: Q is pre-scaled by scale · log2 e) and rescales its output;
@@ -29,6 +32,9 @@
 #define MMA_QV (MMA_WARPS * 16)
 #define MMA_KEYS 64
 #define LOG2E 1.4426950408889634f
+
+// Two buffers of one K and one V tile: 2 · 2 · MMA_KEYS · (D + 8) bf16.
+extern __shared__ __align__(16) bf16_t mma_smem[];
 
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
@@ -62,6 +68,59 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16_t* row
 #endif
 }
 
+// 16 bytes from global to shared memory without passing through registers (completes at a
+// cp.async.wait_group).
+__device__ __forceinline__ void cp_async16(bf16_t* dst, const bf16_t* src) {
+#if __CUDA_ARCH__ >= 800
+    unsigned addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(addr) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src) : "memory");
+#else
+    asm volatile("trap;");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Starts copying the tile of keys k0 .. k0 + MMA_KEYS of KV head kvh into ks / vs (row pitch
+// STRIDE); keys from n_keys on are zero-filled with plain stores.
+template <int D>
+__device__ __forceinline__ void load_tile(bf16_t* ks, bf16_t* vs, const bf16_t* __restrict__ k_pages,
+                                          const bf16_t* __restrict__ v_pages,
+                                          const unsigned int* __restrict__ block_table, unsigned int k0,
+                                          unsigned int n_keys, int block_tokens, int row_elems, int kvh) {
+    constexpr int STRIDE = D + 8;
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per key row
+    for (int c = threadIdx.x; c < MMA_KEYS * CHUNKS; c += blockDim.x) {
+        const int j = c / CHUNKS;
+        const int d = (c % CHUNKS) * 8;
+        const unsigned int p = k0 + j;
+        bf16_t* kd = ks + j * STRIDE + d;
+        bf16_t* vd = vs + j * STRIDE + d;
+        if (p < n_keys) {
+            const unsigned int blk = block_table[p / block_tokens];
+            const size_t at = ((size_t)blk * block_tokens + p % block_tokens) * row_elems + (size_t)kvh * D + d;
+            cp_async16(kd, k_pages + at);
+            cp_async16(vd, v_pages + at);
+        } else {
+            *(uint4*)kd = make_uint4(0u, 0u, 0u, 0u);
+            *(uint4*)vd = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
 // Elements d and d+1 of a query vector, scaled, as one bf16 pair (zero for a missing vector).
 __device__ __forceinline__ unsigned q_pair(const float* qv, int d, float s) {
     return qv ? pack_bf16x2(qv[d] * s, qv[d + 1] * s) : 0u;
@@ -77,9 +136,7 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
     constexpr int KSTEPS = D / 16;       // k-steps of S over the head dim
     constexpr int DTILES = D / 8;        // n-tiles of O over the head dim
     constexpr int NTILES = MMA_KEYS / 8; // n-tiles of S over the tile's keys
-    constexpr int CHUNKS = D / 8;        // 16-byte chunks per key row
-    __shared__ __align__(16) bf16_t ks[MMA_KEYS * STRIDE];
-    __shared__ __align__(16) bf16_t vs[MMA_KEYS * STRIDE];
+    constexpr int TILE = MMA_KEYS * STRIDE;
     __shared__ unsigned int max_pos_s;
 
     const int group = heads / kv_heads;
@@ -133,25 +190,25 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
     float m[2] = {NEG_INF, NEG_INF};
     float l[2] = {0.0f, 0.0f};
 
-    for (unsigned int k0 = 0; k0 < n_keys; k0 += MMA_KEYS) {
-        __syncthreads();  // the previous tile is no longer read
-        for (int c = threadIdx.x; c < MMA_KEYS * CHUNKS; c += blockDim.x) {
-            const int j = c / CHUNKS;
-            const int d = (c % CHUNKS) * 8;
-            const unsigned int p = k0 + j;
-            uint4 kk = make_uint4(0u, 0u, 0u, 0u);
-            uint4 vv = kk;
-            if (p < n_keys) {
-                const unsigned int blk = block_table[p / block_tokens];
-                const size_t at =
-                    ((size_t)blk * block_tokens + p % block_tokens) * row_elems + (size_t)kvh * D + d;
-                kk = *(const uint4*)(k_pages + at);
-                vv = *(const uint4*)(v_pages + at);
-            }
-            *(uint4*)(ks + j * STRIDE + d) = kk;
-            *(uint4*)(vs + j * STRIDE + d) = vv;
+    // Buffer b holds K at mma_smem + 2 b TILE and V right after it.
+    const unsigned int n_tiles = (n_keys + MMA_KEYS - 1) / MMA_KEYS;
+    load_tile<D>(mma_smem, mma_smem + TILE, k_pages, v_pages, block_table, 0, n_keys, block_tokens, row_elems, kvh);
+    cp_async_commit();
+    for (unsigned int it = 0; it < n_tiles; ++it) {
+        const unsigned int k0 = it * MMA_KEYS;
+        const bf16_t* ks = mma_smem + 2 * (it & 1) * TILE;
+        const bf16_t* vs = ks + TILE;
+        if (it + 1 < n_tiles) {
+            // The other buffer was last read in iteration it - 1, which ended at a barrier.
+            bf16_t* next = mma_smem + 2 * ((it + 1) & 1) * TILE;
+            load_tile<D>(next, next + TILE, k_pages, v_pages, block_table, k0 + MMA_KEYS, n_keys, block_tokens,
+                         row_elems, kvh);
+            cp_async_commit();
+            cp_async_wait<1>();  // this tile's copies are done, the next tile's may still run
+        } else {
+            cp_async_wait<0>();
         }
-        __syncthreads();
+        __syncthreads();  // every thread's copies (and zero stores) of this tile are visible
 
         // 1. S = Q Kᵀ: B's (rows 2t, 2t+1; col g) are key 8j + g's dims 16s + 2t, +1.
         float sacc[NTILES][4];
@@ -228,6 +285,7 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
                 mma_bf16_16816(o[2 * dp + 1], pa, vb[2], vb[3]);
             }
         }
+        __syncthreads();  // this buffer is no longer read: the next iteration may load into it
     }
 
 #pragma unroll
@@ -244,7 +302,8 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
 }
 
 // The arguments of attention_paged (head_dim must be the entry point's). Grid: x = ceil(rows ·
-// group / MMA_QV), y = kv_heads; MMA_WARPS · 32 threads; static shared memory only.
+// group / MMA_QV), y = kv_heads; MMA_WARPS · 32 threads; 2 · 2 · MMA_KEYS · (head_dim + 8) · 2
+// bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 attention_mma_d64(const float* __restrict__ q, const bf16_t* __restrict__ k_pages, const bf16_t* __restrict__ v_pages,
                   const unsigned int* __restrict__ block_table, const unsigned int* __restrict__ positions,

@@ -327,6 +327,12 @@ struct Staging {
 /// kernel in its start-up check.
 const MMA_CHECK_TOLERANCE: f64 = 1.0 / 32.0;
 
+/// Dynamic shared memory of the tensor-core attention at `head_dim`: two buffers of one K and one V
+/// tile of 64 keys, rows padded by 8 bf16.
+fn mma_smem_bytes(head_dim: usize) -> usize {
+    2 * 2 * 64 * (head_dim + 8) * 2
+}
+
 /// The environment variable that, set to `fp32`, keeps the tensor-core attention off.
 pub const MMA_ATTENTION_ENV: &str = "DYNAMO_CUDA_ATTENTION";
 
@@ -498,6 +504,22 @@ impl CudaBackend {
         }
         if self.info.compute_capability.0 < 8 {
             return Ok(Some(format!("{} has no bf16 mma.sync (sm_80 and later)", self.info.arch())));
+        }
+        for (func, head_dim) in self.kernels.attention_mma.iter().zip([64, 128]) {
+            let bytes = mma_smem_bytes(head_dim);
+            if bytes > self.max_smem_optin {
+                return Ok(Some(format!(
+                    "it needs {bytes} B of shared memory, the device allows {}",
+                    self.max_smem_optin
+                )));
+            }
+            if bytes > 48 * 1024 {
+                func.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(driver_err("cuFuncSetAttribute"))?;
+            }
         }
         for head_dim in [64, 128] {
             let rel = self.attention_agreement(head_dim)?;
@@ -1187,13 +1209,13 @@ impl Backend for CudaBackend {
             _ => None,
         };
         let (func, cfg, name) = match mma {
-            // 64 query vectors (4 warps of 16) per block, static shared memory.
+            // 64 query vectors (4 warps of 16) per block.
             Some(func) => {
                 let ctas_x = (rows * group).div_ceil(64) as u32;
                 let cfg = LaunchConfig {
                     grid_dim: (ctas_x, spec.kv_heads as u32, 1),
                     block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
+                    shared_mem_bytes: mma_smem_bytes(spec.head_dim) as u32,
                 };
                 (func, cfg, "attention_mma")
             }
@@ -1222,7 +1244,7 @@ impl Backend for CudaBackend {
         // const bf16*, const unsigned*, const unsigned*, float*, int × 5, float): q and out hold
         // rows × heads × head_dim, the table covers every position up to the largest with in-range
         // block ids (checked), head_dim ≤ 256 (and is the mma entry point's own), and the dynamic
-        // shared memory matches the kernel's layout (none for the mma kernels).
+        // shared memory matches the kernel's layout (opted into at start for the mma kernels).
         unsafe { b.launch(cfg) }.map_err(driver_err(name))?;
         Ok(())
     }
