@@ -53,15 +53,20 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, unsi
 #endif
 }
 
+// The shared-state-space address of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned shared_addr(const void* p) {
+    unsigned addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(addr) : "l"(p));
+    return addr;
+}
+
 // Four 8 × 8 bf16 matrices from shared memory, transposed: lanes 8m .. 8m+7 give the addresses of
 // matrix m's rows, and lane 4g + t receives (row 2t, col g) and (row 2t+1, col g) of matrix m in r[m].
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16_t* row) {
 #if __CUDA_ARCH__ >= 800
-    unsigned addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(addr) : "l"(row));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
+                 : "r"(shared_addr(row))
                  : "memory");
 #else
     asm volatile("trap;");
@@ -72,9 +77,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16_t* row
 // cp.async.wait_group).
 __device__ __forceinline__ void cp_async16(bf16_t* dst, const bf16_t* src) {
 #if __CUDA_ARCH__ >= 800
-    unsigned addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(addr) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_addr(dst)), "l"(src) : "memory");
 #else
     asm volatile("trap;");
 #endif
