@@ -7,13 +7,19 @@
 #
 # 1. `dynamo-node gpu-check`: every CUDA kernel against the CPU backend, the gather/scatter and
 #    pinned-copy bandwidths, the PyTorch-referenced prefill, and the end-to-end cached-prefix TTFT
-#    table (llama-8b, 32K-token prompt: cold, G1, G2, G3, another worker).
+#    table (llama-8b, 32K-token prompt: cold, G1, G2, G3, another worker, and the overlap of a
+#    G2 load with the prefill of 4K new tokens).
 # 2. The serving node on that device: two workers, G1 sized from device memory, G2 registered with
 #    the device, G3 on disk; turn 1 of a conversation, then turn 2 carrying it. Turn 2 must report
 #    cached tokens; the Prometheus scrape says from which tier they came.
 #
 # `--device cpu` runs step 2 on the CPU (step 1 needs a GPU), so the script itself is tested
 # without one (tests/tests/gpu_check.rs). `--steps` sizes turn 1 (about 8 tokens a step).
+#
+# The tensor-core attention checks itself against the fp32 kernel when a backend opens and stays
+# off when it disagrees. If the device fails that check outright (a CUDA error, which poisons the
+# context), gpu-check cannot start: the script says so and runs everything again with
+# DYNAMO_CUDA_ATTENTION=fp32, so the lent minutes still measure the rest (and exits 1).
 # Exit 0: all passed; 1: a check failed; 3: no usable CUDA device.
 set -uo pipefail
 
@@ -37,12 +43,24 @@ done
 mkdir -p "$out"
 status=0
 
-if [ "$device" = cuda ] && [ "$gpu_check" = 1 ]; then
-    echo "## gpu-check (kernels, bandwidth, prefill, cached-prefix TTFT)"
+gpu_check_run() {
     "$bin" gpu-check --e2e-model llama-8b --e2e-prompt-tokens 32768 --e2e-runs 3 --e2e-dir "$out/e2e" \
         2>&1 | tee "$out/gpu-check.txt"
     rc=${PIPESTATUS[0]}
     rm -rf "$out/e2e"
+}
+
+if [ "$device" = cuda ] && [ "$gpu_check" = 1 ]; then
+    echo "## gpu-check (kernels, bandwidth, prefill, cached-prefix TTFT)"
+    gpu_check_run
+    if [ "$rc" != 0 ] && [ "$rc" != 3 ] && grep -q 'attention self-check' "$out/gpu-check.txt"; then
+        echo "FAIL: the tensor-core attention's start-up check failed on the device (above);"
+        echo "## gpu-check again with DYNAMO_CUDA_ATTENTION=fp32 (and so is the serving node below)"
+        export DYNAMO_CUDA_ATTENTION=fp32
+        mv "$out/gpu-check.txt" "$out/gpu-check-mma-failed.txt"
+        gpu_check_run
+        status=1
+    fi
     case $rc in
         0) ;;
         3) echo "no usable CUDA device: skipped"; exit 3 ;;
