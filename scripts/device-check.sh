@@ -19,7 +19,8 @@
 # The tensor-core attention checks itself against the fp32 kernel when a backend opens and stays
 # off when it disagrees. If the device fails that check outright (a CUDA error, which poisons the
 # context), gpu-check cannot start: the script says so and runs everything again with
-# DYNAMO_CUDA_ATTENTION=fp32, so the lent minutes still measure the rest (and exits 1).
+# DYNAMO_CUDA_ATTENTION=fp32, so the lent minutes still measure the rest (and exits 1). gpu-check
+# gets 8 minutes; if it hangs before its report, the serving node still runs, on the fp32 kernel.
 # Exit 0: all passed; 1: a check failed; 3: no usable CUDA device.
 set -uo pipefail
 
@@ -44,7 +45,8 @@ mkdir -p "$out"
 status=0
 
 gpu_check_run() {
-    "$bin" gpu-check --e2e-model llama-8b --e2e-prompt-tokens 32768 --e2e-runs 3 --e2e-dir "$out/e2e" \
+    # A hung kernel must not spend the lent minutes: 8 minutes is several times a full run.
+    timeout 480 "$bin" gpu-check --e2e-model llama-8b --e2e-prompt-tokens 32768 --e2e-runs 3 --e2e-dir "$out/e2e" \
         2>&1 | tee "$out/gpu-check.txt"
     rc=${PIPESTATUS[0]}
     rm -rf "$out/e2e"
@@ -53,7 +55,11 @@ gpu_check_run() {
 if [ "$device" = cuda ] && [ "$gpu_check" = 1 ]; then
     echo "## gpu-check (kernels, bandwidth, prefill, cached-prefix TTFT)"
     gpu_check_run
-    if [ "$rc" != 0 ] && [ "$rc" != 3 ] && grep -q 'attention self-check' "$out/gpu-check.txt"; then
+    if [ "$rc" = 124 ] && ! grep -q '^attention: ' "$out/gpu-check.txt"; then
+        # No time is left for a second run; the serving node below still runs, on the fp32 kernel.
+        echo "FAIL: gpu-check hung before its report; the tensor-core attention's start-up check is the suspect"
+        export DYNAMO_CUDA_ATTENTION=fp32
+    elif [ "$rc" != 0 ] && [ "$rc" != 3 ] && grep -q 'attention self-check' "$out/gpu-check.txt"; then
         echo "FAIL: the tensor-core attention's start-up check failed on the device (above);"
         echo "## gpu-check again with DYNAMO_CUDA_ATTENTION=fp32 (and so is the serving node below)"
         export DYNAMO_CUDA_ATTENTION=fp32
