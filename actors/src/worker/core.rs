@@ -859,10 +859,11 @@ impl<B: Backend> Worker<B> {
                 return;
             }
             let Copying { copies, blocks, slots } = self.copying.remove(0);
+            let waited = self.model.backend().copies_wait(copies);
             for p in &blocks {
                 self.gathering[p.page as usize] = false;
             }
-            match self.model.backend().copies_wait(copies) {
+            match waited {
                 Ok(elapsed) => self.admit_gathered(blocks, slots, elapsed),
                 Err(e) => {
                     tracing::warn!(error = %e, blocks = blocks.len(), "G1 → G2 gather failed; the blocks stay in G1 only")
