@@ -307,18 +307,14 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
 // The arguments of attention_paged (head_dim must be the entry point's). Grid: x = ceil(rows ·
 // group / MMA_QV), y = kv_heads; MMA_WARPS · 32 threads; 2 · 2 · MMA_KEYS · (head_dim + 8) · 2
 // bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
-attention_mma_d64(const float* __restrict__ q, const bf16_t* __restrict__ k_pages, const bf16_t* __restrict__ v_pages,
-                  const unsigned int* __restrict__ block_table, const unsigned int* __restrict__ positions,
-                  float* __restrict__ out, int rows, int heads, int kv_heads, int head_dim, int block_tokens,
-                  float scale) {
-    attention_mma<64>(q, k_pages, v_pages, block_table, positions, out, rows, heads, kv_heads, block_tokens, scale);
-}
+#define ATTENTION_MMA_ENTRY(D)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_mma_d##D(                               \
+        const float* __restrict__ q, const bf16_t* __restrict__ k_pages, const bf16_t* __restrict__ v_pages,      \
+        const unsigned int* __restrict__ block_table, const unsigned int* __restrict__ positions,                 \
+        float* __restrict__ out, int rows, int heads, int kv_heads, int head_dim, int block_tokens, float scale) { \
+        attention_mma<D>(q, k_pages, v_pages, block_table, positions, out, rows, heads, kv_heads, block_tokens,    \
+                         scale);                                                                                   \
+    }
 
-extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
-attention_mma_d128(const float* __restrict__ q, const bf16_t* __restrict__ k_pages, const bf16_t* __restrict__ v_pages,
-                   const unsigned int* __restrict__ block_table, const unsigned int* __restrict__ positions,
-                   float* __restrict__ out, int rows, int heads, int kv_heads, int head_dim, int block_tokens,
-                   float scale) {
-    attention_mma<128>(q, k_pages, v_pages, block_table, positions, out, rows, heads, kv_heads, block_tokens, scale);
-}
+ATTENTION_MMA_ENTRY(64)
+ATTENTION_MMA_ENTRY(128)
