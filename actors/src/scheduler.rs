@@ -45,6 +45,8 @@ pub struct SchedulerArgs {
     pub policy: RoutingPolicy,
     /// A session ends after this long without a turn.
     pub session_idle_timeout: Duration,
+    /// Sessions tracked at once; a new one past it ends the idlest (`frontend.max_sessions`).
+    pub max_sessions: usize,
     /// Seed of the `random` policy and of temperature sampling.
     pub seed: u64,
     /// What `kv_aware` routing needs; `None` falls back to sessions and load.
@@ -89,6 +91,9 @@ pub enum SubmitError {
     Overloaded {
         /// Workers up.
         workers: usize,
+        /// When a queue slot is expected to free: the estimated engine time per queued request
+        /// of the least busy worker (`None` without a cost model).
+        retry_after: Option<Duration>,
     },
     /// No worker is up (all are restarting).
     #[error("no worker is available right now")]
@@ -151,6 +156,7 @@ pub struct SchedulerStatus {
 struct SessionEntry {
     actor: SessionRef,
     last_worker: Option<usize>,
+    last_turn: Instant,
 }
 
 /// The scheduler's state.
@@ -313,14 +319,44 @@ impl SchedulerState {
                 }
             }
         }
-        Err(SubmitError::Overloaded { workers: order.len() })
+        Err(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
+    }
+
+    /// When a full node is expected to have a queue slot free: the least busy worker's queued
+    /// engine time divided by its queued requests (the cost model's estimate), at least a second.
+    fn retry_after(&self) -> Option<Duration> {
+        let kv = self.args.kv.as_ref()?;
+        let per_request = self
+            .workers
+            .iter()
+            .flatten()
+            .filter(|w| w.load.requests() > 0)
+            .map(|w| {
+                let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
+                let busy = kv.cost.estimate(1, Default::default(), queued).ttft_s
+                    - kv.cost.estimate(1, Default::default(), Queued::default()).ttft_s;
+                busy / w.load.requests() as f64
+            })
+            .min_by(f64::total_cmp)?;
+        Some(Duration::from_secs_f64(per_request.clamp(1.0, 600.0)))
     }
 
     async fn note_turn(&mut self, myself: &SchedulerRef, id: String, worker: usize, prompt_tokens: usize) {
         if let Some(entry) = self.sessions.get_mut(&id) {
             entry.last_worker = Some(worker);
+            entry.last_turn = Instant::now();
             let _ = entry.actor.cast(SessionMsg::Turn { worker, prompt_tokens });
             return;
+        }
+        // At the cap, the idlest conversation is forgotten (its holds expire on their own).
+        while self.sessions.len() >= self.args.max_sessions.max(1) {
+            let Some(idlest) = self.sessions.iter().min_by_key(|(_, e)| e.last_turn).map(|(k, _)| k.clone()) else {
+                break;
+            };
+            if let Some(entry) = self.sessions.remove(&idlest) {
+                self.session_of.remove(&entry.actor.get_id());
+                entry.actor.stop(Some("session cap".into()));
+            }
         }
         // A new conversation: its actor is supervised by the scheduler.
         let args = SessionArgs { id: id.clone(), idle_timeout: self.args.session_idle_timeout };
@@ -333,7 +369,7 @@ impl SchedulerState {
         };
         let _ = actor.cast(SessionMsg::Turn { worker, prompt_tokens });
         self.session_of.insert(actor.get_id(), id.clone());
-        self.sessions.insert(id, SessionEntry { actor, last_worker: Some(worker) });
+        self.sessions.insert(id, SessionEntry { actor, last_worker: Some(worker), last_turn: Instant::now() });
     }
 }
 

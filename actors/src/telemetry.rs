@@ -125,6 +125,16 @@ pub mod names {
     pub const ROUTER_ACTUAL_CACHED_TOKENS: &str = "dynamo_node_router_actual_cached_tokens_total";
     /// Counter.
     pub const ROUTER_MISPREDICTIONS: &str = "dynamo_node_router_mispredictions_total";
+    /// Counter `{stage}`: requests stopped because nobody waited for them any more (the client
+    /// went away, the request timed out, the node shut down): `queued` before they started,
+    /// `prefill` between two prefill passes, `decode` between two tokens.
+    pub const REQUESTS_CANCELLED: &str = "dynamo_node_requests_cancelled_total";
+    /// Gauge: HTTP connections open.
+    pub const HTTP_CONNECTIONS: &str = "dynamo_node_http_connections";
+    /// Counter `{reason}`: HTTP connections closed by the node: `limit` (refused at
+    /// `frontend.max_connections`), `accept_error` (the OS refused, e.g. out of file descriptors),
+    /// `header_timeout` (no complete request head within `frontend.header_timeout`).
+    pub const HTTP_CONNECTIONS_REFUSED: &str = "dynamo_node_http_connections_refused_total";
 
     /// Every histogram: each gets the configured buckets.
     pub const HISTOGRAMS: [&str; 5] = [
@@ -176,6 +186,9 @@ pub const TRANSFER_PATHS: [(Tier, Tier); 6] = [
 pub fn describe() {
     use names::*;
     describe_gauge!(BUILD_INFO, "Build information; always 1.");
+    describe_counter!(REQUESTS_CANCELLED, Unit::Count, "Requests stopped because nobody waited for them, by stage.");
+    describe_gauge!(HTTP_CONNECTIONS, Unit::Count, "HTTP connections open.");
+    describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
     describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
     describe_gauge!(KV_CAPACITY_BLOCKS, Unit::Count, "KV blocks the tier can hold (G1: summed over workers).");
@@ -259,6 +272,28 @@ pub fn register_known_series() {
     gauge!(INDEX_BLOCKS).set(0.0);
     counter!(ROUTER_PREDICTED_CACHED_TOKENS).increment(0);
     counter!(ROUTER_ACTUAL_CACHED_TOKENS).increment(0);
+    for stage in ["queued", "prefill", "decode"] {
+        counter!(REQUESTS_CANCELLED, "stage" => stage).increment(0);
+    }
+    gauge!(HTTP_CONNECTIONS).set(0.0);
+    for reason in ["limit", "accept_error", "header_timeout"] {
+        counter!(HTTP_CONNECTIONS_REFUSED, "reason" => reason).increment(0);
+    }
+}
+
+/// A request was stopped at `stage` (`queued`, `prefill` or `decode`) because nobody waits for it.
+pub fn record_cancelled(stage: &'static str) {
+    counter!(names::REQUESTS_CANCELLED, "stage" => stage).increment(1);
+}
+
+/// HTTP connections open now.
+pub fn set_http_connections(open: usize) {
+    gauge!(names::HTTP_CONNECTIONS).set(open as f64);
+}
+
+/// The node closed an HTTP connection for `reason` (`limit`, `accept_error`, `header_timeout`).
+pub fn record_connection_refused(reason: &'static str) {
+    counter!(names::HTTP_CONNECTIONS_REFUSED, "reason" => reason).increment(1);
 }
 
 /// Records one routing decision's duration.

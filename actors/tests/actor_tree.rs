@@ -72,7 +72,13 @@ async fn node(gate: Arc<Semaphore>, policy: RoutingPolicy) -> (ractor::ActorRef<
         .collect();
     let args = NodeArgs {
         workers,
-        scheduler: SchedulerArgs { policy, session_idle_timeout: Duration::from_secs(60), seed: 1, kv: None },
+        scheduler: SchedulerArgs {
+            policy,
+            session_idle_timeout: Duration::from_secs(60),
+            max_sessions: 1024,
+            seed: 1,
+            kv: None,
+        },
         g2: None,
         g3: None,
     };
@@ -120,7 +126,7 @@ async fn a_full_node_answers_overloaded_at_once_and_serves_everything_it_took() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let refused = submit(&s, request(9), None).await;
-    assert!(matches!(refused, Err(SubmitError::Overloaded { workers: 2 })), "{refused:?}");
+    assert!(matches!(refused, Err(SubmitError::Overloaded { workers: 2, .. })), "{refused:?}");
     gate.add_permits(4);
     for t in taken {
         finish(t).await.expect("served");

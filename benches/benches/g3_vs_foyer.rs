@@ -192,6 +192,7 @@ impl Ours {
         let pool = HostPool::new(HostPoolOptions { slot_bytes: image_bytes, slots, mlock: MlockPolicy::Try })
             .expect("G2 pool");
         let options = G3Options {
+            format_foreign: false,
             paths: vec![dir.join("g3.dat")],
             capacity_per_path: SUPERBLOCK_LEN + (count as u64 + 1) * image_bytes as u64,
             slot_bytes: image_bytes,

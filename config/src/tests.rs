@@ -321,3 +321,34 @@ proptest! {
         prop_assert_eq!(parse(&text).unwrap(), config);
     }
 }
+
+/// What `serve` refuses or ignores, `config check` refuses too, at the key's line.
+#[test]
+fn what_serve_would_refuse_is_refused_with_its_line() {
+    let err = parse("[node]\nlog_level = \"verbose\"\n").unwrap_err();
+    assert_eq!(err.key(), Some("node.log_level"));
+    assert_eq!(err.line(), Some(2));
+    assert!(err.to_string().contains("`verbose` is not a log directive"), "{err}");
+    let err = parse("[node]\nlog_level = \"info,dynamo_tiering=loud\"\n").unwrap_err();
+    assert!(err.to_string().contains("`dynamo_tiering=loud`"), "{err}");
+    for ok in ["info", "WARN", "info,dynamo_tiering=debug", "off", "dynamo_node::frontend=trace, warn"] {
+        parse(&format!("[node]\nlog_level = \"{ok}\"\n")).unwrap_or_else(|e| panic!("{ok}: {e}"));
+    }
+
+    let err = parse("[tiers.g2]\nenabled = false\n\n[tiers.g3]\nenabled = true\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers.g3.enabled"));
+    assert_eq!(err.line(), Some(5));
+    assert!(err.to_string().contains("go through G2"), "{err}");
+    parse("[tiers.g2]\nenabled = false\n\n[tiers.g3]\nenabled = false\n").unwrap();
+
+    let err = parse("[engine]\nworkers = 100000\n").unwrap_err();
+    assert_eq!(err.key(), Some("engine.workers"));
+    assert_eq!(err.line(), Some(2));
+
+    for key in ["header_timeout", "body_timeout"] {
+        let err = parse(&format!("[frontend]\n{key} = \"0s\"\n")).unwrap_err();
+        assert_eq!(err.key(), Some(format!("frontend.{key}").as_str()));
+    }
+    let err = parse("[frontend]\nmax_connections = 0\n").unwrap_err();
+    assert_eq!(err.key(), Some("frontend.max_connections"));
+}

@@ -74,6 +74,31 @@ impl Checks {
     }
 }
 
+/// Most workers a node runs (`engine.workers`).
+const MAX_WORKERS: usize = 1024;
+
+/// Checks `node.log_level` as `tracing`'s env-filter reads it: comma-separated directives, each
+/// a level or `target=level` (a target is a Rust path). Returns the first bad directive.
+fn check_log_level(value: &str) -> Result<(), &str> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    let level_ok = |l: &str| LEVELS.contains(&l.trim().to_ascii_lowercase().as_str());
+    let target_ok = |t: &str| {
+        !t.is_empty()
+            && t.split("::")
+                .all(|part| !part.is_empty() && part.chars().all(|ch| ch.is_alphanumeric() || ch == '_' || ch == '-'))
+    };
+    for directive in value.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let ok = match directive.split_once('=') {
+            Some((target, level)) => target_ok(target.trim()) && level_ok(level),
+            None => level_ok(directive),
+        };
+        if !ok {
+            return Err(directive);
+        }
+    }
+    Ok(())
+}
+
 #[derive(Clone, Copy, Debug)]
 struct BlockSize {
     tokens: usize,
@@ -99,6 +124,14 @@ impl NodeConfig {
         }
         if self.node.log_level.trim().is_empty() {
             c.fail("node.log_level", "must not be empty; e.g. \"info\"");
+        } else if let Err(bad) = check_log_level(&self.node.log_level) {
+            c.fail(
+                "node.log_level",
+                format!(
+                    "`{bad}` is not a log directive; expected a level (trace, debug, info, warn, error, off) or \
+                     `target=level`, comma-separated, e.g. \"info,dynamo_tiering=debug\""
+                ),
+            );
         }
 
         // [model]
@@ -119,6 +152,15 @@ impl NodeConfig {
 
         // [engine]
         c.at_least_one("engine.workers", self.engine.workers);
+        if self.engine.workers > MAX_WORKERS {
+            c.fail(
+                "engine.workers",
+                format!(
+                    "{} is more than {MAX_WORKERS}; each worker is an engine with its own thread and G1 pool",
+                    self.engine.workers
+                ),
+            );
+        }
         c.at_least_one("engine.max_batch_tokens", self.engine.max_batch_tokens);
         c.at_least_one("engine.max_queued_requests", self.engine.max_queued_requests);
 
@@ -157,6 +199,12 @@ impl NodeConfig {
         c.at_least_one("tiers.g2.write_batch_blocks", g2.write_batch_blocks);
 
         let g3 = &self.tiers.g3;
+        if g3.enabled && !g2.enabled {
+            c.fail(
+                "tiers.g3.enabled",
+                "G3 is on but tiers.g2.enabled = false: G3 reads and writes go through G2 slots; enable G2 or disable G3",
+            );
+        }
         if g3.enabled {
             c.holds_a_block("tiers.g3.capacity_per_path", g3.capacity_per_path, block);
         }
@@ -217,6 +265,16 @@ impl NodeConfig {
             c.fail("frontend.request_timeout", "must be longer than 0s");
         }
         c.at_least_one("frontend.default_max_tokens", self.frontend.default_max_tokens);
+        c.at_least_one("frontend.max_sessions", self.frontend.max_sessions);
+        c.at_least_one("frontend.max_connections", self.frontend.max_connections);
+        for (key, d) in [
+            ("frontend.header_timeout", self.frontend.header_timeout),
+            ("frontend.body_timeout", self.frontend.body_timeout),
+        ] {
+            if d.as_duration().is_zero() {
+                c.fail(key, "must be longer than 0s");
+            }
+        }
 
         // [metrics]
         c.socket_addr("metrics.listen", &self.metrics.listen);

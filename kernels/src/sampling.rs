@@ -38,41 +38,108 @@ impl SeededRng {
     }
 }
 
+/// The token ids a sampler may pick: the ids a tokenizer can decode. A model's vocabulary is
+/// often larger than its tokenizer's (padded to a multiple of 64 or 128), and a tokenizer's ids
+/// need not be contiguous (o200k leaves 199,998 and 200,000–200,017 unused); an id outside this
+/// set is never sampled, whatever the logits say.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TokenSet {
+    /// One bit per id below `len`.
+    words: Vec<u64>,
+    len: usize,
+    count: usize,
+}
+
+impl std::fmt::Debug for TokenSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenSet").field("ids_below", &self.len).field("allowed", &self.count).finish()
+    }
+}
+
+impl TokenSet {
+    /// The ids below `len` for which `allowed` holds.
+    pub fn from_fn(len: usize, mut allowed: impl FnMut(u32) -> bool) -> Self {
+        let mut words = vec![0u64; len.div_ceil(64)];
+        let mut count = 0;
+        for id in 0..len {
+            if allowed(id as u32) {
+                words[id / 64] |= 1 << (id % 64);
+                count += 1;
+            }
+        }
+        Self { words, len, count }
+    }
+
+    /// Every id below `len`.
+    pub fn below(len: usize) -> Self {
+        Self::from_fn(len, |_| true)
+    }
+
+    /// Whether `id` may be sampled.
+    #[inline]
+    pub fn contains(&self, id: u32) -> bool {
+        let id = id as usize;
+        id < self.len && self.words[id / 64] & (1 << (id % 64)) != 0
+    }
+
+    /// How many ids may be sampled.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// One more than the largest id that may be sampled (0 when none may).
+    pub fn end(&self) -> usize {
+        self.len
+    }
+}
+
 /// The index of the largest logit (the first one among equals). NaNs are never chosen.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
+    argmax_in(logits, None)
+}
+
+/// [`argmax`] over the ids in `allowed` (all of them when `None`).
+fn argmax_in(logits: &[f32], allowed: Option<&TokenSet>) -> u32 {
+    let mut best = None;
     let mut best_v = f32::NEG_INFINITY;
     for (i, &v) in logits.iter().enumerate() {
-        if v > best_v {
-            best = i;
+        if (v > best_v || best.is_none() && !v.is_nan()) && allowed.is_none_or(|a| a.contains(i as u32)) {
+            best = Some(i);
             best_v = v;
         }
     }
-    best as u32
+    // Only when no id is allowed (or every logit is NaN): the first allowed id, else 0.
+    best.or_else(|| (0..logits.len()).find(|&i| allowed.is_none_or(|a| a.contains(i as u32)))).unwrap_or(0) as u32
 }
 
 /// Picks a token.
 pub fn sample(logits: &[f32], how: Sampling, rng: &mut SeededRng) -> u32 {
-    match how {
-        Sampling::Greedy => argmax(logits),
-        Sampling::Temperature { temperature } if temperature <= 0.0 => argmax(logits),
-        Sampling::Temperature { temperature } => {
-            let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-            let weights: Vec<f64> = logits
-                .iter()
-                .map(|&l| if l.is_nan() { 0.0 } else { (((l - max) / temperature) as f64).exp() })
-                .collect();
-            let total: f64 = weights.iter().sum();
-            let mut target = rng.next_f64() * total;
-            for (i, w) in weights.iter().enumerate() {
-                if target < *w {
-                    return i as u32;
-                }
-                target -= w;
-            }
-            argmax(logits)
+    sample_in(logits, None, how, rng)
+}
+
+/// Picks a token among the ids in `allowed` (all of them when `None`): an id outside it is never
+/// returned while `allowed` holds any id below `logits.len()`.
+pub fn sample_in(logits: &[f32], allowed: Option<&TokenSet>, how: Sampling, rng: &mut SeededRng) -> u32 {
+    let temperature = match how {
+        Sampling::Temperature { temperature } if temperature > 0.0 => temperature,
+        _ => return argmax_in(logits, allowed),
+    };
+    let ok = |i: usize, l: f32| !l.is_nan() && allowed.is_none_or(|a| a.contains(i as u32));
+    let max = logits.iter().enumerate().filter(|&(i, &l)| ok(i, l)).fold(f32::NEG_INFINITY, |m, (_, &l)| m.max(l));
+    let weights: Vec<f64> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| if ok(i, l) { (((l - max) / temperature) as f64).exp() } else { 0.0 })
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut target = rng.next_f64() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if target < *w {
+            return i as u32;
         }
+        target -= w;
     }
+    argmax_in(logits, allowed)
 }
 
 #[cfg(test)]
@@ -100,5 +167,41 @@ mod tests {
         assert!(!d.contains(&2), "a -inf logit is never sampled");
         let mut rng = SeededRng::new(1);
         assert_eq!(sample(&logits, Sampling::Temperature { temperature: 0.0 }, &mut rng), 1);
+    }
+
+    /// A vocabulary with gaps (as o200k's: ids a tokenizer cannot decode) and ids past its end:
+    /// no draw, greedy or at any temperature, lands outside it, even where the model favours
+    /// those ids most.
+    #[test]
+    fn sampling_never_picks_an_id_outside_the_allowed_set() {
+        let vocab = 300;
+        let gaps = [7u32, 8, 9, 100, 250];
+        let allowed = TokenSet::from_fn(vocab - 20, |id| !gaps.contains(&id));
+        assert_eq!(allowed.count(), vocab - 20 - gaps.len());
+        let mut rng = SeededRng::new(5);
+        let mut logits: Vec<f32> = (0..vocab).map(|_| rng.next_f64() as f32).collect();
+        for &g in &gaps {
+            logits[g as usize] = 40.0;
+        }
+        logits[vocab - 1] = 50.0;
+        assert!(gaps.contains(&argmax(&logits)) || argmax(&logits) as usize == vocab - 1);
+        let greedy = sample_in(&logits, Some(&allowed), Sampling::Greedy, &mut rng);
+        assert!(allowed.contains(greedy), "greedy picked {greedy}");
+        for seed in 0..8 {
+            let mut rng = SeededRng::new(seed);
+            for temperature in [0.5f32, 2.0, 50.0] {
+                for _ in 0..500 {
+                    let id = sample_in(&logits, Some(&allowed), Sampling::Temperature { temperature }, &mut rng);
+                    assert!(allowed.contains(id), "seed {seed}, temperature {temperature}: picked {id}");
+                }
+            }
+        }
+        // All-NaN logits still give an allowed id.
+        let nan = vec![f32::NAN; vocab];
+        assert!(allowed.contains(sample_in(&nan, Some(&allowed), Sampling::Greedy, &mut rng)));
+        let mut first = TokenSet::from_fn(vocab, |id| id >= 3);
+        assert_eq!(sample_in(&nan, Some(&first), Sampling::Greedy, &mut rng), 3);
+        first = TokenSet::below(2);
+        assert_eq!(first.end(), 2);
     }
 }

@@ -14,6 +14,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use dynamo_config::{ConfigError, DEFAULT_TOML, NodeConfig};
@@ -132,10 +133,17 @@ pub fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Some(Command::Config(ConfigCommand::Check { file })) => match NodeConfig::load(&file) {
-            Ok(_) => {
-                println!("{}: ok", file.display());
-                ExitCode::SUCCESS
-            }
+            // What `serve` checks on this machine before it builds anything, too.
+            Ok(cfg) => match crate::node::ResolvedTiers::resolve(&cfg) {
+                Ok(_) => {
+                    println!("{}: ok", file.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("{}: {}", file.display(), error_chain(&e));
+                    ExitCode::from(2)
+                }
+            },
             Err(e) => config_error(&e),
         },
         Some(Command::Bench(BenchCommand::Storage(args))) => {
@@ -224,7 +232,7 @@ fn cached_prefix_ttft(args: &GpuCheckArgs) -> bool {
             true
         }
         Err(e) => {
-            eprintln!("error: the end-to-end section failed: {e:#}");
+            eprintln!("error: the end-to-end section failed: {}", error_chain(&e));
             false
         }
     }
@@ -239,10 +247,28 @@ fn report(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_chain(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `e` and its causes, `: `-separated, each said once: an error that names its source in its
+/// own message (as many do, `std::io::Error`'s wrappers among them) would otherwise print the
+/// OS error twice.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 /// Loads the configuration `serve` would run with: the file (or the embedded default) with the
@@ -275,5 +301,8 @@ fn serve(args: ServeArgs) -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return report(Err(e.into())),
     };
-    report(runtime.block_on(crate::node::run(cfg)))
+    let result = runtime.block_on(crate::node::run(cfg));
+    // A request still being prepared on the blocking pool must not hold the exit.
+    runtime.shutdown_timeout(Duration::from_millis(500));
+    report(result)
 }

@@ -48,6 +48,8 @@ pub struct G3Plan {
     pub direct_io: bool,
     /// Eviction policy.
     pub policy: PolicyKind,
+    /// `tiers.g3.format_foreign`.
+    pub format_foreign: bool,
 }
 
 /// Where the engines run: `engine.device` resolved against what the machine has.
@@ -254,6 +256,11 @@ impl ResolvedTiers {
                 }),
                 IoEngineKind::Psync => EngineChoice::Psync { threads: c.queue_depth as usize },
             };
+            // What opening the store would refuse, said before anything is built (and by
+            // `config check`): a path holding foreign data, a file system without the room.
+            for path in cfg.g3_paths() {
+                dynamo_tiering::g3::preflight(&path, c.capacity_per_path.as_u64(), c.format_foreign)?;
+            }
             let data = c.capacity_per_path.as_u64().saturating_sub(dynamo_tiering::g3::superblock::SUPERBLOCK_LEN);
             Some(G3Plan {
                 paths: cfg.g3_paths(),
@@ -262,6 +269,7 @@ impl ResolvedTiers {
                 engine,
                 direct_io: c.direct_io,
                 policy: c.eviction.into(),
+                format_foreign: c.format_foreign,
             })
         } else {
             None
@@ -426,6 +434,7 @@ impl Node {
         let mut recovery = Recovery::default();
         if let (Some(plan), Some(pool)) = (&tiers.g3, &g2) {
             let options = G3Options {
+                format_foreign: plan.format_foreign,
                 paths: plan.paths.clone(),
                 capacity_per_path: plan.capacity_per_path,
                 slot_bytes: tiers.slot_bytes,
@@ -498,30 +507,47 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         serving.prefill_tokens_per_s
     );
     let (tokenizer, template) = frontend_parts(&cfg)?;
-    let generator = serving.generator(tokenizer.vocab_size()).await?;
+    let generator = serving.generator(Arc::new(tokenizer.decodable())).await?;
     let state = crate::frontend::FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
     println!("{}", metrics.line());
     println!("serving the OpenAI API on http://{}/v1", listener.local_addr()?);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(crate::frontend::serve(listener, state, async move {
+    let mut server = tokio::spawn(crate::frontend::serve(listener, state, async move {
         let _ = stop_rx.await;
     }));
     println!("ready; stop with Ctrl-C (SIGINT) or SIGTERM");
     shutdown.wait().await;
     println!("shutting down");
     let _ = stop_tx.send(());
+    // The whole shutdown fits in the grace: requests in flight get most of it, the workers the
+    // rest to finish the pass they are in and flush write-through.
     let grace = cfg.node.shutdown_grace.as_duration();
-    match tokio::time::timeout(grace, server).await {
+    let deadline = tokio::time::Instant::now() + grace;
+    let drain = grace - (grace / 4).min(Duration::from_secs(5));
+    match tokio::time::timeout(drain, &mut server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the HTTP server stopped with an error"),
         Ok(Err(e)) => tracing::warn!(error = %e, "the HTTP server task failed"),
-        Err(_) => tracing::warn!(?grace, "requests still running after the shutdown grace; stopping anyway"),
+        Err(_) => {
+            // Closing the connections drops their streams, which cancels their requests: a
+            // worker stops within one prefill pass or one token, and skips what is queued.
+            tracing::warn!(?grace, "requests still running near the end of the shutdown grace; cancelling them");
+            server.abort();
+            let _ = server.await;
+        }
     }
     if let Some(poller) = poller {
         poller.abort();
     }
-    // The workers finish what they hold and flush their G3 writes before they exit.
-    serving.shutdown().await;
+    // The workers finish what they hold and flush their G3 writes before they exit. A write
+    // still in flight at the deadline is abandoned: its slot was never acknowledged, and the
+    // next start's scan verifies every slot.
+    if tokio::time::timeout_at(deadline.max(tokio::time::Instant::now() + Duration::from_secs(1)), serving.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(?grace, "the workers did not stop within the shutdown grace; exiting without them");
+    }
     println!("stopped");
     Ok(())
 }

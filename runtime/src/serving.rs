@@ -28,7 +28,7 @@ use dynamo_actors::worker::{
 use dynamo_config::{NodeConfig, TierName};
 use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
 use dynamo_kernels::model::{HostWeights, Llama};
-use dynamo_kernels::sampling::Sampling;
+use dynamo_kernels::sampling::{Sampling, TokenSet};
 use dynamo_kernels::{Backend, CpuBackend};
 use dynamo_tiering::block::{Salt, SaltInputs};
 use dynamo_tiering::registry::PolicyKind;
@@ -44,7 +44,8 @@ use crate::node::{EngineDevice, Node};
 const STORE_PERIOD: Duration = Duration::from_millis(500);
 /// G3 disk failures in a row that degrade the node to G1+G2.
 const G3_FAILURES_TO_DEGRADE: u32 = 4;
-/// What a client is told to wait before retrying a refused request.
+/// What a client is told to wait before retrying a refused request when the scheduler has no
+/// estimate (a full node's own estimate comes from its queues).
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The node's running actor tree.
@@ -234,6 +235,7 @@ impl Serving {
             scheduler: SchedulerArgs {
                 policy: cfg.router.policy,
                 session_idle_timeout: cfg.frontend.session_idle_timeout.as_duration(),
+                max_sessions: cfg.frontend.max_sessions,
                 seed: cfg.model.seed,
                 kv: Some(KvRouting {
                     index: index.clone(),
@@ -288,15 +290,16 @@ impl Serving {
         })
     }
 
-    /// The frontend's generator over this tree; it samples only ids the tokenizer can decode.
-    pub async fn generator(&self, vocab_limit: usize) -> anyhow::Result<NodeGenerator> {
+    /// The frontend's generator over this tree; it samples only the ids in `decodable` (those
+    /// the tokenizer can decode).
+    pub async fn generator(&self, decodable: Arc<TokenSet>) -> anyhow::Result<NodeGenerator> {
         let scheduler = scheduler_of(&self.node).await?;
         Ok(NodeGenerator {
             node: self.node.clone(),
             scheduler: Arc::new(Mutex::new(scheduler)),
             model: self.model.clone(),
             max_context: self.max_context,
-            vocab_limit,
+            decodable,
         })
     }
 
@@ -368,7 +371,7 @@ pub struct NodeGenerator {
     scheduler: Arc<Mutex<SchedulerRef>>,
     model: String,
     max_context: usize,
-    vocab_limit: usize,
+    decodable: Arc<TokenSet>,
 }
 
 impl NodeGenerator {
@@ -387,8 +390,8 @@ impl NodeGenerator {
             let session = session.clone();
             match scheduler.call(|reply| SchedulerMsg::Submit { req: job, session, hints, reply }, None).await {
                 Ok(CallResult::Success(Ok(submitted))) => return Ok(submitted),
-                Ok(CallResult::Success(Err(SubmitError::Overloaded { .. }))) => {
-                    return Err(GenerateError::Overloaded { retry_after: RETRY_AFTER });
+                Ok(CallResult::Success(Err(SubmitError::Overloaded { retry_after, .. }))) => {
+                    return Err(GenerateError::Overloaded { retry_after: retry_after.unwrap_or(RETRY_AFTER) });
                 }
                 Ok(CallResult::Success(Err(e))) => {
                     return Err(GenerateError::Unavailable { message: e.to_string(), retry_after: RETRY_AFTER });
@@ -427,7 +430,7 @@ impl Generator for NodeGenerator {
         // A speculative prefill warms the cache and generates nothing; it waits behind real work.
         let speculative = req.hints.speculative_prefill.unwrap_or(false);
         let hints = Hints {
-            priority: req.hints.priority.unwrap_or(0) - i32::from(speculative),
+            priority: req.hints.priority.unwrap_or(0).saturating_sub(i32::from(speculative)),
             expected_output_tokens: req.hints.expected_output_tokens,
         };
         let job = GenRequest {
@@ -441,7 +444,7 @@ impl Generator for NodeGenerator {
             },
             seed: req.seed.unwrap_or(0),
             stop_tokens: req.stop_token_ids,
-            vocab_limit: self.vocab_limit,
+            allowed: Some(self.decodable.clone()),
         };
         let this = self.clone();
         let session = req.session_id;
@@ -459,11 +462,17 @@ fn events(
 ) -> impl futures::Stream<Item = Result<GenerateEvent, GenerateError>> + Send {
     futures::stream::unfold(Some(rx), move |rx| async move {
         let mut rx = rx?;
-        let item = match rx.recv().await? {
+        let mut event = rx.recv().await?;
+        // Prefill passes are the worker's own business (they are never sent).
+        while let JobEvent::Event(WorkerEvent::Computed { .. }) = event {
+            event = rx.recv().await?;
+        }
+        let item = match event {
             JobEvent::Event(WorkerEvent::Prefilled { cached_tokens, .. }) => {
                 Ok(GenerateEvent::Started { cached_tokens })
             }
             JobEvent::Event(WorkerEvent::Token(id)) => Ok(GenerateEvent::Token { id }),
+            JobEvent::Event(WorkerEvent::Computed { .. }) => unreachable!("skipped above"),
             JobEvent::Done(outcome) => {
                 let reason = match outcome.finish {
                     Finish::Length => FinishReason::Length,

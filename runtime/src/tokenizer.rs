@@ -16,6 +16,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use dynamo_kernels::sampling::TokenSet;
+
 /// Number of ids of o200k_base: ranks `0..199_998` and the special tokens `<|endoftext|>`
 /// (199_999) and `<|endofprompt|>` (200_018). Ids in between are unused.
 const O200K_VOCAB: usize = 200_019;
@@ -142,6 +144,29 @@ impl Tokenizer {
         }
     }
 
+    /// The ids [`decode`](Self::decode) accepts: every id below [`vocab_size`](Self::vocab_size)
+    /// that names a token (o200k leaves 199,998 and 200,000–200,017 unused; a `tokenizer.json`
+    /// may skip ids too). The sampler picks only these.
+    pub fn decodable(&self) -> TokenSet {
+        match &self.kind {
+            Kind::HuggingFace(t) => TokenSet::from_fn(self.vocab_size(), |id| t.id_to_token(id).is_some()),
+            Kind::Tiktoken(bpe) => TokenSet::from_fn(self.vocab_size(), |id| bpe.decode_bytes(&[id]).is_ok()),
+        }
+    }
+
+    /// The most bytes of text one token stands for (an upper bound, counted on the tokens'
+    /// own strings): a text of `n` bytes has at least `n / max_token_bytes()` tokens, so an
+    /// over-long prompt can be refused before it is tokenized.
+    pub fn max_token_bytes(&self) -> usize {
+        match &self.kind {
+            Kind::HuggingFace(t) => t.get_vocab(true).keys().map(String::len).max().unwrap_or(1),
+            Kind::Tiktoken(bpe) => (0..self.vocab_size() as u32)
+                .filter_map(|id| bpe.decode_bytes(&[id]).ok().map(|b| b.len()))
+                .max()
+                .unwrap_or(1),
+        }
+    }
+
     /// The strings of the special tokens, which [`encode`](Self::encode) turns into their ids
     /// wherever they appear in the text: `<|endoftext|>` and `<|endofprompt|>` for o200k, the
     /// added tokens marked `special` for a `tokenizer.json`.
@@ -241,6 +266,24 @@ mod tests {
         round_trip(&t, "");
         assert_eq!(t.encode("<|endoftext|>").unwrap(), [199_999]);
         assert_eq!(t.decode(&[200_018]).unwrap(), "<|endofprompt|>");
+    }
+
+    /// The sampler's set is exactly what decode accepts: o200k's unused ids are out of it.
+    #[test]
+    fn decodable_ids_are_exactly_the_ones_decode_accepts() {
+        let t = Tokenizer::builtin();
+        let set = t.decodable();
+        assert_eq!(set.end(), O200K_VOCAB);
+        for id in [199_998u32, 200_000, 200_002, 200_017] {
+            assert!(!set.contains(id) && t.decode(&[id]).is_err(), "{id}");
+        }
+        for id in [0u32, 24_912, 199_997, 199_999, 200_018] {
+            assert!(set.contains(id) && t.decode(&[id]).is_ok(), "{id}");
+        }
+        assert_eq!(set.count(), 199_998 + 2);
+        let hf = Tokenizer { name: "w".into(), kind: Kind::HuggingFace(Arc::new(WORD_LEVEL.parse().unwrap())) };
+        let set = hf.decodable();
+        assert!((0..hf.vocab_size() as u32).all(|id| set.contains(id) == hf.decode(&[id]).is_ok()));
     }
 
     #[test]

@@ -6,8 +6,10 @@
 //! engines for failures. Shared helpers live here.
 
 use std::path::PathBuf;
-use std::process::Command;
-use std::sync::OnceLock;
+use std::process::{Child, Command};
+use std::sync::{Arc, OnceLock};
+
+use serde_json::Value;
 
 /// The `dynamo-node` binary of this build (with the test-only `failpoints` feature), built first if
 /// needed.
@@ -80,4 +82,113 @@ pub fn spawn_until_ready(mut cmd: Command) -> (std::process::Child, Vec<String>)
     let _ = std::fs::remove_file(&stderr_path);
     std::thread::spawn(move || for _ in reader.lines() {});
     (child, lines)
+}
+
+/// A running `dynamo-node serve` on its defaults plus a config file, with the API and metrics on
+/// free loopback ports; killed when dropped.
+#[derive(Debug)]
+pub struct Node {
+    /// The process.
+    pub child: Child,
+    /// `http://ADDR/v1`.
+    pub api: String,
+    /// `ADDR` of `/metrics`.
+    pub metrics: String,
+    /// Its data directory.
+    pub dir: Arc<tempfile::TempDir>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Node {
+    /// A node on the embedded defaults in a fresh data directory.
+    pub fn start() -> Node {
+        Self::start_in(Arc::new(tempfile::tempdir().expect("tempdir")), "")
+    }
+
+    /// A node on its defaults plus `toml` (a config file written into `dir`, unless empty).
+    pub fn start_in(dir: Arc<tempfile::TempDir>, toml: &str) -> Node {
+        let (child, lines) = spawn_until_ready(Self::command(&dir, toml));
+        let api = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("serving the OpenAI API on "))
+            .expect("the API address is printed")
+            .to_string();
+        let metrics = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("metrics on http://").and_then(|l| l.strip_suffix("/metrics")))
+            .expect("the metrics address is printed")
+            .to_string();
+        Node { child, api, metrics, dir }
+    }
+
+    /// The command line [`Node::start_in`] runs (port 0 for both listeners: the node prints the
+    /// addresses it bound, so there is no race for a "free" port).
+    pub fn command(dir: &tempfile::TempDir, toml: &str) -> Command {
+        let mut cmd = Command::new(node_binary());
+        cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--data-dir"]).arg(dir.path());
+        if !toml.is_empty() {
+            let file = dir.path().join("node.toml");
+            std::fs::write(&file, toml).expect("write config");
+            cmd.arg("--config").arg(file);
+        }
+        cmd
+    }
+
+    /// `host:port` of the API.
+    pub fn addr(&self) -> &str {
+        self.api.trim_start_matches("http://").trim_end_matches("/v1")
+    }
+
+    /// POSTs `body` to `/v1/chat/completions`; the status and the JSON answer.
+    pub async fn chat(&self, body: Value) -> (u16, Value) {
+        let resp = reqwest::Client::new()
+            .post(format!("{}/chat/completions", self.api))
+            .json(&body)
+            .send()
+            .await
+            .expect("request");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.expect("json body"))
+    }
+
+    /// The value of the first scraped series starting with `series` (0 when absent).
+    pub async fn metric(&self, series: &str) -> f64 {
+        let text =
+            reqwest::get(format!("http://{}/metrics", self.metrics)).await.expect("scrape").text().await.expect("body");
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Sends SIGTERM, waits, and returns the exit code.
+    pub fn stop(mut self) -> i32 {
+        self.signal(libc::SIGTERM);
+        let status = self.child.wait().expect("wait");
+        status.code().expect("exited on its own")
+    }
+
+    /// Sends `signal` to the node.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: signalling our own child, whose pid is valid until we wait on it.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+    }
+
+    /// The node's resident set size in bytes (`/proc/PID/status`).
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .expect("VmRSS")
+            * 1024
+    }
 }

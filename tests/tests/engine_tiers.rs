@@ -137,6 +137,7 @@ async fn prefix_loaded_from_g3_decodes_exactly_like_recompute() {
     let dir = tempfile::tempdir().expect("tempdir");
     let slot_bytes = dynamo_tiering::g2::align_up(f.layout.image_bytes());
     let options = G3Options {
+        format_foreign: false,
         paths: vec![dir.path().join("store.0")],
         capacity_per_path: SUPERBLOCK_LEN + 8 * slot_bytes as u64,
         slot_bytes,

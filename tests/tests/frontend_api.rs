@@ -8,6 +8,7 @@ mod support;
 use std::time::Duration;
 
 use dynamo_config::{ByteSize, FrontendSection, HumanDuration, RegionKind};
+use dynamo_node::frontend::session_key;
 use dynamo_node::tokenizer::Tokenizer;
 use serde_json::{Value, json};
 use support::{ANSWER, MAX_CONTEXT, Server};
@@ -101,7 +102,7 @@ async fn chat_completion_answers_with_usage_and_regions() {
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], req.prompt.len() / 2);
 
     assert_eq!(req.request_id, value["id"].as_str().unwrap());
-    assert_eq!(req.session_id.as_deref(), Some("agent-42"));
+    assert_eq!(req.session_id, Some(session_key(b"agent-42")), "the session is the digest of x-session-id");
     assert_eq!((req.max_tokens, req.temperature, req.seed), (100, 0.0, Some(7)));
     assert_eq!(req.hints.priority, Some(3));
     assert_eq!(req.hints.expected_output_tokens, Some(40));
@@ -132,7 +133,7 @@ async fn chat_with_tools_parts_and_tool_results_tags_every_region() {
     let (status, _, value) = post(&server, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{value}");
     let req = server.fake.last();
-    assert_eq!(req.session_id.as_deref(), Some("user-7"));
+    assert_eq!(req.session_id, Some(session_key(b"user-7")));
     use RegionKind::*;
     let kinds: Vec<RegionKind> = req.regions.iter().map(|r| r.1).collect();
     assert_eq!(kinds, [System, Tools, System, Conversation, ToolResult, Conversation]);
@@ -221,7 +222,7 @@ async fn completions_text_tokens_streaming_length_and_stop_strings() {
     assert_eq!(value["usage"]["prompt_tokens"], 4);
     assert_eq!(value["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
     assert_eq!(server.fake.last().prompt, [1, 2, 3, 4]);
-    assert_eq!(server.fake.last().session_id.as_deref(), Some("u1"));
+    assert_eq!(server.fake.last().session_id, Some(session_key(b"u1")));
 
     // A stop string ends the answer before it.
     let body = json!({"model": "fake", "prompt": ["Hi"], "stop": "world"});
@@ -409,4 +410,139 @@ async fn graceful_shutdown_drains_a_stream_in_flight() {
     let (server, result) = tokio::time::timeout(Duration::from_secs(10), stopped).await.unwrap().unwrap();
     result.unwrap();
     assert!(reqwest::get(server.url("/health")).await.is_err(), "no longer accepting connections");
+}
+
+/// One raw HTTP/1.1 exchange: writes `request`, reads until the server closes (or 10 s pass).
+async fn raw(server: &Server, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = server.base.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The status and JSON body of a raw answer.
+fn split_answer(answer: &str) -> (u16, Value) {
+    let status = answer.get(9..12).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("no status: {answer:?}"));
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no head: {answer:?}"));
+    assert!(head.to_ascii_lowercase().contains("content-type: application/json"), "{head}");
+    (status, serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}")))
+}
+
+/// hyper's own answers (a malformed request line, headers over its limit) and the router's 405
+/// get a body in the API's shape, not an empty one.
+#[tokio::test]
+async fn every_error_answer_has_the_api_shape() {
+    let server = server().await;
+    let (status, body) = split_answer(&raw(&server, b"NOT HTTP AT ALL\r\n\r\n").await);
+    assert_error(status, &body, 400, "invalid_request_error", Some("bad_request"));
+    let (status, body) =
+        split_answer(&raw(&server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n").await);
+    assert_error(status, &body, 400, "invalid_request_error", Some("bad_request"));
+    let many: String = (0..200).map(|i| format!("x-h{i}: {i}\r\n")).collect();
+    let request = format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{many}\r\n");
+    let (status, body) = split_answer(&raw(&server, request.as_bytes()).await);
+    assert_error(status, &body, 431, "invalid_request_error", Some("headers_too_large"));
+
+    let response = reqwest::Client::new().delete(server.url("/v1/models")).send().await.unwrap();
+    let status = response.status().as_u16();
+    assert_error(status, &response.json().await.unwrap(), 405, "invalid_request_error", Some("method_not_allowed"));
+    let response = reqwest::get(server.url("/v1/chat/completions")).await.unwrap();
+    let status = response.status().as_u16();
+    assert_error(status, &response.json().await.unwrap(), 405, "invalid_request_error", Some("method_not_allowed"));
+    // The server still answers normally.
+    let (status, _, _) = post(&server, "/v1/chat/completions", &chat("fake")).await;
+    assert_eq!(status, 200);
+}
+
+/// A web page can reach a loopback node; it cannot make it answer: a generation route takes
+/// JSON only (a form or text/plain POST needs no CORS preflight), and `Host` / `Origin` must
+/// name the node by a loopback name (DNS rebinding, cross-site requests).
+#[tokio::test]
+async fn a_web_page_cannot_drive_a_loopback_node() {
+    let server = server().await;
+    let client = reqwest::Client::new();
+    let body = serde_json::to_vec(&chat("fake")).unwrap();
+    for content_type in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"] {
+        let response = client
+            .post(server.url("/v1/chat/completions"))
+            .header("content-type", content_type)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        assert_error(
+            status,
+            &response.json().await.unwrap(),
+            415,
+            "invalid_request_error",
+            Some("unsupported_media_type"),
+        );
+    }
+    let response = client.post(server.url("/v1/chat/completions")).body(body.clone()).send().await.unwrap();
+    assert_eq!(response.status(), 415, "no Content-Type is not JSON either");
+    let response = client
+        .post(server.url("/v1/chat/completions"))
+        .header("content-type", "application/json; charset=utf-8")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200, "JSON with a charset is JSON");
+
+    for (name, value) in [("host", "evil.example:8000"), ("origin", "https://evil.example"), ("origin", "null")] {
+        let response = client
+            .post(server.url("/v1/chat/completions"))
+            .header(name, value)
+            .json(&chat("fake"))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        assert_error(status, &response.json().await.unwrap(), 403, "invalid_request_error", Some("forbidden_host"));
+    }
+    let response = client.get(server.url("/v1/models")).header("host", "localhost:8000").send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let response = client.get(server.url("/v1/models")).header("origin", "http://127.0.0.1:3000").send().await.unwrap();
+    assert_eq!(response.status(), 200);
+}
+
+/// The client's own strings are not echoed back whole: a 1 MB model name makes a short 404.
+#[tokio::test]
+async fn a_huge_model_name_is_not_echoed_back() {
+    let server = server().await;
+    let name = "m".repeat(1 << 20);
+    let (status, _, value) =
+        post(&server, "/v1/chat/completions", &json!({"model": name, "messages": [{"role": "user", "content": "hi"}]}))
+            .await;
+    assert_error(status, &value, 404, "invalid_request_error", Some("model_not_found"));
+    assert!(value.to_string().len() < 2048, "{} bytes", value.to_string().len());
+    // A mistyped field's value is not echoed whole either.
+    let (status, _, value) = post(&server, "/v1/chat/completions", &json!({"model": "fake", "messages": name})).await;
+    assert_error(status, &value, 400, "invalid_request_error", None);
+    assert!(value.to_string().len() < 4096, "{} bytes", value.to_string().len());
+}
+
+/// A prompt sure to exceed `frontend.max_prompt_tokens` is refused before it is rendered or
+/// tokenized; a shorter one within it is served.
+#[tokio::test]
+async fn max_prompt_tokens_bounds_prompts_below_the_context() {
+    let server = Server::start(FrontendSection { max_prompt_tokens: 100, ..FrontendSection::default() }).await;
+    let (status, _, value) = post(&server, "/v1/chat/completions", &chat("fake")).await;
+    assert_eq!(status, 200, "{value}");
+    let long = json!({"model": "fake", "messages": [{"role": "user", "content": "word ".repeat(150)}]});
+    let (status, _, value) = post(&server, "/v1/chat/completions", &long).await;
+    assert_error(status, &value, 400, "invalid_request_error", Some("context_length_exceeded"));
+    assert!(value["error"]["message"].as_str().unwrap().contains("at most 100 tokens"), "{value}");
+    // 32 MiB of one word: refused from its size alone, at once.
+    let huge = json!({"model": "fake", "messages": [{"role": "user", "content": "a".repeat(30 << 20)}]});
+    let started = std::time::Instant::now();
+    let (status, _, value) = post(&server, "/v1/chat/completions", &huge).await;
+    assert_error(status, &value, 400, "invalid_request_error", Some("context_length_exceeded"));
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    let (status, _, value) = post(&server, "/v1/completions", &json!({"model": "fake", "prompt": vec![1; 101]})).await;
+    assert_error(status, &value, 400, "invalid_request_error", Some("context_length_exceeded"));
 }

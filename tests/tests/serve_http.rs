@@ -4,85 +4,19 @@
 //! with the same greedy answer as a fresh node that recomputed everything; bad requests get the
 //! OpenAI error shape.
 
-use std::process::{Child, Command};
-
-use dynamo_tests::{node_binary, spawn_until_ready};
+use dynamo_tests::Node;
 use serde_json::{Value, json};
 
-struct Node {
-    child: Child,
-    api: String,
-    metrics: String,
-    dir: std::sync::Arc<tempfile::TempDir>,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn start() -> Node {
-    start_in(std::sync::Arc::new(tempfile::tempdir().expect("tempdir")))
+    Node::start()
 }
 
 fn start_in(dir: std::sync::Arc<tempfile::TempDir>) -> Node {
-    start_with(dir, "")
+    Node::start_in(dir, "")
 }
 
-/// A node on its defaults plus `toml` (a config file written into `dir`).
 fn start_with(dir: std::sync::Arc<tempfile::TempDir>, toml: &str) -> Node {
-    let mut cmd = Command::new(node_binary());
-    // Port 0 for both: the node prints the addresses it bound (no race for a "free" port).
-    cmd.args(["serve", "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--data-dir"]).arg(dir.path());
-    if !toml.is_empty() {
-        let file = dir.path().join("node.toml");
-        std::fs::write(&file, toml).expect("write config");
-        cmd.arg("--config").arg(file);
-    }
-    let (child, lines) = spawn_until_ready(cmd);
-    let api = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("serving the OpenAI API on "))
-        .expect("the API address is printed")
-        .to_string();
-    let metrics = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("metrics on http://").and_then(|l| l.strip_suffix("/metrics")))
-        .expect("the metrics address is printed")
-        .to_string();
-    Node { child, api, metrics, dir }
-}
-
-impl Node {
-    async fn chat(&self, body: Value) -> (u16, Value) {
-        let resp = reqwest::Client::new()
-            .post(format!("{}/chat/completions", self.api))
-            .json(&body)
-            .send()
-            .await
-            .expect("request");
-        let status = resp.status().as_u16();
-        (status, resp.json().await.expect("json body"))
-    }
-
-    async fn metric(&self, series: &str) -> f64 {
-        let text =
-            reqwest::get(format!("http://{}/metrics", self.metrics)).await.expect("scrape").text().await.expect("body");
-        text.lines()
-            .find(|l| l.starts_with(series))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
-    }
-
-    fn stop(mut self) -> i32 {
-        // SAFETY: signalling our own child, whose pid is valid until we wait on it.
-        assert_eq!(unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) }, 0);
-        let status = self.child.wait().expect("wait");
-        status.code().expect("exited on its own")
-    }
+    Node::start_in(dir, toml)
 }
 
 fn conversation(turns: &[(&str, String)]) -> Value {

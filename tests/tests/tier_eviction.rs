@@ -26,6 +26,7 @@ impl Tier {
     fn open(dir: &std::path::Path, policy: PolicyKind) -> Self {
         let pool = pool_for(PAYLOAD, 32);
         let options = G3Options {
+            format_foreign: false,
             paths: vec![dir.join("store.0")],
             capacity_per_path: SUPERBLOCK_LEN + SLOTS * 16 * 1024,
             slot_bytes: 16 * 1024,

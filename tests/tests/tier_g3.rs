@@ -19,6 +19,7 @@ const PAYLOAD: usize = 64 * 1024 - HEADER_LEN;
 
 fn options(dir: &std::path::Path, files: usize, slots_per_file: u64, engine: EngineChoice) -> G3Options {
     G3Options {
+        format_foreign: false,
         paths: (0..files).map(|i| dir.join(format!("g3/store.{i}"))).collect(),
         capacity_per_path: SUPERBLOCK_LEN + slots_per_file * 64 * 1024,
         slot_bytes: 64 * 1024,

@@ -51,6 +51,7 @@ fn node_with(g2_slots: u32, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
     let dir = tempfile::tempdir().expect("tempdir");
     let g3_path = dir.path().join("store.0");
     let options = G3Options {
+        format_foreign: false,
         paths: vec![g3_path.clone()],
         capacity_per_path: SUPERBLOCK_LEN + 64 * slot_bytes as u64,
         slot_bytes,
@@ -371,6 +372,7 @@ async fn run<E: Backend>(worker: &mut Worker<E>, req: &GenRequest) -> GenOutcome
                     assert!(prefilled.is_some(), "tokens come after the prefill event");
                     streamed.push(t);
                 }
+                WorkerEvent::Computed { .. } => assert!(prefilled.is_none(), "passes come before the prefill event"),
             }
             true
         })

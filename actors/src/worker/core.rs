@@ -32,7 +32,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use dynamo_config::{RegionKind, TierName};
 use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Llama, ModelError};
-use dynamo_kernels::sampling::{Sampling, SeededRng, sample};
+use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
 use dynamo_tiering::block::{BlockHash, BlockHasher, HEADER_LEN, ImageSpec, RetentionMeta, payload_mut, seal};
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
@@ -56,9 +56,9 @@ pub struct GenRequest {
     pub seed: u64,
     /// Tokens that end generation (not emitted).
     pub stop_tokens: Vec<u32>,
-    /// Sample only among token ids below this (the tokenizer's vocabulary, when the model's is
-    /// larger); 0 for the whole vocabulary.
-    pub vocab_limit: usize,
+    /// Sample only these ids (those the tokenizer can decode: its vocabulary may be smaller
+    /// than the model's and have gaps); `None` for the model's whole vocabulary.
+    pub allowed: Option<Arc<TokenSet>>,
 }
 
 impl GenRequest {
@@ -72,7 +72,7 @@ impl GenRequest {
             sampling: Sampling::Greedy,
             seed: 0,
             stop_tokens: vec![],
-            vocab_limit: 0,
+            allowed: None,
         }
     }
 }
@@ -86,6 +86,13 @@ pub enum WorkerEvent {
         cached_tokens: usize,
         /// Of those, per tier: g1, g2, g3, g4.
         hit_tokens: [usize; 4],
+    },
+    /// A prefill pass ended with the prompt's first `tokens` tokens in G1. Answering false
+    /// cancels the request before its next pass (a client that went away, a request past its
+    /// deadline, a node shutting down): a long prompt stops within one pass.
+    Computed {
+        /// Prompt tokens in G1 so far.
+        tokens: usize,
     },
     /// A generated token.
     Token(u32),
@@ -400,7 +407,7 @@ impl<B: Backend> Worker<B> {
         let now = unix_millis();
         let mut hasher = BlockHasher::new(self.tiers.salt, b);
         let hashes = hasher.hash_sequence(&req.prompt);
-        let mut seq: Vec<SeqBlock> = Vec::with_capacity(needed);
+        let mut seq: Vec<SeqBlock> = Vec::with_capacity(len.div_ceil(b) + 1);
         let mut outcome = GenOutcome {
             tokens: Vec::new(),
             cached_tokens: 0,
@@ -469,13 +476,13 @@ impl<B: Backend> Worker<B> {
         outcome.cached_tokens = cached;
         outcome.prefill_tokens = len - cached;
 
-        // 2. Pages for the rest of the prompt and the generation, then prefill.
-        let total_blocks = (len + req.max_tokens).div_ceil(b);
-        while seq.len() < total_blocks {
+        // 2. Pages for the rest of the prompt, then prefill. Pages for generated tokens are taken
+        // as decode reaches them: a `max_tokens` far beyond what the answer uses reserves nothing.
+        while seq.len() < len.div_ceil(b) {
             let page = self.alloc_page(now)?;
             seq.push(SeqBlock { page, registered: None });
         }
-        let table: Vec<u32> = seq.iter().map(|s| s.page).collect();
+        let mut table: Vec<u32> = seq.iter().map(|s| s.page).collect();
         let mut logits = Vec::new();
         let mut pos = cached;
         for chunk in req.prompt[cached..].chunks(self.prefill_chunk) {
@@ -488,6 +495,12 @@ impl<B: Backend> Worker<B> {
             }
             self.gather_pending();
             pos += chunk.len();
+            if pos < len && !on_event(WorkerEvent::Computed { tokens: pos }) {
+                // Cancelled: only what was computed counts.
+                outcome.prefill_tokens = pos - cached;
+                outcome.finish = Finish::Stop;
+                return Ok(());
+            }
         }
         if !on_event(WorkerEvent::Prefilled { cached_tokens: cached, hit_tokens: outcome.hit_tokens }) {
             outcome.finish = Finish::Stop;
@@ -499,8 +512,7 @@ impl<B: Backend> Worker<B> {
         let mut tokens_so_far = req.prompt.clone();
         let mut chain: Vec<BlockHash> = hashes.to_vec();
         for step in 0..req.max_tokens {
-            let allowed = if req.vocab_limit == 0 { &logits[..] } else { &logits[..req.vocab_limit.min(logits.len())] };
-            let token = sample(allowed, req.sampling, &mut rng);
+            let token = sample_in(&logits, req.allowed.as_deref(), req.sampling, &mut rng);
             if step == 0 {
                 outcome.ttft = start_time.elapsed();
             }
@@ -518,6 +530,11 @@ impl<B: Backend> Worker<B> {
                 break;
             }
             let pos = tokens_so_far.len() - 1;
+            if pos / b == seq.len() {
+                let page = self.alloc_page(unix_millis())?;
+                seq.push(SeqBlock { page, registered: None });
+                table.push(page);
+            }
             logits = self.model.forward(&mut self.kv, &[token], pos, &table, b)?;
             // A generated block completes: it gets an identity and is written through.
             if tokens_so_far.len().is_multiple_of(b) {

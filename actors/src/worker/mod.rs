@@ -351,6 +351,12 @@ async fn serve(
     };
     let _ = ready.send(Ok(()));
     while let Some(job) = rx.pop().await {
+        // Nobody waits for it any more (the client went away or timed out while it was queued).
+        if job.events.is_closed() {
+            load.remove(&job.req, false);
+            telemetry::record_cancelled("queued");
+            continue;
+        }
         if let Some(fork) = engine.fork() {
             tokio::task::spawn_local(serve_forked(id, fork, job, load.clone()));
             continue;
@@ -380,17 +386,24 @@ async fn serve(
 async fn run_job(engine: &mut dyn Engine, job: &Job, load: &WorkerLoad) -> Result<(), String> {
     let events = job.events.clone();
     let mut prefilled = false;
-    let mut forward = |e| {
-        if let WorkerEvent::Prefilled { .. } = e
-            && !prefilled
-        {
-            prefilled = true;
-            load.prefilled(&job.req);
+    let mut forward = |e| match e {
+        // Between two prefill passes: go on only while someone waits for the answer.
+        WorkerEvent::Computed { .. } => !events.is_closed(),
+        e => {
+            if let WorkerEvent::Prefilled { .. } = e
+                && !prefilled
+            {
+                prefilled = true;
+                load.prefilled(&job.req);
+            }
+            events.send(JobEvent::Event(e)).is_ok()
         }
-        events.send(JobEvent::Event(e)).is_ok()
     };
     let result = AssertUnwindSafe(engine.generate(&job.req, &mut forward)).catch_unwind().await;
     load.remove(&job.req, prefilled);
+    if job.events.is_closed() && matches!(result, Ok(Ok(GenOutcome { finish: Finish::Stop, .. }))) {
+        telemetry::record_cancelled(if prefilled { "decode" } else { "prefill" });
+    }
     let result = result.map_err(|panic| panic_message(panic.as_ref()))?;
     if let Ok(outcome) = &result {
         telemetry::record_prompt(job.req.prompt.len() as u64, outcome.prefill_tokens as u64);

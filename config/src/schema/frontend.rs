@@ -18,6 +18,26 @@ pub struct FrontendSection {
     pub session_idle_timeout: HumanDuration,
     /// `max_tokens` of a request that does not set one. Default `512`.
     pub default_max_tokens: usize,
+    /// Longest prompt accepted, in tokens; `0` means the model's context (what G1 holds). A
+    /// longer prompt is refused with `context_length_exceeded` before it is queued. Default `0`.
+    pub max_prompt_tokens: usize,
+    /// Conversations (sessions) tracked at once; past it the idlest is forgotten. Default `16384`.
+    pub max_sessions: usize,
+    /// A connection must send a complete request head within this long of opening, or of the
+    /// end of its previous response (an idle keep-alive connection is closed after it too).
+    /// Default `"15s"`.
+    pub header_timeout: HumanDuration,
+    /// A request body must arrive within this long of its head (HTTP 408 otherwise). Default `"30s"`.
+    pub body_timeout: HumanDuration,
+    /// HTTP connections open at once; more are answered 503 and closed, with a log line and
+    /// `dynamo_node_http_connections_refused_total`. Capped below the process's file limit.
+    /// Default `1024`.
+    pub max_connections: usize,
+    /// On a loopback address, requests must name the node by a loopback `Host` (`localhost`,
+    /// `127.0.0.1`, `[::1]`) or one of these, and a browser's `Origin` must be one of them too,
+    /// so a web page cannot drive a local node (DNS rebinding, cross-site requests). Ignored on
+    /// other addresses. Default `[]`.
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for FrontendSection {
@@ -28,6 +48,12 @@ impl Default for FrontendSection {
             request_timeout: HumanDuration::secs(600),
             session_idle_timeout: HumanDuration::mins(10),
             default_max_tokens: 512,
+            max_prompt_tokens: 0,
+            max_sessions: 16_384,
+            header_timeout: HumanDuration::secs(15),
+            body_timeout: HumanDuration::secs(30),
+            max_connections: 1024,
+            allowed_hosts: Vec::new(),
         }
     }
 }

@@ -182,6 +182,9 @@ pub struct G3Config {
     /// Open with `O_DIRECT` (bypass the page cache; needs a filesystem that supports it).
     /// Default `true`.
     pub direct_io: bool,
+    /// Format a path that already holds data other than a G3 store (a file in use, a device with a
+    /// file system). Off, such a path is refused at start. Default `false`.
+    pub format_foreign: bool,
     /// `"lru"` or `"lfu"`, both priority-aware. Default `"lfu"`.
     pub eviction: EvictionPolicyKind,
     /// Occupancy fraction at which eviction starts, in `(0, 1]`. Default `0.95`.
@@ -213,6 +216,7 @@ impl Default for G3Config {
             io_threads: 1,
             register_buffers: true,
             direct_io: true,
+            format_foreign: false,
             eviction: EvictionPolicyKind::Lfu,
             high_watermark: 0.95,
             low_watermark: 0.90,

@@ -228,6 +228,7 @@ pub async fn run<B: Backend, G>(
     std::fs::create_dir_all(&opts.dir).with_context(|| format!("creating {}", opts.dir.display()))?;
     let g3_path = opts.dir.join("cached-ttft.g3");
     let options = G3Options {
+        format_foreign: false,
         paths: vec![g3_path.clone()],
         capacity_per_path: SUPERBLOCK_LEN + 2 * (held as u64 + 8) * slot_bytes as u64,
         slot_bytes,

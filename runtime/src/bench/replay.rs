@@ -687,6 +687,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         scheduler: SchedulerArgs {
             policy: policy.routing,
             session_idle_timeout: Duration::from_secs(600),
+            max_sessions: usize::MAX,
             seed: 42,
             kv: Some(KvRouting {
                 index,
@@ -923,6 +924,7 @@ async fn run_session(
                     history.push(t);
                     sample.output += 1;
                 }
+                JobEvent::Event(WorkerEvent::Computed { .. }) => {}
                 JobEvent::Done(_) => break,
                 JobEvent::Failed(e) => bail!("request failed: {e}"),
             }

@@ -22,7 +22,7 @@ use dynamo_config::ByteSize;
 use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, Salt, payload_mut, seal};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, SLOT_ALIGN};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
-use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
+use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store, free_bytes};
 use dynamo_tiering::io::uring::UringOptions;
 use futures::StreamExt;
 use serde::Serialize;
@@ -178,6 +178,7 @@ async fn ours(dir: &Path, block_bytes: usize, qd: u32, total: u64, psync: bool) 
         EngineChoice::Uring(UringOptions { queue_depth: qd, threads: 1, register_buffers: true })
     };
     let options = G3Options {
+        format_foreign: false,
         paths: vec![path.clone()],
         capacity_per_path: SUPERBLOCK_LEN + (n as u64) * block_bytes as u64,
         slot_bytes: block_bytes,
@@ -352,14 +353,4 @@ fn render(rows: &[Row], fio: Option<&str>, engine: &str, dir: &Path) -> String {
         let _ = writeln!(out, "write_gb_s = {write:.2}");
     }
     out
-}
-
-fn free_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
-    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the right type.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    // SAFETY: statvfs returned 0, so it initialised the struct.
-    (rc == 0).then(|| unsafe { st.assume_init() }).map(|s| s.f_bavail * s.f_frsize)
 }

@@ -39,11 +39,29 @@ impl ApiError {
         }
     }
 
-    /// 404 `model_not_found`.
+    /// An `invalid_request_error` with another status than 400 (405, 408, 413, 415, 403, …) and
+    /// a stable `code`.
+    pub fn status(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, code: Some(code), ..ApiError::invalid(message, None) }
+    }
+
+    /// 503 `unavailable` with `Retry-After`.
+    pub fn unavailable(message: impl Into<String>, retry_after: Duration) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "service_unavailable",
+            param: None,
+            code: Some("unavailable"),
+            retry_after: Some(retry_after),
+        }
+    }
+
+    /// 404 `model_not_found`. A long name is shortened in the message (it is the client's own).
     pub fn model_not_found(model: &str) -> ApiError {
         ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            message: format!("The model `{}` does not exist or you do not have access to it.", clip(model, 256)),
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
@@ -96,17 +114,22 @@ impl From<GenerateError> for ApiError {
             },
             GenerateError::ModelNotFound(model) => ApiError::model_not_found(&model),
             GenerateError::PromptTooLong { tokens, limit } => ApiError::context_length(tokens, limit, "messages"),
-            GenerateError::Unavailable { retry_after, .. } => ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message: e.to_string(),
-                kind: "service_unavailable",
-                param: None,
-                code: Some("unavailable"),
-                retry_after: Some(retry_after),
-            },
+            GenerateError::Unavailable { retry_after, .. } => ApiError::unavailable(e.to_string(), retry_after),
             GenerateError::Internal(message) => ApiError::internal(message),
         }
     }
+}
+
+/// `text` cut to at most `max` bytes (on a character boundary), with `…` when cut.
+pub fn clip(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &text[..end], text.len()).into()
 }
 
 impl IntoResponse for ApiError {

@@ -5,7 +5,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use dynamo_config::RegionKind;
@@ -62,28 +61,26 @@ pub(super) async fn models(State(state): State<FrontendState>) -> impl IntoRespo
     axum::Json(json!({"object": "list", "data": data}))
 }
 
-pub(super) async fn chat_completions(
-    State(state): State<FrontendState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub(super) async fn method_not_allowed() -> ApiError {
+    ApiError::status(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "This route does not take that method: generation routes take POST, /v1/models and /health GET.",
+    )
+}
+
+pub(super) async fn chat_completions(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
     let arrived = Instant::now();
-    let prepared = parse::<ChatCompletionRequest>(body).and_then(|req| prepare_chat(&state, &headers, req));
-    let response = match prepared {
+    let response = match prepare_off_thread(&state, headers, body, prepare_chat).await {
         Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
     };
     counted(metrics::Api::ChatCompletions, response)
 }
 
-pub(super) async fn completions(
-    State(state): State<FrontendState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub(super) async fn completions(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
     let arrived = Instant::now();
-    let prepared = parse::<CompletionRequest>(body).and_then(|req| prepare_completion(&state, &headers, req));
-    let response = match prepared {
+    let response = match prepare_off_thread(&state, headers, body, prepare_completion).await {
         Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
     };
@@ -96,25 +93,84 @@ fn counted(api: metrics::Api, response: Response) -> Response {
     response
 }
 
-/// The body as `T`: 413 over the body limit, 400 for anything that is not a valid `T`.
-fn parse<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let body = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError {
-                status: StatusCode::PAYLOAD_TOO_LARGE,
-                code: Some("request_too_large"),
-                ..ApiError::invalid(format!("The request body is too large: {}", rejection.body_text()), None)
+/// Reads the body (JSON only, within `frontend.body_timeout` and `frontend.max_body`), then
+/// parses it as `T` and turns it into a generation with `prepare` on the blocking pool, a few
+/// at a time: rendering and tokenizing a long conversation never holds an async thread.
+async fn prepare_off_thread<T, F>(
+    state: &FrontendState,
+    headers: HeaderMap,
+    body: Body,
+    prepare: F,
+) -> Result<Prepared, ApiError>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+    F: FnOnce(&FrontendState, &HeaderMap, T) -> Result<Prepared, ApiError> + Send + 'static,
+{
+    let bytes = read_body(state, &headers, body).await?;
+    let _permit = state.inner.preparing.clone().acquire_owned().await.map_err(|_| ApiError::internal("closed"))?;
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || parse::<T>(&bytes).and_then(|req| prepare(&state, &headers, req)))
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+}
+
+/// The body of a JSON request: 415 unless `Content-Type` is JSON, 413 over `frontend.max_body`,
+/// 408 when it does not arrive within `frontend.body_timeout`.
+async fn read_body(state: &FrontendState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let inner = &state.inner;
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let essence = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    if essence != "application/json" && !(essence.starts_with("application/") && essence.ends_with("+json")) {
+        return Err(ApiError::status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            format!(
+                "The request body must be JSON, sent with `Content-Type: application/json` (got `{}`).",
+                super::error::clip(content_type, 64)
+            ),
+        ));
+    }
+    let too_large = || {
+        ApiError::status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            format!("The request body is too large: this server accepts at most {} bytes.", inner.max_body),
+        )
+    };
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > inner.max_body as u64) {
+        return Err(too_large());
+    }
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut buf = Vec::with_capacity(declared.unwrap_or(0).min(inner.max_body as u64) as usize);
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| ApiError::invalid(format!("Could not read the request body: {e}"), None))?;
+            if buf.len() + chunk.len() > inner.max_body {
+                return Err(too_large());
             }
-        } else {
-            ApiError::invalid(format!("Could not read the request body: {}", rejection.body_text()), None)
+            buf.extend_from_slice(&chunk);
         }
-    })?;
-    serde_json::from_slice(&body).map_err(|e| {
+        Ok(Bytes::from(buf))
+    };
+    tokio::time::timeout(inner.body_timeout, read).await.unwrap_or_else(|_| {
+        Err(ApiError::status(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            format!("The request body did not arrive within {:?}.", inner.body_timeout),
+        ))
+    })
+}
+
+/// The body as `T`: 400 for anything that is not a valid `T`.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
         let kind = match e.classify() {
             serde_json::error::Category::Data => "The request body does not match the API",
             _ => "The request body is not valid JSON",
         };
-        ApiError::invalid(format!("{kind}: {e}"), None)
+        // A mistyped field's message quotes its value, which may be megabytes long.
+        ApiError::invalid(super::error::clip(&format!("{kind}: {e}"), 1024), None)
     })
 }
 
@@ -148,27 +204,55 @@ fn check_stop(stop: Option<StopStrings>) -> Result<Vec<String>, ApiError> {
     Ok(stop)
 }
 
+/// The conversation of a request: the `x-session-id` header, else the `user` field, as its
+/// [`session_key`].
 fn session_id(headers: &HeaderMap, user: Option<String>) -> Option<String> {
-    headers
-        .get("x-session-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty())
-        .map(str::to_owned)
-        .or(user.filter(|u| !u.is_empty()))
+    match headers.get("x-session-id").map(|v| v.as_bytes()).filter(|v| !v.is_empty()) {
+        Some(header) => Some(session_key(header)),
+        None => user.filter(|u| !u.is_empty()).map(|u| session_key(u.as_bytes())),
+    }
 }
 
-/// Checks the prompt's length against the context and settles `max_tokens` (clamped to what
-/// the context leaves).
-fn fit(state: &FrontendState, prompt: usize, max_tokens: Option<usize>, param: &str) -> Result<usize, ApiError> {
-    let limit = state.inner.generator.max_context();
-    if prompt >= limit {
-        return Err(ApiError::context_length(prompt, limit, param));
+/// The key a client's session id is kept under: a fixed-size digest (32 hex digits of xxh3-128),
+/// since the id is the client's choice and may be megabytes long.
+pub fn session_key(raw: &[u8]) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(raw))
+}
+
+/// Refuses a prompt of `tokens` tokens that the context cannot take with room for one generated
+/// token, or that is longer than `frontend.max_prompt_tokens`.
+fn check_prompt(state: &FrontendState, tokens: usize, param: &str) -> Result<(), ApiError> {
+    let context = state.inner.generator.max_context();
+    if tokens >= context {
+        return Err(ApiError::context_length(tokens, context, param));
     }
+    let max = state.inner.max_prompt_tokens;
+    if max > 0 && tokens > max {
+        return Err(ApiError {
+            message: format!(
+                "This server accepts prompts of at most {max} tokens. However, your prompt resulted in {tokens} \
+                 tokens. Please reduce the length of the prompt."
+            ),
+            ..ApiError::context_length(tokens, max, param)
+        });
+    }
+    Ok(())
+}
+
+/// Checks the prompt's length and settles `max_tokens` (clamped to what the context leaves).
+fn fit(state: &FrontendState, prompt: usize, max_tokens: Option<usize>, param: &str) -> Result<usize, ApiError> {
+    check_prompt(state, prompt, param)?;
     let wanted = max_tokens.unwrap_or(state.inner.default_max_tokens);
     if wanted == 0 {
         return Err(ApiError::invalid("Invalid 'max_tokens': must be at least 1.", Some("max_tokens")));
     }
-    Ok(wanted.min(limit - prompt))
+    Ok(wanted.min(state.inner.generator.max_context() - prompt))
+}
+
+/// Refuses, before any rendering or tokenizing, a prompt whose text is sure to be too long:
+/// `bytes` of text make at least `bytes / max_token_bytes` tokens, and every message at least one.
+fn precheck(state: &FrontendState, messages: usize, text_bytes: usize, param: &str) -> Result<(), ApiError> {
+    check_prompt(state, (text_bytes / state.inner.max_token_bytes).max(messages), param)
 }
 
 fn request_id(prefix: &str) -> String {
@@ -184,6 +268,8 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
     if req.messages.is_empty() {
         return Err(ApiError::invalid("'messages' must contain at least one message.", Some("messages")));
     }
+    let text_bytes: usize = req.messages.iter().map(|m| m.content.as_ref().map_or(0, MessageContent::text_bytes)).sum();
+    precheck(state, req.messages.len(), text_bytes, "messages")?;
     let mut messages = Vec::with_capacity(req.messages.len());
     for (i, m) in req.messages.into_iter().enumerate() {
         if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
@@ -275,6 +361,12 @@ fn prepare_completion(
             Err(ApiError::invalid("Only one prompt per request is supported.", Some("prompt")))
         }
     };
+    let text_bytes = match &req.prompt {
+        Prompt::Text(text) => text.len(),
+        Prompt::Texts(texts) => texts.iter().map(String::len).sum(),
+        Prompt::Tokens(_) | Prompt::TokenLists(_) => 0,
+    };
+    precheck(state, 1, text_bytes, "prompt")?;
     let prompt = match req.prompt {
         Prompt::Text(text) => inner.tokenizer.encode(&text).map_err(|e| ApiError::internal(e.to_string()))?,
         Prompt::Texts(mut texts) => {

@@ -33,8 +33,10 @@
 pub mod detok;
 pub mod error;
 pub mod generate;
+mod guard;
 mod handlers;
 pub mod protocol;
+pub mod server;
 pub mod template;
 
 use std::fmt;
@@ -49,6 +51,7 @@ use dynamo_config::FrontendSection;
 
 pub use error::ApiError;
 pub use generate::{AgentHints, FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator, RegionRanges};
+pub use handlers::session_key;
 pub use template::{ChatTemplate, TemplateError, TemplateMessage};
 
 use crate::tokenizer::Tokenizer;
@@ -71,6 +74,16 @@ struct Inner {
     max_body: usize,
     default_max_tokens: usize,
     request_timeout: Duration,
+    body_timeout: Duration,
+    /// `frontend.max_prompt_tokens`; 0 for the generator's context.
+    max_prompt_tokens: usize,
+    /// Longest token of the tokenizer in bytes: a text of `n` bytes has at least
+    /// `n / max_token_bytes` tokens, which refuses an over-long prompt before tokenizing it.
+    max_token_bytes: usize,
+    /// Rendering and tokenizing run on the blocking pool, this many at a time.
+    preparing: Arc<tokio::sync::Semaphore>,
+    limits: server::ServerLimits,
+    allowed_hosts: Vec<String>,
 }
 
 impl fmt::Debug for FrontendState {
@@ -109,16 +122,26 @@ impl FrontendState {
                 specials.push(token.to_owned());
             }
         }
+        let preparers = std::thread::available_parallelism().map_or(2, |n| n.get());
         FrontendState {
             inner: Arc::new(Inner {
                 generator,
                 specials,
+                max_token_bytes: tokenizer.max_token_bytes().max(1),
                 tokenizer,
                 template: Arc::new(template),
                 stop_token_ids,
                 max_body: usize::try_from(config.max_body.0).unwrap_or(usize::MAX),
                 default_max_tokens: config.default_max_tokens.max(1),
                 request_timeout: config.request_timeout.0,
+                body_timeout: config.body_timeout.0,
+                max_prompt_tokens: config.max_prompt_tokens,
+                preparing: Arc::new(tokio::sync::Semaphore::new(preparers)),
+                limits: server::ServerLimits {
+                    header_timeout: config.header_timeout.0,
+                    max_connections: config.max_connections,
+                },
+                allowed_hosts: config.allowed_hosts.clone(),
             }),
         }
     }
@@ -135,25 +158,35 @@ impl FrontendState {
     }
 }
 
-/// The API's routes over `state`, with the body limit of `frontend.max_body`.
-pub fn router(state: FrontendState) -> Router {
+/// The API's routes over `state`, with the body limit of `frontend.max_body`. With
+/// `loopback_only`, requests must name the node by a loopback `Host` (or one of
+/// `frontend.allowed_hosts`), and so must a browser's `Origin` ([`guard`]).
+pub fn router(state: FrontendState, loopback_only: bool) -> Router {
     let max_body = state.inner.max_body;
+    let hosts = Arc::new(guard::HostGuard::new(loopback_only, &state.inner.allowed_hosts));
     Router::new()
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(handlers::models))
         .route("/health", get(handlers::health))
         .fallback(handlers::not_found)
+        .method_not_allowed_fallback(handlers::method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(hosts, guard::check_host))
         .with_state(state)
 }
 
 /// Serves [`router`]`(state)` on `listener` until `shutdown` completes, then stops accepting
-/// connections and returns once the requests in flight have finished (streams included).
+/// connections and returns once the requests in flight have finished (streams included);
+/// dropping the future closes every connection at once. The connection limits are the
+/// `[frontend]` ones ([`server`]); on a loopback address the `Host` check applies.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: FrontendState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    let loopback = server::is_loopback(listener.local_addr()?);
+    let mut limits = state.inner.limits;
+    limits.max_connections = server::connection_limit(limits.max_connections);
+    server::serve(listener, router(state, loopback), limits, shutdown).await
 }

@@ -156,6 +156,16 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
 }
 
+impl MessageContent {
+    /// Bytes of text it holds.
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            MessageContent::Text(text) => text.len(),
+            MessageContent::Parts(parts) => parts.iter().map(|p| p.text.as_ref().map_or(0, String::len)).sum(),
+        }
+    }
+}
+
 /// A content part: only `text` parts are supported.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ContentPart {

@@ -62,6 +62,10 @@ pub struct G3Options {
     pub direct_io: bool,
     /// The I/O engine.
     pub engine: EngineChoice,
+    /// Format a path that already holds data other than a G3 store (`tiers.g3.format_foreign`).
+    /// Off, such a path is refused ([`G3Error::Foreign`]): a typo in a device path must not
+    /// wipe the device.
+    pub format_foreign: bool,
 }
 
 /// Why a store operation failed.
@@ -75,6 +79,32 @@ pub enum G3Error {
         path: PathBuf,
         /// The OS error.
         source: io::Error,
+    },
+    /// The path holds data that is not a G3 store, and formatting it was not asked for.
+    #[error(
+        "G3 path {path} already holds {bytes} bytes of data that is not a dynamo-node G3 store; refusing to \
+         format it. Point tiers.g3.paths at a new file, or set tiers.g3.format_foreign = true to overwrite it"
+    )]
+    Foreign {
+        /// The path.
+        path: PathBuf,
+        /// Its size.
+        bytes: u64,
+    },
+    /// The file system has less free space than the file needs.
+    #[error(
+        "G3 file {path} needs {} more but its file system has {} free; lower tiers.g3.capacity_per_path \
+         or free some space",
+        human_bytes(*needed),
+        human_bytes(*free)
+    )]
+    NoRoom {
+        /// The path.
+        path: PathBuf,
+        /// Bytes the file still needs.
+        needed: u64,
+        /// Bytes free on its file system.
+        free: u64,
     },
     /// The file system refuses `O_DIRECT` (tmpfs, some overlay file systems).
     #[error(
@@ -125,6 +155,8 @@ impl G3Error {
     pub fn kind(&self) -> &'static str {
         match self {
             G3Error::Open { .. } => "open",
+            G3Error::Foreign { .. } => "foreign",
+            G3Error::NoRoom { .. } => "no_room",
             G3Error::DirectIoUnsupported { .. } => "direct_io",
             G3Error::Full { .. } => "full",
             G3Error::NoSpace(_) => "no_space",
@@ -310,12 +342,31 @@ impl G3Store {
         if pool.slot_bytes() < slot_bytes {
             return Err(G3Error::TooLarge { image: slot_bytes, slot: pool.slot_bytes() });
         }
+        let mut recovery = Recovery::default();
+        // What this open created, removed again if it fails: a failed start leaves the disk as
+        // it found it.
+        let mut created = Created::default();
+        let opened = Self::open_files(options, &mut created, &mut recovery, slot_bytes);
+        let opened = opened
+            .and_then(|(files, slots, scan)| Self::finish_open(options, pool, wrap, files, slots, scan, recovery));
+        if opened.is_err() {
+            created.remove();
+        }
+        opened
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn open_files(
+        options: &G3Options,
+        created: &mut Created,
+        recovery: &mut Recovery,
+        slot_bytes: usize,
+    ) -> Result<(Vec<Arc<File>>, Vec<u32>, Vec<scan::ScanFile>), G3Error> {
         let mut files = Vec::new();
         let mut per_file_slots = Vec::new();
         let mut scan_list = Vec::new();
-        let mut recovery = Recovery::default();
         for (i, path) in options.paths.iter().enumerate() {
-            let (file, bytes) = open_file(path, options.capacity_per_path, options.direct_io)?;
+            let (file, bytes) = open_file(path, options, created)?;
             let slots = bytes.saturating_sub(SUPERBLOCK_LEN) / slot_bytes as u64;
             let slots = slots.min(u32::MAX as u64);
             let mut sb = AlignedSuper::new();
@@ -350,6 +401,20 @@ impl G3Store {
             per_file_slots.push(slots as u32);
             files.push(Arc::new(file));
         }
+        Ok((files, per_file_slots, scan_list))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish_open(
+        options: &G3Options,
+        pool: &HostPool,
+        wrap: impl FnOnce(Arc<dyn IoEngine>) -> Arc<dyn IoEngine>,
+        files: Vec<Arc<File>>,
+        per_file_slots: Vec<u32>,
+        scan_list: Vec<scan::ScanFile>,
+        mut recovery: Recovery,
+    ) -> Result<(Self, Recovery), G3Error> {
+        let slot_bytes = align_up(options.slot_bytes.max(SLOT_ALIGN));
         let found = scan::scan(scan_list).map_err(|source| G3Error::Open { path: options.paths[0].clone(), source })?;
         let mut index = Index {
             map: HashMap::new(),
@@ -378,6 +443,9 @@ impl G3Store {
             .collect();
         let engine = wrap(make_engine(options.engine, &files, pool)?);
         let total_slots = per_file_slots.iter().map(|&n| n as u64).sum();
+        // Slots whose header failed verification at the scan are corrupt blocks dropped too.
+        let stats = G3Stats::default();
+        stats.corrupt.store(recovery.invalid_slots, Ordering::Relaxed);
         Ok((
             Self {
                 engine,
@@ -385,7 +453,7 @@ impl G3Store {
                 slot_bytes,
                 total_slots,
                 index: Mutex::new(index),
-                stats: G3Stats::default(),
+                stats,
                 _pool: pool.clone(),
             },
             recovery,
@@ -592,35 +660,131 @@ fn make_engine(choice: EngineChoice, files: &[Arc<File>], pool: &HostPool) -> Re
     }
 }
 
-/// Opens (creating, sizing and reserving) a file, or opens a block device; returns it and its size.
-fn open_file(path: &Path, capacity: u64, direct: bool) -> Result<(File, u64), G3Error> {
-    let err = |source| G3Error::Open { path: path.to_path_buf(), source };
-    let is_device = std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false);
-    if !is_device && let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(err)?;
+/// Files and directories an open created, to remove when it fails.
+#[derive(Debug, Default)]
+struct Created {
+    files: Vec<PathBuf>,
+    /// Deepest last.
+    dirs: Vec<PathBuf>,
+}
+
+impl Created {
+    fn remove(self) {
+        for file in &self.files {
+            let _ = std::fs::remove_file(file);
+        }
+        // Only empty directories go: one that holds anything else is not only ours.
+        for dir in self.dirs.iter().rev() {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
+}
+
+/// Bytes free for an unprivileged writer on the file system holding `path`.
+pub fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the right type.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statvfs returned 0, so it initialised the struct.
+    (rc == 0).then(|| unsafe { st.assume_init() }).map(|s| s.f_bavail * s.f_frsize)
+}
+
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {} ({bytes} bytes)", UNITS[unit]) }
+}
+
+/// Refuses a path that holds data other than a G3 store (unless `format_foreign`): a file or
+/// device whose first 4 KiB are neither a G3 superblock nor all zeros.
+fn check_not_foreign(path: &Path, bytes: u64, format_foreign: bool) -> Result<(), G3Error> {
+    use std::io::Read;
+    if bytes == 0 || format_foreign {
+        return Ok(());
+    }
+    let mut head = vec![0u8; SUPERBLOCK_LEN as usize];
+    let mut file = File::open(path).map_err(|source| G3Error::Open { path: path.to_path_buf(), source })?;
+    let mut read = 0;
+    while read < head.len() {
+        match file.read(&mut head[read..]) {
+            Ok(0) => break,
+            Ok(n) => read += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(source) => return Err(G3Error::Open { path: path.to_path_buf(), source }),
+        }
+    }
+    if Superblock::decode(&head[..read]).is_some() || head[..read].iter().all(|&b| b == 0) {
+        Ok(())
+    } else {
+        Err(G3Error::Foreign { path: path.to_path_buf(), bytes })
+    }
+}
+
+/// What opening `path` as a G3 file of `capacity` bytes would refuse, checked without writing
+/// anything (so `config check` can say it too): a path holding data that is not a G3 store
+/// (unless `format_foreign`), or a file system with less free space than the file still needs.
+pub fn preflight(path: &Path, capacity: u64, format_foreign: bool) -> Result<(), G3Error> {
+    let existing = std::fs::metadata(path).ok();
+    let is_device = existing.as_ref().is_some_and(|m| m.file_type().is_block_device());
+    if let Some(meta) = &existing {
+        let bytes = if is_device { device_bytes(path)? } else { meta.len() };
+        check_not_foreign(path, bytes, format_foreign)?;
+    }
+    if is_device {
+        return Ok(());
+    }
+    // The space still to reserve against what the file system has free.
+    use std::os::unix::fs::MetadataExt;
+    let bytes = (capacity / SLOT_ALIGN as u64) * SLOT_ALIGN as u64;
+    let needed = bytes.saturating_sub(existing.as_ref().map_or(0, |m| m.blocks() * 512));
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    // The nearest directory that exists: the one the file's directories will be made in.
+    let on = dir.ancestors().find(|d| d.exists()).unwrap_or(Path::new("."));
+    match free_bytes(on) {
+        Some(free) if free < needed => Err(G3Error::NoRoom { path: path.to_path_buf(), needed, free }),
+        _ => Ok(()),
+    }
+}
+
+/// Opens (creating, sizing and reserving) a file, or opens a block device; returns it and its
+/// size. What it creates is noted in `created`.
+fn open_file(path: &Path, options: &G3Options, created: &mut Created) -> Result<(File, u64), G3Error> {
+    let err = |source| G3Error::Open { path: path.to_path_buf(), source };
+    preflight(path, options.capacity_per_path, options.format_foreign)?;
+    let existing = std::fs::metadata(path).ok();
+    let is_device = existing.as_ref().is_some_and(|m| m.file_type().is_block_device());
+    if !is_device && let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        let mut missing: Vec<PathBuf> = dir.ancestors().take_while(|d| !d.exists()).map(Path::to_path_buf).collect();
+        std::fs::create_dir_all(dir).map_err(err)?;
+        missing.reverse();
+        created.dirs.extend(missing);
+    }
+    let bytes = (options.capacity_per_path / SLOT_ALIGN as u64) * SLOT_ALIGN as u64;
     let mut opts = OpenOptions::new();
     opts.read(true).write(true).create(!is_device);
-    if direct {
+    if options.direct_io {
         opts.custom_flags(libc::O_DIRECT);
     }
     let file = match opts.open(path) {
         Ok(f) => f,
-        Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+        Err(e) if options.direct_io && e.raw_os_error() == Some(libc::EINVAL) => {
             return Err(G3Error::DirectIoUnsupported { path: path.to_path_buf() });
         }
         Err(e) => return Err(err(e)),
     };
-    if is_device {
-        let mut bytes = 0u64;
-        // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live local.
-        let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut bytes as *mut u64) };
-        if rc != 0 {
-            return Err(err(io::Error::last_os_error()));
-        }
-        return Ok((file, bytes));
+    if existing.is_none() {
+        created.files.push(path.to_path_buf());
     }
-    let bytes = (capacity / SLOT_ALIGN as u64) * SLOT_ALIGN as u64;
+    if is_device {
+        return Ok((file, device_bytes(path)?));
+    }
     file.set_len(bytes).map_err(err)?;
     // Reserve the space now so a full disk shows at start-up, not as write errors later.
     // SAFETY: fallocate on a descriptor we own, with a valid range; the result is checked.
@@ -629,10 +793,27 @@ fn open_file(path: &Path, capacity: u64, direct: bool) -> Result<(File, u64), G3
         let e = io::Error::last_os_error();
         match e.raw_os_error() {
             Some(libc::EOPNOTSUPP) => {}
+            Some(libc::ENOSPC) => {
+                let free = free_bytes(path).unwrap_or(0);
+                return Err(G3Error::NoRoom { path: path.to_path_buf(), needed: bytes, free });
+            }
             _ => return Err(err(e)),
         }
     }
     Ok((file, bytes))
+}
+
+/// The size of a block device.
+fn device_bytes(path: &Path) -> Result<u64, G3Error> {
+    let err = |source| G3Error::Open { path: path.to_path_buf(), source };
+    let file = File::open(path).map_err(err)?;
+    let mut bytes = 0u64;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live local.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut bytes as *mut u64) };
+    if rc != 0 {
+        return Err(err(io::Error::last_os_error()));
+    }
+    Ok(bytes)
 }
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;

@@ -1,0 +1,324 @@
+//! The HTTP/1 server under the API's routes: its own accept loop over hyper, so that a
+//! connection cannot hold the node without limit.
+//!
+//! - A connection must send a complete request head within `frontend.header_timeout` of opening,
+//!   and of the end of its previous response (so an idle keep-alive connection closes too).
+//! - At most `frontend.max_connections` are open at once, and never more than the process's
+//!   open-file limit leaves room for ([`connection_limit`]); one more is answered 503 in the API's
+//!   shape and closed. Refusals and accept errors are logged (at most once a second) and counted
+//!   in `dynamo_node_http_connections_refused_total`; `dynamo_node_http_connections` is the
+//!   number open.
+//! - Shutdown: [`serve`] stops accepting when its `shutdown` future completes and returns once
+//!   every connection has finished its requests (streams included). Dropping the future instead
+//!   closes every connection at once, which drops their streams and so cancels their requests.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::metrics;
+
+/// File descriptors kept for everything but client connections (G3 files, the metrics
+/// listener, the tokenizer, logs, io_uring, …).
+const RESERVED_FDS: u64 = 64;
+
+/// The connection limits of [`serve`].
+#[derive(Clone, Copy, Debug)]
+pub struct ServerLimits {
+    /// A request head must be complete within this long (see the module doc).
+    pub header_timeout: Duration,
+    /// Connections open at once.
+    pub max_connections: usize,
+}
+
+/// `wanted` connections, lowered to what the process's open-file limit leaves after
+/// [`RESERVED_FDS`]. The soft limit is first raised to the hard one, as servers do.
+pub fn connection_limit(wanted: usize) -> usize {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit through a pointer to a live local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return wanted;
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+        // SAFETY: setrlimit reads one rlimit through a pointer to a live local.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit = raised;
+        }
+    }
+    let room = limit.rlim_cur.saturating_sub(RESERVED_FDS).max(1);
+    let allowed = usize::try_from(room).unwrap_or(usize::MAX).min(wanted);
+    if allowed < wanted {
+        tracing::warn!(
+            wanted,
+            allowed,
+            open_file_limit = limit.rlim_cur,
+            "frontend.max_connections is above what the open-file limit allows; using the lower number"
+        );
+    }
+    allowed
+}
+
+/// Serves `router` on `listener` within `limits` until `shutdown` completes, then stops
+/// accepting and returns once the connections' requests have finished.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ServerLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    // Owned here: dropping `serve` aborts every connection.
+    let mut connections = JoinSet::new();
+    let warn = RateLimited::default();
+    let mut builder = http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => break,
+            Some(_) = connections.join_next() => {
+                metrics::set_http_connections(connections.len());
+                continue;
+            }
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of file descriptors or memory: the listener is fine; retry shortly.
+                metrics::record_connection_refused("accept_error");
+                warn.warn(|n| tracing::warn!(error = %e, refused_since_last = n, "cannot accept an HTTP connection"));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            metrics::record_connection_refused("limit");
+            warn.warn(|n| {
+                tracing::warn!(
+                    %peer,
+                    limit = limits.max_connections,
+                    refused_since_last = n,
+                    "HTTP connection refused: frontend.max_connections are open"
+                )
+            });
+            connections.spawn(refuse(stream));
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let io = TokioIo::new(ErrorBodies::new(stream));
+        let connection = graceful.watch(builder.serve_connection(io, service));
+        connections.spawn(async move {
+            if let Err(e) = connection.await
+                && e.is_timeout()
+            {
+                metrics::record_connection_refused("header_timeout");
+                tracing::debug!(%peer, "closed a connection that sent no complete request head in time");
+            }
+            drop(permit);
+        });
+        metrics::set_http_connections(connections.len());
+    }
+    drop(listener);
+    // Every connection finishes the request it serves and closes (hyper's graceful shutdown).
+    graceful.shutdown().await;
+    while connections.join_next().await.is_some() {}
+    metrics::set_http_connections(0);
+    Ok(())
+}
+
+/// Answers a connection over the limit with a 503 in the API's shape and closes it.
+async fn refuse(mut stream: TcpStream) {
+    let body = super::error::ApiError::unavailable(
+        "The server has too many open connections; retry shortly.",
+        Duration::from_secs(1),
+    )
+    .body()
+    .to_string();
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let write = async {
+        stream.write_all(response.as_bytes()).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+}
+
+/// A warning logged at most once a second, with the count of those it stood for.
+#[derive(Debug, Default)]
+struct RateLimited {
+    /// When the last one was logged, in ms since `start`.
+    last_ms: AtomicU64,
+    suppressed: AtomicU64,
+    start: std::sync::OnceLock<Instant>,
+}
+
+impl RateLimited {
+    fn warn(&self, log: impl FnOnce(u64)) {
+        let start = *self.start.get_or_init(Instant::now);
+        let now = start.elapsed().as_millis() as u64 + 1_000;
+        let last = self.last_ms.load(Ordering::Relaxed);
+        if now >= last + 1_000 && self.last_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
+            log(self.suppressed.swap(0, Ordering::Relaxed) + 1);
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A connection that gives hyper's own error answers a body in the API's shape.
+///
+/// hyper answers a request it cannot parse by itself — 400 for a malformed request line or
+/// header, 431 for headers over its limit, 414 for an over-long URL — with an empty body, and
+/// then closes the connection. Those answers are the only ones without a `content-type` (every
+/// answer of the routes has one), so the first write of such a head is replaced by the same
+/// status with a JSON error body.
+#[derive(Debug)]
+struct ErrorBodies<S> {
+    inner: S,
+    /// A replacement answer still to write, and how much of it is written.
+    pending: Option<(Vec<u8>, usize)>,
+}
+
+impl<S> ErrorBodies<S> {
+    fn new(inner: S) -> Self {
+        Self { inner, pending: None }
+    }
+}
+
+/// The JSON answer that replaces hyper's empty `head`, if `head` is one of hyper's own.
+fn replacement(head: &[u8]) -> Option<Vec<u8>> {
+    let end = head.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let text = std::str::from_utf8(&head[..end]).ok()?;
+    let lower = text.to_ascii_lowercase();
+    if !lower.contains("\r\ncontent-length: 0\r\n") || lower.contains("\r\ncontent-type:") {
+        return None;
+    }
+    let status = text.strip_prefix("HTTP/1.1 ").or_else(|| text.strip_prefix("HTTP/1.0 "))?;
+    let (code, message): (&str, &str) = match status.get(..3)? {
+        "400" => ("bad_request", "The request is not valid HTTP/1.1: its request line or a header is malformed."),
+        "431" => ("headers_too_large", "The request's headers are too large."),
+        "414" => ("uri_too_long", "The request's URL is too long."),
+        _ => return None,
+    };
+    let line = &text[..text.find("\r\n")?];
+    let status = axum::http::StatusCode::from_u16(status[..3].parse().ok()?).ok()?;
+    let body = super::error::ApiError::status(status, code, message).body().to_string();
+    Some(
+        format!(
+            "{line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes(),
+    )
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> ErrorBodies<S> {
+    /// Writes what is left of a replacement answer.
+    fn poll_pending(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        while let Some((bytes, written)) = &mut self.pending {
+            if *written == bytes.len() {
+                self.pending = None;
+                break;
+            }
+            match std::pin::Pin::new(&mut self.inner).poll_write(cx, &bytes[*written..]) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => *written += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for ErrorBodies<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for ErrorBodies<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::task::ready!(self.poll_pending(cx))?;
+        if buf.starts_with(b"HTTP/1.")
+            && let Some(answer) = replacement(buf)
+        {
+            // hyper's bytes count as written; ours go now or at the next write, flush or shutdown.
+            self.pending = Some((answer, 0));
+            if let std::task::Poll::Ready(Err(e)) = self.poll_pending(cx) {
+                return std::task::Poll::Ready(Err(e));
+            }
+            return std::task::Poll::Ready(Ok(buf.len()));
+        }
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::task::ready!(self.poll_pending(cx))?;
+        match bufs.iter().find(|b| !b.is_empty()) {
+            Some(first) if first.starts_with(b"HTTP/1.") && replacement(first).is_some() => {
+                let first: &[u8] = first;
+                self.poll_write(cx, first)
+            }
+            _ => std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::ready!(self.poll_pending(cx))?;
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::ready!(self.poll_pending(cx))?;
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Whether `addr` is a loopback address (the Host/Origin check applies there).
+pub fn is_loopback(addr: SocketAddr) -> bool {
+    addr.ip().is_loopback()
+}
