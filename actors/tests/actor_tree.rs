@@ -59,6 +59,14 @@ fn request(first: u32) -> GenRequest {
 }
 
 async fn node(gate: Arc<Semaphore>, policy: RoutingPolicy) -> (ractor::ActorRef<NodeMsg>, SchedulerRef) {
+    node_with(gate, policy, 1024).await
+}
+
+async fn node_with(
+    gate: Arc<Semaphore>,
+    policy: RoutingPolicy,
+    max_sessions: usize,
+) -> (ractor::ActorRef<NodeMsg>, SchedulerRef) {
     let factory: EngineFactory =
         Arc::new(move |id| Ok(Box::new(Scripted { id, gate: gate.clone() }) as Box<dyn Engine>));
     let workers = (0..2)
@@ -75,7 +83,7 @@ async fn node(gate: Arc<Semaphore>, policy: RoutingPolicy) -> (ractor::ActorRef<
         scheduler: SchedulerArgs {
             policy,
             session_idle_timeout: Duration::from_secs(60),
-            max_sessions: 1024,
+            max_sessions,
             seed: 1,
             kv: None,
         },
@@ -169,5 +177,23 @@ async fn a_sessions_turns_stay_on_its_worker() {
         assert_eq!(again.tokens, first.tokens, "turn {i} stayed on worker {:?}", first.tokens);
     }
     assert_eq!(status(&s).await.sessions, 1);
+    let _ = root.call(NodeMsg::Shutdown, None).await;
+}
+
+/// Clients choose session ids: past `max_sessions` live ones, a new conversation ends the
+/// idlest, so their number (and the memory they hold) stays bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_sessions_are_capped() {
+    let gate = Arc::new(Semaphore::new(100));
+    let (root, s) = node_with(gate, RoutingPolicy::KvAware, 3).await;
+    for i in 0..10 {
+        let id = format!("agent-{i}");
+        finish(submit(&s, request(i), Some(&id)).await.expect("room")).await.expect("served");
+        // Keep agent-0 busy: it is never the idlest.
+        finish(submit(&s, request(100 + i), Some("agent-0")).await.expect("room")).await.expect("served");
+        assert!(status(&s).await.sessions <= 3, "after {} sessions: {:?}", i + 1, status(&s).await);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(status(&s).await.sessions, 3);
     let _ = root.call(NodeMsg::Shutdown, None).await;
 }

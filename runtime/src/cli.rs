@@ -306,3 +306,25 @@ fn serve(args: ServeArgs) -> ExitCode {
     runtime.shutdown_timeout(Duration::from_millis(500));
     report(result)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error that names its OS error in its own message, wrapped in context: the OS error
+    /// is printed once.
+    #[test]
+    fn an_error_chain_says_each_cause_once() {
+        let os = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        #[derive(Debug, thiserror::Error)]
+        #[error("G3 file /x: {source}")]
+        struct Named {
+            source: std::io::Error,
+        }
+        let e = anyhow::Error::new(Named { source: os }).context("opening the G3 store");
+        let text = error_chain(&e);
+        assert_eq!(text.matches("os error 28").count(), 1, "{text}");
+        assert!(text.starts_with("opening the G3 store: G3 file /x: "), "{text}");
+        assert_eq!(format!("{e:#}").matches("os error 28").count(), 2, "anyhow's own form says it twice");
+    }
+}

@@ -430,7 +430,7 @@ impl Generator for NodeGenerator {
         // A speculative prefill warms the cache and generates nothing; it waits behind real work.
         let speculative = req.hints.speculative_prefill.unwrap_or(false);
         let hints = Hints {
-            priority: req.hints.priority.unwrap_or(0).saturating_sub(i32::from(speculative)),
+            priority: queue_priority(req.hints.priority, speculative),
             expected_output_tokens: req.hints.expected_output_tokens,
         };
         let job = GenRequest {
@@ -455,6 +455,13 @@ impl Generator for NodeGenerator {
             })
             .boxed()
     }
+}
+
+/// A request's queue priority: the agent's hint (0 without one), one lower for a speculative
+/// prefill, which waits behind real work; it saturates at `i32::MIN` instead of wrapping to the
+/// highest priority.
+fn queue_priority(hint: Option<i32>, speculative: bool) -> i32 {
+    hint.unwrap_or(0).saturating_sub(i32::from(speculative))
 }
 
 fn events(
@@ -496,4 +503,18 @@ fn events(
         };
         Some((item, Some(rx)))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_speculative_prefill_waits_behind_real_work_and_never_wraps_to_the_front() {
+        assert_eq!(queue_priority(None, false), 0);
+        assert_eq!(queue_priority(Some(2), true), 1);
+        assert_eq!(queue_priority(Some(i32::MIN), true), i32::MIN);
+        assert_eq!(queue_priority(Some(i32::MAX), false), i32::MAX);
+        assert!(queue_priority(Some(i32::MIN), true) < queue_priority(None, true));
+    }
 }

@@ -147,12 +147,13 @@ async fn corrupt_blocks_on_disk_are_dropped_never_served() {
     let (store, recovery) = G3Store::open(&opts, &pool).expect("reopen");
     assert_eq!(recovery.invalid_slots, 1, "the torn header is found by the scan");
     assert!(!store.contains(h(2)));
+    assert_eq!(store.stats().corrupt.load(std::sync::atomic::Ordering::Relaxed), 1, "the scan's find is counted");
     assert!(store.contains(h(1)), "payload damage is found on read, not on scan");
     let failure = store.read(h(1), pool.try_alloc().expect("slot")).await.expect_err("corrupt");
     assert_eq!(failure.error.kind(), "corrupt");
     assert!(failure.buf.is_some(), "the destination slot is handed back");
     assert!(!store.contains(h(1)), "a block that failed verification is dropped");
-    assert_eq!(store.stats().corrupt.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(store.stats().corrupt.load(std::sync::atomic::Ordering::Relaxed), 2);
     assert!(read_ok(&store, &pool, h(0)).await && read_ok(&store, &pool, h(3)).await);
 }
 
@@ -267,4 +268,59 @@ async fn another_slot_size_reformats_the_file() {
     assert!(recovery.blocks.is_empty());
     assert!(store.is_empty());
     assert_eq!(store.capacity_slots(), 8);
+}
+
+/// A path that holds something other than a G3 store is refused and left as it was, unless
+/// formatting it was asked for; an all-zero file (a crashed format, a fresh `fallocate`) is not
+/// foreign.
+#[tokio::test]
+async fn a_foreign_path_is_refused_unless_formatting_is_asked_for() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_for(PAYLOAD, 8);
+    let mut opts = options(dir.path(), 1, 4, engines()[0]);
+    std::fs::create_dir_all(opts.paths[0].parent().unwrap()).unwrap();
+    let text = b"#!/bin/sh\necho important\n".repeat(300);
+    std::fs::write(&opts.paths[0], &text).unwrap();
+    let err = G3Store::open(&opts, &pool).map(|_| ()).expect_err("foreign data");
+    assert_eq!(err.kind(), "foreign");
+    assert!(err.to_string().contains("format_foreign"), "{err}");
+    assert_eq!(std::fs::read(&opts.paths[0]).unwrap(), text, "untouched");
+
+    opts.format_foreign = true;
+    let (store, recovery) = G3Store::open(&opts, &pool).expect("formatted when asked");
+    assert_eq!((recovery.formatted_files, store.capacity_slots()), (1, 4));
+    drop(store);
+
+    opts.format_foreign = false;
+    std::fs::write(&opts.paths[0], vec![0u8; 1 << 20]).unwrap();
+    G3Store::open(&opts, &pool).expect("zeros are not foreign data");
+    G3Store::open(&opts, &pool).expect("and a G3 store is ours");
+}
+
+/// An open that fails part-way removes what it created: files and directories that were not
+/// there before, but never a file that was.
+#[tokio::test]
+async fn a_failed_open_leaves_the_disk_as_it_found_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_for(PAYLOAD, 8);
+    let mut opts = options(dir.path(), 1, 4, engines()[0]);
+    let fresh = dir.path().join("new/dirs/store.0");
+    let foreign = dir.path().join("foreign.bin");
+    std::fs::write(&foreign, b"not a store").unwrap();
+    opts.paths = vec![fresh.clone(), foreign.clone()];
+    let err = G3Store::open(&opts, &pool).map(|_| ()).expect_err("the second path is foreign");
+    assert_eq!(err.kind(), "foreign");
+    assert!(!fresh.exists() && !dir.path().join("new").exists(), "the first file and its directories are gone");
+    assert_eq!(std::fs::read(&foreign).unwrap(), b"not a store");
+
+    // More than the file system has: refused before anything is written, naming both sizes.
+    let free = dynamo_tiering::g3::free_bytes(dir.path()).expect("statvfs");
+    opts.paths = vec![fresh.clone()];
+    opts.capacity_per_path = free + (1 << 40);
+    let err = G3Store::open(&opts, &pool).map(|_| ()).expect_err("too big");
+    assert_eq!(err.kind(), "no_room");
+    assert!(err.to_string().contains("free"), "{err}");
+    assert!(!fresh.exists() && !dir.path().join("new").exists());
+    let after = dynamo_tiering::g3::free_bytes(dir.path()).expect("statvfs");
+    assert!(after + (64 << 20) >= free, "free space was {free}, is {after}");
 }

@@ -675,3 +675,80 @@ async fn a_slow_disk_gets_a_bounded_backlog_and_the_rest_stays_in_g2() {
     assert!(hashes.iter().all(|h| g2.contains(*h)), "every block is in G2 all the same");
     assert_eq!(out.tokens, recomputed(&request(prompt)).await);
 }
+
+/// Answering false at a prefill pass stops the request there: no further pass runs, and only
+/// the tokens computed count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_prefill_stops_at_the_next_pass() {
+    let n = node(16);
+    let mut w = n.worker().with_prefill_chunk(B);
+    let req = request(turn(8 * B + 3, 11));
+    let mut passes = Vec::new();
+    let out = w
+        .generate(&req, &mut |event| match event {
+            WorkerEvent::Computed { tokens } => {
+                passes.push(tokens);
+                passes.len() < 2
+            }
+            other => panic!("nothing after the cancelled pass: {other:?}"),
+        })
+        .await
+        .expect("generate");
+    assert_eq!(passes, [B, 2 * B], "the request stopped at the second pass boundary");
+    assert_eq!(out.prefill_tokens, 2 * B, "only what was computed counts");
+    assert!(out.tokens.is_empty());
+    // The worker serves the next request normally, reusing the two blocks it computed.
+    let next = run(&mut w, &req).await;
+    assert_eq!(next.hit_tokens[0], 2 * B);
+    assert_eq!(next.tokens, recomputed(&req).await);
+}
+
+/// A `max_tokens` far beyond what the answer uses takes G1 pages only as decode reaches them:
+/// the blocks of earlier requests are not evicted to reserve the whole context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_max_tokens_reserves_nothing_ahead() {
+    let n = node(16);
+    // 32 G1 pages of 16 tokens.
+    let mut w = n.worker();
+    let first = request(turn(4 * B + 1, 12));
+    run(&mut w, &first).await;
+    let resident = w.resident_blocks();
+    assert!(resident >= 4, "{resident}");
+    let prompt = turn(2 * B, 13);
+    let greedy = GenRequest::greedy(prompt.clone(), 32 * B - prompt.len());
+    let mut seen = 0;
+    w.generate(&greedy, &mut |event| {
+        if let WorkerEvent::Token(_) = event {
+            seen += 1;
+        }
+        seen < 3
+    })
+    .await
+    .expect("generate");
+    assert!(w.resident_blocks() >= resident, "the first request's blocks stay in G1");
+    assert!(w.holds(BlockHasher::new(n.tiers.salt, B).hash_sequence(&first.prompt)[0]));
+}
+
+/// Sampling never picks an id outside the request's allowed set (the tokenizer's decodable
+/// ids), greedy or at a high temperature, even where the model favours those ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_stays_inside_the_decodable_ids() {
+    use dynamo_kernels::sampling::{Sampling, TokenSet};
+    let n = node(16);
+    let mut w = n.worker();
+    let prompt = turn(B + 5, 14);
+    let free = run(&mut w, &GenRequest::greedy(prompt.clone(), 8)).await.tokens;
+    // Forbid what the unrestricted greedy answer used: every step must pick something else.
+    let banned: HashSet<u32> = free.iter().copied().collect();
+    let vocab = w.model().shape().vocab;
+    let allowed = Arc::new(TokenSet::from_fn(vocab - 7, |id| !banned.contains(&id)));
+    for sampling in [Sampling::Greedy, Sampling::Temperature { temperature: 2.0 }] {
+        for seed in 0..4 {
+            let req =
+                GenRequest { allowed: Some(allowed.clone()), sampling, seed, ..GenRequest::greedy(prompt.clone(), 8) };
+            let out = run(&mut w, &req).await;
+            assert_eq!(out.tokens.len(), 8);
+            assert!(out.tokens.iter().all(|&t| allowed.contains(t)), "{sampling:?} seed {seed}: {:?}", out.tokens);
+        }
+    }
+}

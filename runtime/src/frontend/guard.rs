@@ -37,7 +37,7 @@ impl HostGuard {
         host == "localhost"
             || host.ends_with(".localhost")
             || bare.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
-            || self.allowed.iter().any(|a| *a == host)
+            || self.allowed.contains(&host)
     }
 
     fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
