@@ -25,7 +25,7 @@
 //! | `dynamo_node_kv_transfer_bytes_total` | counter | `src`, `dst` | bytes moved between tiers |
 //! | `dynamo_node_kv_transfer_seconds` | histogram | `src`, `dst` | duration of one batched transfer |
 //! | `dynamo_node_kv_evictions_total` | counter | `tier`, `region` | blocks evicted by the tier's policy (mirrors the registry) |
-//! | `dynamo_node_kv_corrupt_blocks_total` | counter | `tier` | reads that failed verification (G3: mirrors the store) |
+//! | `dynamo_node_kv_corrupt_blocks_total` | counter | `tier` | reads that failed verification, and G3 slots whose header failed the start-up scan (G3: mirrors the store) |
 //! | `dynamo_node_kv_tier_writes_total` | counter | `tier` | block images written (mirrors the store) |
 //! | `dynamo_node_kv_tier_write_bytes_total` | counter | `tier` | bytes written (mirrors the store) |
 //! | `dynamo_node_kv_tier_duplicate_writes_total` | counter | `tier` | writes skipped, block already present |
@@ -48,6 +48,9 @@
 //! | `dynamo_node_router_predicted_cached_tokens_total` | counter | | cached tokens the router predicted |
 //! | `dynamo_node_router_actual_cached_tokens_total` | counter | | cached tokens found, for predicted requests |
 //! | `dynamo_node_router_mispredictions_total` | counter | | requests whose prediction was off |
+//! | `dynamo_node_requests_cancelled_total` | counter | `stage` | requests stopped because nobody waited for them (`queued`, `prefill`, `decode`) |
+//! | `dynamo_node_http_connections` | gauge | | HTTP connections open |
+//! | `dynamo_node_http_connections_refused_total` | counter | `reason` | connections the node closed: `limit`, `accept_error`, `header_timeout` |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -262,7 +262,7 @@ fn other_validation_rules() {
     // Allowed: a model from a path with any name, G1 = 0 on auto, RDMA transport, hostname peers.
     parse("[model]\nname = \"mine\"\npath = \"/m\"\n[tiers.g1]\ncapacity = 0\n").unwrap();
     parse("[tiers.g4]\nenabled = true\ntransport = \"rdma\"\npeers = [\"node-1:7100\"]\n").unwrap();
-    parse("[tiers.g2]\nenabled = false\ncapacity = 0\n").unwrap();
+    parse("[tiers.g2]\nenabled = false\ncapacity = 0\n[tiers.g3]\nenabled = false\n").unwrap();
 }
 
 #[test]
@@ -335,9 +335,9 @@ fn what_serve_would_refuse_is_refused_with_its_line() {
         parse(&format!("[node]\nlog_level = \"{ok}\"\n")).unwrap_or_else(|e| panic!("{ok}: {e}"));
     }
 
-    let err = parse("[tiers.g2]\nenabled = false\n\n[tiers.g3]\nenabled = true\n").unwrap_err();
-    assert_eq!(err.key(), Some("tiers.g3.enabled"));
-    assert_eq!(err.line(), Some(5));
+    let err = parse("[tiers.g2]\nenabled = false\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers.g2.enabled"));
+    assert_eq!(err.line(), Some(2));
     assert!(err.to_string().contains("go through G2"), "{err}");
     parse("[tiers.g2]\nenabled = false\n\n[tiers.g3]\nenabled = false\n").unwrap();
 

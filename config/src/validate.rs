@@ -201,8 +201,9 @@ impl NodeConfig {
         let g3 = &self.tiers.g3;
         if g3.enabled && !g2.enabled {
             c.fail(
-                "tiers.g3.enabled",
-                "G3 is on but tiers.g2.enabled = false: G3 reads and writes go through G2 slots; enable G2 or disable G3",
+                "tiers.g2.enabled",
+                "G2 is off but G3 is on (tiers.g3.enabled): G3 reads and writes go through G2 slots; \
+                 enable G2 or disable G3",
             );
         }
         if g3.enabled {

@@ -546,3 +546,20 @@ async fn max_prompt_tokens_bounds_prompts_below_the_context() {
     let (status, _, value) = post(&server, "/v1/completions", &json!({"model": "fake", "prompt": vec![1; 101]})).await;
     assert_error(status, &value, 400, "invalid_request_error", Some("context_length_exceeded"));
 }
+
+/// A body that does not arrive within `frontend.body_timeout` is a 408 in the API's shape.
+#[tokio::test]
+async fn a_body_that_never_arrives_is_408() {
+    let server =
+        Server::start(FrontendSection { body_timeout: HumanDuration::secs(1), ..FrontendSection::default() }).await;
+    let started = std::time::Instant::now();
+    let answer = raw(
+        &server,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"model\":",
+    )
+    .await;
+    let (status, body) = split_answer(&answer);
+    assert_error(status, &body, 408, "invalid_request_error", Some("request_timeout"));
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+}

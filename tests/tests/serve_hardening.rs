@@ -348,19 +348,17 @@ fn a_g3_that_does_not_fit_leaves_the_disk_as_it_was() {
 async fn a_full_node_says_when_to_retry_from_its_queue() {
     let node = start(&format!("{ONE_WORKER}max_queued_requests = 1\n"));
     let prompt = long_prompt(8_000);
-    // One request runs, one waits: the queue is full.
-    let busy: Vec<_> = (0..2)
-        .map(|_| {
-            let api = node.api.clone();
-            let body = completion(&prompt, 4);
-            tokio::spawn(async move {
-                let client = reqwest::Client::new();
-                let _ =
-                    client.post(format!("{api}/completions")).json(&body).timeout(Duration::from_secs(20)).send().await;
-            })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // One request runs, then one waits: the queue is full.
+    let mut busy = Vec::new();
+    for _ in 0..2 {
+        let api = node.api.clone();
+        let body = completion(&prompt, 4);
+        busy.push(tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            let _ = client.post(format!("{api}/completions")).json(&body).timeout(Duration::from_secs(20)).send().await;
+        }));
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
     let response = reqwest::Client::new()
         .post(format!("{}/completions", node.api))
         .json(&completion("hello", 1))
