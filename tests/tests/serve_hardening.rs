@@ -245,6 +245,17 @@ async fn connections_past_the_cap_get_a_503() {
     assert_eq!(node.stop(), 0);
 }
 
+/// Runs `serve` with `config` on `data` to its end (a start that fails).
+fn serve_once(data: &std::path::Path, config: &std::path::Path) -> std::process::Output {
+    std::process::Command::new(dynamo_tests::node_binary())
+        .args(["serve", "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--data-dir"])
+        .arg(data)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .expect("serve")
+}
+
 /// A text file named as the G3 path: `config check` and `serve` refuse it, naming it, and leave
 /// it as it was; `tiers.g3.format_foreign = true` formats it.
 #[test]
@@ -266,13 +277,7 @@ fn a_foreign_file_is_refused_as_a_g3_path() {
     assert_eq!(check.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("notes.txt") && stderr.contains("not a dynamo-node G3 store"), "{stderr}");
 
-    let serve = std::process::Command::new(dynamo_tests::node_binary())
-        .args(["serve", "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path())
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .expect("serve");
+    let serve = serve_once(dir.path(), &config);
     let stderr = String::from_utf8_lossy(&serve.stderr);
     assert_eq!(serve.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("format_foreign"), "{stderr}");
@@ -293,13 +298,7 @@ fn a_g3_that_does_not_fit_leaves_the_disk_as_it_was() {
     let config = dir.path().join("node.toml");
     std::fs::write(&config, "[tiers.g3]\ncapacity_per_path = \"100000TiB\"\n").expect("write config");
     let data = dir.path().join("data");
-    let out = std::process::Command::new(dynamo_tests::node_binary())
-        .args(["serve", "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--data-dir"])
-        .arg(&data)
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .expect("serve");
+    let out = serve_once(&data, &config);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("needs") && stderr.contains("free"), "{stderr}");
@@ -325,13 +324,7 @@ fn a_g3_that_does_not_fit_leaves_the_disk_as_it_was() {
     let toml =
         format!("[tiers.g3]\npaths = [\"{}\"]\ncapacity_per_path = \"2GiB\"\ndirect_io = false\n", store.display());
     std::fs::write(&config, toml).expect("write config");
-    let out = std::process::Command::new(dynamo_tests::node_binary())
-        .args(["serve", "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--data-dir"])
-        .arg(&data)
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .expect("serve");
+    let out = serve_once(&data, &config);
     let free_after = dynamo_tiering::g3::free_bytes(&small).expect("statvfs");
     let left: Vec<_> = std::fs::read_dir(&small).expect("list").collect();
     let _ = std::process::Command::new("umount").arg(&small).status();

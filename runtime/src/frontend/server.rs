@@ -14,8 +14,10 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -234,14 +236,13 @@ fn replacement(head: &[u8]) -> Option<Vec<u8>> {
 
 impl<S: tokio::io::AsyncWrite + Unpin> ErrorBodies<S> {
     /// Writes what is left of a replacement answer.
-    fn poll_pending(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
-        use std::task::Poll;
+    fn poll_pending(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         while let Some((bytes, written)) = &mut self.pending {
             if *written == bytes.len() {
                 self.pending = None;
                 break;
             }
-            match std::pin::Pin::new(&mut self.inner).poll_write(cx, &bytes[*written..]) {
+            match Pin::new(&mut self.inner).poll_write(cx, &bytes[*written..]) {
                 Poll::Ready(Ok(0)) => return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())),
                 Poll::Ready(Ok(n)) => *written += n,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -254,46 +255,42 @@ impl<S: tokio::io::AsyncWrite + Unpin> ErrorBodies<S> {
 
 impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for ErrorBodies<S> {
     fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
 
 impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for ErrorBodies<S> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::task::ready!(self.poll_pending(cx))?;
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        ready!(self.poll_pending(cx))?;
         if buf.starts_with(b"HTTP/1.")
             && let Some(answer) = replacement(buf)
         {
             // hyper's bytes count as written; ours go now or at the next write, flush or shutdown.
             self.pending = Some((answer, 0));
-            if let std::task::Poll::Ready(Err(e)) = self.poll_pending(cx) {
-                return std::task::Poll::Ready(Err(e));
+            if let Poll::Ready(Err(e)) = self.poll_pending(cx) {
+                return Poll::Ready(Err(e));
             }
-            return std::task::Poll::Ready(Ok(buf.len()));
+            return Poll::Ready(Ok(buf.len()));
         }
-        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+        Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::task::ready!(self.poll_pending(cx))?;
+    ) -> Poll<std::io::Result<usize>> {
+        ready!(self.poll_pending(cx))?;
         match bufs.iter().find(|b| !b.is_empty()) {
             Some(first) if first.starts_with(b"HTTP/1.") && replacement(first).is_some() => {
                 let first: &[u8] = first;
                 self.poll_write(cx, first)
             }
-            _ => std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs),
+            _ => Pin::new(&mut self.inner).poll_write_vectored(cx, bufs),
         }
     }
 
@@ -301,20 +298,14 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for ErrorBodies<S> 
         self.inner.is_write_vectored()
     }
 
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::task::ready!(self.poll_pending(cx))?;
-        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        ready!(self.poll_pending(cx))?;
+        Pin::new(&mut self.inner).poll_flush(cx)
     }
 
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::task::ready!(self.poll_pending(cx))?;
-        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        ready!(self.poll_pending(cx))?;
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
