@@ -35,6 +35,7 @@ pub mod error;
 pub mod generate;
 mod guard;
 mod handlers;
+pub mod parsers;
 pub mod protocol;
 pub mod server;
 pub mod template;

@@ -1,0 +1,613 @@
+//! Tool-call parsers: the text between a format's start marker and its end (a closing marker, or
+//! the end of a JSON value) is held until it is complete, then becomes tool calls, or the text it
+//! was if it does not parse.
+
+use serde_json::Value;
+
+use super::json::{loose_value, object_fields, object_text, python_calls, python_list_end, skip_ws, value_end};
+use super::scan::{Scan, scan};
+use super::{Segment, ToolCall, push_segment, push_text};
+
+/// A tool-call format, by Dynamo's parser names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Qwen2.5, Qwen3-Instruct).
+    Hermes,
+    /// `<tool_call><function=f><parameter=k>v</parameter></function></tool_call>` (Qwen3-Coder,
+    /// Nemotron Nano).
+    Qwen3Coder,
+    /// `<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>` (GLM-4.7).
+    Glm47,
+    /// `<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{…}<|tool_call_end|>…`.
+    KimiK2,
+    /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{…}\n```<｜tool▁call▁end｜>…`.
+    DeepseekV3,
+    /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{…}<｜tool▁call▁end｜>…`.
+    DeepseekV31,
+    /// DSML: `<｜DSML｜function_calls><｜DSML｜invoke name="f"><｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>…`.
+    DeepseekV32,
+    /// `<|python_tag|>{"name": …, "parameters": …}`, or a bare JSON call opening the answer.
+    Llama3Json,
+    /// `[TOOL_CALLS][{"name": …, "arguments": …}]`, or the v11 form `[TOOL_CALLS]f{…}`.
+    Mistral,
+    /// `[f(a=1), g(x=[1, 2])]`, optionally inside `<|python_start|>…<|python_end|>`.
+    Pythonic,
+    /// gpt-oss harmony (`<|channel|>commentary to=functions.f …<|message|>{…}<|call|>`).
+    Harmony,
+    /// `<TOOLCALL>[…]</TOOLCALL>`.
+    NemotronDeci,
+    /// `<tool_calls>[…]</tool_calls>`.
+    Jamba,
+    /// `functools[…]`.
+    Phi4,
+    /// `<minimax:tool_call><invoke name="f"><parameter name="k">v</parameter></invoke></minimax:tool_call>`.
+    MinimaxM2,
+}
+
+/// How a call's text ends once its start marker is seen.
+#[derive(Clone, Copy, Debug)]
+enum End {
+    /// At one of these markers.
+    Tags(&'static [&'static str]),
+    /// At the end of one JSON value.
+    Json,
+    /// At the end of JSON objects separated by `;`.
+    JsonObjects,
+    /// A JSON list, or a name and a JSON object (Mistral v11).
+    Mistral,
+    /// At the end of a Python list.
+    PythonList,
+}
+
+impl ToolFormat {
+    /// Every name `frontend.tool_call_parser` takes.
+    pub const NAMES: [&'static str; 16] = [
+        "hermes",
+        "qwen3_coder",
+        "nemotron_nano",
+        "glm47",
+        "kimi_k2",
+        "deepseek_v3",
+        "deepseek_v3_1",
+        "deepseek_v3_2",
+        "llama3_json",
+        "mistral",
+        "pythonic",
+        "harmony",
+        "nemotron_deci",
+        "jamba",
+        "phi4",
+        "minimax_m2",
+    ];
+
+    /// The format a parser name stands for.
+    pub fn from_name(name: &str) -> Option<ToolFormat> {
+        Some(match name {
+            "hermes" => ToolFormat::Hermes,
+            "qwen3_coder" | "nemotron_nano" => ToolFormat::Qwen3Coder,
+            "glm47" => ToolFormat::Glm47,
+            "kimi_k2" => ToolFormat::KimiK2,
+            "deepseek_v3" => ToolFormat::DeepseekV3,
+            "deepseek_v3_1" => ToolFormat::DeepseekV31,
+            "deepseek_v3_2" => ToolFormat::DeepseekV32,
+            "llama3_json" => ToolFormat::Llama3Json,
+            "mistral" => ToolFormat::Mistral,
+            "pythonic" => ToolFormat::Pythonic,
+            "harmony" => ToolFormat::Harmony,
+            "nemotron_deci" => ToolFormat::NemotronDeci,
+            "jamba" => ToolFormat::Jamba,
+            "phi4" => ToolFormat::Phi4,
+            "minimax_m2" => ToolFormat::MinimaxM2,
+            _ => return None,
+        })
+    }
+
+    fn starts(self) -> &'static [&'static str] {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Qwen3Coder | ToolFormat::Glm47 => &["<tool_call>"],
+            ToolFormat::KimiK2 => &["<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"],
+            ToolFormat::DeepseekV3 | ToolFormat::DeepseekV31 => &["<｜tool▁calls▁begin｜>"],
+            ToolFormat::DeepseekV32 => &["<｜DSML｜function_calls>"],
+            ToolFormat::Llama3Json => &["<|python_tag|>"],
+            ToolFormat::Mistral => &["[TOOL_CALLS]"],
+            ToolFormat::Pythonic => &["<|python_start|>", "["],
+            ToolFormat::Harmony => &[],
+            ToolFormat::NemotronDeci => &["<TOOLCALL>"],
+            ToolFormat::Jamba => &["<tool_calls>"],
+            ToolFormat::Phi4 => &["functools"],
+            ToolFormat::MinimaxM2 => &["<minimax:tool_call>"],
+        }
+    }
+
+    fn end(self, start: usize) -> End {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Qwen3Coder | ToolFormat::Glm47 => End::Tags(&["</tool_call>"]),
+            ToolFormat::KimiK2 => End::Tags(&["<|tool_calls_section_end|>", "<|tool_call_section_end|>"]),
+            ToolFormat::DeepseekV3 | ToolFormat::DeepseekV31 => End::Tags(&["<｜tool▁calls▁end｜>"]),
+            ToolFormat::DeepseekV32 => End::Tags(&["</｜DSML｜function_calls>"]),
+            ToolFormat::Llama3Json => End::JsonObjects,
+            ToolFormat::Mistral => End::Mistral,
+            ToolFormat::Pythonic if start == 0 => End::Tags(&["<|python_end|>"]),
+            ToolFormat::Pythonic => End::PythonList,
+            ToolFormat::NemotronDeci => End::Tags(&["</TOOLCALL>"]),
+            ToolFormat::Jamba => End::Tags(&["</tool_calls>"]),
+            ToolFormat::Phi4 => End::Json,
+            ToolFormat::MinimaxM2 => End::Tags(&["</minimax:tool_call>"]),
+            ToolFormat::Harmony => End::Tags(&[]),
+        }
+    }
+
+    /// Formats whose closing marker a length-stopped answer may never write: what was read is
+    /// parsed at the end of the stream.
+    fn recovers_unclosed(self) -> bool {
+        matches!(self, ToolFormat::KimiK2 | ToolFormat::Qwen3Coder | ToolFormat::DeepseekV31 | ToolFormat::DeepseekV3)
+    }
+
+    /// The calls in `body` (the text between the start and the end), or `None` if it is not a
+    /// call of this format.
+    fn parse(self, body: &str) -> Option<Vec<ToolCall>> {
+        let calls = match self {
+            ToolFormat::Hermes => vec![json_call(body)?],
+            ToolFormat::NemotronDeci | ToolFormat::Jamba | ToolFormat::Phi4 => json_calls(body)?,
+            ToolFormat::Llama3Json => {
+                let mut calls = Vec::new();
+                for part in split_objects(body)? {
+                    calls.push(json_call(part)?);
+                }
+                calls
+            }
+            ToolFormat::Mistral => mistral_calls(body)?,
+            ToolFormat::Pythonic => python_calls(body)?
+                .into_iter()
+                .map(|(name, arguments)| ToolCall { id: None, name, arguments })
+                .collect(),
+            ToolFormat::Qwen3Coder => qwen3_coder_calls(body)?,
+            ToolFormat::Glm47 => vec![glm47_call(body)?],
+            ToolFormat::MinimaxM2 => {
+                invoke_calls(body, "<invoke name=\"", "</invoke>", "<parameter name=\"", "</parameter>")?
+            }
+            ToolFormat::DeepseekV32 => invoke_calls(
+                body,
+                "<｜DSML｜invoke name=\"",
+                "</｜DSML｜invoke>",
+                "<｜DSML｜parameter name=\"",
+                "</｜DSML｜parameter>",
+            )?,
+            ToolFormat::KimiK2 => kimi_calls(body)?,
+            ToolFormat::DeepseekV3 | ToolFormat::DeepseekV31 => deepseek_calls(body, self == ToolFormat::DeepseekV3)?,
+            ToolFormat::Harmony => return None,
+        };
+        (!calls.is_empty()).then_some(calls)
+    }
+}
+
+/// A streaming tool-call parser over an answer's text.
+#[derive(Debug)]
+pub struct ToolParser {
+    format: ToolFormat,
+    /// Inside a call: which start marker opened it.
+    inside: Option<usize>,
+    /// Text not yet said: after a start marker, the call's text so far (marker excluded).
+    buf: String,
+    /// Whether anything but whitespace came before (a bare JSON call must open the answer).
+    said_text: bool,
+}
+
+impl ToolParser {
+    /// A parser for `format`.
+    pub fn new(format: ToolFormat) -> ToolParser {
+        ToolParser { format, inside: None, buf: String::new(), said_text: false }
+    }
+
+    /// Parses `text`, appending text and complete tool calls to `out`.
+    pub fn push(&mut self, text: &str, out: &mut Vec<Segment>) {
+        self.buf.push_str(text);
+        self.drain(out, false);
+    }
+
+    /// Flushes what was held back: an unfinished call is recovered where the format allows, else
+    /// said as the text it was.
+    pub fn finish(&mut self, out: &mut Vec<Segment>) {
+        self.drain(out, true);
+    }
+
+    fn say(&mut self, out: &mut Vec<Segment>, upto: usize) {
+        let text = &self.buf[..upto];
+        self.said_text |= !text.trim().is_empty();
+        push_text(out, text);
+        self.buf.drain(..upto);
+    }
+
+    fn drain(&mut self, out: &mut Vec<Segment>, end: bool) {
+        loop {
+            match self.inside {
+                None => {
+                    let starts = self.format.starts();
+                    // A bare JSON call may open a Llama answer.
+                    if self.format == ToolFormat::Llama3Json && !self.said_text {
+                        let lead = skip_ws(&self.buf, 0);
+                        match bare_json_call_start(&self.buf[lead..]) {
+                            Some(true) => {
+                                self.buf.drain(..lead);
+                                self.inside = Some(starts.len());
+                                continue;
+                            }
+                            None if !end => return,
+                            _ => {}
+                        }
+                    }
+                    match scan(&self.buf, starts) {
+                        Scan::Found { at, marker } => {
+                            // Pythonic's bare `[` opens a call list only before `name(`.
+                            if self.format == ToolFormat::Pythonic && marker == 1 {
+                                match python_call_start(&self.buf[at + 1..]) {
+                                    Some(true) => {}
+                                    Some(false) => {
+                                        self.say(out, at + 1);
+                                        continue;
+                                    }
+                                    None if end => {
+                                        self.say(out, self.buf.len());
+                                        return;
+                                    }
+                                    None => {
+                                        self.say(out, at);
+                                        return;
+                                    }
+                                }
+                                self.say(out, at);
+                                self.inside = Some(marker);
+                                continue;
+                            }
+                            self.say(out, at);
+                            self.buf.drain(..starts[marker].len());
+                            self.inside = Some(marker);
+                        }
+                        Scan::Partial { safe } => {
+                            let upto = if end { self.buf.len() } else { safe };
+                            self.say(out, upto);
+                            return;
+                        }
+                    }
+                }
+                Some(start) => {
+                    // The text that opened the call, to give back if it is not one (Pythonic's
+                    // bare `[` and Llama's bare `{` stay in the body).
+                    let marker = match (self.format, start) {
+                        (ToolFormat::Pythonic, 1) => "",
+                        _ => self.format.starts().get(start).copied().unwrap_or(""),
+                    };
+                    let (body_end, resume) = match self.body_end(start, end) {
+                        Some(found) => found,
+                        None if !end => return,
+                        None => {
+                            // The stream ended inside a call.
+                            let recovered =
+                                self.format.recovers_unclosed().then(|| self.format.parse(&self.buf)).flatten();
+                            match recovered {
+                                Some(calls) => calls.into_iter().for_each(|c| push_segment(out, Segment::ToolCall(c))),
+                                None => {
+                                    let text = format!("{marker}{}", self.buf);
+                                    push_text(out, &text);
+                                }
+                            }
+                            self.buf.clear();
+                            self.inside = None;
+                            return;
+                        }
+                    };
+                    match self.format.parse(&self.buf[..body_end]) {
+                        Some(calls) => calls.into_iter().for_each(|c| push_segment(out, Segment::ToolCall(c))),
+                        None => {
+                            let text = format!("{marker}{}", &self.buf[..resume]);
+                            self.said_text |= !text.trim().is_empty();
+                            push_text(out, &text);
+                        }
+                    }
+                    self.buf.drain(..resume);
+                    self.inside = None;
+                }
+            }
+        }
+    }
+
+    /// Where the call's body ends in `buf` and where the text after it resumes, once complete
+    /// (`end`: no more text comes).
+    fn body_end(&self, start: usize, end: bool) -> Option<(usize, usize)> {
+        let buf = &self.buf;
+        match self.format.end(start) {
+            End::Tags(tags) => match scan(buf, tags) {
+                Scan::Found { at, marker } => Some((at, at + tags[marker].len())),
+                Scan::Partial { .. } => None,
+            },
+            End::Json => value_end(buf, 0).map(|e| (e, e)),
+            End::JsonObjects => {
+                let mut e = value_end(buf, 0)?;
+                loop {
+                    let next = skip_ws(buf, e);
+                    match buf.as_bytes().get(next) {
+                        Some(b';') => e = value_end(buf, next + 1)?,
+                        // Undecided until the next character shows whether another call follows.
+                        None if !end => return None,
+                        None => return Some((e, e)),
+                        Some(_) => return Some((e, e)),
+                    }
+                }
+            }
+            End::Mistral => {
+                let lead = skip_ws(buf, 0);
+                if buf.as_bytes().get(lead) == Some(&b'[') {
+                    return value_end(buf, lead).map(|e| (e, e));
+                }
+                let brace = buf.find('{')?;
+                value_end(buf, brace).map(|e| (e, e))
+            }
+            End::PythonList => python_list_end(buf, 0).map(|e| (e, e)),
+        }
+    }
+}
+
+/// Whether `rest` (after `[`) opens a Python call: `name(` after optional whitespace; `None`
+/// while it cannot tell.
+fn python_call_start(rest: &str) -> Option<bool> {
+    let t = rest.trim_start();
+    let ident = t.bytes().take_while(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.')).count();
+    if ident == t.len() {
+        return (t.len() > 64 || t.bytes().next().is_some_and(|b| b.is_ascii_digit())).then_some(false);
+    }
+    Some(ident > 0 && !t.as_bytes()[0].is_ascii_digit() && t.as_bytes()[ident] == b'(')
+}
+
+/// Whether `rest` opens a bare JSON call (`{"name"`, whitespace aside); `None` while it cannot
+/// tell.
+fn bare_json_call_start(rest: &str) -> Option<bool> {
+    const OPEN: &str = "{\"name\"";
+    let compact: String = rest.chars().filter(|c| !c.is_whitespace()).take(OPEN.len()).collect();
+    if compact.len() == OPEN.len() {
+        Some(compact == OPEN)
+    } else if !OPEN.starts_with(&compact) || rest.len() > 256 {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// `{"name": …, "arguments" | "parameters": …}` as a call, its arguments as written.
+fn json_call(text: &str) -> Option<ToolCall> {
+    let fields = object_fields(text)?;
+    let name = fields.iter().find(|(k, _)| k == "name").and_then(|(_, v)| serde_json::from_str::<String>(v).ok())?;
+    let raw = fields.iter().find(|(k, _)| k == "arguments" || k == "parameters").map(|(_, v)| *v);
+    let arguments = match raw {
+        None => "{}".to_owned(),
+        // Some models write the arguments as a string of JSON.
+        Some(raw) if raw.starts_with('"') => serde_json::from_str::<String>(raw).ok()?,
+        Some(raw) => raw.to_owned(),
+    };
+    serde_json::from_str::<serde_json::Map<String, Value>>(&arguments).ok()?;
+    let id = fields.iter().find(|(k, _)| k == "id").and_then(|(_, v)| serde_json::from_str::<String>(v).ok());
+    Some(ToolCall { id, name, arguments })
+}
+
+/// A JSON list of calls (or one call).
+fn json_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let t = text.trim();
+    if !t.starts_with('[') {
+        return Some(vec![json_call(t)?]);
+    }
+    let mut calls = Vec::new();
+    let inner = t.strip_prefix('[')?.strip_suffix(']')?;
+    let mut i = 0;
+    loop {
+        i = skip_ws(inner, i);
+        if i >= inner.len() {
+            break;
+        }
+        let e = value_end(inner, i)?;
+        calls.push(json_call(&inner[i..e])?);
+        i = skip_ws(inner, e);
+        match inner.as_bytes().get(i) {
+            Some(b',') => i += 1,
+            None => break,
+            _ => return None,
+        }
+    }
+    Some(calls)
+}
+
+/// JSON objects separated by `;`.
+fn split_objects(text: &str) -> Option<Vec<&str>> {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    loop {
+        let start = skip_ws(text, i);
+        let e = value_end(text, start)?;
+        parts.push(&text[start..e]);
+        i = skip_ws(text, e);
+        match text.as_bytes().get(i) {
+            Some(b';') => i += 1,
+            None => return Some(parts),
+            _ => return None,
+        }
+    }
+}
+
+/// `[{…}, …]`, or the v11 form `name{…}` (also `name[ARGS]{…}`).
+fn mistral_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let t = text.trim();
+    if t.starts_with('[') {
+        return json_calls(t);
+    }
+    let brace = t.find('{')?;
+    let name = t[..brace].trim().trim_end_matches("[ARGS]").trim();
+    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.')) {
+        return None;
+    }
+    let arguments = t[brace..].to_owned();
+    serde_json::from_str::<serde_json::Map<String, Value>>(&arguments).ok()?;
+    Some(vec![ToolCall { id: None, name: name.to_owned(), arguments }])
+}
+
+/// The text between `open` and `close` after `from`, and where it ends; `close` missing takes
+/// the rest.
+fn between<'a>(text: &'a str, open: &str, close: &str) -> Option<(&'a str, usize)> {
+    let start = text.find(open)? + open.len();
+    match text[start..].find(close) {
+        Some(len) => Some((&text[start..start + len], start + len + close.len())),
+        None => Some((&text[start..], text.len())),
+    }
+}
+
+/// A tagged value without the line breaks the format puts around it.
+fn tag_value(v: &str) -> &str {
+    let v = v.strip_prefix('\n').unwrap_or(v);
+    v.strip_suffix('\n').unwrap_or(v)
+}
+
+/// `<function=f><parameter=k>\nv\n</parameter></function>`, any number; a missing
+/// `</parameter>` or `</function>` is tolerated. Values are strings (HTML-unescaped).
+fn qwen3_coder_calls(body: &str) -> Option<Vec<ToolCall>> {
+    let mut calls = Vec::new();
+    let mut rest = body;
+    while let Some(at) = rest.find("<function=") {
+        let after = &rest[at + "<function=".len()..];
+        let name_end = after.find('>')?;
+        let name = after[..name_end].trim().to_owned();
+        let body_start = name_end + 1;
+        let (function_body, next) = match after[body_start..].find("</function>") {
+            Some(e) => (&after[body_start..body_start + e], body_start + e + "</function>".len()),
+            None => (&after[body_start..], after.len()),
+        };
+        let mut args = Vec::new();
+        let mut params = function_body;
+        while let Some(p) = params.find("<parameter=") {
+            let after_p = &params[p + "<parameter=".len()..];
+            let key_end = after_p.find('>')?;
+            let key = after_p[..key_end].trim().to_owned();
+            let value_text = &after_p[key_end + 1..];
+            let stop = ["</parameter>", "<parameter="].iter().filter_map(|m| value_text.find(m)).min();
+            let value = tag_value(&value_text[..stop.unwrap_or(value_text.len())]);
+            args.push((key, Value::String(unescape_html(value))));
+            params = match stop {
+                Some(s) if value_text[s..].starts_with("</parameter>") => &value_text[s + "</parameter>".len()..],
+                Some(s) => &value_text[s..],
+                None => "",
+            };
+        }
+        calls.push(ToolCall { id: None, name, arguments: object_text(&args) });
+        rest = &after[next..];
+    }
+    (!calls.is_empty() && !calls.iter().any(|c| c.name.is_empty())).then_some(calls)
+}
+
+fn unescape_html(s: &str) -> String {
+    s.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&#39;", "'").replace("&amp;", "&")
+}
+
+/// `f<arg_key>k</arg_key><arg_value>v</arg_value>…`; JSON-looking values are parsed.
+fn glm47_call(body: &str) -> Option<ToolCall> {
+    let body = body.trim();
+    let name_end = body.find("<arg_key>").unwrap_or(body.len());
+    let name = body[..name_end].trim().to_owned();
+    if name.is_empty() || name.contains('<') {
+        return None;
+    }
+    let mut args = Vec::new();
+    let mut rest = &body[name_end..];
+    while rest.contains("<arg_key>") {
+        let (key, after_key) = between(rest, "<arg_key>", "</arg_key>")?;
+        let (value, after_value) = between(&rest[after_key..], "<arg_value>", "</arg_value>")?;
+        args.push((key.trim().to_owned(), loose_value(value)));
+        rest = &rest[after_key + after_value..];
+    }
+    Some(ToolCall { id: None, name, arguments: object_text(&args) })
+}
+
+/// `<invoke name="f"><parameter name="k" …>v</parameter></invoke>` (MiniMax, and DeepSeek's
+/// DSML with its own tag names). A parameter marked `string="true"` is a string; others are
+/// parsed as JSON where they look like it.
+fn invoke_calls(body: &str, invoke: &str, invoke_end: &str, param: &str, param_end: &str) -> Option<Vec<ToolCall>> {
+    let mut calls = Vec::new();
+    let mut rest = body;
+    while let Some(at) = rest.find(invoke) {
+        let after = &rest[at + invoke.len()..];
+        let name_end = after.find('"')?;
+        let name = after[..name_end].to_owned();
+        let open_end = after.find('>')? + 1;
+        let (inner, next) = match after[open_end..].find(invoke_end) {
+            Some(e) => (&after[open_end..open_end + e], open_end + e + invoke_end.len()),
+            None => (&after[open_end..], after.len()),
+        };
+        let mut args = Vec::new();
+        let mut params = inner;
+        while let Some(p) = params.find(param) {
+            let after_p = &params[p + param.len()..];
+            let key_end = after_p.find('"')?;
+            let key = after_p[..key_end].to_owned();
+            let tag_end = after_p.find('>')? + 1;
+            let is_string = after_p[..tag_end].contains("string=\"true\"");
+            let value_text = &after_p[tag_end..];
+            let stop = value_text.find(param_end).unwrap_or(value_text.len());
+            let value = tag_value(&value_text[..stop]);
+            args.push((key, if is_string { Value::String(value.to_owned()) } else { loose_value(value) }));
+            params = &value_text[(stop + param_end.len()).min(value_text.len())..];
+        }
+        calls.push(ToolCall { id: None, name, arguments: object_text(&args) });
+        rest = &after[next..];
+    }
+    Some(calls)
+}
+
+/// `<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{…}<|tool_call_end|>`, any number;
+/// the id is kept, the name is between `functions.` and `:`.
+fn kimi_calls(body: &str) -> Option<Vec<ToolCall>> {
+    let mut calls = Vec::new();
+    let mut rest = body;
+    while let Some(at) = rest.find("<|tool_call_begin|>") {
+        let after = &rest[at + "<|tool_call_begin|>".len()..];
+        let (id, args_at) = match after.find("<|tool_call_argument_begin|>") {
+            Some(i) => (after[..i].trim(), i + "<|tool_call_argument_begin|>".len()),
+            None => return None,
+        };
+        let (arguments, next) = match after[args_at..].find("<|tool_call_end|>") {
+            Some(e) => (after[args_at..args_at + e].trim(), args_at + e + "<|tool_call_end|>".len()),
+            None => (after[args_at..].trim(), after.len()),
+        };
+        serde_json::from_str::<serde_json::Map<String, Value>>(arguments).ok()?;
+        let bare = id.strip_prefix("functions.").unwrap_or(id);
+        let name = bare.rsplit_once(':').map_or(bare, |(name, _)| name).to_owned();
+        calls.push(ToolCall { id: Some(id.to_owned()), name, arguments: arguments.to_owned() });
+        rest = &after[next..];
+    }
+    Some(calls)
+}
+
+/// DeepSeek V3 (`function<｜tool▁sep｜>f\n```json\n{…}\n```<｜tool▁call▁end｜>`) and V3.1
+/// (`f<｜tool▁sep｜>{…}<｜tool▁call▁end｜>`) calls.
+fn deepseek_calls(body: &str, v3: bool) -> Option<Vec<ToolCall>> {
+    const BEGIN: &str = "<｜tool▁call▁begin｜>";
+    const SEP: &str = "<｜tool▁sep｜>";
+    const END: &str = "<｜tool▁call▁end｜>";
+    let mut calls = Vec::new();
+    let mut rest = body;
+    while let Some(at) = rest.find(BEGIN) {
+        let after = &rest[at + BEGIN.len()..];
+        let sep = after.find(SEP)?;
+        let (call, next) = match after.find(END) {
+            Some(e) => (&after[..e], e + END.len()),
+            None => (after, after.len()),
+        };
+        let head = &call[..sep];
+        let tail = &call[sep + SEP.len()..];
+        let (name, arguments) = if v3 {
+            let (name, json) = tail.split_once('\n')?;
+            let json = json.trim().strip_prefix("```json").unwrap_or(json).trim();
+            (name.trim(), json.strip_suffix("```").unwrap_or(json).trim())
+        } else {
+            (head.trim(), tail.trim())
+        };
+        serde_json::from_str::<serde_json::Map<String, Value>>(arguments).ok()?;
+        calls.push(ToolCall { id: None, name: name.to_owned(), arguments: arguments.to_owned() });
+        rest = &after[next..];
+    }
+    Some(calls)
+}
