@@ -98,6 +98,12 @@ pub struct ServeArgs {
     /// Overrides `metrics.listen`.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
+    /// Overrides `frontend.reasoning_parser` (`qwen3`, `deepseek_r1`, `gpt_oss`, …).
+    #[arg(long, value_name = "NAME")]
+    pub reasoning_parser: Option<String>,
+    /// Overrides `frontend.tool_call_parser` (`hermes`, `qwen3_coder`, `llama3_json`, …).
+    #[arg(long, value_name = "NAME")]
+    pub tool_call_parser: Option<String>,
 }
 
 /// `config` subcommands.
@@ -286,6 +292,12 @@ pub fn serve_config(args: &ServeArgs) -> Result<NodeConfig, ConfigError> {
     }
     if let Some(addr) = args.metrics {
         cfg.metrics.listen = addr.to_string();
+    }
+    if let Some(name) = &args.reasoning_parser {
+        cfg.frontend.reasoning_parser = Some(name.clone());
+    }
+    if let Some(name) = &args.tool_call_parser {
+        cfg.frontend.tool_call_parser = Some(name.clone());
     }
     cfg.validate()?;
     Ok(cfg)

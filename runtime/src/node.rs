@@ -205,6 +205,7 @@ impl ResolvedTiers {
 
     /// [`ResolvedTiers::resolve`] with `probe` reporting the CUDA device.
     pub fn resolve_with(cfg: &NodeConfig, probe: &dyn Fn() -> Result<DeviceInfo, KernelError>) -> anyhow::Result<Self> {
+        crate::frontend::check_parsers(&cfg.frontend).map_err(anyhow::Error::msg)?;
         let shape = match cfg.model_shape() {
             Some(shape) => shape,
             None => {

@@ -78,3 +78,17 @@ fn a_missing_file_is_an_error_not_a_panic() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/node.toml"));
 }
+
+/// `config check` runs what `serve` checks: an unknown parser name is refused, listing the
+/// names, and a known one passes.
+#[test]
+fn parser_names_are_checked() {
+    let (code, stderr) = check("[frontend]\nreasoning_parser = \"qwen4\"\n");
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("frontend.reasoning_parser") && stderr.contains("deepseek_r1"), "{stderr}");
+    let (code, stderr) = check("[frontend]\ntool_call_parser = \"xml\"\n");
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("frontend.tool_call_parser") && stderr.contains("qwen3_coder"), "{stderr}");
+    let (code, stderr) = check("[frontend]\nreasoning_parser = \"qwen3\"\ntool_call_parser = \"hermes\"\n");
+    assert_eq!(code, 0, "{stderr}");
+}

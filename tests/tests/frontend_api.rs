@@ -563,3 +563,57 @@ async fn a_body_that_never_arrives_is_408() {
     assert_error(status, &body, 408, "invalid_request_error", Some("request_timeout"));
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
 }
+
+/// With `frontend.reasoning_parser` and `frontend.tool_call_parser`, a chat answer carries
+/// `reasoning_content`, parsed `tool_calls` (arguments as the model wrote them) and
+/// `finish_reason: "tool_calls"`; streamed, the same as deltas that add up to the same message.
+#[tokio::test]
+async fn chat_answers_carry_reasoning_and_parsed_tool_calls() {
+    let config = FrontendSection {
+        reasoning_parser: Some("qwen3".into()),
+        tool_call_parser: Some("hermes".into()),
+        ..FrontendSection::default()
+    };
+    let server = Server::start(config).await;
+    let (status, _, value) = post(&server, "/v1/chat/completions", &chat("agent")).await;
+    assert_eq!(status, 200, "{value}");
+    let choice = &value["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{value}");
+    let message = &choice["message"];
+    assert_eq!(message["reasoning_content"], "\nList the files first.\n");
+    assert_eq!(message["content"], "\n\nLet me look.");
+    let calls = message["tool_calls"].as_array().expect("tool_calls");
+    assert_eq!(calls.len(), 2, "{value}");
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "ls");
+    assert_eq!(calls[0]["function"]["arguments"], "{\"path\": \".\"}");
+    assert_eq!(calls[1]["function"]["arguments"], "{\"file\": \"a.rs\", \"lines\": [1, 20]}");
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+
+    let mut streamed = chat("agent");
+    streamed["stream"] = json!(true);
+    let events = post_stream(&server, "/v1/chat/completions", &streamed).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::<Value>::new());
+    for chunk in &chunks {
+        let delta = &chunk["choices"][0]["delta"];
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
+        content.push_str(delta["content"].as_str().unwrap_or(""));
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            assert_eq!(call["index"].as_u64(), Some(calls.len() as u64), "calls are indexed in order");
+            calls.push(call.clone());
+        }
+    }
+    assert_eq!(reasoning, message["reasoning_content"]);
+    assert_eq!(content, message["content"]);
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[1]["function"], message["tool_calls"][1]["function"]);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+
+    // Without parsers, the same answer is plain text.
+    let plain = Server::start(FrontendSection::default()).await;
+    let (_, _, value) = post(&plain, "/v1/chat/completions", &chat("agent")).await;
+    assert_eq!(value["choices"][0]["finish_reason"], "stop");
+    assert!(value["choices"][0]["message"]["content"].as_str().unwrap().contains("<tool_call>"));
+}

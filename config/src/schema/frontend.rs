@@ -38,6 +38,12 @@ pub struct FrontendSection {
     /// so a web page cannot drive a local node (DNS rebinding, cross-site requests). Ignored on
     /// other addresses. Default `[]`.
     pub allowed_hosts: Vec<String>,
+    /// How chat answers are split into reasoning and text, by Dynamo's parser names (`qwen3`,
+    /// `deepseek_r1`, `gpt_oss`, …; `dynamo-node config check` lists them). Default: none.
+    pub reasoning_parser: Option<String>,
+    /// How chat answers are read for tool calls (`hermes`, `qwen3_coder`, `llama3_json`, …).
+    /// Default: none.
+    pub tool_call_parser: Option<String>,
 }
 
 impl Default for FrontendSection {
@@ -54,6 +60,8 @@ impl Default for FrontendSection {
             body_timeout: HumanDuration::secs(30),
             max_connections: 1024,
             allowed_hosts: Vec::new(),
+            reasoning_parser: None,
+            tool_call_parser: None,
         }
     }
 }

@@ -86,14 +86,17 @@ pub enum FinishReason {
     Length,
     /// A stop token was generated (or a stop string matched).
     Stop,
+    /// The answer ended after calling tools (a stop, once the tool parser found calls).
+    ToolCalls,
 }
 
 impl FinishReason {
-    /// The API's `finish_reason`: `length` or `stop`.
+    /// The API's `finish_reason`: `length`, `stop` or `tool_calls`.
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Length => "length",
             FinishReason::Stop => "stop",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }

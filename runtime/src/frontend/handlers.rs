@@ -17,6 +17,7 @@ use super::FrontendState;
 use super::detok::{IncrementalDecoder, StopMatcher};
 use super::error::ApiError;
 use super::generate::{FinishReason, GenerateError, GenerateEvent, GenerateRequest};
+use super::parsers::{AnswerParser, Segment, ToolCall};
 use super::protocol::{ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, StopStrings};
 use super::template::{TemplateError, TemplateMessage, escape_special_tokens, tokenize_pieces};
 use crate::metrics;
@@ -35,6 +36,9 @@ struct Prepared {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// Splits a chat answer into reasoning, text and tool calls (`frontend.reasoning_parser`,
+    /// `frontend.tool_call_parser`); none for a plain answer.
+    parser: Option<AnswerParser>,
 }
 
 pub(super) async fn health() -> impl IntoResponse {
@@ -325,6 +329,12 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
     let (prompt, regions) =
         tokenize_pieces(&inner.tokenizer, &pieces).map_err(|e| ApiError::internal(e.to_string()))?;
     let max_tokens = fit(state, prompt.len(), req.max_completion_tokens.or(req.max_tokens), "messages")?;
+    // The answer starts inside reasoning when the generation prompt opened a block.
+    let generation_prompt = pieces.last().map_or("", |(text, _)| text.as_str());
+    let parser = (inner.reasoning.is_some() || inner.tools.is_some()).then(|| {
+        let in_reasoning = inner.reasoning.is_some_and(|kind| kind.starts_in_reasoning(generation_prompt));
+        AnswerParser::new(inner.reasoning, inner.tools, in_reasoning)
+    });
     Ok(Prepared {
         api: Api::Chat,
         request: GenerateRequest {
@@ -342,6 +352,7 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
         stop,
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        parser,
     })
 }
 
@@ -408,6 +419,7 @@ fn prepare_completion(
         stop,
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        parser: None,
     })
 }
 
@@ -428,6 +440,27 @@ struct Answer {
     /// When the last token came, for the inter-token latency.
     last_token: Option<Instant>,
     events: BoxStream<'static, Result<GenerateEvent, GenerateError>>,
+    parser: Option<AnswerParser>,
+    /// Tool calls said so far (their `index` in the stream).
+    calls: usize,
+}
+
+/// A whole chat answer, as its segments sum up.
+#[derive(Default)]
+struct Reply {
+    reasoning: String,
+    text: String,
+    calls: Vec<ToolCall>,
+}
+
+impl Reply {
+    fn add(&mut self, segment: Segment) {
+        match segment {
+            Segment::Thinking(t) => self.reasoning.push_str(&t),
+            Segment::Text(t) => self.text.push_str(&t),
+            Segment::ToolCall(c) => self.calls.push(c),
+        }
+    }
 }
 
 impl Answer {
@@ -445,8 +478,31 @@ impl Answer {
         }
     }
 
-    /// Applies one event: the text it completes, and the finish reason once the answer is over.
-    fn apply(&mut self, event: GenerateEvent) -> Result<(String, Option<FinishReason>), ApiError> {
+    /// Applies one event: what it completes of the answer, and the finish reason once the
+    /// answer is over (a stop that ends an answer with tool calls is `tool_calls`).
+    fn apply(&mut self, event: GenerateEvent) -> Result<(Vec<Segment>, Option<FinishReason>), ApiError> {
+        let (text, done) = self.apply_text(event)?;
+        let mut segments = Vec::new();
+        match &mut self.parser {
+            None if text.is_empty() => {}
+            None => segments.push(Segment::Text(text)),
+            Some(parser) => {
+                parser.push(&text, &mut segments);
+                if done.is_some() {
+                    parser.finish(&mut segments);
+                }
+            }
+        }
+        self.calls += segments.iter().filter(|s| matches!(s, Segment::ToolCall(_))).count();
+        let done =
+            done.map(
+                |reason| if reason == FinishReason::Stop && self.calls > 0 { FinishReason::ToolCalls } else { reason },
+            );
+        Ok((segments, done))
+    }
+
+    /// [`Answer::apply`] before the parser: detokenized text with stop strings applied.
+    fn apply_text(&mut self, event: GenerateEvent) -> Result<(String, Option<FinishReason>), ApiError> {
         let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
         match event {
             GenerateEvent::Started { .. } => Ok((String::new(), None)),
@@ -487,20 +543,59 @@ impl Answer {
     }
 
     /// The whole answer of a non-streaming request.
-    fn body(&self, text: String, reason: FinishReason) -> Value {
+    fn body(&self, reply: Reply, reason: FinishReason) -> Value {
         let mut body = match self.api {
-            Api::Chat => self.envelope(
-                "chat.completion",
-                json!([{"index": 0, "message": {"role": "assistant", "content": text},
-                        "logprobs": null, "finish_reason": reason.as_str()}]),
-            ),
+            Api::Chat => {
+                let mut message = json!({"role": "assistant", "content": reply.text});
+                if !reply.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(reply.reasoning);
+                }
+                if !reply.calls.is_empty() {
+                    if reply.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    let calls: Vec<Value> =
+                        reply.calls.iter().enumerate().map(|(i, c)| self.tool_call(i, c, false)).collect();
+                    message["tool_calls"] = json!(calls);
+                }
+                self.envelope(
+                    "chat.completion",
+                    json!([{"index": 0, "message": message, "logprobs": null, "finish_reason": reason.as_str()}]),
+                )
+            }
             Api::Completion => self.envelope(
                 "text_completion",
-                json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": reason.as_str()}]),
+                json!([{"index": 0, "text": reply.text, "logprobs": null, "finish_reason": reason.as_str()}]),
             ),
         };
         body["usage"] = self.usage();
         body
+    }
+
+    /// A tool call as the chat API writes it (`index` only in a stream's delta). Its id is the
+    /// model's own where its format has one, else the answer's id and the call's index.
+    fn tool_call(&self, index: usize, call: &ToolCall, streamed: bool) -> Value {
+        let id = call.id.clone().unwrap_or_else(|| format!("call_{}_{index}", self.id.trim_start_matches("chatcmpl-")));
+        let mut value = json!({"id": id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}});
+        if streamed {
+            value["index"] = json!(index);
+        }
+        value
+    }
+
+    /// The SSE chunk of one segment of a chat answer (`index`: the call's, for a tool call).
+    fn segment_chunk(&self, segment: &Segment, index: usize) -> Value {
+        let delta = match segment {
+            Segment::Text(t) if self.api == Api::Completion => return self.chunk(false, t, None),
+            Segment::Text(t) => json!({"content": t}),
+            Segment::Thinking(t) => json!({"reasoning_content": t}),
+            Segment::ToolCall(c) => json!({"tool_calls": [self.tool_call(index, c, true)]}),
+        };
+        self.envelope(
+            "chat.completion.chunk",
+            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]),
+        )
     }
 
     /// One SSE chunk: the assistant role (chat, first chunk), text, or the finish reason.
@@ -542,7 +637,7 @@ fn sse(data: &Value) -> Bytes {
 
 /// Starts the generation, waits for admission, then answers with JSON or SSE.
 async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Response {
-    let Prepared { api, request, stop, stream, include_usage } = prepared;
+    let Prepared { api, request, stop, stream, include_usage, parser } = prepared;
     let inner = &state.inner;
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let mut answer = Answer {
@@ -559,6 +654,8 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
         arrived,
         last_token: None,
         events: inner.generator.generate(request),
+        parser,
+        calls: 0,
     };
     // Admission: an error here is an HTTP status, even for a streaming request.
     let mut pending = match answer.next_event().await {
@@ -570,7 +667,7 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
         Ok(other) => Some(other),
     };
     if !stream {
-        let mut text = String::new();
+        let mut reply = Reply::default();
         let reason = loop {
             let event = match pending.take() {
                 Some(event) => Ok(event),
@@ -578,8 +675,8 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
             };
             match event.and_then(|event| answer.apply(event)) {
                 Err(e) => return e.into_response(),
-                Ok((piece, done)) => {
-                    text.push_str(&piece);
+                Ok((segments, done)) => {
+                    segments.into_iter().for_each(|s| reply.add(s));
                     if let Some(reason) = done {
                         break reason;
                     }
@@ -587,7 +684,7 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
             }
         };
         // Dropping `answer` here cancels a generation that a stop string ended early.
-        return axum::Json(answer.body(text, reason)).into_response();
+        return axum::Json(answer.body(reply, reason)).into_response();
     }
 
     let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
@@ -600,7 +697,7 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
                 Some(event) => Ok(event),
                 None => answer.next_event().await,
             };
-            let (text, done) = match event.and_then(|event| answer.apply(event)) {
+            let (segments, done) = match event.and_then(|event| answer.apply(event)) {
                 Ok(step) => step,
                 Err(e) => {
                     tracing::warn!(request = %answer.id, error = %e.message, "generation failed mid-stream");
@@ -609,8 +706,14 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
                 }
             };
             // A send fails when the client has gone: returning drops the generation (cancels it).
-            if !text.is_empty() && tx.send(Ok(sse(&answer.chunk(false, &text, None)))).await.is_err() {
-                return;
+            let first_call = answer.calls - segments.iter().filter(|s| matches!(s, Segment::ToolCall(_))).count();
+            let mut call = first_call;
+            for segment in &segments {
+                let chunk = answer.segment_chunk(segment, call);
+                call += usize::from(matches!(segment, Segment::ToolCall(_)));
+                if tx.send(Ok(sse(&chunk))).await.is_err() {
+                    return;
+                }
             }
             if let Some(reason) = done {
                 let mut tail = vec![sse(&answer.chunk(false, "", Some(reason)))];

@@ -85,6 +85,10 @@ struct Inner {
     preparing: Arc<tokio::sync::Semaphore>,
     limits: server::ServerLimits,
     allowed_hosts: Vec<String>,
+    /// `frontend.reasoning_parser` (checked at start: [`check_parsers`]).
+    reasoning: Option<parsers::ReasoningKind>,
+    /// `frontend.tool_call_parser`.
+    tools: Option<parsers::ToolFormat>,
 }
 
 impl fmt::Debug for FrontendState {
@@ -143,6 +147,8 @@ impl FrontendState {
                     max_connections: config.max_connections,
                 },
                 allowed_hosts: config.allowed_hosts.clone(),
+                reasoning: config.reasoning_parser.as_deref().and_then(parsers::ReasoningKind::from_name),
+                tools: config.tool_call_parser.as_deref().and_then(parsers::ToolFormat::from_name),
             }),
         }
     }
@@ -157,6 +163,30 @@ impl FrontendState {
     pub fn stop_token_ids(&self) -> &[u32] {
         &self.inner.stop_token_ids
     }
+}
+
+/// Refuses parser names that are not ones `frontend.reasoning_parser` and
+/// `frontend.tool_call_parser` take, listing those.
+pub fn check_parsers(config: &FrontendSection) -> Result<(), String> {
+    if let Some(name) = config.reasoning_parser.as_deref()
+        && parsers::ReasoningKind::from_name(name).is_none()
+    {
+        return Err(format!(
+            "frontend.reasoning_parser: unknown parser `{}`; expected one of {}",
+            error::clip(name, 64),
+            parsers::ReasoningKind::NAMES.join(", ")
+        ));
+    }
+    if let Some(name) = config.tool_call_parser.as_deref()
+        && parsers::ToolFormat::from_name(name).is_none()
+    {
+        return Err(format!(
+            "frontend.tool_call_parser: unknown parser `{}`; expected one of {}",
+            error::clip(name, 64),
+            parsers::ToolFormat::NAMES.join(", ")
+        ));
+    }
+    Ok(())
 }
 
 /// The API's routes over `state`, with the body limit of `frontend.max_body`. With

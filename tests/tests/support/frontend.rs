@@ -4,7 +4,8 @@
 //! cached, and stop with `length` at `max_tokens`; `slow` does the same with 30 ms between events;
 //! `overloaded`, `vanishing` (listed, but the generator says it does not exist), `too-long` and
 //! `broken` fail at admission with the matching [`GenerateError`]; `midstream` fails after two
-//! tokens. The last request of every model is kept for inspection.
+//! tokens; `agent` answers [`AGENT_ANSWER`] (reasoning, text, two tool calls). The last request of
+//! every model is kept for inspection.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -21,18 +22,26 @@ use futures::stream::BoxStream;
 
 /// What the fake generator answers: a split 4-byte character included.
 pub const ANSWER: &str = "Hello, world! 🦀 done.";
+/// What the `agent` model answers: reasoning, text and two tool calls in Qwen3 / Hermes form.
+pub const AGENT_ANSWER: &str = "<think>\nList the files first.\n</think>\n\nLet me look.<tool_call>\n{\"name\": \"ls\", \"arguments\": {\"path\": \".\"}}\n</tool_call><tool_call>\n{\"name\": \"cat\", \"arguments\": {\"file\": \"a.rs\", \"lines\": [1, 20]}}\n</tool_call>";
 /// The fake's context.
 pub const MAX_CONTEXT: usize = 256;
 
 #[derive(Debug)]
 pub struct FakeGenerator {
     answer: Vec<u32>,
+    agent: Vec<u32>,
     pub last: Mutex<Option<GenerateRequest>>,
 }
 
 impl FakeGenerator {
     pub fn new() -> FakeGenerator {
-        FakeGenerator { answer: Tokenizer::builtin().encode(ANSWER).unwrap(), last: Mutex::new(None) }
+        let t = Tokenizer::builtin();
+        FakeGenerator {
+            answer: t.encode(ANSWER).unwrap(),
+            agent: t.encode(AGENT_ANSWER).unwrap(),
+            last: Mutex::new(None),
+        }
     }
 
     pub fn last(&self) -> GenerateRequest {
@@ -42,7 +51,7 @@ impl FakeGenerator {
 
 impl Generator for FakeGenerator {
     fn models(&self) -> Vec<String> {
-        ["fake", "fake-2", "slow", "overloaded", "vanishing", "too-long", "broken", "midstream"]
+        ["fake", "fake-2", "slow", "overloaded", "vanishing", "too-long", "broken", "midstream", "agent"]
             .map(String::from)
             .to_vec()
     }
@@ -62,13 +71,14 @@ impl Generator for FakeGenerator {
             _ => {}
         }
         let mut events = vec![Ok(GenerateEvent::Started { cached_tokens: req.prompt.len() / 2 })];
-        let n = self.answer.len().min(req.max_tokens);
-        events.extend(self.answer[..n].iter().map(|&id| Ok(GenerateEvent::Token { id })));
+        let answer = if req.model == "agent" { &self.agent } else { &self.answer };
+        let n = answer.len().min(req.max_tokens);
+        events.extend(answer[..n].iter().map(|&id| Ok(GenerateEvent::Token { id })));
         if req.model == "midstream" {
             events.truncate(3);
             events.push(Err(GenerateError::Internal("the worker crashed mid-answer".into())));
         } else {
-            let reason = if n < self.answer.len() { FinishReason::Length } else { FinishReason::Stop };
+            let reason = if n < answer.len() { FinishReason::Length } else { FinishReason::Stop };
             if reason == FinishReason::Stop {
                 events.push(Ok(GenerateEvent::Token { id: req.stop_token_ids[0] }));
             }
