@@ -51,6 +51,7 @@
 //! | `dynamo_node_requests_cancelled_total` | counter | `stage` | requests stopped because nobody waited for them (`queued`, `prefill`, `decode`) |
 //! | `dynamo_node_http_connections` | gauge | | HTTP connections open |
 //! | `dynamo_node_http_connections_refused_total` | counter | `reason` | connections the node closed: `limit`, `accept_error`, `header_timeout` |
+//! | `dynamo_node_anthropic_preambles_stripped_total` | counter | | Claude Code billing headers dropped from system text |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -138,6 +139,9 @@ pub mod names {
     /// `frontend.max_connections`), `accept_error` (the OS refused, e.g. out of file descriptors),
     /// `header_timeout` (no complete request head within `frontend.header_timeout`).
     pub const HTTP_CONNECTIONS_REFUSED: &str = "dynamo_node_http_connections_refused_total";
+    /// Counter: Claude Code billing headers (`x-anthropic-billing-header`) dropped from system text
+    /// (`frontend.strip_anthropic_preamble`).
+    pub const PREAMBLES_STRIPPED: &str = "dynamo_node_anthropic_preambles_stripped_total";
 
     /// Every histogram: each gets the configured buckets.
     pub const HISTOGRAMS: [&str; 5] = [
@@ -158,11 +162,13 @@ pub enum Api {
     ChatCompletions,
     /// `GET /v1/models`.
     Models,
+    /// `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic).
+    Messages,
 }
 
 impl Api {
     /// Every API, in declaration order.
-    pub const ALL: [Api; 3] = [Api::Completions, Api::ChatCompletions, Api::Models];
+    pub const ALL: [Api; 4] = [Api::Completions, Api::ChatCompletions, Api::Models, Api::Messages];
 
     /// The label value.
     pub fn as_str(self) -> &'static str {
@@ -170,6 +176,7 @@ impl Api {
             Api::Completions => "completions",
             Api::ChatCompletions => "chat_completions",
             Api::Models => "models",
+            Api::Messages => "messages",
         }
     }
 }
@@ -191,6 +198,7 @@ pub fn describe() {
     describe_gauge!(BUILD_INFO, "Build information; always 1.");
     describe_counter!(REQUESTS_CANCELLED, Unit::Count, "Requests stopped because nobody waited for them, by stage.");
     describe_gauge!(HTTP_CONNECTIONS, Unit::Count, "HTTP connections open.");
+    describe_counter!(PREAMBLES_STRIPPED, Unit::Count, "Claude Code billing headers dropped from system text.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
     describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
@@ -279,6 +287,7 @@ pub fn register_known_series() {
         counter!(REQUESTS_CANCELLED, "stage" => stage).increment(0);
     }
     gauge!(HTTP_CONNECTIONS).set(0.0);
+    counter!(PREAMBLES_STRIPPED).increment(0);
     for reason in ["limit", "accept_error", "header_timeout"] {
         counter!(HTTP_CONNECTIONS_REFUSED, "reason" => reason).increment(0);
     }
@@ -287,6 +296,11 @@ pub fn register_known_series() {
 /// A request was stopped at `stage` (`queued`, `prefill` or `decode`) because nobody waits for it.
 pub fn record_cancelled(stage: &'static str) {
     counter!(names::REQUESTS_CANCELLED, "stage" => stage).increment(1);
+}
+
+/// A Claude Code billing header was dropped from a request's system text.
+pub fn record_preamble_stripped() {
+    counter!(names::PREAMBLES_STRIPPED).increment(1);
 }
 
 /// HTTP connections open now.

@@ -617,3 +617,243 @@ async fn chat_answers_carry_reasoning_and_parsed_tool_calls() {
     assert_eq!(value["choices"][0]["finish_reason"], "stop");
     assert!(value["choices"][0]["message"]["content"].as_str().unwrap().contains("<tool_call>"));
 }
+
+fn agent_server_config(strip: bool) -> FrontendSection {
+    FrontendSection {
+        reasoning_parser: Some("qwen3".into()),
+        tool_call_parser: Some("hermes".into()),
+        strip_anthropic_preamble: strip,
+        ..FrontendSection::default()
+    }
+}
+
+/// A Claude-Code-shaped Messages request: the billing header as its own system block.
+fn claude_request(cch: &str, stream: bool) -> Value {
+    json!({
+        "model": "agent",
+        "max_tokens": 200,
+        "stream": stream,
+        "system": [
+            {"type": "text", "text": format!("x-anthropic-billing-header: cc_version=2.1.37.0d9; cc_entrypoint=cli; cch={cch};")},
+            {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "List the repository."}]}],
+    })
+}
+
+/// Anthropic Messages: blocks in generation order (thinking with a signature, text, tool uses
+/// with parsed input), `stop_reason: tool_use`, the model echoed, usage split as Anthropic does,
+/// and `count_tokens` giving the same total.
+#[tokio::test]
+async fn anthropic_messages_answer_in_its_shape() {
+    let server = Server::start(agent_server_config(true)).await;
+    let (status, headers, value) = post(&server, "/v1/messages?beta=true", &claude_request("fa690", false)).await;
+    assert_eq!(status, 200, "{value}");
+    assert_eq!(headers["content-type"], "application/json");
+    assert_eq!(value["type"], "message");
+    assert_eq!(value["role"], "assistant");
+    assert_eq!(value["model"], "agent");
+    assert!(value["id"].as_str().unwrap().starts_with("msg_"), "{value}");
+    assert_eq!(value["stop_reason"], "tool_use");
+    let content = value["content"].as_array().expect("content");
+    let kinds: Vec<&str> = content.iter().map(|b| b["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["thinking", "text", "tool_use", "tool_use"], "{value}");
+    assert_eq!(content[0]["thinking"], "\nList the files first.\n");
+    assert!(!content[0]["signature"].as_str().unwrap().is_empty(), "a thinking block always has a signature");
+    assert_eq!(content[1]["text"], "\n\nLet me look.");
+    assert_eq!(content[2]["name"], "ls");
+    assert_eq!(content[2]["input"], json!({"path": "."}));
+    assert!(content[2]["id"].as_str().unwrap().starts_with("toolu_"));
+    assert_eq!(content[3]["input"], json!({"file": "a.rs", "lines": [1, 20]}));
+
+    let usage = &value["usage"];
+    let prompt = server.fake.last().prompt.len() as u64;
+    let read = usage["cache_read_input_tokens"].as_u64().unwrap();
+    assert_eq!(read, prompt / 2, "the fake reports half the prompt cached");
+    assert_eq!(usage["input_tokens"].as_u64().unwrap() + read, prompt, "input_tokens excludes what was read");
+    assert_eq!(usage["cache_creation_input_tokens"], 0);
+    assert!(usage["output_tokens"].as_u64().unwrap() > 0);
+
+    let mut count = claude_request("fa690", false);
+    count.as_object_mut().unwrap().remove("max_tokens");
+    let (status, _, counted) = post(&server, "/v1/messages/count_tokens", &count).await;
+    assert_eq!(status, 200, "{counted}");
+    assert_eq!(counted["input_tokens"].as_u64(), Some(prompt), "count_tokens is the real count");
+}
+
+/// The billing header, different on every Claude Code request, is stripped before rendering:
+/// two requests differing only in it give identical prompt tokens (and counted in a metric).
+/// With `frontend.strip_anthropic_preamble = false` they differ.
+#[tokio::test]
+async fn the_billing_header_does_not_change_the_prompt() {
+    let server = Server::start(agent_server_config(true)).await;
+    post(&server, "/v1/messages", &claude_request("fa690", false)).await;
+    let first = server.fake.last().prompt;
+    post(&server, "/v1/messages", &claude_request("0b1c2", false)).await;
+    assert_eq!(server.fake.last().prompt, first, "identical prompt tokens");
+    let text = Tokenizer::builtin().decode(&first).unwrap();
+    assert!(!text.contains("billing"), "{text}");
+    assert!(text.contains("You are a coding agent."), "{text}");
+
+    let keeping = Server::start(agent_server_config(false)).await;
+    post(&keeping, "/v1/messages", &claude_request("fa690", false)).await;
+    let a = keeping.fake.last().prompt;
+    post(&keeping, "/v1/messages", &claude_request("0b1c2", false)).await;
+    assert_ne!(keeping.fake.last().prompt, a);
+}
+
+/// The SSE grammar the SDK enforces: `message_start` first with exact usage, blocks started in
+/// index order and each stopped before the next, a thinking block's `signature_delta` before its
+/// stop, tool input as `input_json_delta`, then `message_delta` and `message_stop`; the blocks
+/// add up to the non-streamed message.
+#[tokio::test]
+async fn anthropic_streaming_follows_the_event_grammar() {
+    let server = Server::start(agent_server_config(true)).await;
+    let (_, _, whole) = post(&server, "/v1/messages", &claude_request("fa690", false)).await;
+    let response = reqwest::Client::new()
+        .post(server.url("/v1/messages"))
+        .json(&claude_request("fa690", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let body = response.text().await.unwrap();
+    let events: Vec<(String, Value)> = body
+        .split_terminator("\n\n")
+        .map(|frame| {
+            let (name, data) = frame.split_once('\n').expect("event and data lines");
+            let name = name.strip_prefix("event: ").expect("event line").to_owned();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").expect("data line")).unwrap();
+            assert_eq!(data["type"], name.as_str(), "the data's type is the event's name");
+            (name, data)
+        })
+        .collect();
+    assert_eq!(events[0].0, "message_start");
+    assert_eq!(events[0].1["message"]["usage"]["cache_read_input_tokens"], whole["usage"]["cache_read_input_tokens"]);
+    assert_eq!(events[events.len() - 2].0, "message_delta");
+    assert_eq!(events[events.len() - 2].1["delta"]["stop_reason"], "tool_use");
+    assert_eq!(events.last().unwrap().0, "message_stop");
+    let mut blocks: Vec<Value> = Vec::new();
+    let mut open: Option<usize> = None;
+    for (name, data) in &events[1..events.len() - 2] {
+        let index = data["index"].as_u64().expect("index") as usize;
+        match name.as_str() {
+            "content_block_start" => {
+                assert!(open.is_none(), "one block open at a time");
+                assert_eq!(index, blocks.len(), "blocks start in index order");
+                blocks.push(data["content_block"].clone());
+                open = Some(index);
+            }
+            "content_block_delta" => {
+                assert_eq!(open, Some(index));
+                let block = &mut blocks[index];
+                let delta = &data["delta"];
+                match delta["type"].as_str().unwrap() {
+                    "thinking_delta" => {
+                        block["thinking"] = json!(format!(
+                            "{}{}",
+                            block["thinking"].as_str().unwrap(),
+                            delta["thinking"].as_str().unwrap()
+                        ))
+                    }
+                    "signature_delta" => block["signature"] = delta["signature"].clone(),
+                    "text_delta" => {
+                        block["text"] =
+                            json!(format!("{}{}", block["text"].as_str().unwrap(), delta["text"].as_str().unwrap()))
+                    }
+                    "input_json_delta" => {
+                        block["input"] = serde_json::from_str(delta["partial_json"].as_str().unwrap()).unwrap()
+                    }
+                    other => panic!("unexpected delta {other}"),
+                }
+            }
+            "content_block_stop" => {
+                assert_eq!(open.take(), Some(index));
+            }
+            other => panic!("unexpected event {other}"),
+        }
+    }
+    for (streamed, whole) in blocks.iter().zip(whole["content"].as_array().unwrap()) {
+        let mut streamed = streamed.clone();
+        let mut whole = whole.clone();
+        for b in [&mut streamed, &mut whole] {
+            b.as_object_mut().unwrap().remove("id");
+        }
+        assert_eq!(streamed, whole);
+    }
+    assert_eq!(blocks.len(), whole["content"].as_array().unwrap().len());
+}
+
+/// A tool loop's next turn lowers to template messages: the assistant's thinking and tool use,
+/// then the tool results, with the text beside them folded into the last tool message (not a
+/// new user turn); an inline `system` message is accepted.
+#[tokio::test]
+async fn anthropic_tool_results_and_reminders_lower_to_tool_messages() {
+    let server = Server::start(agent_server_config(true)).await;
+    let body = json!({
+        "model": "agent",
+        "max_tokens": 50,
+        "messages": [
+            {"role": "user", "content": "List the repository."},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "List the files first.", "signature": "dn1.x"},
+                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "."}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "a.rs b.rs"}]},
+                {"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+                {"type": "server_tool_use", "id": "x", "name": "web_search", "input": {}},
+            ]},
+            {"role": "system", "content": "Inline system note."},
+        ],
+    });
+    let (status, _, value) = post(&server, "/v1/messages", &body).await;
+    assert_eq!(status, 200, "{value}");
+    let text = Tokenizer::builtin().decode(&server.fake.last().prompt).unwrap();
+    let tool = text.find("tool<|end_header_id|>").expect("a tool message");
+    let reminder = text.find("be brief").expect("the reminder");
+    assert!(reminder > tool, "{text}");
+    assert_eq!(text.matches("user<|end_header_id|>").count(), 1, "the reminder is not a new user turn: {text}");
+    assert!(text.contains("a.rs b.rs") && text.contains("Inline system note.") && text.contains("\"ls\""), "{text}");
+}
+
+/// Errors in Anthropic's shape with its statuses: 404 not_found_error, 400 invalid_request_error,
+/// 529 overloaded_error with retry-after; `/v1/models` answers in Anthropic's shape when asked.
+#[tokio::test]
+async fn anthropic_errors_and_models() {
+    let server = server().await;
+    let ask = |model: &str| json!({"model": model, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
+    for (body, status, kind) in [
+        (ask("nope"), 404, "not_found_error"),
+        (json!({"model": "fake", "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error"),
+        (json!({"model": "fake", "max_tokens": 5, "messages": []}), 400, "invalid_request_error"),
+        (ask("overloaded"), 529, "overloaded_error"),
+        (
+            json!({"model": "fake", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+            400,
+            "invalid_request_error",
+        ),
+    ] {
+        let (got, headers, value) = post(&server, "/v1/messages", &body).await;
+        assert_eq!(got, status, "{body} → {value}");
+        assert_eq!(value["type"], "error", "{value}");
+        assert_eq!(value["error"]["type"], kind, "{value}");
+        assert!(!value["error"]["message"].as_str().unwrap().is_empty());
+        if status == 529 {
+            assert!(headers.contains_key("retry-after"));
+        }
+    }
+    let models: Value = reqwest::Client::new()
+        .get(server.url("/v1/models"))
+        .header("anthropic-version", "2023-06-01")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["has_more"], false);
+    assert_eq!(models["data"][0]["type"], "model");
+    assert_eq!(models["first_id"], models["data"][0]["id"]);
+}

@@ -44,6 +44,12 @@ pub struct FrontendSection {
     /// How chat answers are read for tool calls (`hermes`, `qwen3_coder`, `llama3_json`, …).
     /// Default: none.
     pub tool_call_parser: Option<String>,
+    /// Drop Claude Code's `x-anthropic-billing-header: …` system text, which changes on every
+    /// request, before rendering (so a session's prompts share their prefix). Default `true`.
+    pub strip_anthropic_preamble: bool,
+    /// Anthropic Messages' temperature when a request sends none (the `anthropic` SDK sends no
+    /// sampling parameters); the API's own default. Default `1.0`.
+    pub messages_temperature: f32,
 }
 
 impl Default for FrontendSection {
@@ -62,6 +68,8 @@ impl Default for FrontendSection {
             allowed_hosts: Vec::new(),
             reasoning_parser: None,
             tool_call_parser: None,
+            strip_anthropic_preamble: true,
+            messages_temperature: 1.0,
         }
     }
 }

@@ -78,19 +78,21 @@ fn common_prefix(a: &str, b: &str) -> usize {
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    matched: Option<String>,
 }
 
 impl StopMatcher {
     /// A matcher for the non-empty `stops`.
     pub fn new(stops: Vec<String>) -> StopMatcher {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), matched: None }
     }
 
     /// Adds `text`; returns what can be shown and whether a stop string matched (the answer
     /// ends before it).
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.held.push_str(text);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        if let Some((at, stop)) = self.stops.iter().filter_map(|s| Some((self.held.find(s.as_str())?, s))).min() {
+            self.matched = Some(stop.clone());
             self.held.truncate(at);
             return (std::mem::take(&mut self.held), true);
         }
@@ -104,6 +106,11 @@ impl StopMatcher {
             .unwrap_or(0);
         let tail = self.held.split_off(len - keep);
         (std::mem::replace(&mut self.held, tail), false)
+    }
+
+    /// The stop string that ended the answer, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// What is held back, at the end of the answer.

@@ -24,7 +24,7 @@ use crate::metrics;
 
 /// Which API a request came through: decides the shape of the answer.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Api {
+pub(super) enum Api {
     Chat,
     Completion,
 }
@@ -53,8 +53,11 @@ pub(super) async fn not_found() -> ApiError {
     }
 }
 
-pub(super) async fn models(State(state): State<FrontendState>) -> impl IntoResponse {
+pub(super) async fn models(State(state): State<FrontendState>, headers: HeaderMap) -> Response {
     metrics::record_request(metrics::Api::Models, 200, None);
+    if headers.contains_key("anthropic-version") {
+        return super::anthropic::models(&state);
+    }
     let data: Vec<Value> = state
         .inner
         .generator
@@ -62,7 +65,7 @@ pub(super) async fn models(State(state): State<FrontendState>) -> impl IntoRespo
         .into_iter()
         .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "dynamo-node"}))
         .collect();
-    axum::Json(json!({"object": "list", "data": data}))
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 pub(super) async fn method_not_allowed() -> ApiError {
@@ -100,15 +103,16 @@ fn counted(api: metrics::Api, response: Response) -> Response {
 /// Reads the body (JSON only, within `frontend.body_timeout` and `frontend.max_body`), then
 /// parses it as `T` and turns it into a generation with `prepare` on the blocking pool, a few
 /// at a time: rendering and tokenizing a long conversation never holds an async thread.
-async fn prepare_off_thread<T, F>(
+pub(super) async fn prepare_off_thread<T, P, F>(
     state: &FrontendState,
     headers: HeaderMap,
     body: Body,
     prepare: F,
-) -> Result<Prepared, ApiError>
+) -> Result<P, ApiError>
 where
     T: serde::de::DeserializeOwned + Send + 'static,
-    F: FnOnce(&FrontendState, &HeaderMap, T) -> Result<Prepared, ApiError> + Send + 'static,
+    P: Send + 'static,
+    F: FnOnce(&FrontendState, &HeaderMap, T) -> Result<P, ApiError> + Send + 'static,
 {
     let bytes = read_body(state, &headers, body).await?;
     let _permit = state.inner.preparing.clone().acquire_owned().await.map_err(|_| ApiError::internal("closed"))?;
@@ -178,7 +182,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
-fn check_model(state: &FrontendState, model: &str) -> Result<(), ApiError> {
+pub(super) fn check_model(state: &FrontendState, model: &str) -> Result<(), ApiError> {
     if state.inner.generator.models().iter().any(|m| m == model) {
         Ok(())
     } else {
@@ -210,7 +214,7 @@ fn check_stop(stop: Option<StopStrings>) -> Result<Vec<String>, ApiError> {
 
 /// The conversation of a request: the `x-session-id` header, else the `user` field, as its
 /// [`session_key`].
-fn session_id(headers: &HeaderMap, user: Option<String>) -> Option<String> {
+pub(super) fn session_id(headers: &HeaderMap, user: Option<String>) -> Option<String> {
     match headers.get("x-session-id").map(|v| v.as_bytes()).filter(|v| !v.is_empty()) {
         Some(header) => Some(session_key(header)),
         None => user.filter(|u| !u.is_empty()).map(|u| session_key(u.as_bytes())),
@@ -244,7 +248,12 @@ fn check_prompt(state: &FrontendState, tokens: usize, param: &str) -> Result<(),
 }
 
 /// Checks the prompt's length and settles `max_tokens` (clamped to what the context leaves).
-fn fit(state: &FrontendState, prompt: usize, max_tokens: Option<usize>, param: &str) -> Result<usize, ApiError> {
+pub(super) fn fit(
+    state: &FrontendState,
+    prompt: usize,
+    max_tokens: Option<usize>,
+    param: &str,
+) -> Result<usize, ApiError> {
     check_prompt(state, prompt, param)?;
     let wanted = max_tokens.unwrap_or(state.inner.default_max_tokens);
     if wanted == 0 {
@@ -255,11 +264,11 @@ fn fit(state: &FrontendState, prompt: usize, max_tokens: Option<usize>, param: &
 
 /// Refuses, before any rendering or tokenizing, a prompt whose text is sure to be too long:
 /// `bytes` of text make at least `bytes / max_token_bytes` tokens, and every message at least one.
-fn precheck(state: &FrontendState, messages: usize, text_bytes: usize, param: &str) -> Result<(), ApiError> {
+pub(super) fn precheck(state: &FrontendState, messages: usize, text_bytes: usize, param: &str) -> Result<(), ApiError> {
     check_prompt(state, (text_bytes / state.inner.max_token_bytes).max(messages), param)
 }
 
-fn request_id(prefix: &str) -> String {
+pub(super) fn request_id(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     format!("{prefix}-{nanos:016x}{:06x}", NEXT.fetch_add(1, Ordering::Relaxed) & 0xff_ffff)
@@ -319,22 +328,12 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
             name: m.name.map(escape),
             tool_calls: m.tool_calls,
             tool_call_id: m.tool_call_id,
+            reasoning_content: None,
         });
     }
+    let Lowered { prompt, regions, parser } = lower(state, &messages, req.tools.as_deref())?;
     let inner = &state.inner;
-    let pieces = inner.template.render_regions(&messages, req.tools.as_deref()).map_err(|e| match e {
-        TemplateError::Render(message) => ApiError::invalid(message, Some("messages")),
-        other => ApiError::internal(other.to_string()),
-    })?;
-    let (prompt, regions) =
-        tokenize_pieces(&inner.tokenizer, &pieces).map_err(|e| ApiError::internal(e.to_string()))?;
     let max_tokens = fit(state, prompt.len(), req.max_completion_tokens.or(req.max_tokens), "messages")?;
-    // The answer starts inside reasoning when the generation prompt opened a block.
-    let generation_prompt = pieces.last().map_or("", |(text, _)| text.as_str());
-    let parser = (inner.reasoning.is_some() || inner.tools.is_some()).then(|| {
-        let in_reasoning = inner.reasoning.is_some_and(|kind| kind.starts_in_reasoning(generation_prompt));
-        AnswerParser::new(inner.reasoning, inner.tools, in_reasoning)
-    });
     Ok(Prepared {
         api: Api::Chat,
         request: GenerateRequest {
@@ -354,6 +353,35 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         parser,
     })
+}
+
+/// A conversation rendered and tokenized: the prompt, its regions, and the parser of its answer.
+pub(super) struct Lowered {
+    pub(super) prompt: Vec<u32>,
+    pub(super) regions: super::generate::RegionRanges,
+    pub(super) parser: Option<AnswerParser>,
+}
+
+/// Renders `messages` (and `tools`) with the chat template and tokenizes them, piece by piece;
+/// the answer's parser starts inside reasoning when the generation prompt opened a block.
+pub(super) fn lower(
+    state: &FrontendState,
+    messages: &[TemplateMessage],
+    tools: Option<&[Value]>,
+) -> Result<Lowered, ApiError> {
+    let inner = &state.inner;
+    let pieces = inner.template.render_regions(messages, tools).map_err(|e| match e {
+        TemplateError::Render(message) => ApiError::invalid(message, Some("messages")),
+        other => ApiError::internal(other.to_string()),
+    })?;
+    let (prompt, regions) =
+        tokenize_pieces(&inner.tokenizer, &pieces).map_err(|e| ApiError::internal(e.to_string()))?;
+    let generation_prompt = pieces.last().map_or("", |(text, _)| text.as_str());
+    let parser = (inner.reasoning.is_some() || inner.tools.is_some()).then(|| {
+        let in_reasoning = inner.reasoning.is_some_and(|kind| kind.starts_in_reasoning(generation_prompt));
+        AnswerParser::new(inner.reasoning, inner.tools, in_reasoning)
+    });
+    Ok(Lowered { prompt, regions, parser })
 }
 
 fn prepare_completion(
@@ -424,16 +452,16 @@ fn prepare_completion(
 }
 
 /// Turns generation events into text: detokenization, stop strings, usage.
-struct Answer {
+pub(super) struct Answer {
     api: Api,
-    id: String,
+    pub(super) id: String,
     model: String,
     created: u64,
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    completion_tokens: usize,
+    pub(super) prompt_tokens: usize,
+    pub(super) cached_tokens: usize,
+    pub(super) completion_tokens: usize,
     decoder: IncrementalDecoder,
-    stop: StopMatcher,
+    pub(super) stop: StopMatcher,
     deadline: Instant,
     /// When the request arrived: the time to first token counts from here.
     arrived: Instant,
@@ -447,14 +475,14 @@ struct Answer {
 
 /// A whole chat answer, as its segments sum up.
 #[derive(Default)]
-struct Reply {
-    reasoning: String,
-    text: String,
-    calls: Vec<ToolCall>,
+pub(super) struct Reply {
+    pub(super) reasoning: String,
+    pub(super) text: String,
+    pub(super) calls: Vec<ToolCall>,
 }
 
 impl Reply {
-    fn add(&mut self, segment: Segment) {
+    pub(super) fn add(&mut self, segment: Segment) {
         match segment {
             Segment::Thinking(t) => self.reasoning.push_str(&t),
             Segment::Text(t) => self.text.push_str(&t),
@@ -464,8 +492,50 @@ impl Reply {
 }
 
 impl Answer {
+    /// Starts `request`'s generation for an answer in `api`'s shape.
+    pub(super) fn start(
+        state: &FrontendState,
+        api: Api,
+        request: GenerateRequest,
+        stop: Vec<String>,
+        parser: Option<AnswerParser>,
+        arrived: Instant,
+    ) -> Answer {
+        let inner = &state.inner;
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        Answer {
+            api,
+            id: request.request_id.clone(),
+            model: request.model.clone(),
+            created,
+            prompt_tokens: request.prompt.len(),
+            cached_tokens: 0,
+            completion_tokens: 0,
+            decoder: IncrementalDecoder::new(inner.tokenizer.clone(), request.stop_token_ids.iter().copied()),
+            stop: StopMatcher::new(stop),
+            deadline: arrived + inner.request_timeout,
+            arrived,
+            last_token: None,
+            events: inner.generator.generate(request),
+            parser,
+            calls: 0,
+        }
+    }
+
+    /// Waits for admission (the prompt is in the cache or computed): its cached tokens are
+    /// noted; an event that came instead of `Started` is handed back.
+    pub(super) async fn admit(&mut self) -> Result<Option<GenerateEvent>, ApiError> {
+        match self.next_event().await? {
+            GenerateEvent::Started { cached_tokens } => {
+                self.cached_tokens = cached_tokens.min(self.prompt_tokens);
+                Ok(None)
+            }
+            other => Ok(Some(other)),
+        }
+    }
+
     /// The next event, or a timeout / internal error.
-    async fn next_event(&mut self) -> Result<GenerateEvent, ApiError> {
+    pub(super) async fn next_event(&mut self) -> Result<GenerateEvent, ApiError> {
         match tokio::time::timeout_at(self.deadline, self.events.next()).await {
             Err(_) => Err(ApiError {
                 status: StatusCode::GATEWAY_TIMEOUT,
@@ -480,7 +550,7 @@ impl Answer {
 
     /// Applies one event: what it completes of the answer, and the finish reason once the
     /// answer is over (a stop that ends an answer with tool calls is `tool_calls`).
-    fn apply(&mut self, event: GenerateEvent) -> Result<(Vec<Segment>, Option<FinishReason>), ApiError> {
+    pub(super) fn apply(&mut self, event: GenerateEvent) -> Result<(Vec<Segment>, Option<FinishReason>), ApiError> {
         let (text, done) = self.apply_text(event)?;
         let mut segments = Vec::new();
         match &mut self.parser {
@@ -638,33 +708,11 @@ fn sse(data: &Value) -> Bytes {
 /// Starts the generation, waits for admission, then answers with JSON or SSE.
 async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Response {
     let Prepared { api, request, stop, stream, include_usage, parser } = prepared;
-    let inner = &state.inner;
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let mut answer = Answer {
-        api,
-        id: request.request_id.clone(),
-        model: request.model.clone(),
-        created,
-        prompt_tokens: request.prompt.len(),
-        cached_tokens: 0,
-        completion_tokens: 0,
-        decoder: IncrementalDecoder::new(inner.tokenizer.clone(), request.stop_token_ids.iter().copied()),
-        stop: StopMatcher::new(stop),
-        deadline: arrived + inner.request_timeout,
-        arrived,
-        last_token: None,
-        events: inner.generator.generate(request),
-        parser,
-        calls: 0,
-    };
+    let mut answer = Answer::start(&state, api, request, stop, parser, arrived);
     // Admission: an error here is an HTTP status, even for a streaming request.
-    let mut pending = match answer.next_event().await {
+    let mut pending = match answer.admit().await {
         Err(e) => return e.into_response(),
-        Ok(GenerateEvent::Started { cached_tokens }) => {
-            answer.cached_tokens = cached_tokens.min(answer.prompt_tokens);
-            None
-        }
-        Ok(other) => Some(other),
+        Ok(pending) => pending,
     };
     if !stream {
         let mut reply = Reply::default();

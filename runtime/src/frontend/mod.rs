@@ -30,6 +30,7 @@
 //! The session of a request is the `x-session-id` header, else the `user` field. The `nvext`
 //! object (agent hints) is parsed into [`AgentHints`].
 
+mod anthropic;
 pub mod detok;
 pub mod error;
 pub mod generate;
@@ -89,6 +90,10 @@ struct Inner {
     reasoning: Option<parsers::ReasoningKind>,
     /// `frontend.tool_call_parser`.
     tools: Option<parsers::ToolFormat>,
+    /// `frontend.strip_anthropic_preamble`.
+    strip_anthropic_preamble: bool,
+    /// `frontend.messages_temperature`: Anthropic Messages' temperature when a request sends none.
+    messages_temperature: f32,
 }
 
 impl fmt::Debug for FrontendState {
@@ -149,6 +154,8 @@ impl FrontendState {
                 allowed_hosts: config.allowed_hosts.clone(),
                 reasoning: config.reasoning_parser.as_deref().and_then(parsers::ReasoningKind::from_name),
                 tools: config.tool_call_parser.as_deref().and_then(parsers::ToolFormat::from_name),
+                strip_anthropic_preamble: config.strip_anthropic_preamble,
+                messages_temperature: config.messages_temperature,
             }),
         }
     }
@@ -199,6 +206,8 @@ pub fn router(state: FrontendState, loopback_only: bool) -> Router {
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(handlers::models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/health", get(handlers::health))
         .fallback(handlers::not_found)
         .method_not_allowed_fallback(handlers::method_not_allowed)

@@ -114,6 +114,9 @@ pub struct TemplateMessage {
     pub role: String,
     /// The text (`None` for an assistant turn that only calls tools).
     pub content: Option<String>,
+    /// An assistant turn's reasoning, for templates that render it (Qwen3, GLM, Nemotron).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// The participant's name.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,

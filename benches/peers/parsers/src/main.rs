@@ -127,7 +127,7 @@ const VECTORS: &[(&str, Option<&str>, Option<&str>, bool, &str)] = &[
     ("j1", None, Some("jamba"), false, "<tool_calls>[{\"name\": \"f\", \"arguments\": {}}]</tool_calls>"),
     ("n1", None, Some("nemotron_deci"), false, "<TOOLCALL>[{\"name\": \"f\", \"arguments\": {}}]</TOOLCALL>"),
     ("x1", None, Some("minimax_m2"), false, "<minimax:tool_call><invoke name=\"f\"><parameter name=\"k\">v</parameter></invoke></minimax:tool_call>"),
-    ("split", Some("qwen3"), Some("hermes"), true, "plan think<|SPLIT|>/think>\n<tool_call>\n{\"name\": \"ls\", \"arguments\": {}}\n</tool_call>"),
+    ("split", Some("qwen3"), Some("hermes"), true, "plan think<<|SPLIT|>/think>\n<tool_call>\n{\"name\": \"ls\", \"arguments\": {}}\n</tool_call>"),
 ];
 
 /// A `text` split into chunks of about `n` bytes, on character boundaries.
@@ -157,26 +157,36 @@ fn best_of(passes: usize, mut f: impl FnMut()) -> f64 {
 
 fn main() {
     let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
-    println!("## Vectors: ours vs dynamo-parsers 11.0.1 (thinking / text / calls; reasoning streamed a character at a time)\n");
-    println!("| # | parsers | agree | ours | theirs |");
-    println!("|---|---|---|---|---|");
-    let mut agree = 0;
+    println!("## Vectors: ours vs dynamo-parsers 11.0.1 (thinking / text / calls)\n");
+    println!("Fed whole (one chunk), and a character at a time (what a detokenizer may hand over for");
+    println!("multi-byte characters and split markers). `split` feeds `plan think<` then the rest.\n");
+    println!("| # | parsers | whole: agree | characters: agree | ours | theirs, whole | theirs, characters |");
+    println!("|---|---|---|---|---|---|---|");
+    let (mut agree_whole, mut agree_chars) = (0, 0);
+    // Dynamo trims the text it returns beside tool calls; compare without the ends' spaces.
+    let same = |a: &Outcome, b: &Outcome| a.thinking.trim() == b.thinking.trim() && a.text.trim() == b.text.trim() && a.calls == b.calls;
     for &(id, reasoning, tools, in_reasoning, input) in VECTORS {
-        let chunks: Vec<String> = if input.contains("<|SPLIT|>") {
-            input.split("<|SPLIT|>").map(str::to_owned).collect()
+        let (whole, chars): (Vec<String>, Vec<String>) = if input.contains("<|SPLIT|>") {
+            let parts: Vec<String> = input.split("<|SPLIT|>").map(str::to_owned).collect();
+            (parts.clone(), parts)
         } else {
-            input.chars().map(String::from).collect()
+            (vec![input.to_owned()], input.chars().map(String::from).collect())
         };
-        let chunks: Vec<&str> = chunks.iter().map(String::as_str).collect();
-        let a = ours(reasoning, tools, in_reasoning, &chunks);
-        let b = theirs(&rt, reasoning, tools, in_reasoning, &chunks);
-        // Dynamo trims the text it returns beside tool calls; compare without the ends' spaces.
-        let same = a.thinking.trim() == b.thinking.trim() && a.text.trim() == b.text.trim() && a.calls == b.calls;
-        agree += usize::from(same);
+        let whole: Vec<&str> = whole.iter().map(String::as_str).collect();
+        let chars: Vec<&str> = chars.iter().map(String::as_str).collect();
+        let a = ours(reasoning, tools, in_reasoning, &whole);
+        assert_eq!(a, ours(reasoning, tools, in_reasoning, &chars), "ours is the same for any chunking");
+        let b_whole = theirs(&rt, reasoning, tools, in_reasoning, &whole);
+        let b_chars = theirs(&rt, reasoning, tools, in_reasoning, &chars);
+        let (w, c) = (same(&a, &b_whole), same(&a, &b_chars));
+        agree_whole += usize::from(w);
+        agree_chars += usize::from(c);
         let names = format!("{} + {}", reasoning.unwrap_or("-"), tools.unwrap_or("-"));
-        println!("| {id} | {names} | {} | {a:?} | {b:?} |", if same { "yes" } else { "**no**" });
+        let mark = |ok: bool| if ok { "yes" } else { "**no**" };
+        let chars_col = if b_chars == b_whole { "(same)".to_owned() } else { format!("{b_chars:?}") };
+        println!("| {id} | {names} | {} | {} | {a:?} | {b_whole:?} | {chars_col} |", mark(w), mark(c));
     }
-    println!("\n{agree} of {} vectors agree.\n", VECTORS.len());
+    println!("\nAgree: {agree_whole} of {n} fed whole, {agree_chars} of {n} a character at a time.\n", n = VECTORS.len());
 
     let passes: usize = std::env::var("PASSES").ok().and_then(|p| p.parse().ok()).unwrap_or(5);
     println!("## Throughput (best of {passes} passes, MB/s of answer text)\n");

@@ -48,8 +48,10 @@ impl HarmonyParser {
     }
 
     pub(super) fn push(&mut self, text: &str, out: &mut Vec<Segment>) {
-        self.buf.push_str(text);
-        self.drain(out, false);
+        super::in_slices(text, |slice| {
+            self.buf.push_str(slice);
+            self.drain(out, false);
+        });
     }
 
     pub(super) fn finish(&mut self, out: &mut Vec<Segment>) {

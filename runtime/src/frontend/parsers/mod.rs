@@ -130,6 +130,23 @@ fn route(from: &mut Vec<Segment>, mut tools: Option<&mut ToolParser>, out: &mut 
     }
 }
 
+/// Bytes a parser takes in at a time: a long push is fed in slices, so that saying what the
+/// buffer's front holds stays cheap (the result is the same for any chunking).
+const SLICE: usize = 4096;
+
+/// Calls `f` on `text` in slices of about [`SLICE`] bytes, cut on character boundaries.
+fn in_slices(text: &str, mut f: impl FnMut(&str)) {
+    let mut start = 0;
+    while start < text.len() {
+        let mut end = (start + SLICE).min(text.len());
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        f(&text[start..end]);
+        start = end;
+    }
+}
+
 /// Appends `text` as text, continuing a text segment at the end of `out`.
 fn push_text(out: &mut Vec<Segment>, text: &str) {
     push_segment(out, Segment::Text(text.to_owned()));
@@ -142,7 +159,7 @@ fn push_thinking(out: &mut Vec<Segment>, text: &str) {
 
 /// Appends `segment`, merged into the last one when both are text or both thinking; empty text
 /// and thinking are dropped.
-fn push_segment(out: &mut Vec<Segment>, segment: Segment) {
+pub(crate) fn push_segment(out: &mut Vec<Segment>, segment: Segment) {
     match (out.last_mut(), segment) {
         (_, Segment::Text(t) | Segment::Thinking(t)) if t.is_empty() => {}
         (Some(Segment::Text(last)), Segment::Text(t)) => last.push_str(&t),

@@ -131,8 +131,10 @@ impl ReasoningParser {
 
     /// Parses `text`, appending thinking and text to `out`.
     pub fn push(&mut self, text: &str, out: &mut Vec<Segment>) {
-        self.buf.push_str(text);
-        self.drain(out, false);
+        super::in_slices(text, |slice| {
+            self.buf.push_str(slice);
+            self.drain(out, false);
+        });
     }
 
     /// Flushes what was held back.

@@ -201,8 +201,10 @@ impl ToolParser {
 
     /// Parses `text`, appending text and complete tool calls to `out`.
     pub fn push(&mut self, text: &str, out: &mut Vec<Segment>) {
-        self.buf.push_str(text);
-        self.drain(out, false);
+        super::in_slices(text, |slice| {
+            self.buf.push_str(slice);
+            self.drain(out, false);
+        });
     }
 
     /// Flushes what was held back: an unfinished call is recovered where the format allows, else
