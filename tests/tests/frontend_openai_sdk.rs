@@ -14,19 +14,10 @@ use std::process::Command;
 use dynamo_config::FrontendSection;
 use support::Server;
 
-fn sdk_python() -> PathBuf {
-    if let Some(python) = std::env::var_os("DYNAMO_SDK_PYTHON") {
-        return python.into();
-    }
-    let found = Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
-    assert!(found, "the OpenAI Python SDK is not installed: set DYNAMO_SDK_PYTHON (.ci/run installs it)");
-    "python3".into()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the openai Python SDK: .ci/run installs it"]
 async fn the_openai_python_sdk_talks_to_the_frontend() {
-    let python = sdk_python();
+    let python = support::sdk_python("openai");
     let mut server = Server::start(FrontendSection::default()).await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("sdk/openai_client.py");
     let base = server.url("/v1");

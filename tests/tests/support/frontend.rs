@@ -129,3 +129,17 @@ impl Server {
         self.task.take().expect("running").await.expect("serve task")
     }
 }
+
+/// The Python with the official SDK `module` installed: `$DYNAMO_SDK_PYTHON` (`.ci/run` sets it),
+/// else `python3` if it can import it; fails otherwise (an SDK test never passes silently).
+pub fn sdk_python(module: &str) -> std::path::PathBuf {
+    if let Some(python) = std::env::var_os("DYNAMO_SDK_PYTHON") {
+        return python.into();
+    }
+    let found = std::process::Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(found, "the {module} Python SDK is not installed: set DYNAMO_SDK_PYTHON (.ci/run installs it)");
+    "python3".into()
+}
