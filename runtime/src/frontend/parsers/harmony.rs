@@ -126,8 +126,7 @@ impl HarmonyParser {
                         Some(consumed) => {
                             if let Route::Call { name, arguments } = route {
                                 let arguments = arguments.trim();
-                                if serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(arguments).is_ok()
-                                {
+                                if super::json::is_json_object(arguments) {
                                     let call =
                                         ToolCall { id: None, name: name.clone(), arguments: arguments.to_owned() };
                                     push_segment(out, Segment::ToolCall(call));

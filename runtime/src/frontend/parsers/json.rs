@@ -57,9 +57,23 @@ pub(super) fn skip_ws(s: &str, mut i: usize) -> usize {
     i
 }
 
+/// Whether `s` is valid JSON (checked without building it).
+pub(super) fn is_json(s: &str) -> bool {
+    serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok()
+}
+
+/// Whether `s` is a JSON object.
+pub(super) fn is_json_object(s: &str) -> bool {
+    s.trim_start().starts_with('{') && is_json(s)
+}
+
 /// The fields of the JSON object `s` (whitespace around it allowed), each key decoded and its
 /// value as the raw text the model wrote, in order.
 pub(super) fn object_fields(s: &str) -> Option<Vec<(String, &str)>> {
+    // Valid as a whole, so the scan below only finds where each value ends.
+    if !is_json(s) {
+        return None;
+    }
     let b = s.as_bytes();
     let mut i = skip_ws(s, 0);
     if b.get(i) != Some(&b'{') {
@@ -82,9 +96,7 @@ pub(super) fn object_fields(s: &str) -> Option<Vec<(String, &str)>> {
         }
         let value_start = skip_ws(s, i + 1);
         let value_stop = value_end(s, value_start)?;
-        let raw = &s[value_start..value_stop];
-        serde_json::from_str::<Value>(raw).ok()?;
-        fields.push((key, raw));
+        fields.push((key, &s[value_start..value_stop]));
         i = skip_ws(s, value_stop);
         match b.get(i) {
             Some(b',') => i = skip_ws(s, i + 1),

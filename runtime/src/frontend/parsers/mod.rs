@@ -149,12 +149,20 @@ fn in_slices(text: &str, mut f: impl FnMut(&str)) {
 
 /// Appends `text` as text, continuing a text segment at the end of `out`.
 fn push_text(out: &mut Vec<Segment>, text: &str) {
-    push_segment(out, Segment::Text(text.to_owned()));
+    match out.last_mut() {
+        _ if text.is_empty() => {}
+        Some(Segment::Text(last)) => last.push_str(text),
+        _ => out.push(Segment::Text(text.to_owned())),
+    }
 }
 
 /// Appends `text` as thinking, continuing a thinking segment at the end of `out`.
 fn push_thinking(out: &mut Vec<Segment>, text: &str) {
-    push_segment(out, Segment::Thinking(text.to_owned()));
+    match out.last_mut() {
+        _ if text.is_empty() => {}
+        Some(Segment::Thinking(last)) => last.push_str(text),
+        _ => out.push(Segment::Thinking(text.to_owned())),
+    }
 }
 
 /// Appends `segment`, merged into the last one when both are text or both thinking; empty text

@@ -4,7 +4,9 @@
 
 use serde_json::Value;
 
-use super::json::{loose_value, object_fields, object_text, python_calls, python_list_end, skip_ws, value_end};
+use super::json::{
+    is_json_object, loose_value, object_fields, object_text, python_calls, python_list_end, skip_ws, value_end,
+};
 use super::scan::{Scan, scan};
 use super::{Segment, ToolCall, push_segment, push_text};
 
@@ -382,10 +384,14 @@ fn json_call(text: &str) -> Option<ToolCall> {
     let arguments = match raw {
         None => "{}".to_owned(),
         // Some models write the arguments as a string of JSON.
-        Some(raw) if raw.starts_with('"') => serde_json::from_str::<String>(raw).ok()?,
-        Some(raw) => raw.to_owned(),
+        Some(raw) if raw.starts_with('"') => {
+            let decoded = serde_json::from_str::<String>(raw).ok()?;
+            is_json_object(&decoded).then_some(decoded)?
+        }
+        // The object as a whole was valid JSON: an object value is one.
+        Some(raw) if raw.starts_with('{') => raw.to_owned(),
+        Some(_) => return None,
     };
-    serde_json::from_str::<serde_json::Map<String, Value>>(&arguments).ok()?;
     let id = fields.iter().find(|(k, _)| k == "id").and_then(|(_, v)| serde_json::from_str::<String>(v).ok());
     Some(ToolCall { id, name, arguments })
 }
@@ -445,7 +451,9 @@ fn mistral_calls(text: &str) -> Option<Vec<ToolCall>> {
         return None;
     }
     let arguments = t[brace..].to_owned();
-    serde_json::from_str::<serde_json::Map<String, Value>>(&arguments).ok()?;
+    if !is_json_object(&arguments) {
+        return None;
+    }
     Some(vec![ToolCall { id: None, name: name.to_owned(), arguments }])
 }
 
@@ -574,7 +582,9 @@ fn kimi_calls(body: &str) -> Option<Vec<ToolCall>> {
             Some(e) => (after[args_at..args_at + e].trim(), args_at + e + "<|tool_call_end|>".len()),
             None => (after[args_at..].trim(), after.len()),
         };
-        serde_json::from_str::<serde_json::Map<String, Value>>(arguments).ok()?;
+        if !is_json_object(arguments) {
+            return None;
+        }
         let bare = id.strip_prefix("functions.").unwrap_or(id);
         let name = bare.rsplit_once(':').map_or(bare, |(name, _)| name).to_owned();
         calls.push(ToolCall { id: Some(id.to_owned()), name, arguments: arguments.to_owned() });
@@ -607,7 +617,9 @@ fn deepseek_calls(body: &str, v3: bool) -> Option<Vec<ToolCall>> {
         } else {
             (head.trim(), tail.trim())
         };
-        serde_json::from_str::<serde_json::Map<String, Value>>(arguments).ok()?;
+        if !is_json_object(arguments) {
+            return None;
+        }
         calls.push(ToolCall { id: None, name: name.to_owned(), arguments: arguments.to_owned() });
         rest = &after[next..];
     }
