@@ -69,7 +69,7 @@ pub(super) fn is_json_object(s: &str) -> bool {
 
 /// The fields of the JSON object `s` (whitespace around it allowed), each key decoded and its
 /// value as the raw text the model wrote, in order.
-pub(super) fn object_fields(s: &str) -> Option<Vec<(String, &str)>> {
+pub(super) fn object_fields(s: &str) -> Option<Vec<(std::borrow::Cow<'_, str>, &str)>> {
     // Valid as a whole, so the scan below only finds where each value ends.
     if !is_json(s) {
         return None;
@@ -89,7 +89,7 @@ pub(super) fn object_fields(s: &str) -> Option<Vec<(String, &str)>> {
             return None;
         }
         let key_end = string_end(b, i)?;
-        let key: String = serde_json::from_str(&s[i..key_end]).ok()?;
+        let key = json_str(&s[i..key_end])?;
         i = skip_ws(s, key_end);
         if b.get(i) != Some(&b':') {
             return None;
@@ -103,6 +103,16 @@ pub(super) fn object_fields(s: &str) -> Option<Vec<(String, &str)>> {
             Some(b'}') => return (skip_ws(s, i + 1) == s.len()).then_some(fields),
             _ => return None,
         }
+    }
+}
+
+/// The JSON string literal `raw` (quotes included) decoded; borrowed when it has no escapes.
+pub(super) fn json_str(raw: &str) -> Option<std::borrow::Cow<'_, str>> {
+    let inner = raw.strip_prefix('"')?.strip_suffix('"')?;
+    if inner.contains('\\') {
+        serde_json::from_str::<String>(raw).ok().map(std::borrow::Cow::Owned)
+    } else {
+        Some(std::borrow::Cow::Borrowed(inner))
     }
 }
 

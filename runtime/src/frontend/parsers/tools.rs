@@ -5,7 +5,8 @@
 use serde_json::Value;
 
 use super::json::{
-    is_json_object, loose_value, object_fields, object_text, python_calls, python_list_end, skip_ws, value_end,
+    is_json_object, json_str, loose_value, object_fields, object_text, python_calls, python_list_end, skip_ws,
+    value_end,
 };
 use super::scan::{Scan, scan};
 use super::{Segment, ToolCall, push_segment, push_text};
@@ -203,10 +204,45 @@ impl ToolParser {
 
     /// Parses `text`, appending text and complete tool calls to `out`.
     pub fn push(&mut self, text: &str, out: &mut Vec<Segment>) {
-        super::in_slices(text, |slice| {
+        let rest = self.push_direct(text, out);
+        super::in_slices(rest, |slice| {
             self.buf.push_str(slice);
             self.drain(out, false);
         });
+    }
+
+    /// Parses what it can of `text` in place, without buffering it: text up to a start marker,
+    /// and calls whose closing marker is in `text` too. Returns the rest, for the buffered path
+    /// (which gives the same segments; this only saves copying a long push through the buffer).
+    /// Only for formats whose calls open and close with real markers, and while nothing is held.
+    fn push_direct<'t>(&mut self, mut text: &'t str, out: &mut Vec<Segment>) -> &'t str {
+        let direct = !matches!(self.format, ToolFormat::Pythonic | ToolFormat::Llama3Json);
+        let starts = self.format.starts();
+        while direct && self.inside.is_none() && self.buf.is_empty() && !text.is_empty() {
+            let (at, marker) = match scan(text, starts) {
+                Scan::Found { at, marker } => (at, marker),
+                Scan::Partial { safe } => {
+                    self.said_text |= !text[..safe].trim().is_empty();
+                    push_text(out, &text[..safe]);
+                    return &text[safe..];
+                }
+            };
+            let End::Tags(tags) = self.format.end(marker) else { return text };
+            let body = &text[at + starts[marker].len()..];
+            let Scan::Found { at: body_end, marker: tag } = scan(body, tags) else { return text };
+            self.said_text |= !text[..at].trim().is_empty();
+            push_text(out, &text[..at]);
+            let whole = &text[at..at + starts[marker].len() + body_end + tags[tag].len()];
+            match self.format.parse(&body[..body_end]) {
+                Some(calls) => calls.into_iter().for_each(|c| push_segment(out, Segment::ToolCall(c))),
+                None => {
+                    self.said_text = true;
+                    push_text(out, whole);
+                }
+            }
+            text = &text[at + whole.len()..];
+        }
+        text
     }
 
     /// Flushes what was held back: an unfinished call is recovered where the format allows, else
@@ -379,7 +415,7 @@ fn bare_json_call_start(rest: &str) -> Option<bool> {
 /// `{"name": …, "arguments" | "parameters": …}` as a call, its arguments as written.
 fn json_call(text: &str) -> Option<ToolCall> {
     let fields = object_fields(text)?;
-    let name = fields.iter().find(|(k, _)| k == "name").and_then(|(_, v)| serde_json::from_str::<String>(v).ok())?;
+    let name = fields.iter().find(|(k, _)| k == "name").and_then(|(_, v)| json_str(v))?.into_owned();
     let raw = fields.iter().find(|(k, _)| k == "arguments" || k == "parameters").map(|(_, v)| *v);
     let arguments = match raw {
         None => "{}".to_owned(),
@@ -392,7 +428,7 @@ fn json_call(text: &str) -> Option<ToolCall> {
         Some(raw) if raw.starts_with('{') => raw.to_owned(),
         Some(_) => return None,
     };
-    let id = fields.iter().find(|(k, _)| k == "id").and_then(|(_, v)| serde_json::from_str::<String>(v).ok());
+    let id = fields.iter().find(|(k, _)| k == "id").and_then(|(_, v)| json_str(v)).map(std::borrow::Cow::into_owned);
     Some(ToolCall { id, name, arguments })
 }
 
