@@ -7,7 +7,7 @@
 //! samples between scrapes). Names follow DESIGN.md §8: prefix `dynamo_node_`, the unit in the
 //! name, counters end in `_total`, and every label value comes from a small closed set — tiers
 //! from [`Tier`] (`g1`..`g4`), regions from [`RegionKind::as_str`], error kinds from the library
-//! crates' `kind()`, APIs from [`Api`], HTTP status codes.
+//! crates' `kind()`, APIs from the frontend's routes (`dynamo_node::frontend::Route`), HTTP status codes.
 //!
 //! Call sites never spell a name: they call the functions below (`record_*` add to counters and
 //! histograms, `set_*` and `publish_*` set gauges or mirror a monotonic source with
@@ -153,34 +153,6 @@ pub mod names {
     ];
 }
 
-/// The API a request came in through: the `api` label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Api {
-    /// `POST /v1/completions`.
-    Completions,
-    /// `POST /v1/chat/completions`.
-    ChatCompletions,
-    /// `GET /v1/models`.
-    Models,
-    /// `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic).
-    Messages,
-}
-
-impl Api {
-    /// Every API, in declaration order.
-    pub const ALL: [Api; 4] = [Api::Completions, Api::ChatCompletions, Api::Models, Api::Messages];
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Api::Completions => "completions",
-            Api::ChatCompletions => "chat_completions",
-            Api::Models => "models",
-            Api::Messages => "messages",
-        }
-    }
-}
-
 /// The transfer paths whose series exist from start-up (at zero): write-through down the tiers and
 /// onboarding back up. [`record_transfer`] accepts any pair.
 pub const TRANSFER_PATHS: [(Tier, Tier); 6] = [
@@ -270,9 +242,6 @@ pub fn register_known_series() {
     for (src, dst) in TRANSFER_PATHS {
         counter!(KV_TRANSFER_BYTES, "src" => src.as_str(), "dst" => dst.as_str()).increment(0);
         let _ = histogram!(KV_TRANSFER_SECONDS, "src" => src.as_str(), "dst" => dst.as_str());
-    }
-    for api in Api::ALL {
-        counter!(REQUESTS, "api" => api.as_str(), "status" => "200").increment(0);
     }
     let _ = histogram!(REQUEST_TTFT_SECONDS);
     let _ = histogram!(INTER_TOKEN_SECONDS);
@@ -396,11 +365,19 @@ pub fn set_tier_degraded(tier: Tier, degraded: bool) {
     gauge!(names::TIER_DEGRADED, "tier" => tier.as_str()).set(if degraded { 1.0 } else { 0.0 });
 }
 
-/// Counts one answered request, with its time to first token when it produced one.
-pub fn record_request(api: Api, status: u16, ttft: Option<Duration>) {
-    counter!(names::REQUESTS, "api" => api.as_str(), "status" => status.to_string()).increment(1);
+/// Counts one answered request of the API labelled `api` (the frontend's routes name theirs),
+/// with its time to first token when it produced one.
+pub fn record_request(api: &'static str, status: u16, ttft: Option<Duration>) {
+    counter!(names::REQUESTS, "api" => api, "status" => status.to_string()).increment(1);
     if let Some(ttft) = ttft {
         histogram!(names::REQUEST_TTFT_SECONDS).record(ttft.as_secs_f64());
+    }
+}
+
+/// Creates the `dynamo_node_requests_total{api, status="200"}` series of `apis` at zero.
+pub fn register_request_series(apis: &[&'static str]) {
+    for &api in apis {
+        counter!(names::REQUESTS, "api" => api, "status" => "200").increment(0);
     }
 }
 

@@ -134,6 +134,7 @@ pub fn install(cfg: &MetricsSection) -> anyhow::Result<MetricsHandle> {
     };
     describe();
     register_known_series();
+    register_request_series(&crate::frontend::Route::ALL.map(crate::frontend::Route::label));
     Ok(MetricsHandle { exporter: Some((addr, handle)) })
 }
 
@@ -234,8 +235,8 @@ mod tests {
             register_known_series();
             record_transfer(Tier::G3, Tier::G2, 4096, Duration::from_millis(5));
             record_transfer(Tier::G3, Tier::G2, 4096, Duration::from_millis(50));
-            record_request(Api::ChatCompletions, 429, None);
-            record_request(Api::Completions, 200, Some(Duration::from_millis(20)));
+            record_request("chat_completions", 429, None);
+            record_request("completions", 200, Some(Duration::from_millis(20)));
             record_prompt(100, 36);
             record_hit_tokens(Tier::G2, 64);
             record_tier_error(Tier::G3, "no_space");

@@ -351,7 +351,7 @@ pub(super) async fn count_tokens(State(state): State<FrontendState>, headers: He
         Ok(tokens) => axum::Json(json!({"input_tokens": tokens})).into_response(),
         Err(e) => anthropic_error(e),
     };
-    metrics::record_request(metrics::Api::Messages, response.status().as_u16(), None);
+    super::Route::Messages.count(response.status().as_u16());
     response
 }
 
@@ -365,7 +365,7 @@ pub(super) async fn messages(State(state): State<FrontendState>, headers: Header
         Ok(prepared) => run(&state, prepared, arrived).await,
         Err(e) => anthropic_error(e),
     };
-    metrics::record_request(metrics::Api::Messages, response.status().as_u16(), None);
+    super::Route::Messages.count(response.status().as_u16());
     response
 }
 

@@ -54,7 +54,7 @@ pub(super) async fn not_found() -> ApiError {
 }
 
 pub(super) async fn models(State(state): State<FrontendState>, headers: HeaderMap) -> Response {
-    metrics::record_request(metrics::Api::Models, 200, None);
+    super::Route::Models.count(200);
     if headers.contains_key("anthropic-version") {
         return super::anthropic::models(&state);
     }
@@ -82,7 +82,7 @@ pub(super) async fn chat_completions(State(state): State<FrontendState>, headers
         Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
     };
-    counted(metrics::Api::ChatCompletions, response)
+    counted(super::Route::ChatCompletions, response)
 }
 
 pub(super) async fn completions(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
@@ -91,12 +91,12 @@ pub(super) async fn completions(State(state): State<FrontendState>, headers: Hea
         Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
     };
-    counted(metrics::Api::Completions, response)
+    counted(super::Route::Completions, response)
 }
 
 /// Counts an answered request by API and HTTP status (a stream counts once its headers go out).
-fn counted(api: metrics::Api, response: Response) -> Response {
-    metrics::record_request(api, response.status().as_u16(), None);
+fn counted(route: super::Route, response: Response) -> Response {
+    route.count(response.status().as_u16());
     response
 }
 

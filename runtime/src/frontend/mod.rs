@@ -172,6 +172,39 @@ impl FrontendState {
     }
 }
 
+/// The API a request came in through: the `api` label of `dynamo_node_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `GET /v1/models`.
+    Models,
+    /// `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic).
+    Messages,
+}
+
+impl Route {
+    /// Every route, in declaration order.
+    pub const ALL: [Route; 4] = [Route::Completions, Route::ChatCompletions, Route::Models, Route::Messages];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Route::Completions => "completions",
+            Route::ChatCompletions => "chat_completions",
+            Route::Models => "models",
+            Route::Messages => "messages",
+        }
+    }
+
+    /// Counts one answered request of this route by HTTP status.
+    pub fn count(self, status: u16) {
+        crate::metrics::record_request(self.label(), status, None);
+    }
+}
+
 /// Refuses parser names that are not ones `frontend.reasoning_parser` and
 /// `frontend.tool_call_parser` take, listing those.
 pub fn check_parsers(config: &FrontendSection) -> Result<(), String> {
