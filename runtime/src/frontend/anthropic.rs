@@ -29,7 +29,9 @@ use tokio::time::Instant;
 use super::FrontendState;
 use super::error::ApiError;
 use super::generate::{FinishReason, GenerateRequest};
-use super::handlers::{Answer, Api, check_model, fit, lower, precheck, prepare_off_thread, request_id, session_key};
+use super::handlers::{
+    Answer, Api, check_model, event_stream, fit, lower, precheck, prepare_off_thread, request_id, session_key,
+};
 use super::parsers::Segment;
 use super::template::{TemplateMessage, escape_special_tokens};
 use crate::metrics;
@@ -514,15 +516,7 @@ async fn run(state: &FrontendState, prepared: Prepared, arrived: Instant) -> Res
             }
         }
     });
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-            (header::HeaderName::from_static("x-accel-buffering"), "no"),
-        ],
-        Body::from_stream(rx),
-    )
-        .into_response()
+    event_stream(rx)
 }
 
 fn event(name: &str, data: &Value) -> Bytes {

@@ -778,6 +778,11 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
             }
         }
     });
+    event_stream(rx)
+}
+
+/// A server-sent-event response whose frames come from `rx`.
+pub(super) fn event_stream(rx: futures::channel::mpsc::Receiver<Result<Bytes, std::convert::Infallible>>) -> Response {
     (
         [
             (header::CONTENT_TYPE, "text/event-stream"),

@@ -143,3 +143,19 @@ pub fn sdk_python(module: &str) -> std::path::PathBuf {
     assert!(found, "the {module} Python SDK is not installed: set DYNAMO_SDK_PYTHON (.ci/run installs it)");
     "python3".into()
 }
+
+/// Runs the SDK script `tests/sdk/NAME` with `module`'s Python against `server` (`base` is the
+/// URL the script gets), and requires it to print `ok`.
+pub async fn run_sdk_script(module: &str, name: &str, base: String) {
+    let python = sdk_python(module);
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("sdk").join(name);
+    let output =
+        tokio::task::spawn_blocking(move || std::process::Command::new(&python).arg(script).arg(base).output())
+            .await
+            .unwrap()
+            .expect("run the SDK script");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "the SDK script failed:\n{stdout}\n{stderr}");
+    assert_eq!(stdout.trim(), "ok", "{stderr}");
+}
