@@ -1,4 +1,5 @@
-//! The OpenAI-compatible HTTP API in front of a [`Generator`].
+//! The HTTP APIs in front of a [`Generator`]: OpenAI Chat Completions and Completions, and
+//! Anthropic Messages.
 //!
 //! Routes ([`router`]):
 //!
@@ -6,10 +7,18 @@
 //! |---|---|
 //! | `POST /v1/chat/completions` | messages → chat template ([`template`]) → tokens with regions → generation |
 //! | `POST /v1/completions` | a text or token-id prompt → generation |
-//! | `GET /v1/models` | [`Generator::models`] |
+//! | `POST /v1/messages` | Anthropic Messages over the same template and generation (`anthropic`) |
+//! | `POST /v1/messages/count_tokens` | the prompt's real token count, through the same lowering |
+//! | `GET /v1/models` | [`Generator::models`] (Anthropic's shape when `anthropic-version` is sent) |
 //! | `GET /health` | `{"status": "ok"}` |
 //!
-//! Both generation routes answer with one JSON body, or with server-sent events (`stream: true`):
+//! A chat answer is split into reasoning, text and tool calls by the configured [`parsers`]
+//! (`frontend.reasoning_parser`, `frontend.tool_call_parser`). The server under the routes is the
+//! frontend's own ([`server`]: header and body timeouts, a connection cap), and on a loopback
+//! address a request must name the node by a loopback `Host` (and `Origin`). Requests are parsed,
+//! rendered and tokenized on the blocking pool.
+//!
+//! Both OpenAI generation routes answer with one JSON body, or with server-sent events (`stream: true`):
 //! `data: {chunk}\n\n` per piece of text, a last chunk with the `finish_reason`, a `usage` chunk
 //! when `stream_options.include_usage` is set, then `data: [DONE]`. `usage` reports
 //! `prompt_tokens_details.cached_tokens` from [`GenerateEvent::Started`]. Text is streamed as soon
@@ -27,8 +36,9 @@
 //! escaped before rendering ([`template::escape_special_tokens`]), so a message cannot forge the
 //! template's structure; a legacy completion's prompt is the client's own and is not escaped.
 //!
-//! The session of a request is the `x-session-id` header, else the `user` field. The `nvext`
-//! object (agent hints) is parsed into [`AgentHints`].
+//! The session of a request is the `x-session-id` header, else the `user` field (Anthropic:
+//! `x-claude-code-session-id`, else `metadata.user_id`), kept as a digest ([`session_key`]). The
+//! `nvext` object (agent hints) is parsed into [`AgentHints`].
 
 mod anthropic;
 pub mod detok;
@@ -231,7 +241,7 @@ pub fn check_parsers(config: &FrontendSection) -> Result<(), String> {
 
 /// The API's routes over `state`, with the body limit of `frontend.max_body`. With
 /// `loopback_only`, requests must name the node by a loopback `Host` (or one of
-/// `frontend.allowed_hosts`), and so must a browser's `Origin` ([`guard`]).
+/// `frontend.allowed_hosts`), and so must a browser's `Origin`.
 pub fn router(state: FrontendState, loopback_only: bool) -> Router {
     let max_body = state.inner.max_body;
     let hosts = Arc::new(guard::HostGuard::new(loopback_only, &state.inner.allowed_hosts));

@@ -46,7 +46,7 @@ pub struct ServerLimits {
 }
 
 /// `wanted` connections, lowered to what the process's open-file limit leaves after
-/// [`RESERVED_FDS`]. The soft limit is first raised to the hard one, as servers do.
+/// the descriptors kept for the rest of the node. The soft limit is first raised to the hard one, as servers do.
 pub fn connection_limit(wanted: usize) -> usize {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes one rlimit through a pointer to a live local.
