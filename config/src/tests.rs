@@ -351,4 +351,7 @@ fn what_serve_would_refuse_is_refused_with_its_line() {
     }
     let err = parse("[frontend]\nmax_connections = 0\n").unwrap_err();
     assert_eq!(err.key(), Some("frontend.max_connections"));
+    let err = parse("[engine]\nkind = \"scripted\"\n").unwrap_err();
+    assert_eq!(err.key(), Some("engine.script"));
+    parse("[engine]\nkind = \"scripted\"\nscript = \"answers.json\"\n").unwrap();
 }

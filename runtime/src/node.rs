@@ -7,7 +7,7 @@
 //! knows every block it had written — each of them verified again when it is read.
 
 use std::fmt::{self, Write as _};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -206,6 +206,7 @@ impl ResolvedTiers {
     /// [`ResolvedTiers::resolve`] with `probe` reporting the CUDA device.
     pub fn resolve_with(cfg: &NodeConfig, probe: &dyn Fn() -> Result<DeviceInfo, KernelError>) -> anyhow::Result<Self> {
         crate::frontend::check_parsers(&cfg.frontend).map_err(anyhow::Error::msg)?;
+        scripted_answers(cfg)?;
         let shape = match cfg.model_shape() {
             Some(shape) => shape,
             None => {
@@ -509,7 +510,15 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     );
     let (tokenizer, template) = frontend_parts(&cfg)?;
     let generator = serving.generator(Arc::new(tokenizer.decodable())).await?;
-    let state = crate::frontend::FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
+    let mut state = crate::frontend::FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
+    if let Some(answers) = scripted_answers(&cfg)? {
+        println!(
+            "engine scripted: {} answer(s) from {}",
+            answers.len(),
+            cfg.engine.script.as_deref().unwrap_or(Path::new("")).display()
+        );
+        state = state.with_script(answers);
+    }
     println!("{}", metrics.line());
     println!("serving the OpenAI API on http://{}/v1", listener.local_addr()?);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -551,6 +560,20 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     }
     println!("stopped");
     Ok(())
+}
+
+/// The answers of `engine.kind = "scripted"` (`engine.script`, a JSON array of strings); `None`
+/// for the other engines.
+pub fn scripted_answers(cfg: &NodeConfig) -> anyhow::Result<Option<Vec<String>>> {
+    if cfg.engine.kind != dynamo_config::EngineKind::Scripted {
+        return Ok(None);
+    }
+    let path = cfg.engine.script.as_deref().context("engine.kind = \"scripted\" needs engine.script")?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("engine.script: reading {}", path.display()))?;
+    let answers: Vec<String> = serde_json::from_str(&text)
+        .with_context(|| format!("engine.script: {} is not a JSON array of strings", path.display()))?;
+    anyhow::ensure!(!answers.is_empty(), "engine.script: {} holds no answer", path.display());
+    Ok(Some(answers))
 }
 
 /// The tokenizer and chat template the frontend uses: the model directory's own when it has

@@ -445,6 +445,7 @@ impl Generator for NodeGenerator {
             seed: req.seed.unwrap_or(0),
             stop_tokens: req.stop_token_ids,
             allowed: Some(self.decodable.clone()),
+            forced: req.forced.map(Arc::from),
         };
         let this = self.clone();
         let session = req.session_id;

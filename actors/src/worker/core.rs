@@ -59,6 +59,9 @@ pub struct GenRequest {
     /// Sample only these ids (those the tokenizer can decode: its vocabulary may be smaller
     /// than the model's and have gaps); `None` for the model's whole vocabulary.
     pub allowed: Option<Arc<TokenSet>>,
+    /// The answer's tokens, computed as usual but not sampled (the scripted engine); generation
+    /// stops when they run out.
+    pub forced: Option<Arc<[u32]>>,
 }
 
 impl GenRequest {
@@ -73,6 +76,7 @@ impl GenRequest {
             seed: 0,
             stop_tokens: vec![],
             allowed: None,
+            forced: None,
         }
     }
 }
@@ -512,7 +516,16 @@ impl<B: Backend> Worker<B> {
         let mut tokens_so_far = req.prompt.clone();
         let mut chain: Vec<BlockHash> = hashes.to_vec();
         for step in 0..req.max_tokens {
-            let token = sample_in(&logits, req.allowed.as_deref(), req.sampling, &mut rng);
+            let token = match &req.forced {
+                Some(forced) => match forced.get(step) {
+                    Some(&token) => token,
+                    None => {
+                        outcome.finish = Finish::Stop;
+                        return Ok(());
+                    }
+                },
+                None => sample_in(&logits, req.allowed.as_deref(), req.sampling, &mut rng),
+            };
             if step == 0 {
                 outcome.ttft = start_time.elapsed();
             }

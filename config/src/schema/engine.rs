@@ -13,6 +13,11 @@ config_enum! {
         Reference = "reference",
         /// No math; timing from the calibration, KV bytes derived from block hashes.
         Simulated = "simulated",
+        /// The reference transformer computing every prompt and answer token as usual, but the
+        /// answer's tokens are `engine.script`'s for the turn instead of sampled: end-to-end
+        /// agent-loop tests through the real tokenizer, template, parsers, worker, tiers and
+        /// APIs without trained weights. Never the default.
+        Scripted = "scripted",
     }
 }
 
@@ -34,8 +39,8 @@ config_enum! {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineSection {
-    /// `"reference"` (real model) or `"simulated"` (calibrated timing, no math).
-    /// Default `"reference"`.
+    /// `"reference"` (real model), `"simulated"` (calibrated timing, no math; `bench replay`) or
+    /// `"scripted"` (the real model answering from `script`). Default `"reference"`.
     pub kind: EngineKind,
     /// `"auto"`, `"cpu"` or `"cuda"`. Default `"auto"`.
     pub device: DeviceKind,
@@ -50,6 +55,10 @@ pub struct EngineSection {
     /// `calibration/h200.toml`). Default: none (the embedded H200 calibration).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calibration: Option<PathBuf>,
+    /// The answers of `kind = "scripted"`: a JSON array of strings, the one for a request being
+    /// its turn (the number of assistant messages it carries) modulo their count. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub script: Option<PathBuf>,
 }
 
 impl Default for EngineSection {
@@ -61,6 +70,7 @@ impl Default for EngineSection {
             max_batch_tokens: 2048,
             max_queued_requests: 64,
             calibration: None,
+            script: None,
         }
     }
 }

@@ -30,7 +30,7 @@ use super::FrontendState;
 use super::error::ApiError;
 use super::generate::{FinishReason, GenerateRequest};
 use super::handlers::{
-    Answer, Api, check_model, event_stream, fit, lower, precheck, prepare_off_thread, request_id, session_key,
+    Answer, Api, check_model, event_stream, fit, lower, precheck, prepare_off_thread, request_id, scripted, session_key,
 };
 use super::parsers::Segment;
 use super::template::{TemplateMessage, escape_special_tokens};
@@ -336,6 +336,7 @@ fn prepare(
             stop_token_ids: state.inner.stop_token_ids.clone(),
             session_id: session,
             hints: Default::default(),
+            forced: scripted(state, req.messages.iter().filter(|m| m.role == "assistant").count())?,
         },
         stop: req.stop_sequences.unwrap_or_default(),
         stream: req.stream,

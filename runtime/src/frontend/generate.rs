@@ -57,6 +57,9 @@ pub struct GenerateRequest {
     pub session_id: Option<String>,
     /// Agent hints (`nvext`).
     pub hints: AgentHints,
+    /// The answer's tokens when the engine is scripted (`engine.kind = "scripted"`): computed,
+    /// not sampled.
+    pub forced: Option<Vec<u32>>,
 }
 
 /// What a generation stream reports.

@@ -332,6 +332,7 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
         });
     }
     let Lowered { prompt, regions, parser } = lower(state, &messages, req.tools.as_deref())?;
+    let forced = scripted(state, messages.iter().filter(|m| m.role == "assistant").count())?;
     let inner = &state.inner;
     let max_tokens = fit(state, prompt.len(), req.max_completion_tokens.or(req.max_tokens), "messages")?;
     Ok(Prepared {
@@ -347,12 +348,20 @@ fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionR
             stop_token_ids: inner.stop_token_ids.clone(),
             session_id: session_id(headers, req.user),
             hints: req.nvext.unwrap_or_default(),
+            forced,
         },
         stop,
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         parser,
     })
+}
+
+/// The scripted answer of a request at `turn`, tokenized; `None` when the engine is not scripted.
+pub(super) fn scripted(state: &FrontendState, turn: usize) -> Result<Option<Vec<u32>>, ApiError> {
+    let Some(script) = &state.inner.script else { return Ok(None) };
+    let text = &script[turn % script.len()];
+    state.inner.tokenizer.encode(text).map(Some).map_err(|e| ApiError::internal(e.to_string()))
 }
 
 /// A conversation rendered and tokenized: the prompt, its regions, and the parser of its answer.
@@ -443,6 +452,7 @@ fn prepare_completion(
             stop_token_ids: inner.stop_token_ids.clone(),
             session_id: session_id(headers, req.user),
             hints: req.nvext.unwrap_or_default(),
+            forced: scripted(state, 0)?,
         },
         stop,
         stream: req.stream,

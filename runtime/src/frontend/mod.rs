@@ -104,6 +104,8 @@ struct Inner {
     strip_anthropic_preamble: bool,
     /// `frontend.messages_temperature`: Anthropic Messages' temperature when a request sends none.
     messages_temperature: f32,
+    /// The scripted engine's answers, by turn ([`FrontendState::with_script`]).
+    script: Option<Arc<Vec<String>>>,
 }
 
 impl fmt::Debug for FrontendState {
@@ -166,6 +168,7 @@ impl FrontendState {
                 tools: config.tool_call_parser.as_deref().and_then(parsers::ToolFormat::from_name),
                 strip_anthropic_preamble: config.strip_anthropic_preamble,
                 messages_temperature: config.messages_temperature,
+                script: None,
             }),
         }
     }
@@ -173,6 +176,14 @@ impl FrontendState {
     /// Replaces the stop tokens sent with every request (and dropped from the answer's text).
     pub fn with_stop_token_ids(mut self, ids: Vec<u32>) -> FrontendState {
         Arc::make_mut(&mut self.inner).stop_token_ids = ids;
+        self
+    }
+
+    /// Answers every request with `answers[turn % answers.len()]` (`turn`: the assistant
+    /// messages the request carries), tokenized and computed by the engine instead of sampled: the
+    /// scripted engine (`engine.kind = "scripted"`).
+    pub fn with_script(mut self, answers: Vec<String>) -> FrontendState {
+        Arc::make_mut(&mut self.inner).script = (!answers.is_empty()).then(|| Arc::new(answers));
         self
     }
 
