@@ -2,7 +2,8 @@
 //!
 //! A [`ChatTemplate`] is a Hugging Face-style Jinja template (the `chat_template` of a model's
 //! `tokenizer_config.json`) rendered with `minijinja` the way `transformers` renders it:
-//! `trim_blocks` and `lstrip_blocks` on, loop controls, `tojson`, `raise_exception`, and Python
+//! `trim_blocks` and `lstrip_blocks` on, loop controls, `tojson` (Python's `json.dumps` spacing, as
+//! `transformers` renders it), `raise_exception`, and Python
 //! string methods (`.strip()`, `.startswith()`, …) through `minijinja-contrib`'s pycompat layer.
 //! The context holds `messages`, `tools` (when the request has any), `add_generation_prompt`,
 //! `bos_token` and `eos_token`. [`ChatTemplate::builtin`] is a small Llama-3-style template for
@@ -164,6 +165,19 @@ impl ChatTemplate {
         env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
         });
+        // `transformers` renders `tojson` as `json.dumps(x, ensure_ascii=False)`: `", "` and `": "`
+        // separators (minijinja's own writes compact JSON), so a prompt is the one the model's
+        // template gives under `transformers`. Keys keep the order they arrive in.
+        env.add_filter(
+            "tojson",
+            |value: minijinja::Value, kwargs: minijinja::value::Kwargs| -> Result<minijinja::Value, minijinja::Error> {
+                let invalid = |e: String| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e);
+                let indent: Option<usize> = kwargs.get("indent")?;
+                kwargs.assert_all_used()?;
+                let json = serde_json::to_value(&value).map_err(|e| invalid(e.to_string()))?;
+                Ok(minijinja::Value::from_safe_string(crate::frontend::parsers::python_json(&json, indent)))
+            },
+        );
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| TemplateError::Syntax(e.to_string()))?;
         Ok(ChatTemplate { env, bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned() })
     }
@@ -539,6 +553,25 @@ mod tests {
         assert_eq!(pieces.last().unwrap().1, RegionKind::Conversation);
         // Rendered alone, the system message was `[LAST system]s`: only `[` is certainly its own.
         assert_eq!(pieces[0], ("[".to_owned(), RegionKind::System));
+    }
+
+    /// `tojson` writes what `transformers` writes (`json.dumps(x, ensure_ascii=False)`), with and
+    /// without an indent.
+    #[test]
+    fn tojson_is_pythons() {
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ e | tojson }}", "", "").unwrap();
+        let rendered = t
+            .env
+            .get_template(NAME)
+            .unwrap()
+            .render(
+                minijinja::context! { x => serde_json::json!({"a": [1, "é"], "b": {}}), e => serde_json::json!([]) },
+            )
+            .unwrap();
+        assert_eq!(
+            rendered,
+            "{\"a\": [1, \"é\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"é\"\n  ],\n  \"b\": {}\n}|[]"
+        );
     }
 
     #[test]

@@ -126,36 +126,59 @@ pub(super) fn object_text(fields: &[(String, Value)]) -> String {
         }
         out.push_str(&Value::String(k.clone()).to_string());
         out.push_str(": ");
-        dumps(v, &mut out);
+        dumps(v, None, 0, &mut out);
     }
     out.push('}');
     out
 }
 
-/// `v` as Python's `json.dumps(v, ensure_ascii=False)` writes it.
-fn dumps(v: &Value, out: &mut String) {
+/// `v` as Python's `json.dumps(v, ensure_ascii=False, indent=indent)` writes it (what
+/// `transformers` renders a chat template's `tojson` with).
+pub(crate) fn python_json(v: &Value, indent: Option<usize>) -> String {
+    let mut out = String::new();
+    dumps(v, indent, 0, &mut out);
+    out
+}
+
+/// Appends `v` as Python's `json.dumps` writes it: `", "` and `": "` without an indent; with one,
+/// a line per item and `","`.
+fn dumps(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    let open_item = |out: &mut String, i: usize, depth: usize| match indent {
+        Some(n) => {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push('\n');
+            out.push_str(&" ".repeat(n * (depth + 1)));
+        }
+        None if i > 0 => out.push_str(", "),
+        None => {}
+    };
+    let close = |out: &mut String, empty: bool, depth: usize, c: char| {
+        if let (Some(n), false) = (indent, empty) {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+        out.push(c);
+    };
     match v {
         Value::Array(items) => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                dumps(item, out);
+                open_item(out, i, depth);
+                dumps(item, indent, depth + 1, out);
             }
-            out.push(']');
+            close(out, items.is_empty(), depth, ']');
         }
         Value::Object(map) => {
             out.push('{');
             for (i, (k, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
+                open_item(out, i, depth);
                 out.push_str(&Value::String(k.clone()).to_string());
                 out.push_str(": ");
-                dumps(item, out);
+                dumps(item, indent, depth + 1, out);
             }
-            out.push('}');
+            close(out, map.is_empty(), depth, '}');
         }
         scalar => out.push_str(&scalar.to_string()),
     }

@@ -33,6 +33,7 @@ mod tools;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use json::python_json;
 pub use reasoning::{ReasoningKind, ReasoningParser};
 pub use tools::{ToolFormat, ToolParser};
 
