@@ -15,9 +15,10 @@ SYSTEM = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37.0d9; cc_entrypoint=cli; cch=fa690;"},
     {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
 ]
+# Small: the fake's context is 256 tokens.
 TOOLS = [
-    {"name": "ls", "description": "List a directory.", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
-    {"name": "cat", "description": "Read a file.", "input_schema": {"type": "object", "properties": {"file": {"type": "string"}}}},
+    {"name": "ls", "input_schema": {"type": "object"}},
+    {"name": "cat", "input_schema": {"type": "object"}},
 ]
 
 
