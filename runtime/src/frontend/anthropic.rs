@@ -429,11 +429,7 @@ async fn run(state: &FrontendState, prepared: Prepared, arrived: Instant) -> Res
     if !stream {
         let mut segments = Vec::new();
         let reason = loop {
-            let event = match pending.take() {
-                Some(event) => Ok(event),
-                None => answer.next_event().await,
-            };
-            match event.and_then(|event| answer.apply(event)) {
+            match answer.step(&mut pending).await {
                 Err(e) => return anthropic_error(e),
                 Ok((more, done)) => {
                     for s in more {
@@ -476,11 +472,7 @@ async fn run(state: &FrontendState, prepared: Prepared, arrived: Instant) -> Res
             return;
         }
         loop {
-            let next = match pending.take() {
-                Some(event) => Ok(event),
-                None => answer.next_event().await,
-            };
-            let (segments, done) = match next.and_then(|e| answer.apply(e)) {
+            let (segments, done) = match answer.step(&mut pending).await {
                 Ok(step) => step,
                 Err(e) => {
                     let kind = if e.status.as_u16() == 429 || e.status.as_u16() == 503 {

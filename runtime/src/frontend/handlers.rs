@@ -544,6 +544,19 @@ impl Answer {
         }
     }
 
+    /// The next event (`pending`'s, if admission handed one back) applied: what it completes of
+    /// the answer, and the finish reason once the answer is over.
+    pub(super) async fn step(
+        &mut self,
+        pending: &mut Option<GenerateEvent>,
+    ) -> Result<(Vec<Segment>, Option<FinishReason>), ApiError> {
+        let event = match pending.take() {
+            Some(event) => event,
+            None => self.next_event().await?,
+        };
+        self.apply(event)
+    }
+
     /// The next event, or a timeout / internal error.
     pub(super) async fn next_event(&mut self) -> Result<GenerateEvent, ApiError> {
         match tokio::time::timeout_at(self.deadline, self.events.next()).await {
@@ -727,11 +740,7 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
     if !stream {
         let mut reply = Reply::default();
         let reason = loop {
-            let event = match pending.take() {
-                Some(event) => Ok(event),
-                None => answer.next_event().await,
-            };
-            match event.and_then(|event| answer.apply(event)) {
+            match answer.step(&mut pending).await {
                 Err(e) => return e.into_response(),
                 Ok((segments, done)) => {
                     segments.into_iter().for_each(|s| reply.add(s));
@@ -751,11 +760,7 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
             return;
         }
         loop {
-            let event = match pending.take() {
-                Some(event) => Ok(event),
-                None => answer.next_event().await,
-            };
-            let (segments, done) = match event.and_then(|event| answer.apply(event)) {
+            let (segments, done) = match answer.step(&mut pending).await {
                 Ok(step) => step,
                 Err(e) => {
                     tracing::warn!(request = %answer.id, error = %e.message, "generation failed mid-stream");
