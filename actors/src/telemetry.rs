@@ -52,6 +52,7 @@
 //! | `dynamo_node_http_connections` | gauge | | HTTP connections open |
 //! | `dynamo_node_http_connections_refused_total` | counter | `reason` | connections the node closed: `limit`, `accept_error`, `header_timeout` |
 //! | `dynamo_node_anthropic_preambles_stripped_total` | counter | | Claude Code billing headers dropped from system text |
+//! | `dynamo_node_replayed_turns_total` | counter | | echoed assistant turns whose generated tokens were spliced into the prompt |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -142,6 +143,9 @@ pub mod names {
     /// Counter: Claude Code billing headers (`x-anthropic-billing-header`) dropped from system text
     /// (`frontend.strip_anthropic_preamble`).
     pub const PREAMBLES_STRIPPED: &str = "dynamo_node_anthropic_preambles_stripped_total";
+    /// Counter: echoed assistant turns whose generated token ids were spliced into the prompt
+    /// instead of the template's re-rendering (`frontend.replay_tokens`).
+    pub const REPLAYED_TURNS: &str = "dynamo_node_replayed_turns_total";
 
     /// Every histogram: each gets the configured buckets.
     pub const HISTOGRAMS: [&str; 5] = [
@@ -171,6 +175,7 @@ pub fn describe() {
     describe_counter!(REQUESTS_CANCELLED, Unit::Count, "Requests stopped because nobody waited for them, by stage.");
     describe_gauge!(HTTP_CONNECTIONS, Unit::Count, "HTTP connections open.");
     describe_counter!(PREAMBLES_STRIPPED, Unit::Count, "Claude Code billing headers dropped from system text.");
+    describe_counter!(REPLAYED_TURNS, Unit::Count, "Echoed assistant turns replayed from their generated tokens.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
     describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
@@ -257,6 +262,7 @@ pub fn register_known_series() {
     }
     gauge!(HTTP_CONNECTIONS).set(0.0);
     counter!(PREAMBLES_STRIPPED).increment(0);
+    counter!(REPLAYED_TURNS).increment(0);
     for reason in ["limit", "accept_error", "header_timeout"] {
         counter!(HTTP_CONNECTIONS_REFUSED, "reason" => reason).increment(0);
     }
@@ -270,6 +276,11 @@ pub fn record_cancelled(stage: &'static str) {
 /// A Claude Code billing header was dropped from a request's system text.
 pub fn record_preamble_stripped() {
     counter!(names::PREAMBLES_STRIPPED).increment(1);
+}
+
+/// `turns` echoed assistant turns replayed from their generated tokens.
+pub fn record_replayed_turns(turns: usize) {
+    counter!(names::REPLAYED_TURNS).increment(turns as u64);
 }
 
 /// HTTP connections open now.

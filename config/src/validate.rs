@@ -274,6 +274,8 @@ impl NodeConfig {
         for (key, d) in [
             ("frontend.header_timeout", self.frontend.header_timeout),
             ("frontend.body_timeout", self.frontend.body_timeout),
+            ("frontend.replay_ttl", self.frontend.replay_ttl),
+            ("frontend.responses_ttl", self.frontend.responses_ttl),
         ] {
             if d.as_duration().is_zero() {
                 c.fail(key, "must be longer than 0s");

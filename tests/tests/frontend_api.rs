@@ -581,7 +581,7 @@ async fn chat_answers_carry_reasoning_and_parsed_tool_calls() {
     assert_eq!(choice["finish_reason"], "tool_calls", "{value}");
     let message = &choice["message"];
     assert_eq!(message["reasoning_content"], "\nList the files first.\n");
-    assert_eq!(message["content"], "\n\nLet me look.");
+    assert_eq!(message["content"], "Let me look.", "text after reasoning starts at its first visible character");
     let calls = message["tool_calls"].as_array().expect("tool_calls");
     assert_eq!(calls.len(), 2, "{value}");
     assert_eq!(calls[0]["type"], "function");
@@ -660,7 +660,8 @@ async fn anthropic_messages_answer_in_its_shape() {
     assert_eq!(kinds, ["thinking", "text", "tool_use", "tool_use"], "{value}");
     assert_eq!(content[0]["thinking"], "\nList the files first.\n");
     assert!(!content[0]["signature"].as_str().unwrap().is_empty(), "a thinking block always has a signature");
-    assert_eq!(content[1]["text"], "\n\nLet me look.");
+    // The text block starts at its first visible character (not at the `\n\n` after `</think>`).
+    assert_eq!(content[1]["text"], "Let me look.");
     assert_eq!(content[2]["name"], "ls");
     assert_eq!(content[2]["input"], json!({"path": "."}));
     assert!(content[2]["id"].as_str().unwrap().starts_with("toolu_"));

@@ -50,6 +50,17 @@ pub struct FrontendSection {
     /// Anthropic Messages' temperature when a request sends none (the `anthropic` SDK sends no
     /// sampling parameters); the API's own default. Default `1.0`.
     pub messages_temperature: f32,
+    /// Generated turns kept (per session) for token-identical replay, in tokens: when a later
+    /// request echoes one of them, its generated token ids are spliced into the prompt instead of
+    /// the template's re-rendering. `0` turns replay off. Default `4194304` (16 MiB of ids).
+    pub replay_tokens: usize,
+    /// A kept turn is forgotten after this long. Default `"1h"`.
+    pub replay_ttl: HumanDuration,
+    /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (`store: true`,
+    /// the Responses API's default); past it the oldest is forgotten. `0` stores none. Default `1024`.
+    pub responses_store: usize,
+    /// A stored response is forgotten after this long. Default `"24h"`.
+    pub responses_ttl: HumanDuration,
 }
 
 impl Default for FrontendSection {
@@ -70,6 +81,10 @@ impl Default for FrontendSection {
             tool_call_parser: None,
             strip_anthropic_preamble: true,
             messages_temperature: 1.0,
+            replay_tokens: 4 << 20,
+            replay_ttl: HumanDuration::mins(60),
+            responses_store: 1024,
+            responses_ttl: HumanDuration::mins(24 * 60),
         }
     }
 }

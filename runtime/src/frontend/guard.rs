@@ -45,7 +45,7 @@ impl HostGuard {
             return Ok(());
         }
         let forbidden = |what: &str, value: &str| {
-            ApiError::status(
+            ApiError::refused(
                 StatusCode::FORBIDDEN,
                 "forbidden_host",
                 format!(

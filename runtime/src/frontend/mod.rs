@@ -1,5 +1,11 @@
-//! The HTTP APIs in front of a [`Generator`]: OpenAI Chat Completions and Completions, and
-//! Anthropic Messages.
+//! The HTTP APIs in front of a [`Generator`]: OpenAI Chat Completions, Completions and Responses,
+//! and Anthropic Messages, over one representation.
+//!
+//! Each protocol (one folder each: `openai/`, `anthropic/`) contributes two conversions: its wire
+//! request → [`ir::Conversation`], and the answer's [`ir::Output`] events and [`ApiError`]s → its
+//! wire format. Between them everything is shared: lowering to the chat template and tokens
+//! (`lower`), token-identical replay of generated turns ([`replay`]), and the answer
+//! (detokenization, stop strings, parsers, usage: `answer`).
 //!
 //! Routes ([`router`]):
 //!
@@ -7,7 +13,9 @@
 //! |---|---|
 //! | `POST /v1/chat/completions` | messages → chat template ([`template`]) → tokens with regions → generation |
 //! | `POST /v1/completions` | a text or token-id prompt → generation |
-//! | `POST /v1/messages` | Anthropic Messages over the same template and generation (`anthropic`) |
+//! | `POST /v1/responses` | OpenAI Responses, with stored responses and `previous_response_id` |
+//! | `GET`, `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` | stored responses |
+//! | `POST /v1/messages` | Anthropic Messages |
 //! | `POST /v1/messages/count_tokens` | the prompt's real token count, through the same lowering |
 //! | `GET /v1/models` | [`Generator::models`] (Anthropic's shape when `anthropic-version` is sent) |
 //! | `GET /health` | `{"status": "ok"}` |
@@ -40,14 +48,18 @@
 //! `x-claude-code-session-id`, else `metadata.user_id`), kept as a digest ([`session_key`]). The
 //! `nvext` object (agent hints) is parsed into [`AgentHints`].
 
+mod answer;
 mod anthropic;
 pub mod detok;
 pub mod error;
 pub mod generate;
 mod guard;
-mod handlers;
+mod http;
+pub mod ir;
+mod lower;
+pub mod openai;
 pub mod parsers;
-pub mod protocol;
+pub mod replay;
 pub mod server;
 pub mod template;
 
@@ -63,7 +75,7 @@ use dynamo_config::FrontendSection;
 
 pub use error::ApiError;
 pub use generate::{AgentHints, FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator, RegionRanges};
-pub use handlers::session_key;
+pub use http::session_key;
 pub use template::{ChatTemplate, TemplateError, TemplateMessage};
 
 use crate::tokenizer::Tokenizer;
@@ -106,6 +118,13 @@ struct Inner {
     messages_temperature: f32,
     /// The scripted engine's answers, by turn ([`FrontendState::with_script`]).
     script: Option<Arc<Vec<String>>>,
+    /// Generated turns, for token-identical replay.
+    replay: Arc<replay::ReplayStore>,
+    /// Stored Responses.
+    responses: Arc<openai::store::ResponseStore>,
+    /// The text of the end-of-turn tokens (the stop tokens, and the template's EOS): where a
+    /// rendered assistant turn's generated part ends.
+    end_markers: Vec<String>,
 }
 
 impl fmt::Debug for FrontendState {
@@ -169,13 +188,28 @@ impl FrontendState {
                 strip_anthropic_preamble: config.strip_anthropic_preamble,
                 messages_temperature: config.messages_temperature,
                 script: None,
+                replay: Arc::new(replay::ReplayStore::new(config.replay_tokens, config.replay_ttl.0)),
+                responses: Arc::new(openai::store::ResponseStore::new(config.responses_store, config.responses_ttl.0)),
+                end_markers: Vec::new(),
             }),
         }
+        .with_end_markers()
     }
 
     /// Replaces the stop tokens sent with every request (and dropped from the answer's text).
     pub fn with_stop_token_ids(mut self, ids: Vec<u32>) -> FrontendState {
         Arc::make_mut(&mut self.inner).stop_token_ids = ids;
+        self.with_end_markers()
+    }
+
+    fn with_end_markers(mut self) -> FrontendState {
+        let inner = Arc::make_mut(&mut self.inner);
+        let mut markers: Vec<String> =
+            inner.stop_token_ids.iter().filter_map(|&id| inner.tokenizer.decode(&[id]).ok()).collect();
+        markers.push(inner.template.eos_token().to_owned());
+        markers.retain(|m| !m.is_empty());
+        markers.dedup();
+        inner.end_markers = markers;
         self
     }
 
@@ -204,11 +238,14 @@ pub enum Route {
     Models,
     /// `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic).
     Messages,
+    /// `/v1/responses` and the stored responses under it.
+    Responses,
 }
 
 impl Route {
     /// Every route, in declaration order.
-    pub const ALL: [Route; 4] = [Route::Completions, Route::ChatCompletions, Route::Models, Route::Messages];
+    pub const ALL: [Route; 5] =
+        [Route::Completions, Route::ChatCompletions, Route::Models, Route::Messages, Route::Responses];
 
     /// The label value.
     pub fn label(self) -> &'static str {
@@ -217,6 +254,7 @@ impl Route {
             Route::ChatCompletions => "chat_completions",
             Route::Models => "models",
             Route::Messages => "messages",
+            Route::Responses => "responses",
         }
     }
 
@@ -257,14 +295,17 @@ pub fn router(state: FrontendState, loopback_only: bool) -> Router {
     let max_body = state.inner.max_body;
     let hosts = Arc::new(guard::HostGuard::new(loopback_only, &state.inner.allowed_hosts));
     Router::new()
-        .route("/v1/chat/completions", post(handlers::chat_completions))
-        .route("/v1/completions", post(handlers::completions))
-        .route("/v1/models", get(handlers::models))
+        .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/completions", post(openai::chat::completions))
+        .route("/v1/responses", post(openai::responses::create))
+        .route("/v1/responses/{id}", get(openai::responses::retrieve).delete(openai::responses::delete))
+        .route("/v1/responses/{id}/input_items", get(openai::responses::input_items))
+        .route("/v1/models", get(http::models))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
-        .route("/health", get(handlers::health))
-        .fallback(handlers::not_found)
-        .method_not_allowed_fallback(handlers::method_not_allowed)
+        .route("/health", get(http::health))
+        .fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(hosts, guard::check_host))
         .with_state(state)

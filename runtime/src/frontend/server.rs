@@ -150,7 +150,7 @@ async fn refuse(mut stream: TcpStream) {
         "The server has too many open connections; retry shortly.",
         Duration::from_secs(1),
     )
-    .body()
+    .openai_body()
     .to_string();
     let response = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
@@ -224,7 +224,7 @@ fn replacement(head: &[u8]) -> Option<Vec<u8>> {
     };
     let line = &text[..text.find("\r\n")?];
     let status = axum::http::StatusCode::from_u16(status[..3].parse().ok()?).ok()?;
-    let body = super::error::ApiError::status(status, code, message).body().to_string();
+    let body = super::error::ApiError::refused(status, code, message).openai_body().to_string();
     Some(
         format!(
             "{line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",

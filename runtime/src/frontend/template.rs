@@ -45,7 +45,9 @@ use super::generate::RegionRanges;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// The built-in template: Llama-3-style headers, tool definitions as JSON lines in a `tools`
-/// block after the BOS token, tool calls of assistant turns as JSON.
+/// block after the BOS token, an assistant turn's reasoning kept in history as
+/// `<think>\n…\n</think>\n\n` (so an agent loop's prompts keep their common prefix), its tool
+/// calls as JSON.
 pub const DEFAULT_TEMPLATE: &str = r#"{{- bos_token }}
 {%- if tools %}
 {{- '<|start_header_id|>tools<|end_header_id|>\n\n' }}
@@ -56,6 +58,7 @@ pub const DEFAULT_TEMPLATE: &str = r#"{{- bos_token }}
 {%- endif %}
 {%- for message in messages %}
 {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+{%- if message['reasoning_content'] %}{{ '<think>\n' + (message['reasoning_content'] | trim) + '\n</think>\n\n' }}{% endif %}
 {%- if message['content'] %}{{ message['content'] | trim }}{% endif %}
 {%- if message['tool_calls'] %}
 {%- for call in message['tool_calls'] %}{{ call['function'] | tojson }}{% endfor %}
@@ -258,10 +261,20 @@ impl ChatTemplate {
         messages: &[TemplateMessage],
         tools: Option<&[serde_json::Value]>,
     ) -> Result<Vec<(String, RegionKind)>, TemplateError> {
+        Ok(self.render_pieces(messages, tools)?.into_iter().map(|p| (p.text, p.region)).collect())
+    }
+
+    /// [`render_regions`](Self::render_regions), each piece with what it renders ([`Owner`]).
+    pub fn render_pieces(
+        &self,
+        messages: &[TemplateMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<Vec<Piece>, TemplateError> {
         let full = self.render(messages, tools, true)?;
-        // Byte offsets into `full` where each piece ends, with the piece's region.
+        // Byte offsets into `full` where each piece ends, with the piece's region and owner.
         let ks = cut_points(messages);
-        let mut cuts: Vec<(usize, RegionKind)> = Vec::with_capacity(ks.len() + 1);
+        let mut cuts: Vec<(usize, RegionKind, Owner)> = Vec::with_capacity(ks.len() + 1);
+        let mut previous = None;
         for &k in &ks {
             let prefix = self.render(&messages[..k], tools, false)?;
             let end = common_prefix(&full, &prefix);
@@ -273,16 +286,23 @@ impl ChatTemplate {
             // text before the first message (BOS, a preamble) is system; otherwise it is the
             // region of its last message.
             let region = k.checked_sub(1).map_or(RegionKind::System, |last| messages[last].region());
-            cuts.push((end, region));
+            let owner = match (k, previous) {
+                (0, _) => Owner::Preamble,
+                (k, Some(p)) if p + 1 == k => Owner::Message(k - 1),
+                _ => Owner::Messages,
+            };
+            cuts.push((end, region, owner));
+            previous = Some(k);
         }
         // The generation prompt is conversation.
-        cuts.push((full.len(), if messages.is_empty() { RegionKind::System } else { RegionKind::Conversation }));
+        let region = if messages.is_empty() { RegionKind::System } else { RegionKind::Conversation };
+        cuts.push((full.len(), region, Owner::Generation));
 
         let mut pieces = Vec::with_capacity(cuts.len());
         let mut start = 0;
-        for (end, region) in cuts {
+        for (end, region, owner) in cuts {
             if end > start {
-                pieces.push((full[start..end].to_owned(), region));
+                pieces.push(Piece { text: full[start..end].to_owned(), region, owner });
                 start = end;
             }
         }
@@ -297,6 +317,30 @@ impl ChatTemplate {
         }
         Ok(pieces)
     }
+}
+
+/// What a [`Piece`] of a rendered prompt renders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Owner {
+    /// The text before the first message (BOS, a fixed preamble).
+    Preamble,
+    /// Message `i`, alone.
+    Message(usize),
+    /// Several messages (past the exact cuts of a long conversation).
+    Messages,
+    /// The generation prompt after the last message.
+    Generation,
+}
+
+/// One piece of a rendered prompt: its text, its retention region and what it renders.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// The text.
+    pub text: String,
+    /// Its region.
+    pub region: RegionKind,
+    /// What it renders.
+    pub owner: Owner,
 }
 
 /// Conversations up to this many messages are cut at every message (at most 256 prefixes of at
@@ -359,13 +403,13 @@ fn common_suffix(a: &str, b: &str) -> usize {
 /// `<|start_header_id|>system…` could start at either header). Of the equivalent spans, take one
 /// that starts or ends on a piece boundary, else the leftmost, so that no special-token string is
 /// split between two pieces that a template wrote as one.
-fn align_insertion(full: &str, span: Range<usize>, pieces: &[(String, RegionKind)]) -> Range<usize> {
+fn align_insertion(full: &str, span: Range<usize>, pieces: &[Piece]) -> Range<usize> {
     let bytes = full.as_bytes();
     let mut boundaries = std::collections::HashSet::new();
     let mut offset = 0;
-    for (text, _) in pieces {
+    for piece in pieces {
         boundaries.insert(offset);
-        offset += text.len();
+        offset += piece.text.len();
     }
     boundaries.insert(offset);
     let mut candidates = vec![span.clone()];
@@ -383,17 +427,17 @@ fn align_insertion(full: &str, span: Range<usize>, pieces: &[(String, RegionKind
 }
 
 /// Re-tags the bytes `span` of the concatenated pieces as `region`, splitting pieces at its ends.
-fn overlay(pieces: Vec<(String, RegionKind)>, span: Range<usize>, region: RegionKind) -> Vec<(String, RegionKind)> {
+fn overlay(pieces: Vec<Piece>, span: Range<usize>, region: RegionKind) -> Vec<Piece> {
     let mut out = Vec::with_capacity(pieces.len() + 2);
     let mut offset = 0;
-    for (text, r) in pieces {
+    for Piece { text, region: r, owner } in pieces {
         let range = offset..offset + text.len();
         offset = range.end;
         let lo = span.start.clamp(range.start, range.end) - range.start;
         let hi = span.end.clamp(range.start, range.end) - range.start;
         for (part, tag) in [(&text[..lo], r), (&text[lo..hi], region), (&text[hi..], r)] {
             if !part.is_empty() {
-                out.push((part.to_owned(), tag));
+                out.push(Piece { text: part.to_owned(), region: tag, owner });
             }
         }
     }

@@ -25,7 +25,7 @@ pub const ANSWER: &str = "Hello, world! 🦀 done.";
 /// What the `agent` model answers: reasoning, text and two tool calls in Qwen3 / Hermes form.
 pub const AGENT_ANSWER: &str = "<think>\nList the files first.\n</think>\n\nLet me look.<tool_call>\n{\"name\": \"ls\", \"arguments\": {\"path\": \".\"}}\n</tool_call><tool_call>\n{\"name\": \"cat\", \"arguments\": {\"file\": \"a.rs\", \"lines\": [1, 20]}}\n</tool_call>";
 /// The fake's context.
-pub const MAX_CONTEXT: usize = 256;
+pub const MAX_CONTEXT: usize = 1024;
 
 #[derive(Debug)]
 pub struct FakeGenerator {

@@ -1,9 +1,9 @@
-//! The OpenAI request bodies the frontend accepts. Unknown fields are ignored (clients send many
+//! The OpenAI Chat Completions and Completions request bodies the frontend accepts. Unknown fields are ignored (clients send many
 //! that do not apply here); fields of the wrong type are 400 errors.
 
 use serde::Deserialize;
 
-use super::generate::AgentHints;
+use crate::frontend::generate::AgentHints;
 
 /// `POST /v1/chat/completions`.
 #[derive(Clone, Debug, Deserialize)]
@@ -15,6 +15,12 @@ pub struct ChatCompletionRequest {
     /// Tool definitions, rendered by the chat template.
     #[serde(default)]
     pub tools: Option<Vec<serde_json::Value>>,
+    /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": …}}`.
+    #[serde(default)]
+    pub tool_choice: Option<ToolChoiceWire>,
+    /// Whether the model may call several tools at once.
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// Deprecated alias of `max_completion_tokens`.
     #[serde(default)]
     pub max_tokens: Option<usize>,
@@ -144,6 +150,38 @@ pub struct ChatMessage {
     /// The call a `tool` message answers.
     #[serde(default)]
     pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, as this node sent it.
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
+}
+
+/// `tool_choice`: a mode, or a named function (Chat nests the name in `function`, Responses
+/// does not).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ToolChoiceWire {
+    /// `none`, `auto` or `required`.
+    Mode(String),
+    /// A named function.
+    Function(NamedTool),
+}
+
+/// `{"type": "function", "function": {"name": …}}` or `{"type": "function", "name": …}`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct NamedTool {
+    /// Responses' form.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Chat's form.
+    #[serde(default)]
+    pub function: Option<NamedFunction>,
+}
+
+/// The function of a [`NamedTool`].
+#[derive(Clone, Debug, Deserialize)]
+pub struct NamedFunction {
+    /// Its name.
+    pub name: String,
 }
 
 /// Message content.

@@ -1,0 +1,340 @@
+//! A generation's events → the answer's [`Output`] events, whichever API renders them.
+//!
+//! [`Answer`] detokenizes ([`detok`](super::detok)), applies stop strings, splits the text into
+//! reasoning, text and tool calls ([`parsers`](super::parsers)), and numbers the blocks in the
+//! order they open. It also counts usage and time-to-first-token, and, once the answer is over,
+//! keeps the turn for replay ([`replay`](super::replay)).
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::FrontendState;
+use super::detok::{IncrementalDecoder, StopMatcher};
+use super::error::ApiError;
+use super::generate::{FinishReason, GenerateError, GenerateEvent, GenerateRequest};
+use super::ir::{BlockKind, Finish, Output, Usage};
+use super::lower::Tail;
+use super::parsers::{AnswerParser, Segment, ToolCall};
+use super::replay::{self, Kept};
+use crate::metrics;
+use crate::tokenizer::Tokenizer;
+
+/// A finished block of the answer.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Done {
+    /// Reasoning, with its replay handle.
+    Thinking {
+        /// The text.
+        text: String,
+        /// The `signature` / `encrypted_content` to send.
+        handle: String,
+    },
+    /// Text.
+    Text(String),
+    /// A tool call.
+    ToolCall {
+        /// Its id.
+        id: String,
+        /// The tool.
+        name: String,
+        /// The arguments, as JSON text.
+        arguments: String,
+    },
+}
+
+/// What one step of the answer produced.
+#[derive(Debug, Default)]
+pub(super) struct Step {
+    /// Output events, in order.
+    pub(super) outputs: Vec<Output>,
+    /// Set once the answer is over.
+    pub(super) finish: Option<Finish>,
+}
+
+/// One answer in progress.
+pub(super) struct Answer {
+    /// The request's id.
+    pub(super) id: String,
+    /// The model, as the client named it.
+    pub(super) model: String,
+    /// Unix seconds when it started.
+    pub(super) created: u64,
+    usage: Usage,
+    decoder: IncrementalDecoder,
+    stop: StopMatcher,
+    deadline: Instant,
+    /// When the request arrived: the time to first token counts from here.
+    arrived: Instant,
+    /// When the last token came, for the inter-token latency.
+    last_token: Option<Instant>,
+    events: BoxStream<'static, Result<GenerateEvent, GenerateError>>,
+    /// An event that admission read and handed on.
+    pending: Option<GenerateEvent>,
+    parser: Option<AnswerParser>,
+    blocks: Blocks,
+    /// The generated ids, kept for replay (end-of-turn tokens left out: the template writes the
+    /// end of a turn).
+    generated: Vec<u32>,
+    stop_token_ids: Vec<u32>,
+    /// The session and generation prompt the turn is kept under; none when replay is off.
+    replay: Option<(String, String)>,
+    tokenizer: Tokenizer,
+    state: FrontendState,
+}
+
+impl Answer {
+    /// Starts `request`'s generation (`tail`: what its lowering left for the answer). Tool-call
+    /// ids the model does not give are `{call_prefix}_{id}_{n}`.
+    pub(super) fn start(
+        state: &FrontendState,
+        request: GenerateRequest,
+        tail: Tail,
+        stop: Vec<String>,
+        call_prefix: &'static str,
+        arrived: Instant,
+    ) -> Answer {
+        let inner = &state.inner;
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let replay = tail
+            .generation_prompt
+            .filter(|_| inner.replay.enabled())
+            .map(|prompt| (request.session_id.clone().unwrap_or_default(), prompt));
+        let stop_token_ids = request.stop_token_ids.clone();
+        let suffix = request.request_id.split_once('-').map_or(request.request_id.as_str(), |(_, s)| s).to_owned();
+        Answer {
+            id: request.request_id.clone(),
+            model: request.model.clone(),
+            created,
+            usage: Usage { prompt_tokens: request.prompt.len(), ..Usage::default() },
+            decoder: IncrementalDecoder::new(inner.tokenizer.clone(), request.stop_token_ids.iter().copied()),
+            stop: StopMatcher::new(stop),
+            deadline: arrived + inner.request_timeout,
+            arrived,
+            last_token: None,
+            events: inner.generator.generate(request),
+            pending: None,
+            parser: tail.parser,
+            blocks: Blocks { call_prefix, suffix, ..Blocks::default() },
+            generated: Vec::new(),
+            stop_token_ids,
+            replay,
+            tokenizer: inner.tokenizer.clone(),
+            state: state.clone(),
+        }
+    }
+
+    /// Waits for admission (the prompt is in the cache or computed) and notes its cached tokens.
+    pub(super) async fn admit(&mut self) -> Result<(), ApiError> {
+        match self.next_event().await? {
+            GenerateEvent::Started { cached_tokens } => {
+                self.usage.cached_tokens = cached_tokens.min(self.usage.prompt_tokens);
+            }
+            other => self.pending = Some(other),
+        }
+        Ok(())
+    }
+
+    /// Usage so far.
+    pub(super) fn usage(&self) -> Usage {
+        self.usage
+    }
+
+    /// The blocks finished so far, in order.
+    pub(super) fn blocks(&self) -> &[Done] {
+        &self.blocks.done
+    }
+
+    /// Runs the answer to its end, for a non-streaming response.
+    pub(super) async fn complete(&mut self) -> Result<Finish, ApiError> {
+        loop {
+            if let Some(finish) = self.step().await?.finish {
+                return Ok(finish);
+            }
+        }
+    }
+
+    /// The next event applied: what it adds to the answer, and its finish once it is over (a
+    /// stop that ends an answer with tool calls is `tool_calls`).
+    pub(super) async fn step(&mut self) -> Result<Step, ApiError> {
+        let event = match self.pending.take() {
+            Some(event) => event,
+            None => self.next_event().await?,
+        };
+        let (text, done) = self.apply_text(event)?;
+        let mut segments = Vec::new();
+        match &mut self.parser {
+            None if text.is_empty() => {}
+            None => segments.push(Segment::Text(text)),
+            Some(parser) => {
+                parser.push(&text, &mut segments);
+                if done.is_some() {
+                    parser.finish(&mut segments);
+                }
+            }
+        }
+        let mut step = Step::default();
+        for segment in segments {
+            self.blocks.add(segment, &mut step.outputs);
+        }
+        if let Some(mut reason) = done {
+            self.blocks.close(&mut step.outputs);
+            if reason == FinishReason::Stop && self.blocks.calls > 0 {
+                reason = FinishReason::ToolCalls;
+            }
+            let stop_sequence = self.stop.matched().map(str::to_owned);
+            self.finished(stop_sequence.is_none());
+            step.finish = Some(Finish { reason, stop_sequence });
+        }
+        Ok(step)
+    }
+
+    /// Counts the reasoning tokens and keeps the turn for replay (unless a stop string cut it:
+    /// then the generated ids hold more than the answer).
+    fn finished(&mut self, keep: bool) {
+        let reasoning: String = self
+            .blocks
+            .done
+            .iter()
+            .filter_map(|b| match b {
+                Done::Thinking { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        if !reasoning.is_empty() {
+            self.usage.reasoning_tokens =
+                self.tokenizer.encode(&reasoning).map_or(0, |ids| ids.len()).min(self.usage.completion_tokens);
+        }
+        let Some((session, generation_prompt)) = self.replay.take().filter(|_| keep) else { return };
+        let mut text = String::new();
+        let mut thinking = Vec::new();
+        let mut calls: Vec<(String, Value)> = Vec::new();
+        for block in &self.blocks.done {
+            match block {
+                Done::Thinking { text: t, .. } => thinking.push(t.clone()),
+                Done::Text(t) => text.push_str(t),
+                Done::ToolCall { name, arguments, .. } => calls.push((name.clone(), Value::String(arguments.clone()))),
+            }
+        }
+        let key = replay::turn_key(&text, calls.iter().map(|(n, a)| (n.as_str(), a)));
+        let tokens = std::mem::take(&mut self.generated);
+        self.state.inner.replay.keep(&session, key, Kept { generation_prompt, tokens, thinking });
+    }
+
+    /// The next event, or a timeout / internal error.
+    async fn next_event(&mut self) -> Result<GenerateEvent, ApiError> {
+        match tokio::time::timeout_at(self.deadline, self.events.next()).await {
+            Err(_) => Err(ApiError::Timeout),
+            Ok(None) => Err(ApiError::internal("the generator ended the stream before the answer finished")),
+            Ok(Some(event)) => event.map_err(ApiError::from),
+        }
+    }
+
+    /// One event before the parser: detokenized text with stop strings applied.
+    fn apply_text(&mut self, event: GenerateEvent) -> Result<(String, Option<FinishReason>), ApiError> {
+        let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
+        match event {
+            GenerateEvent::Started { .. } => Ok((String::new(), None)),
+            GenerateEvent::Token { id } => {
+                self.usage.completion_tokens += 1;
+                if !self.stop_token_ids.contains(&id) {
+                    self.generated.push(id);
+                }
+                let now = Instant::now();
+                match self.last_token.replace(now) {
+                    None => metrics::record_ttft(now - self.arrived),
+                    Some(previous) => metrics::record_inter_token(now - previous),
+                }
+                let piece = self.decoder.push(id).map_err(internal)?;
+                let (text, stopped) = self.stop.push(&piece);
+                Ok((text, stopped.then_some(FinishReason::Stop)))
+            }
+            GenerateEvent::Finished { reason } => {
+                let piece = self.decoder.flush().map_err(internal)?;
+                let (mut text, stopped) = self.stop.push(&piece);
+                if stopped {
+                    return Ok((text, Some(FinishReason::Stop)));
+                }
+                text.push_str(&self.stop.finish());
+                Ok((text, Some(reason)))
+            }
+        }
+    }
+}
+
+/// The answer's blocks: one open at a time, numbered in the order they open.
+#[derive(Debug, Default)]
+struct Blocks {
+    /// The open text or thinking block: its kind, index and text so far.
+    open: Option<(BlockKind, usize, String)>,
+    next: usize,
+    calls: usize,
+    call_prefix: &'static str,
+    /// The request id's unique part, which call ids are made from.
+    suffix: String,
+    done: Vec<Done>,
+}
+
+/// Whether a text block opening after `previous` starts at its first visible character: text
+/// after reasoning or a tool call does (the `\n\n` after `</think>` is the template's layout,
+/// not the answer; the APIs never send a text block of whitespace alone).
+fn trims_leading_space(previous: Option<&Done>) -> bool {
+    matches!(previous, Some(Done::Thinking { .. } | Done::ToolCall { .. }))
+}
+
+impl Blocks {
+    fn add(&mut self, segment: Segment, out: &mut Vec<Output>) {
+        let (kind, text) = match segment {
+            Segment::Thinking(t) => (BlockKind::Thinking, t),
+            Segment::Text(t) => (BlockKind::Text, t),
+            Segment::ToolCall(call) => return self.call(call, out),
+        };
+        if self.open.as_ref().is_some_and(|(open, _, _)| *open != kind) {
+            self.close(out);
+        }
+        let text = match kind {
+            BlockKind::Text if self.open.is_none() && trims_leading_space(self.done.last()) => {
+                text.trim_start().to_owned()
+            }
+            _ => text,
+        };
+        if text.is_empty() {
+            return;
+        }
+        let (_, index, so_far) = self.open.get_or_insert_with(|| {
+            let index = self.next;
+            self.next += 1;
+            out.push(Output::Start { index, kind: kind.clone() });
+            (kind, index, String::new())
+        });
+        so_far.push_str(&text);
+        out.push(Output::Delta { index: *index, text });
+    }
+
+    fn call(&mut self, call: ToolCall, out: &mut Vec<Output>) {
+        self.close(out);
+        let id = call.id.unwrap_or_else(|| format!("{}_{}_{}", self.call_prefix, self.suffix, self.calls));
+        self.calls += 1;
+        let index = self.next;
+        self.next += 1;
+        out.push(Output::Start { index, kind: BlockKind::ToolCall { id: id.clone(), name: call.name.clone() } });
+        out.push(Output::Delta { index, text: call.arguments.clone() });
+        out.push(Output::Stop { index, text: call.arguments.clone(), handle: None });
+        self.done.push(Done::ToolCall { id, name: call.name, arguments: call.arguments });
+    }
+
+    /// Closes the open block (a thinking block gets its handle).
+    fn close(&mut self, out: &mut Vec<Output>) {
+        if let Some((kind, index, text)) = self.open.take() {
+            let handle = (kind == BlockKind::Thinking).then(|| replay::handle(&text));
+            out.push(Output::Stop { index, text: text.clone(), handle: handle.clone() });
+            self.done.push(match handle {
+                Some(handle) => Done::Thinking { text, handle },
+                None => Done::Text(text),
+            });
+        }
+    }
+}

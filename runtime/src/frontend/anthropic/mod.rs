@@ -1,0 +1,327 @@
+//! Anthropic Messages: `POST /v1/messages` (JSON or SSE), `POST /v1/messages/count_tokens`, and
+//! `GET /v1/models` in Anthropic's shape. A query string (`?beta=true`) is ignored.
+//!
+//! Request → [`Conversation`]: `system` (a string or text blocks) is the leading system text;
+//! `messages` may hold `user`, `assistant` and inline `system` turns; `thinking`, `tool_use` and
+//! `tool_result` blocks are typed blocks with their `cache_control` marks; unknown block types
+//! are ignored. With `frontend.strip_anthropic_preamble` (on by default), Claude Code's
+//! `x-anthropic-billing-header: …` system text, which changes on every request, is dropped
+//! first, so a session's prompts keep a common prefix (and `count_tokens` agrees with them).
+//!
+//! Answer → Messages ([`render`]): content blocks in generation order, `thinking` blocks with a
+//! non-empty `signature` (the turn's replay handle; with `thinking.display: "omitted"` the text
+//! is left out), `tool_use` blocks with the parsed input, and usage as Anthropic defines it.
+
+mod render;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::FrontendState;
+use super::error::ApiError;
+use super::http::{prepare_off_thread, request_id, session_key};
+use super::ir::{Block, CacheMark, Conversation, Role, Thinking, ToolChoice, ToolDef, Turn};
+use super::lower;
+use crate::metrics;
+
+/// The text block Claude Code puts first in `system`, different on every request.
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// A `POST /v1/messages` (or `count_tokens`) body. Fields this node does not use are accepted
+/// and ignored.
+#[derive(Debug, Deserialize)]
+pub(super) struct MessagesRequest {
+    model: String,
+    max_tokens: Option<usize>,
+    messages: Vec<Message>,
+    #[serde(default)]
+    system: Option<Content>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    thinking: Option<Value>,
+    #[serde(default)]
+    stop_sequences: Option<Vec<String>>,
+    temperature: Option<f32>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    metadata: Option<Metadata>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    content: Content,
+}
+
+/// A string, or blocks (kept as JSON: unknown types are ignored, not refused).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Blocks(Vec<Value>),
+}
+
+#[derive(Debug, Deserialize)]
+struct Metadata {
+    #[serde(default)]
+    user_id: Option<String>,
+}
+
+/// The text of a `text` block.
+fn block_text(block: &Value) -> Option<&str> {
+    (block["type"] == "text").then(|| block["text"].as_str()).flatten()
+}
+
+/// A block's `cache_control`.
+fn cache_mark(block: &Value) -> Option<CacheMark> {
+    let control = block.get("cache_control")?;
+    match control["ttl"].as_str() {
+        Some("1h") => Some(CacheMark::OneHour),
+        _ => Some(CacheMark::FiveMinutes),
+    }
+}
+
+/// `system` (or an inline system turn) as text blocks, without Claude Code's billing header
+/// when `strip` (a block that starts with it, or such a line of a string).
+fn system_blocks(content: &Content, strip: bool) -> Vec<Block> {
+    let is_header = |text: &str| {
+        let header = strip && text.trim_start().starts_with(BILLING_HEADER);
+        if header {
+            metrics::record_preamble_stripped();
+        }
+        header
+    };
+    match content {
+        Content::Text(text) => {
+            let kept: String = text.split_inclusive('\n').filter(|line| !is_header(line)).collect();
+            if kept.is_empty() { Vec::new() } else { vec![Block::text(kept)] }
+        }
+        Content::Blocks(blocks) => blocks
+            .iter()
+            .filter_map(|b| Some((block_text(b)?, cache_mark(b))))
+            .filter(|(text, _)| !is_header(text))
+            .map(|(text, cache)| Block::Text { text: text.to_owned(), cache })
+            .collect(),
+    }
+}
+
+/// A message's blocks as IR blocks.
+fn blocks(i: usize, content: &Content) -> Result<Vec<Block>, ApiError> {
+    let raw = match content {
+        Content::Text(text) => return Ok(vec![Block::text(text.clone())]),
+        Content::Blocks(raw) => raw,
+    };
+    let mut out = Vec::with_capacity(raw.len());
+    for (j, block) in raw.iter().enumerate() {
+        let text = |key: &str| block[key].as_str().unwrap_or_default().to_owned();
+        match block["type"].as_str() {
+            Some("text") => out.push(Block::Text { text: text("text"), cache: cache_mark(block) }),
+            Some("thinking") => out.push(Block::Thinking {
+                text: text("thinking"),
+                handle: block["signature"].as_str().filter(|s| !s.is_empty()).map(str::to_owned),
+            }),
+            Some("redacted_thinking") => {
+                out.push(Block::Thinking { text: String::new(), handle: Some(text("data")) });
+            }
+            Some("tool_use") => out.push(Block::ToolUse {
+                id: text("id"),
+                name: text("name"),
+                arguments: block.get("input").cloned().unwrap_or_else(|| json!({})),
+            }),
+            Some("tool_result") => {
+                let content = match &block["content"] {
+                    Value::String(s) => s.clone(),
+                    Value::Array(parts) => parts.iter().filter_map(block_text).collect::<Vec<_>>().join("\n"),
+                    _ => String::new(),
+                };
+                out.push(Block::ToolResult {
+                    call_id: text("tool_use_id"),
+                    content,
+                    is_error: block["is_error"].as_bool().unwrap_or(false),
+                    cache: cache_mark(block),
+                });
+            }
+            Some("image" | "document") => {
+                return Err(ApiError::invalid(
+                    format!(
+                        "messages.{i}.content.{j}: this model reads text only; images and documents are not supported"
+                    ),
+                    Some("messages"),
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// `tools`: custom tools (with an `input_schema`); Anthropic's server tools are left out.
+fn tools(tools: Option<Vec<Value>>) -> Vec<ToolDef> {
+    tools
+        .into_iter()
+        .flatten()
+        .filter(|t| t.get("type").is_none_or(|k| k == "custom"))
+        .filter_map(|t| {
+            Some(ToolDef {
+                name: t["name"].as_str()?.to_owned(),
+                description: t["description"].as_str().map(str::to_owned),
+                parameters: t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"})),
+            })
+        })
+        .collect()
+}
+
+/// `tool_choice`: `auto`, `any` (a call is expected), `tool` (that one), `none`.
+fn tool_choice(choice: Option<&Value>, tools: &[ToolDef]) -> Result<ToolChoice, ApiError> {
+    let Some(choice) = choice else { return Ok(ToolChoice::Auto) };
+    match choice["type"].as_str() {
+        Some("auto") | None => Ok(ToolChoice::Auto),
+        Some("any") => Ok(ToolChoice::Required),
+        Some("none") => Ok(ToolChoice::None),
+        Some("tool") => {
+            let name = choice["name"].as_str().unwrap_or_default();
+            if tools.iter().any(|t| t.name == name) {
+                Ok(ToolChoice::Named(name.to_owned()))
+            } else {
+                Err(ApiError::invalid(
+                    format!("tool_choice.name: no tool named `{}`", super::error::clip(name, 64)),
+                    Some("tool_choice"),
+                ))
+            }
+        }
+        Some(other) => Err(ApiError::invalid(
+            format!("tool_choice.type: `{}` is not auto, any, tool or none", super::error::clip(other, 64)),
+            Some("tool_choice"),
+        )),
+    }
+}
+
+/// The request as a [`Conversation`].
+fn conversation(
+    state: &FrontendState,
+    headers: &HeaderMap,
+    req: MessagesRequest,
+    count_only: bool,
+) -> Result<Conversation, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid("messages: at least one message is required", Some("messages")));
+    }
+    let max_tokens = match (req.max_tokens, count_only) {
+        (Some(0), false) => return Err(ApiError::invalid("max_tokens: must be at least 1", Some("max_tokens"))),
+        (None, false) => return Err(ApiError::invalid("max_tokens: Field required", Some("max_tokens"))),
+        (n, _) => n,
+    };
+    let temperature = req.temperature.unwrap_or(state.inner.messages_temperature);
+    if !(0.0..=1.0).contains(&temperature) {
+        return Err(ApiError::invalid("temperature: must be between 0 and 1", Some("temperature")));
+    }
+    let strip = state.inner.strip_anthropic_preamble;
+    let system = req.system.as_ref().map(|s| system_blocks(s, strip)).unwrap_or_default();
+    let mut turns = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            "system" => Role::System,
+            other => {
+                return Err(ApiError::invalid(
+                    format!("messages.{i}.role: `{}` is not user, assistant or system", super::error::clip(other, 64)),
+                    Some("messages"),
+                ));
+            }
+        };
+        let blocks = if role == Role::System { system_blocks(&m.content, strip) } else { blocks(i, &m.content)? };
+        turns.push(Turn::new(role, blocks));
+    }
+    let tools = tools(req.tools);
+    let tool_choice = tool_choice(req.tool_choice.as_ref(), &tools)?;
+    let thinking = match &req.thinking {
+        Some(t) => Thinking {
+            enabled: match t["type"].as_str() {
+                Some("disabled") => Some(false),
+                Some("enabled" | "adaptive") => Some(true),
+                _ => None,
+            },
+            omit_text: t["display"] == "omitted",
+        },
+        None => Thinking::default(),
+    };
+    let session = headers
+        .get("x-claude-code-session-id")
+        .map(|v| v.as_bytes().to_vec())
+        .or_else(|| req.metadata.as_ref().and_then(|m| m.user_id.clone()).map(String::into_bytes))
+        .filter(|k| !k.is_empty())
+        .map(|k| session_key(&k));
+    Ok(Conversation {
+        model: req.model,
+        system,
+        turns,
+        tools,
+        tool_choice,
+        parallel_tool_calls: req.tool_choice.as_ref().is_none_or(|c| c["disable_parallel_tool_use"] != true),
+        thinking,
+        temperature,
+        seed: None,
+        stop: req.stop_sequences.unwrap_or_default(),
+        max_tokens,
+        hints: Default::default(),
+        session,
+        stream: req.stream,
+    })
+}
+
+pub(super) async fn count_tokens(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
+    let counted = prepare_off_thread(&state, headers, body, |state, headers, req: MessagesRequest| {
+        lower::check_model(state, &req.model)?;
+        let conversation = conversation(state, headers, req, true)?;
+        Ok(lower::lower(state, &conversation)?.prompt.len())
+    })
+    .await;
+    let response = match counted {
+        Ok(tokens) => axum::Json(json!({"input_tokens": tokens})).into_response(),
+        Err(e) => e.anthropic_response(),
+    };
+    super::Route::Messages.count(response.status().as_u16());
+    response
+}
+
+pub(super) async fn messages(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
+    let arrived = Instant::now();
+    let prepared = prepare_off_thread(&state, headers, body, |state, headers, req: MessagesRequest| {
+        lower::check_model(state, &req.model)?;
+        let conversation = conversation(state, headers, req, false)?;
+        let lowered = lower::lower(state, &conversation)?;
+        let (request, tail) = lower::generate_request(state, &conversation, lowered, request_id("msg"))?;
+        Ok(render::Prepared { request, tail, conversation })
+    })
+    .await;
+    let response = match prepared {
+        Ok(prepared) => render::run(&state, prepared, arrived).await,
+        Err(e) => e.anthropic_response(),
+    };
+    super::Route::Messages.count(response.status().as_u16());
+    response
+}
+
+/// `GET /v1/models` in Anthropic's shape (asked for with an `anthropic-version` header).
+pub(super) fn models(state: &FrontendState) -> Response {
+    let data: Vec<Value> = state
+        .inner
+        .generator
+        .models()
+        .into_iter()
+        .map(|id| json!({"type": "model", "id": id, "display_name": id, "created_at": "2026-01-01T00:00:00Z"}))
+        .collect();
+    let first = data.first().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    let last = data.last().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    axum::Json(json!({"data": data, "has_more": false, "first_id": first, "last_id": last})).into_response()
+}

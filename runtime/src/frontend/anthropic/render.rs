@@ -1,0 +1,181 @@
+//! Answer → Anthropic Messages: the message body, or its SSE stream (`message_start` with the
+//! exact usage before the first token, `content_block_start` / `_delta` / `_stop` per block in
+//! generation order, `message_delta` with the stop reason, `message_stop`; `event: error` when
+//! the generation fails mid-stream).
+
+use axum::body::Bytes;
+use axum::response::{IntoResponse, Response};
+use futures::SinkExt;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use crate::frontend::FrontendState;
+use crate::frontend::answer::{Answer, Done};
+use crate::frontend::generate::{FinishReason, GenerateRequest};
+use crate::frontend::http::event_stream;
+use crate::frontend::ir::{BlockKind, Conversation, Finish, Output, Usage};
+use crate::frontend::lower::Tail;
+
+/// A request ready to generate.
+pub(super) struct Prepared {
+    pub(super) request: GenerateRequest,
+    pub(super) tail: Tail,
+    pub(super) conversation: Conversation,
+}
+
+/// `stop_reason` and `stop_sequence`.
+fn stop_reason(finish: &Finish) -> (&'static str, Value) {
+    match finish.reason {
+        FinishReason::Length => ("max_tokens", Value::Null),
+        FinishReason::ToolCalls => ("tool_use", Value::Null),
+        FinishReason::Stop => match &finish.stop_sequence {
+            Some(stop) => ("stop_sequence", json!(stop)),
+            None => ("end_turn", Value::Null),
+        },
+    }
+}
+
+/// Usage as Anthropic defines it: `input_tokens` are the prompt tokens not read from the cache.
+fn usage(usage: Usage) -> Value {
+    json!({
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+    })
+}
+
+/// The message id of a request id (`msg-…` → `msg_…`).
+fn message_id(id: &str) -> String {
+    format!("msg_{}", id.trim_start_matches("msg-"))
+}
+
+/// A tool call's input: its arguments as JSON (`{}` when the model wrote something else).
+fn input(arguments: &str) -> Value {
+    serde_json::from_str(arguments).ok().filter(Value::is_object).unwrap_or_else(|| json!({}))
+}
+
+fn event(name: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+}
+
+pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Instant) -> Response {
+    let Prepared { request, tail, conversation } = prepared;
+    let omit = conversation.thinking.omit_text;
+    let model = conversation.model;
+    let mut answer = Answer::start(state, request, tail, conversation.stop, "toolu", arrived);
+    if let Err(e) = answer.admit().await {
+        return e.anthropic_response();
+    }
+    let id = message_id(&answer.id);
+    if !conversation.stream {
+        let finish = match answer.complete().await {
+            Ok(finish) => finish,
+            Err(e) => return e.anthropic_response(),
+        };
+        let content: Vec<Value> = answer
+            .blocks()
+            .iter()
+            .map(|block| match block {
+                Done::Thinking { text, handle } => {
+                    json!({"type": "thinking", "thinking": if omit { "" } else { text }, "signature": handle})
+                }
+                Done::Text(text) => json!({"type": "text", "text": text}),
+                Done::ToolCall { id, name, arguments } => {
+                    json!({"type": "tool_use", "id": id, "name": name, "input": input(arguments)})
+                }
+            })
+            .collect();
+        let (stop_reason, stop_sequence) = stop_reason(&finish);
+        return axum::Json(json!({
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage(answer.usage()),
+        }))
+        .into_response();
+    }
+
+    let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
+    tokio::spawn(async move {
+        let mut start = json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+                               "stop_reason": null, "stop_sequence": null, "usage": usage(answer.usage())});
+        start["usage"]["output_tokens"] = json!(0);
+        if tx.send(Ok(event("message_start", &json!({"type": "message_start", "message": start})))).await.is_err() {
+            return;
+        }
+        let mut kinds: Vec<BlockKind> = Vec::new();
+        loop {
+            let step = match answer.step().await {
+                Ok(step) => step,
+                Err(e) => {
+                    let _ = tx.send(Ok(event("error", &e.anthropic_body()))).await;
+                    return;
+                }
+            };
+            let mut frames = Vec::new();
+            for output in step.outputs {
+                match output {
+                    Output::Start { index, kind } => {
+                        let block = match &kind {
+                            BlockKind::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                            BlockKind::Text => json!({"type": "text", "text": ""}),
+                            BlockKind::ToolCall { id, name } => {
+                                json!({"type": "tool_use", "id": id, "name": name, "input": {}})
+                            }
+                        };
+                        kinds.push(kind);
+                        frames.push(event(
+                            "content_block_start",
+                            &json!({"type": "content_block_start", "index": index, "content_block": block}),
+                        ));
+                    }
+                    Output::Delta { index, text } => {
+                        let delta = match &kinds[index] {
+                            BlockKind::Thinking if omit => continue,
+                            BlockKind::Thinking => json!({"type": "thinking_delta", "thinking": text}),
+                            BlockKind::Text => json!({"type": "text_delta", "text": text}),
+                            // The input as JSON text: the model's arguments, normalised to an object.
+                            BlockKind::ToolCall { .. } => {
+                                json!({"type": "input_json_delta", "partial_json": input(&text).to_string()})
+                            }
+                        };
+                        frames.push(event(
+                            "content_block_delta",
+                            &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                        ));
+                    }
+                    Output::Stop { index, handle, .. } => {
+                        if let Some(signature) = handle {
+                            let delta = json!({"type": "signature_delta", "signature": signature});
+                            frames.push(event(
+                                "content_block_delta",
+                                &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                            ));
+                        }
+                        frames
+                            .push(event("content_block_stop", &json!({"type": "content_block_stop", "index": index})));
+                    }
+                }
+            }
+            let done = step.finish.is_some();
+            if let Some(finish) = step.finish {
+                let (stop_reason, stop_sequence) = stop_reason(&finish);
+                frames.push(event(
+                    "message_delta",
+                    &json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                            "usage": {"output_tokens": answer.usage().completion_tokens}}),
+                ));
+                frames.push(event("message_stop", &json!({"type": "message_stop"})));
+            }
+            for frame in frames {
+                if tx.send(Ok(frame)).await.is_err() {
+                    return;
+                }
+            }
+            if done {
+                return;
+            }
+        }
+    });
+    event_stream(rx)
+}

@@ -1,0 +1,175 @@
+//! What every route shares: reading and parsing the body off the async threads, session and
+//! request ids, the event-stream response, and the routes that are not an API's own.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use super::FrontendState;
+use super::error::ApiError;
+
+pub(super) async fn health() -> impl IntoResponse {
+    axum::Json(json!({"status": "ok"}))
+}
+
+pub(super) async fn not_found() -> ApiError {
+    ApiError::NotFound {
+        code: "unknown_url",
+        message: "Unknown request URL; see /v1/models, /v1/chat/completions, /v1/completions, /v1/responses, \
+                  /v1/messages."
+            .into(),
+        param: None,
+    }
+}
+
+pub(super) async fn method_not_allowed() -> ApiError {
+    ApiError::refused(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "This route does not take that method: generation routes take POST, /v1/models and /health GET.",
+    )
+}
+
+/// `GET /v1/models`: OpenAI's list, or Anthropic's when `anthropic-version` is sent.
+pub(super) async fn models(State(state): State<FrontendState>, headers: HeaderMap) -> Response {
+    super::Route::Models.count(200);
+    if headers.contains_key("anthropic-version") {
+        return super::anthropic::models(&state);
+    }
+    let data: Vec<Value> = state
+        .inner
+        .generator
+        .models()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "dynamo-node"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// Counts an answered request by API and HTTP status (a stream counts once its headers go out).
+pub(super) fn counted(route: super::Route, response: Response) -> Response {
+    route.count(response.status().as_u16());
+    response
+}
+
+/// Reads the body (JSON only, within `frontend.body_timeout` and `frontend.max_body`), then
+/// parses it as `T` and turns it into a generation with `prepare` on the blocking pool, a few
+/// at a time: rendering and tokenizing a long conversation never holds an async thread.
+pub(super) async fn prepare_off_thread<T, P, F>(
+    state: &FrontendState,
+    headers: HeaderMap,
+    body: Body,
+    prepare: F,
+) -> Result<P, ApiError>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+    P: Send + 'static,
+    F: FnOnce(&FrontendState, &HeaderMap, T) -> Result<P, ApiError> + Send + 'static,
+{
+    let bytes = read_body(state, &headers, body).await?;
+    let _permit = state.inner.preparing.clone().acquire_owned().await.map_err(|_| ApiError::internal("closed"))?;
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || parse::<T>(&bytes).and_then(|req| prepare(&state, &headers, req)))
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+}
+
+/// The body of a JSON request: 415 unless `Content-Type` is JSON, 413 over `frontend.max_body`,
+/// 408 when it does not arrive within `frontend.body_timeout`.
+async fn read_body(state: &FrontendState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let inner = &state.inner;
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let essence = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    if essence != "application/json" && !(essence.starts_with("application/") && essence.ends_with("+json")) {
+        return Err(ApiError::refused(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            format!(
+                "The request body must be JSON, sent with `Content-Type: application/json` (got `{}`).",
+                super::error::clip(content_type, 64)
+            ),
+        ));
+    }
+    let too_large = || {
+        ApiError::refused(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            format!("The request body is too large: this server accepts at most {} bytes.", inner.max_body),
+        )
+    };
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > inner.max_body as u64) {
+        return Err(too_large());
+    }
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut buf = Vec::with_capacity(declared.unwrap_or(0).min(inner.max_body as u64) as usize);
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| ApiError::invalid(format!("Could not read the request body: {e}"), None))?;
+            if buf.len() + chunk.len() > inner.max_body {
+                return Err(too_large());
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(buf))
+    };
+    tokio::time::timeout(inner.body_timeout, read).await.unwrap_or_else(|_| {
+        Err(ApiError::refused(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            format!("The request body did not arrive within {:?}.", inner.body_timeout),
+        ))
+    })
+}
+
+/// The body as `T`: 400 for anything that is not a valid `T`.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        let kind = match e.classify() {
+            serde_json::error::Category::Data => "The request body does not match the API",
+            _ => "The request body is not valid JSON",
+        };
+        // A mistyped field's message quotes its value, which may be megabytes long.
+        ApiError::invalid(super::error::clip(&format!("{kind}: {e}"), 1024), None)
+    })
+}
+
+/// The conversation of a request: the `x-session-id` header, else the `user` field, as its
+/// [`session_key`].
+pub(super) fn session_id(headers: &HeaderMap, user: Option<String>) -> Option<String> {
+    match headers.get("x-session-id").map(|v| v.as_bytes()).filter(|v| !v.is_empty()) {
+        Some(header) => Some(session_key(header)),
+        None => user.filter(|u| !u.is_empty()).map(|u| session_key(u.as_bytes())),
+    }
+}
+
+/// The key a client's session id is kept under: a fixed-size digest (32 hex digits of xxh3-128),
+/// since the id is the client's choice and may be megabytes long.
+pub fn session_key(raw: &[u8]) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(raw))
+}
+
+pub(super) fn request_id(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    format!("{prefix}-{nanos:016x}{:06x}", NEXT.fetch_add(1, Ordering::Relaxed) & 0xff_ffff)
+}
+
+/// A server-sent-event response whose frames come from `rx`.
+pub(super) fn event_stream(rx: futures::channel::mpsc::Receiver<Result<Bytes, std::convert::Infallible>>) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::HeaderName::from_static("x-accel-buffering"), "no"),
+        ],
+        Body::from_stream(rx),
+    )
+        .into_response()
+}

@@ -1,0 +1,391 @@
+//! [`Conversation`] → prompt tokens: the checks every API shares, the template messages, the
+//! render, and the tokens with their regions, kept turns spliced in ([`replay`](super::replay)).
+//!
+//! Lowering to template messages:
+//! - the leading system blocks are one `system` message; inline system and developer turns stay
+//!   where they are (moving them would change every earlier byte of the prompt);
+//! - a user turn's tool results are `tool` messages, and text beside them is folded into the last
+//!   of them instead of opening a user turn (a new "user query" would make templates such as
+//!   Qwen3's drop the reasoning of the whole tool loop);
+//! - an assistant turn's reasoning is its `reasoning_content`, its calls its `tool_calls` (the
+//!   arguments as the client sent them: a JSON string verbatim, a value through `tojson`);
+//! - every client string is escaped ([`escape_special_tokens`]);
+//! - `tool_choice: none` offers no tools; a named choice offers only that one.
+
+use serde_json::{Value, json};
+
+use super::FrontendState;
+use super::error::ApiError;
+use super::generate::{GenerateRequest, RegionRanges};
+use super::ir::{Block, Conversation, Role, ToolChoice};
+use super::parsers::AnswerParser;
+use super::replay::{Kept, turn_key};
+use super::template::{Owner, Piece, TemplateError, TemplateMessage, escape_special_tokens};
+
+/// A conversation rendered and tokenized.
+#[derive(Debug)]
+pub(super) struct Lowered {
+    /// The prompt.
+    pub(super) prompt: Vec<u32>,
+    /// The region of every token range.
+    pub(super) regions: RegionRanges,
+    /// What the answer needs of the lowering.
+    pub(super) tail: Tail,
+    /// Assistant turns whose generated tokens were spliced in.
+    pub(super) spliced: usize,
+}
+
+/// What an [`Answer`](super::answer::Answer) needs of its prompt's lowering.
+#[derive(Debug, Default)]
+pub(super) struct Tail {
+    /// The parser of the answer; none for a plain answer.
+    pub(super) parser: Option<AnswerParser>,
+    /// The generation prompt's text, which the answer is kept for replay with; none for a
+    /// prompt that is not a chat (a legacy completion).
+    pub(super) generation_prompt: Option<String>,
+}
+
+/// Refuses a model this node does not serve.
+pub(super) fn check_model(state: &FrontendState, model: &str) -> Result<(), ApiError> {
+    if state.inner.generator.models().iter().any(|m| m == model) {
+        Ok(())
+    } else {
+        Err(ApiError::model_not_found(model))
+    }
+}
+
+/// Refuses a prompt of `tokens` tokens that the context cannot take with room for one generated
+/// token, or that is longer than `frontend.max_prompt_tokens`.
+fn check_prompt(state: &FrontendState, tokens: usize, param: &str) -> Result<(), ApiError> {
+    let context = state.inner.generator.max_context();
+    if tokens >= context {
+        return Err(ApiError::context_length(tokens, context, param));
+    }
+    let max = state.inner.max_prompt_tokens;
+    if max > 0 && tokens > max {
+        return Err(ApiError::ContextLength { tokens, limit: max, param: param.to_owned(), server_limit: true });
+    }
+    Ok(())
+}
+
+/// Checks the prompt's length and settles `max_tokens` (clamped to what the context leaves).
+pub(super) fn fit(
+    state: &FrontendState,
+    prompt: usize,
+    max_tokens: Option<usize>,
+    param: &str,
+) -> Result<usize, ApiError> {
+    check_prompt(state, prompt, param)?;
+    let wanted = max_tokens.unwrap_or(state.inner.default_max_tokens);
+    if wanted == 0 {
+        return Err(ApiError::invalid("Invalid 'max_tokens': must be at least 1.", Some("max_tokens")));
+    }
+    Ok(wanted.min(state.inner.generator.max_context() - prompt))
+}
+
+/// Refuses, before any rendering or tokenizing, a prompt whose text is sure to be too long:
+/// `bytes` of text make at least `bytes / max_token_bytes` tokens, and every message at least one.
+pub(super) fn precheck(state: &FrontendState, messages: usize, text_bytes: usize, param: &str) -> Result<(), ApiError> {
+    check_prompt(state, (text_bytes / state.inner.max_token_bytes).max(messages), param)
+}
+
+/// The scripted answer of a request at `turn`, tokenized; `None` when the engine is not scripted.
+pub(super) fn scripted(state: &FrontendState, turn: usize) -> Result<Option<Vec<u32>>, ApiError> {
+    let Some(script) = &state.inner.script else { return Ok(None) };
+    let text = &script[turn % script.len()];
+    state.inner.tokenizer.encode(text).map(Some).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// The generation of `conversation` lowered to `lowered`, with `max_tokens` settled.
+pub(super) fn generate_request(
+    state: &FrontendState,
+    conversation: &Conversation,
+    lowered: Lowered,
+    request_id: String,
+) -> Result<(GenerateRequest, Tail), ApiError> {
+    let max_tokens = fit(state, lowered.prompt.len(), conversation.max_tokens, "messages")?;
+    let request = GenerateRequest {
+        request_id,
+        model: conversation.model.clone(),
+        prompt: lowered.prompt,
+        regions: lowered.regions,
+        max_tokens,
+        temperature: conversation.temperature,
+        seed: conversation.seed,
+        stop_token_ids: state.inner.stop_token_ids.clone(),
+        session_id: conversation.session.clone(),
+        hints: conversation.hints.clone(),
+        forced: scripted(state, conversation.assistant_turns())?,
+    };
+    Ok((request, lowered.tail))
+}
+
+/// Renders and tokenizes `conversation`; kept turns are restored and spliced in.
+pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Result<Lowered, ApiError> {
+    let inner = &state.inner;
+    if conversation.turns.is_empty() {
+        return Err(ApiError::invalid("'messages' must contain at least one message.", Some("messages")));
+    }
+    precheck(state, conversation.turns.len(), conversation.text_bytes(), "messages")?;
+    let (messages, kept) = template_messages(state, conversation)?;
+    let tools = template_tools(conversation);
+    let pieces = inner.template.render_pieces(&messages, tools.as_deref()).map_err(|e| match e {
+        TemplateError::Render(message) => ApiError::invalid(message, Some("messages")),
+        other => ApiError::internal(other.to_string()),
+    })?;
+    let (prompt, regions, spliced) = tokenize(state, &pieces, &kept)?;
+    if spliced > 0 {
+        crate::metrics::record_replayed_turns(spliced);
+    }
+    let generation_prompt = match pieces.last() {
+        Some(piece) if piece.owner == Owner::Generation => piece.text.clone(),
+        _ => String::new(),
+    };
+    let parser = (inner.reasoning.is_some() || inner.tools.is_some()).then(|| {
+        let in_reasoning = inner.reasoning.is_some_and(|kind| kind.starts_in_reasoning(&generation_prompt));
+        AnswerParser::new(inner.reasoning, inner.tools, in_reasoning)
+    });
+    Ok(Lowered { prompt, regions, tail: Tail { parser, generation_prompt: Some(generation_prompt) }, spliced })
+}
+
+/// Tools in the shape chat templates read (`{"type": "function", "function": {…}}`), as the
+/// tool choice allows them.
+fn template_tools(conversation: &Conversation) -> Option<Vec<Value>> {
+    let offered = conversation.tools.iter().filter(|t| match &conversation.tool_choice {
+        ToolChoice::None => false,
+        ToolChoice::Named(name) => &t.name == name,
+        ToolChoice::Auto | ToolChoice::Required => true,
+    });
+    let tools: Vec<Value> = offered
+        .map(|t| {
+            let mut function = json!({"name": t.name, "parameters": t.parameters});
+            if let Some(description) = &t.description {
+                function["description"] = json!(description);
+            }
+            json!({"type": "function", "function": function})
+        })
+        .collect();
+    (!tools.is_empty()).then_some(tools)
+}
+
+/// The conversation as template messages, with the kept turn of each assistant message that
+/// has one (its reasoning restored when the client sent none back).
+fn template_messages(
+    state: &FrontendState,
+    conversation: &Conversation,
+) -> Result<(Vec<TemplateMessage>, Vec<Option<Kept>>), ApiError> {
+    let inner = &state.inner;
+    let escape = |text: &str| escape_special_tokens(text, &inner.specials).into_owned();
+    let session = conversation.session.as_deref().unwrap_or("");
+    let mut out = Vec::with_capacity(conversation.turns.len() + 1);
+    let mut kept = Vec::with_capacity(conversation.turns.len() + 1);
+    let system: Vec<&str> = conversation
+        .system
+        .iter()
+        .filter_map(|b| match b {
+            Block::Text { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    if !system.is_empty() {
+        out.push(TemplateMessage {
+            role: "system".into(),
+            content: Some(escape(&system.join("\n"))),
+            ..Default::default()
+        });
+        kept.push(None);
+    }
+    for (i, turn) in conversation.turns.iter().enumerate() {
+        let name = turn.name.as_deref().map(escape);
+        match turn.role {
+            Role::System | Role::Developer => {
+                let text = texts(&turn.blocks).join("\n");
+                out.push(TemplateMessage {
+                    role: turn.role.as_str().into(),
+                    content: Some(escape(&text)),
+                    name,
+                    ..Default::default()
+                });
+                kept.push(None);
+            }
+            Role::User => {
+                let mut text = String::new();
+                let mut results = false;
+                for (j, block) in turn.blocks.iter().enumerate() {
+                    match block {
+                        Block::Text { text: t, .. } => text.push_str(t),
+                        Block::ToolResult { call_id, content, .. } => {
+                            results = true;
+                            out.push(TemplateMessage {
+                                role: "tool".into(),
+                                content: Some(escape(content)),
+                                tool_call_id: Some(call_id.clone()),
+                                ..Default::default()
+                            });
+                            kept.push(None);
+                        }
+                        Block::Image => {
+                            return Err(ApiError::invalid(
+                                format!(
+                                    "messages[{i}].content[{j}]: this model reads text only; images are not supported"
+                                ),
+                                Some("messages"),
+                            ));
+                        }
+                        Block::Thinking { .. } | Block::ToolUse { .. } => {}
+                    }
+                }
+                if results && text.is_empty() {
+                    continue;
+                }
+                match out.last_mut() {
+                    // Text beside tool results (Claude Code's reminders) belongs to the last of them.
+                    Some(last) if results && last.role == "tool" => {
+                        let content = last.content.get_or_insert_with(String::new);
+                        content.push('\n');
+                        content.push_str(&escape(&text));
+                    }
+                    _ => {
+                        out.push(TemplateMessage {
+                            role: "user".into(),
+                            content: Some(escape(&text)),
+                            name,
+                            ..Default::default()
+                        });
+                        kept.push(None);
+                    }
+                }
+            }
+            Role::Assistant => {
+                let text = texts(&turn.blocks).concat();
+                let mut echoed = Vec::new();
+                let mut calls = Vec::new();
+                let mut call_args = Vec::new();
+                for block in &turn.blocks {
+                    match block {
+                        Block::Thinking { text, handle } => echoed.push((text.clone(), handle.clone())),
+                        Block::ToolUse { id, name, arguments } => {
+                            call_args.push((name.as_str(), arguments));
+                            let arguments = match arguments {
+                                Value::String(raw) => Value::String(escape(raw)),
+                                other => other.clone(),
+                            };
+                            calls.push(json!({"id": id, "type": "function",
+                                              "function": {"name": escape(name), "arguments": arguments}}));
+                        }
+                        _ => {}
+                    }
+                }
+                let found = inner
+                    .replay
+                    .enabled()
+                    .then(|| inner.replay.find(session, turn_key(&text, call_args.iter().copied())))
+                    .flatten()
+                    .filter(|k| k.accepts(&echoed));
+                let reasoning: String = match &found {
+                    Some(k) => k.thinking.concat(),
+                    None => echoed.iter().map(|(t, _)| t.as_str()).collect(),
+                };
+                out.push(TemplateMessage {
+                    role: "assistant".into(),
+                    content: (!text.is_empty() || calls.is_empty()).then(|| escape(&text)),
+                    reasoning_content: (!reasoning.is_empty()).then(|| escape(&reasoning)),
+                    name,
+                    tool_calls: (!calls.is_empty()).then_some(Value::Array(calls)),
+                    tool_call_id: None,
+                });
+                kept.push(found);
+            }
+        }
+    }
+    Ok((out, kept))
+}
+
+fn texts(blocks: &[Block]) -> Vec<&str> {
+    blocks
+        .iter()
+        .filter_map(|b| match b {
+            Block::Text { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Tokenizes each piece on its own and concatenates the ids, except that the pieces of an
+/// assistant message with a kept turn become that turn's ids ([`splice`]). Returns the ids, the token range of every region (adjacent ranges of one region
+/// merged) and how many turns were spliced.
+fn tokenize(
+    state: &FrontendState,
+    pieces: &[Piece],
+    kept: &[Option<Kept>],
+) -> Result<(Vec<u32>, RegionRanges, usize), ApiError> {
+    let tokenizer = &state.inner.tokenizer;
+    let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
+    let mut ids = Vec::new();
+    let mut regions: RegionRanges = Vec::new();
+    let mut spliced = 0;
+    let mut i = 0;
+    while i < pieces.len() {
+        let piece = &pieces[i];
+        let start = ids.len();
+        // The pieces of one message: more than one where the tool definitions split it.
+        let mut end = i + 1;
+        while end < pieces.len() && pieces[end].owner == piece.owner {
+            end += 1;
+        }
+        let group = &pieces[i..end];
+        let turn = match piece.owner {
+            Owner::Message(m) => kept.get(m).and_then(Option::as_ref),
+            _ => None,
+        };
+        let replayed = match turn {
+            Some(turn) if group.iter().all(|p| p.region == piece.region) => {
+                let text: String = group.iter().map(|p| p.text.as_str()).collect();
+                splice(state, &text, turn)?
+            }
+            _ => None,
+        };
+        match replayed {
+            Some(tokens) => {
+                ids.extend(tokens);
+                spliced += 1;
+                i = end;
+            }
+            None => {
+                ids.extend(tokenizer.encode(&piece.text).map_err(internal)?);
+                i += 1;
+            }
+        }
+        let end = ids.len();
+        if end == start {
+            continue;
+        }
+        match regions.last_mut() {
+            Some((range, last)) if *last == piece.region && range.end == start => range.end = end,
+            _ => regions.push((start..end, piece.region)),
+        }
+    }
+    Ok((ids, regions, spliced))
+}
+
+/// The ids of an assistant message rendered as `rendered`, from its kept turn: the generation
+/// prompt's ids, the generated ids, then the ids of what the template writes from the
+/// end-of-turn token on. `None` (render it instead) unless `rendered` starts with the generation
+/// prompt, holds an end-of-turn token, and keeps the turn's reasoning: a template that drops
+/// history reasoning (Qwen3 after a new user query, DeepSeek-R1 always) is obeyed, and the
+/// prompt leaves the cache there, as that template has it.
+fn splice(state: &FrontendState, rendered: &str, turn: &Kept) -> Result<Option<Vec<u32>>, ApiError> {
+    let inner = &state.inner;
+    let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
+    let Some(body) = rendered.strip_prefix(turn.generation_prompt.as_str()) else { return Ok(None) };
+    let Some(end) = inner.end_markers.iter().filter_map(|marker| body.rfind(marker.as_str())).max() else {
+        return Ok(None);
+    };
+    if !turn.thinking.iter().all(|t| body[..end].contains(t.trim())) {
+        return Ok(None);
+    }
+    let mut ids = inner.tokenizer.encode(&turn.generation_prompt).map_err(internal)?;
+    ids.extend_from_slice(&turn.tokens);
+    ids.extend(inner.tokenizer.encode(&body[end..]).map_err(internal)?);
+    Ok(Some(ids))
+}
