@@ -577,7 +577,9 @@ pub fn scripted_answers(cfg: &NodeConfig) -> anyhow::Result<Option<Vec<String>>>
 }
 
 /// The tokenizer and chat template the frontend uses: the model directory's own when it has
-/// them (or the files `model.tokenizer` / `model.chat_template` name), else the built-in ones.
+/// them (or the files `model.tokenizer` / `model.chat_template` name; `model.chat_template` may
+/// also name one of this project's family templates, [`ChatTemplate::names`]), else the
+/// built-in ones.
 fn frontend_parts(cfg: &NodeConfig) -> anyhow::Result<(crate::tokenizer::Tokenizer, crate::frontend::ChatTemplate)> {
     use crate::frontend::ChatTemplate;
     use crate::tokenizer::Tokenizer;
@@ -588,7 +590,9 @@ fn frontend_parts(cfg: &NodeConfig) -> anyhow::Result<(crate::tokenizer::Tokeniz
         }
         _ => Tokenizer::builtin(),
     };
+    let named = cfg.model.chat_template.as_deref().and_then(|t| t.to_str()).and_then(ChatTemplate::named);
     let template = match (&cfg.model.chat_template, &cfg.model.path) {
+        (Some(_), _) if named.is_some() => named.expect("checked"),
         (Some(file), _) => {
             let src = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
             ChatTemplate::new(&src, "", "").with_context(|| format!("parsing {}", file.display()))?

@@ -18,3 +18,18 @@ async fn the_openai_python_sdk_talks_to_the_frontend() {
     support::run_sdk_script("openai", "openai_client.py", server.url("/v1")).await;
     server.stop().await.unwrap();
 }
+
+/// Responses (create, stream, stored responses, previous_response_id, function calls, errors)
+/// and Chat Completions with tool calls, through the SDK, with the agent parsers on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the openai Python SDK: .ci/run installs it"]
+async fn the_openai_python_sdk_runs_responses_and_tool_calls() {
+    let config = FrontendSection {
+        reasoning_parser: Some("qwen3".into()),
+        tool_call_parser: Some("hermes".into()),
+        ..FrontendSection::default()
+    };
+    let mut server = Server::start(config).await;
+    support::run_sdk_script("openai", "openai_agent.py", server.url("/v1")).await;
+    server.stop().await.unwrap();
+}

@@ -50,8 +50,10 @@ const TOOLS: &str = r#"[{"type": "function", "function": {"name": "ls", "paramet
 async fn chat(replay: bool, echo_reasoning: bool) -> bool {
     let server = Server::start(config(replay)).await;
     let tools: Value = serde_json::from_str(TOOLS).unwrap();
-    let mut messages = vec![json!({"role": "system", "content": "Be brief."}), json!({"role": "user", "content": "Look."})];
-    let first = post(&server, "/v1/chat/completions", &json!({"model": "agent", "messages": messages, "tools": tools})).await;
+    let mut messages =
+        vec![json!({"role": "system", "content": "Be brief."}), json!({"role": "user", "content": "Look."})];
+    let first =
+        post(&server, "/v1/chat/completions", &json!({"model": "agent", "messages": messages, "tools": tools})).await;
     let before = server.fake.last().prompt;
     let mut message = first["choices"][0]["message"].clone();
     if !echo_reasoning {
@@ -102,7 +104,8 @@ async fn messages(replay: bool, omit_thinking: bool) -> bool {
 async fn responses(replay: bool) -> bool {
     let server = Server::start(config(replay)).await;
     let tools = json!([{"type": "function", "name": "ls", "parameters": {"type": "object"}}]);
-    let mut input = vec![json!({"role": "developer", "content": "Be brief."}), json!({"role": "user", "content": "Look."})];
+    let mut input =
+        vec![json!({"role": "developer", "content": "Be brief."}), json!({"role": "user", "content": "Look."})];
     let body = |input: &[Value]| {
         json!({"model": "agent", "input": input, "tools": tools, "store": false,
                "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1"})
@@ -150,7 +153,8 @@ async fn replay_needs_the_same_session_and_the_same_reasoning() {
     let server = Server::start(config(true)).await;
     let tools: Value = serde_json::from_str(TOOLS).unwrap();
     let mut messages = vec![json!({"role": "user", "content": "Look."})];
-    let first = post(&server, "/v1/chat/completions", &json!({"model": "agent", "messages": messages, "tools": tools})).await;
+    let first =
+        post(&server, "/v1/chat/completions", &json!({"model": "agent", "messages": messages, "tools": tools})).await;
     let before = server.fake.last().prompt;
     let mut message = first["choices"][0]["message"].clone();
     messages.push(message.clone());

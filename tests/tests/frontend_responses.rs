@@ -103,7 +103,8 @@ async fn a_response_has_its_items_in_generation_order_and_is_stored() {
     // store: false keeps nothing.
     body["store"] = json!(false);
     let (_, value) = post(&server, &body).await;
-    let (status, _) = send(reqwest::Method::GET, &server, &format!("/v1/responses/{}", value["id"].as_str().unwrap()), None).await;
+    let (status, _) =
+        send(reqwest::Method::GET, &server, &format!("/v1/responses/{}", value["id"].as_str().unwrap()), None).await;
     assert_eq!(status, 404);
     assert_eq!(value["store"], false);
 }
@@ -134,11 +135,7 @@ async fn a_stream_has_the_exact_event_sequence() {
     }
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
     let mut want = vec!["response.created", "response.in_progress"];
-    want.extend([
-        "response.output_item.added",
-        "response.content_part.added",
-        "response.reasoning_text.delta",
-    ]);
+    want.extend(["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta"]);
     let deltas = |names: &[&str], from: usize, name: &str| names[from..].iter().take_while(|n| **n == name).count();
     let reasoning_deltas = deltas(&names, 4, "response.reasoning_text.delta");
     assert!(reasoning_deltas >= 1);
@@ -262,7 +259,9 @@ async fn errors_have_the_openai_shape() {
     assert_eq!((status, value["error"]["param"].as_str()), (501, Some("background")), "{value}");
     let (status, value) = post(&server, &json!({"model": "fake", "input": []})).await;
     assert_eq!(status, 400, "{value}");
-    let (status, value) = post(&server, &json!({"model": "fake", "input": "hi", "tool_choice": {"type": "function", "name": "nope"}})).await;
+    let (status, value) =
+        post(&server, &json!({"model": "fake", "input": "hi", "tool_choice": {"type": "function", "name": "nope"}}))
+            .await;
     assert_eq!((status, value["error"]["param"].as_str()), (400, Some("tool_choice")), "{value}");
     let response = reqwest::Client::new()
         .post(server.url("/v1/responses"))

@@ -25,7 +25,9 @@ pub struct ModelSection {
     /// `tokenizer.json` to use. Default: none (the one in `path`, else the built-in o200k_base BPE).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
-    /// Jinja chat template file. Default: none (the one in `path`, else a built-in template).
+    /// Jinja chat template: a file, or the name of a family template of this project (`llama3`,
+    /// `qwen3`, `qwen3_preserve`, `deepseek_r1`, `gpt_oss`, `nemotron`, `glm47`, `kimi_k2`).
+    /// Default: none (the one in `path`, else the built-in `llama3`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<PathBuf>,
     /// LoRA adapter name; part of the block-hash salt so adapters never share blocks.

@@ -179,6 +179,9 @@ pub struct Conversation {
     pub parallel_tool_calls: bool,
     /// Reasoning options.
     pub thinking: Thinking,
+    /// Template arguments (`chat_template_kwargs`); `enable_thinking` is set from
+    /// [`Thinking::enabled`] when the client said.
+    pub template_kwargs: super::template::Kwargs,
     /// Sampling temperature (already defaulted per API).
     pub temperature: f32,
     /// Sampler seed.

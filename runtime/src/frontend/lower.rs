@@ -31,8 +31,6 @@ pub(super) struct Lowered {
     pub(super) regions: RegionRanges,
     /// What the answer needs of the lowering.
     pub(super) tail: Tail,
-    /// Assistant turns whose generated tokens were spliced in.
-    pub(super) spliced: usize,
 }
 
 /// What an [`Answer`](super::answer::Answer) needs of its prompt's lowering.
@@ -129,7 +127,11 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
     precheck(state, conversation.turns.len(), conversation.text_bytes(), "messages")?;
     let (messages, kept) = template_messages(state, conversation)?;
     let tools = template_tools(conversation);
-    let pieces = inner.template.render_pieces(&messages, tools.as_deref()).map_err(|e| match e {
+    let mut kwargs = conversation.template_kwargs.clone();
+    if let Some(enabled) = conversation.thinking.enabled {
+        kwargs.entry("enable_thinking").or_insert(enabled.into());
+    }
+    let pieces = inner.template.render_pieces(&messages, tools.as_deref(), &kwargs).map_err(|e| match e {
         TemplateError::Render(message) => ApiError::invalid(message, Some("messages")),
         other => ApiError::internal(other.to_string()),
     })?;
@@ -145,7 +147,7 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
         let in_reasoning = inner.reasoning.is_some_and(|kind| kind.starts_in_reasoning(&generation_prompt));
         AnswerParser::new(inner.reasoning, inner.tools, in_reasoning)
     });
-    Ok(Lowered { prompt, regions, tail: Tail { parser, generation_prompt: Some(generation_prompt) }, spliced })
+    Ok(Lowered { prompt, regions, tail: Tail { parser, generation_prompt: Some(generation_prompt) } })
 }
 
 /// Tools in the shape chat templates read (`{"type": "function", "function": {…}}`), as the
@@ -378,9 +380,10 @@ fn splice(state: &FrontendState, rendered: &str, turn: &Kept) -> Result<Option<V
     let inner = &state.inner;
     let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
     let Some(body) = rendered.strip_prefix(turn.generation_prompt.as_str()) else { return Ok(None) };
-    let Some(end) = inner.end_markers.iter().filter_map(|marker| body.rfind(marker.as_str())).max() else {
-        return Ok(None);
-    };
+    // Where the generated part ends: the end-of-turn token the template writes, or, for
+    // templates whose turns end where the next message begins (GLM's `<|observation|>`), the
+    // end of the message.
+    let end = inner.end_markers.iter().filter_map(|marker| body.rfind(marker.as_str())).max().unwrap_or(body.len());
     if !turn.thinking.iter().all(|t| body[..end].contains(t.trim())) {
         return Ok(None);
     }

@@ -148,7 +148,8 @@ impl FrontendState {
         config: &FrontendSection,
     ) -> FrontendState {
         let mut stop_token_ids = Vec::new();
-        for candidate in [template.eos_token(), "<|endoftext|>"] {
+        let stops = template.stop_strings().iter().map(String::as_str);
+        for candidate in [template.eos_token(), "<|endoftext|>"].into_iter().chain(stops) {
             if let Ok(ids) = tokenizer.encode(candidate)
                 && let [id] = ids[..]
                 && !candidate.is_empty()

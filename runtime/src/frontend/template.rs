@@ -149,7 +149,68 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// End-of-turn strings the model samples besides EOS (gpt-oss `<|call|>`, GLM's
+    /// `<|observation|>`): stop tokens where the tokenizer has them as one token.
+    stops: Vec<String>,
 }
+
+/// A family template of this project ([`ChatTemplate::named`]): its name, source, BOS, EOS
+/// and the other end-of-turn strings its models sample. `templates/FAMILIES.md` describes each.
+struct Family {
+    name: &'static str,
+    source: &'static str,
+    bos: &'static str,
+    eos: &'static str,
+    stops: &'static [&'static str],
+}
+
+/// The family templates, by the names `model.chat_template` takes.
+const FAMILIES: &[Family] = &[
+    Family { name: "llama3", source: DEFAULT_TEMPLATE, bos: "<|begin_of_text|>", eos: "<|eot_id|>", stops: &[] },
+    Family {
+        name: "qwen3",
+        source: include_str!("templates/qwen3.jinja"),
+        bos: "",
+        eos: "<|im_end|>",
+        stops: &["<|endoftext|>"],
+    },
+    Family {
+        name: "qwen3_preserve",
+        source: include_str!("templates/qwen3_preserve.jinja"),
+        bos: "",
+        eos: "<|im_end|>",
+        stops: &["<|endoftext|>"],
+    },
+    Family {
+        name: "deepseek_r1",
+        source: include_str!("templates/deepseek_r1.jinja"),
+        bos: "<\u{ff5c}begin\u{2581}of\u{2581}sentence\u{ff5c}>",
+        eos: "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+        stops: &[],
+    },
+    Family {
+        name: "gpt_oss",
+        source: include_str!("templates/gpt_oss.jinja"),
+        bos: "",
+        eos: "<|return|>",
+        stops: &["<|call|>"],
+    },
+    Family {
+        name: "nemotron",
+        source: include_str!("templates/nemotron.jinja"),
+        bos: "<s>",
+        eos: "<|im_end|>",
+        stops: &[],
+    },
+    Family {
+        name: "glm47",
+        source: include_str!("templates/glm47.jinja"),
+        bos: "",
+        eos: "<|endoftext|>",
+        stops: &["<|observation|>", "<|user|>"],
+    },
+    Family { name: "kimi_k2", source: include_str!("templates/kimi_k2.jinja"), bos: "", eos: "<|im_end|>", stops: &[] },
+];
 
 const NAME: &str = "chat_template";
 
@@ -157,6 +218,26 @@ impl ChatTemplate {
     /// [`DEFAULT_TEMPLATE`] with BOS `<|begin_of_text|>` and EOS `<|eot_id|>`.
     pub fn builtin() -> ChatTemplate {
         ChatTemplate::new(DEFAULT_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>").expect("the built-in template compiles")
+    }
+
+    /// The names [`named`](Self::named) knows: `llama3` (the built-in) and the model families
+    /// (`qwen3`, `qwen3_preserve`, `deepseek_r1`, `gpt_oss`, `nemotron`, `glm47`, `kimi_k2`).
+    pub fn names() -> Vec<&'static str> {
+        FAMILIES.iter().map(|f| f.name).collect()
+    }
+
+    /// This project's template for a model family, by name ([`names`](Self::names)), with the
+    /// family's BOS, EOS and end-of-turn strings.
+    pub fn named(name: &str) -> Option<ChatTemplate> {
+        let family = FAMILIES.iter().find(|f| f.name == name)?;
+        let mut template = ChatTemplate::new(family.source, family.bos, family.eos).expect("family templates compile");
+        template.stops = family.stops.iter().map(|s| (*s).to_owned()).collect();
+        Some(template)
+    }
+
+    /// End-of-turn strings the model samples besides EOS.
+    pub fn stop_strings(&self) -> &[String] {
+        &self.stops
     }
 
     /// Compiles `source`.
@@ -182,7 +263,7 @@ impl ChatTemplate {
             },
         );
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| TemplateError::Syntax(e.to_string()))?;
-        Ok(ChatTemplate { env, bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned() })
+        Ok(ChatTemplate { env, bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned(), stops: Vec::new() })
     }
 
     /// The template of a checkpoint directory: `dir/tokenizer_config.json`'s `chat_template` (a
@@ -237,8 +318,22 @@ impl ChatTemplate {
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with(messages, tools, add_generation_prompt, &Kwargs::new())
+    }
+
+    /// [`render`](Self::render) with template arguments (`enable_thinking`, `preserve_thinking`,
+    /// …: a request's `chat_template_kwargs`) as top-level variables.
+    pub fn render_with(
+        &self,
+        messages: &[TemplateMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+        kwargs: &Kwargs,
+    ) -> Result<String, TemplateError> {
         #[derive(Serialize)]
         struct Context<'a> {
+            #[serde(flatten)]
+            kwargs: &'a Kwargs,
             messages: &'a [TemplateMessage],
             #[serde(skip_serializing_if = "Option::is_none")]
             tools: Option<&'a [serde_json::Value]>,
@@ -248,8 +343,14 @@ impl ChatTemplate {
         }
         let template = self.env.get_template(NAME).map_err(|e| TemplateError::Syntax(e.to_string()))?;
         let tools = tools.filter(|t| !t.is_empty());
-        let context =
-            Context { messages, tools, add_generation_prompt, bos_token: &self.bos_token, eos_token: &self.eos_token };
+        let context = Context {
+            kwargs,
+            messages,
+            tools,
+            add_generation_prompt,
+            bos_token: &self.bos_token,
+            eos_token: &self.eos_token,
+        };
         template.render(context).map_err(|e| TemplateError::Render(render_message(&e)))
     }
 
@@ -261,22 +362,26 @@ impl ChatTemplate {
         messages: &[TemplateMessage],
         tools: Option<&[serde_json::Value]>,
     ) -> Result<Vec<(String, RegionKind)>, TemplateError> {
-        Ok(self.render_pieces(messages, tools)?.into_iter().map(|p| (p.text, p.region)).collect())
+        Ok(self.render_pieces(messages, tools, &Kwargs::new())?.into_iter().map(|p| (p.text, p.region)).collect())
     }
 
-    /// [`render_regions`](Self::render_regions), each piece with what it renders ([`Owner`]).
+    /// [`render_regions`](Self::render_regions) with template arguments, each piece with what
+    /// it renders ([`Owner`]).
     pub fn render_pieces(
         &self,
         messages: &[TemplateMessage],
         tools: Option<&[serde_json::Value]>,
+        kwargs: &Kwargs,
     ) -> Result<Vec<Piece>, TemplateError> {
-        let full = self.render(messages, tools, true)?;
+        let render =
+            |messages: &[TemplateMessage], tools, generation| self.render_with(messages, tools, generation, kwargs);
+        let full = render(messages, tools, true)?;
         // Byte offsets into `full` where each piece ends, with the piece's region and owner.
         let ks = cut_points(messages);
         let mut cuts: Vec<(usize, RegionKind, Owner)> = Vec::with_capacity(ks.len() + 1);
         let mut previous = None;
         for &k in &ks {
-            let prefix = self.render(&messages[..k], tools, false)?;
+            let prefix = render(&messages[..k], tools, false)?;
             let end = common_prefix(&full, &prefix);
             // A rewrite of earlier text moves the boundary back: earlier cuts end there too.
             for cut in cuts.iter_mut() {
@@ -307,7 +412,7 @@ impl ChatTemplate {
             }
         }
         if tools.is_some_and(|t| !t.is_empty()) {
-            let without = self.render(messages, None, true)?;
+            let without = render(messages, None, true)?;
             let lo = common_prefix(&full, &without);
             let hi = full.len() - common_suffix(&full[lo..], &without[lo.min(without.len())..]);
             if hi > lo {
@@ -318,6 +423,9 @@ impl ChatTemplate {
         Ok(pieces)
     }
 }
+
+/// Template arguments: top-level variables beside `messages` (`enable_thinking`, …).
+pub type Kwargs = serde_json::Map<String, serde_json::Value>;
 
 /// What a [`Piece`] of a rendered prompt renders.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -601,6 +709,39 @@ mod tests {
 
     /// `tojson` writes what `transformers` writes (`json.dumps(x, ensure_ascii=False)`), with and
     /// without an indent.
+    /// Every family template renders here as Python's jinja2 renders it (`transformers`): the
+    /// renders `templates/check_templates.py --golden` wrote, byte for byte.
+    #[test]
+    fn family_templates_render_as_jinja2_does() {
+        let golden: Vec<serde_json::Value> =
+            serde_json::from_str(include_str!("templates/golden.json")).expect("golden renders");
+        assert!(golden.len() > 100, "{}", golden.len());
+        let mut families = std::collections::BTreeSet::new();
+        for (i, case) in golden.iter().enumerate() {
+            let name = case["template"].as_str().unwrap();
+            families.insert(name);
+            let template = ChatTemplate::named(name).unwrap_or_else(|| panic!("no template `{name}`"));
+            let mut context = case["kwargs"].as_object().cloned().unwrap_or_default();
+            context.insert("messages".into(), case["messages"].clone());
+            if !case["tools"].is_null() {
+                context.insert("tools".into(), case["tools"].clone());
+            }
+            context.insert("add_generation_prompt".into(), case["add_generation_prompt"].clone());
+            context.insert("bos_token".into(), template.bos_token().into());
+            context.insert("eos_token".into(), template.eos_token().into());
+            let rendered = template.env.get_template(NAME).unwrap().render(&context).unwrap();
+            let expected = case["expected"].as_str().unwrap();
+            assert!(
+                rendered == expected,
+                "case {i} ({name}, {}):\n{rendered}\n---- jinja2:\n{expected}",
+                case["kwargs"]
+            );
+        }
+        let named: std::collections::BTreeSet<&str> =
+            ChatTemplate::names().into_iter().filter(|n| *n != "llama3").collect();
+        assert_eq!(families, named, "every family has golden renders");
+    }
+
     #[test]
     fn tojson_is_pythons() {
         let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ e | tojson }}", "", "").unwrap();

@@ -269,6 +269,7 @@ fn conversation(
         tool_choice,
         parallel_tool_calls: req.tool_choice.as_ref().is_none_or(|c| c["disable_parallel_tool_use"] != true),
         thinking,
+        template_kwargs: Default::default(),
         temperature,
         seed: None,
         stop: req.stop_sequences.unwrap_or_default(),

@@ -226,6 +226,13 @@ fn conversation(headers: &HeaderMap, req: ChatCompletionRequest) -> Result<Conve
         tool_choice,
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         thinking: Default::default(),
+        template_kwargs: {
+            let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
+            if let Some(effort) = req.reasoning_effort {
+                kwargs.entry("reasoning_effort").or_insert(effort.into());
+            }
+            kwargs
+        },
         temperature,
         seed: req.seed,
         stop,

@@ -330,6 +330,12 @@ fn prepare(state: &FrontendState, headers: &HeaderMap, req: ResponsesRequest) ->
         tool_choice,
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         thinking: Default::default(),
+        template_kwargs: req
+            .reasoning
+            .as_ref()
+            .and_then(|r| r["effort"].as_str())
+            .map(|effort| [("reasoning_effort".to_owned(), Value::from(effort))].into_iter().collect())
+            .unwrap_or_default(),
         temperature,
         seed: None,
         stop: Vec::new(),

@@ -51,6 +51,13 @@ pub struct ChatCompletionRequest {
     /// Agent hints.
     #[serde(default)]
     pub nvext: Option<AgentHints>,
+    /// Arguments for the chat template (`enable_thinking`, `preserve_thinking`, …), as vLLM
+    /// and SGLang take them.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// `low`, `medium` or `high`: the template's `reasoning_effort` (gpt-oss).
+    #[serde(default)]
+    pub reasoning_effort: Option<String>,
 }
 
 /// `POST /v1/completions`.

@@ -24,6 +24,7 @@ methods); the two must agree byte for byte.
     python3 check_templates.py --quiet    # the table only
     python3 check_templates.py --show qwen3 --scenario one_call   # one variant / scenario
     python3 check_templates.py --quiet --client trimmed   # a client that trims text and thinking
+    python3 check_templates.py --quiet --sorted-keys       # JSON keys sorted, as the server does today
     python3 check_templates.py --quiet --golden /tmp/golden.json  # renders for a Rust-side test
 
 Setup: python3 -m venv /tmp/tpl-venv && /tmp/tpl-venv/bin/pip install jinja2 minijinja
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 import jinja2
+import jinja2.sandbox
 
 try:
     import minijinja  # type: ignore
@@ -67,8 +69,9 @@ def raise_exception(message):
     raise TemplateException(message)
 
 
-JINJA = jinja2.Environment(
-    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], undefined=jinja2.Undefined
+# transformers renders chat templates in an immutable sandbox.
+JINJA = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
 )
 JINJA.filters["tojson"] = tojson
 JINJA.globals["raise_exception"] = raise_exception
@@ -95,8 +98,21 @@ class EngineMismatch(Exception):
 GOLDEN: list | None = None  # every render, when --golden asks for them
 
 
+SORTED_KEYS = False  # --sorted-keys: every JSON object key-sorted, as serde_json/minijinja without preserve_order
+
+
+def key_sorted(x):
+    if isinstance(x, dict):
+        return {k: key_sorted(x[k]) for k in sorted(x)}
+    if isinstance(x, list):
+        return [key_sorted(i) for i in x]
+    return x
+
+
 def render(template: str, messages: list, tools: list | None, generation: bool, kwargs: dict) -> str:
     """Renders like the server: `tools` absent when there are none."""
+    if SORTED_KEYS:
+        messages, tools = key_sorted(messages), key_sorted(tools)
     context = dict(messages=messages, add_generation_prompt=generation, bos_token="", eos_token="", **kwargs)
     if tools:
         context["tools"] = tools
@@ -695,12 +711,16 @@ def main() -> int:
     parser.add_argument("--client", choices=["raw", "trimmed"], default="raw",
                         help="what the client echoes: the server's raw text and thinking (default), or both "
                              "trimmed (informational: results are printed, not checked)")
+    parser.add_argument("--sorted-keys", action="store_true",
+                        help="key-sort every JSON object first, as the server does while serde_json and "
+                             "minijinja lack preserve_order (informational: printed, not checked)")
     parser.add_argument("--golden", metavar="PATH",
                         help="also write every render as JSON (template, kwargs, messages, tools, "
                              "add_generation_prompt, expected) for a test of the server's own engine")
     args = parser.parse_args()
-    global CLIENT, GOLDEN
+    global CLIENT, GOLDEN, SORTED_KEYS
     CLIENT = args.client
+    SORTED_KEYS = args.sorted_keys
     if args.golden:
         GOLDEN = []
 
@@ -721,7 +741,7 @@ def main() -> int:
                 print(final)
                 print("===== end")
             want = EXPECTED.get((v.name, s.name), ["full"] * len(checks))
-            if CLIENT != "raw":
+            if CLIENT != "raw" or SORTED_KEYS:
                 want = [c.result for c in checks]  # informational
             cells = []
             for i, c in enumerate(checks):
@@ -732,14 +752,15 @@ def main() -> int:
                     surprises.append(f"{v.name} / {s.name} step {i + 1}: got {c.result}, expected {w}. {c.detail}")
                 elif c.result == "miss":
                     why = w.split(":", 1)[1] + ". " if ":" in w else ""
-                    print(f"[{'expected ' if CLIENT == 'raw' else ''}miss] {v.name} / {s.name} step {i + 1}: {why}{c.detail}")
+                    informational = CLIENT != "raw" or SORTED_KEYS
+                    print(f"[{'' if informational else 'expected '}miss] {v.name} / {s.name} step {i + 1}: {why}{c.detail}")
             table[(v.name, s.name)] = ",".join(cells)
-    failures = extra_checks() if not args.show and not args.scenario and CLIENT == "raw" else []
+    failures = extra_checks() if not args.show and not args.scenario and CLIENT == "raw" and not SORTED_KEYS else []
     if args.golden:
         Path(args.golden).write_text(json.dumps(GOLDEN, ensure_ascii=False, indent=1), encoding="utf-8")
         print(f"wrote {len(GOLDEN)} renders to {args.golden}")
 
-    print(f"\nPrefix property, {CLIENT} client (one cell per re-render: full / body / miss / n/a; '!' = unexpected)\n")
+    print(f"\nPrefix property, {CLIENT} client{', sorted keys' if SORTED_KEYS else ''} (one cell per re-render: full / body / miss / n/a; '!' = unexpected)\n")
     width = max(len(v.name) for v in variants)
     print(" " * width + " | " + " | ".join(s.name for s in scenarios))
     for v in variants:
