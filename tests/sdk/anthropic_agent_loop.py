@@ -3,9 +3,9 @@ scripted (the real model computes every token; the answer of turn N is the scrip
 
 Usage: anthropic_agent_loop.py BASE_URL TURNS. Each turn the "model" thinks, says a line and calls
 Read; the client sends the tool result back with a reminder, as Claude Code does. From turn 2 on,
-the prompt must be read from the cache up to the previous prompt (less one block: this template
-does not render history thinking, so the previous answer itself is recomputed). Prints one line per
-turn and the mean share read from cache, then "ok".
+the prompt must be read from the cache up to the previous prompt and its answer (less one block:
+the answer's tokens are replayed, so only the tool result and the reminder are new). Prints one
+line per turn and the mean share read from cache, then "ok".
 """
 
 import sys
@@ -18,11 +18,12 @@ def main() -> None:
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
     system = [
         {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37.0d9; cc_entrypoint=cli; cch=00000;"},
-        {"type": "text", "text": "You are a coding agent. Read files before you edit them. " * 20},
+        # About 7K tokens, as Claude Code's system prompt and tools are about 11K.
+        {"type": "text", "text": "You are a coding agent. Read files before you edit them. " * 600},
     ]
     tools = [{"name": "Read", "description": "Read a file.", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
     messages = [{"role": "user", "content": "Find the bug in the parser."}]
-    previous_prompt = None
+    previous_prompt, previous_output = None, 0
     shares = []
     for turn in range(turns):
         system[0]["text"] = f"x-anthropic-billing-header: cc_version=2.1.37.0d9; cc_entrypoint=cli; cch={turn:05x};"
@@ -39,8 +40,8 @@ def main() -> None:
         assert calls[0].input == {"path": f"src/file_{turn}.rs"}, calls[0]
         if previous_prompt is not None:
             shares.append(share)
-            assert usage.cache_read_input_tokens >= previous_prompt - 32, (turn, usage, previous_prompt)
-        previous_prompt = prompt
+            assert usage.cache_read_input_tokens >= previous_prompt + previous_output - 32, (turn, usage, previous_prompt)
+        previous_prompt, previous_output = prompt, usage.output_tokens
         messages = messages + [
             {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
             {"role": "user", "content": [
