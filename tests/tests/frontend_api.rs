@@ -703,7 +703,7 @@ async fn the_billing_header_does_not_change_the_prompt() {
     assert_ne!(keeping.fake.last().prompt, a);
 }
 
-/// The SSE grammar the SDK enforces: `message_start` first with exact usage, blocks started in
+/// The SSE grammar the SDK enforces: `message_start` first with exact usage, a `ping`, blocks started in
 /// index order and each stopped before the next, a thinking block's `signature_delta` before its
 /// stop, tool input as `input_json_delta`, then `message_delta` and `message_stop`; the blocks
 /// add up to the non-streamed message.
@@ -732,6 +732,8 @@ async fn anthropic_streaming_follows_the_event_grammar() {
         .collect();
     assert_eq!(events[0].0, "message_start");
     assert_eq!(events[0].1["message"]["usage"]["cache_read_input_tokens"], whole["usage"]["cache_read_input_tokens"]);
+    assert_eq!(events[1].0, "ping", "a ping follows message_start, as Anthropic's API sends it");
+    let events: Vec<(String, Value)> = events.into_iter().filter(|(name, _)| name != "ping").collect();
     assert_eq!(events[events.len() - 2].0, "message_delta");
     assert_eq!(events[events.len() - 2].1["delta"]["stop_reason"], "tool_use");
     assert_eq!(events.last().unwrap().0, "message_stop");

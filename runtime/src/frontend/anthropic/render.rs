@@ -1,7 +1,7 @@
 //! Answer → Anthropic Messages: the message body, or its SSE stream (`message_start` with the
-//! exact usage before the first token, `content_block_start` / `_delta` / `_stop` per block in
-//! generation order, `message_delta` with the stop reason, `message_stop`; `event: error` when
-//! the generation fails mid-stream).
+//! exact usage before the first token, a `ping`, `content_block_start` / `_delta` / `_stop` per
+//! block in generation order, `message_delta` with the stop reason, `message_stop`; a `ping`
+//! whenever the answer is silent for 5 s; `event: error` when the generation fails mid-stream).
 
 use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};
@@ -15,6 +15,9 @@ use crate::frontend::generate::{FinishReason, GenerateRequest};
 use crate::frontend::http::event_stream;
 use crate::frontend::ir::{BlockKind, Conversation, Finish, Output, Usage};
 use crate::frontend::lower::Tail;
+
+/// A streamed answer silent this long gets a `ping` event.
+const PING_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A request ready to generate.
 pub(super) struct Prepared {
@@ -103,11 +106,23 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
         if tx.send(Ok(event("message_start", &json!({"type": "message_start", "message": start})))).await.is_err() {
             return;
         }
+        let ping = || event("ping", &json!({"type": "ping"}));
+        if tx.send(Ok(ping())).await.is_err() {
+            return;
+        }
         let mut kinds: Vec<BlockKind> = Vec::new();
         loop {
-            let step = match answer.step().await {
-                Ok(step) => step,
-                Err(e) => {
+            // A `ping` whenever the answer is silent for a while, as Anthropic's API sends them;
+            // `step` only awaits the next generation event, so a timeout loses nothing.
+            let step = match tokio::time::timeout(PING_EVERY, answer.step()).await {
+                Err(_) => {
+                    if tx.send(Ok(ping())).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                Ok(Ok(step)) => step,
+                Ok(Err(e)) => {
                     let _ = tx.send(Ok(event("error", &e.anthropic_body()))).await;
                     return;
                 }
