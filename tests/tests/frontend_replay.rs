@@ -174,3 +174,33 @@ async fn replay_needs_the_same_session_and_the_same_reasoning() {
     post(&server, "/v1/chat/completions", &json!({"model": "agent", "messages": messages, "tools": tools})).await;
     assert!(!continues(&before, &server.fake.last().prompt), "a changed reasoning is not the kept turn");
 }
+
+/// Without a session, turns are matched by content alone, so a kept turn's reasoning is restored
+/// only for a client that sent it back (its text or its handle): one that dropped it gets the
+/// template's rendering.
+#[tokio::test]
+async fn without_a_session_reasoning_is_restored_only_when_echoed() {
+    let server = Server::start(config(true)).await;
+    let tools: Value = serde_json::from_str(TOOLS).unwrap();
+    let send = |body: Value| {
+        let url = server.url("/v1/chat/completions");
+        async move {
+            let response = reqwest::Client::new().post(url).json(&body).send().await.unwrap();
+            assert_eq!(response.status(), 200);
+            response.json::<Value>().await.unwrap()
+        }
+    };
+    let mut messages = vec![json!({"role": "user", "content": "Look."})];
+    let first = send(json!({"model": "agent", "messages": messages, "tools": tools})).await;
+    let before = server.fake.last().prompt;
+    let message = first["choices"][0]["message"].clone();
+    let mut dropped = message.clone();
+    dropped.as_object_mut().unwrap().remove("reasoning_content");
+    messages.push(dropped);
+    messages.push(json!({"role": "tool", "tool_call_id": "x", "content": "a.rs"}));
+    send(json!({"model": "agent", "messages": messages, "tools": tools})).await;
+    assert!(!continues(&before, &server.fake.last().prompt), "another client's reasoning is not restored");
+    messages[1] = message;
+    send(json!({"model": "agent", "messages": messages, "tools": tools})).await;
+    assert!(continues(&before, &server.fake.last().prompt), "echoed with its reasoning, the turn is replayed");
+}

@@ -283,7 +283,14 @@ fn template_messages(
                     .enabled()
                     .then(|| inner.replay.find(session, turn_key(&text, call_args.iter().copied())))
                     .flatten()
-                    .filter(|k| k.accepts(&echoed));
+                    .filter(|k| k.accepts(&echoed))
+                    // Without a session, turns are shared by content alone: a turn's reasoning is
+                    // restored only for a client that shows it had it (its text or its handle).
+                    .filter(|k| {
+                        conversation.session.is_some()
+                            || k.thinking.is_empty()
+                            || echoed.iter().any(|(text, handle)| !text.is_empty() || handle.is_some())
+                    });
                 let reasoning: String = match &found {
                     Some(k) => k.thinking.concat(),
                     None => echoed.iter().map(|(t, _)| t.as_str()).collect(),
