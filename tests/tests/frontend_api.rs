@@ -141,7 +141,8 @@ async fn chat_with_tools_parts_and_tool_results_tags_every_region() {
     let text = |i: usize| t.decode(&req.prompt[req.regions[i].0.clone()]).unwrap();
     assert!(text(1).contains("read_file") && !text(1).contains("You edit code."), "{}", text(1));
     assert!(text(2).contains("You edit code."));
-    assert!(text(3).contains("Open main.rs") && text(3).contains("main.rs\\\""), "{}", text(3));
+    // The arguments reach the template as the object they hold, as `transformers` passes them.
+    assert!(text(3).contains("Open main.rs") && text(3).contains(r#""arguments": {"path": "main.rs"}"#), "{}", text(3));
     assert!(text(4).contains("fn main() {}"));
     assert!(req.regions.windows(2).all(|w| w[0].0.end == w[1].0.start));
 }

@@ -347,7 +347,12 @@ fn family_tokenizer(family: &Family) -> Tokenizer {
     std::fs::write(&path, tokenizer_json(family).to_string()).unwrap();
     let tokenizer = Tokenizer::from_file(&path).unwrap();
     for (i, special) in family.specials.iter().enumerate() {
-        assert_eq!(tokenizer.encode(special).unwrap(), [256 + i as u32], "{}: `{special}` is one token", family.template);
+        assert_eq!(
+            tokenizer.encode(special).unwrap(),
+            [256 + i as u32],
+            "{}: `{special}` is one token",
+            family.template
+        );
     }
     let text = "Héllo, wörld 🦀\n\t{\"a\": 1}";
     let ids = tokenizer.encode(text).unwrap();
@@ -372,6 +377,11 @@ struct Generation {
 }
 
 impl Generation {
+    /// The stop id the answer ended with, if it did.
+    fn stop(&self) -> Option<u32> {
+        self.answer.last().copied().filter(|id| self.stop_ids.contains(id))
+    }
+
     /// The generated ids without a trailing stop id: what the next prompt must continue with.
     fn generated(&self) -> &[u32] {
         match self.answer.split_last() {
@@ -437,14 +447,20 @@ struct Served {
 }
 
 impl Served {
-    /// Serves `family` answering `answers` in order.
+    /// Serves `family` answering `answers` in order, with replay on (the default).
     async fn start(family: &Family, tokenizer: &Tokenizer, answers: &[String]) -> Served {
+        Served::start_with(family, tokenizer, answers, FrontendSection::default().replay_tokens).await
+    }
+
+    /// [`start`](Self::start) keeping at most `replay_tokens` generated ids for replay (0: off).
+    async fn start_with(family: &Family, tokenizer: &Tokenizer, answers: &[String], replay_tokens: usize) -> Served {
         let ids = answers.iter().map(|a| tokenizer.encode(a).unwrap()).collect();
         let model = Arc::new(ScriptedModel::new(ids));
         let config = FrontendSection {
             reasoning_parser: family.reasoning_parser.map(str::to_owned),
             tool_call_parser: Some(family.tool_call_parser.to_owned()),
             default_max_tokens: 4096,
+            replay_tokens,
             ..FrontendSection::default()
         };
         let template = ChatTemplate::named(family.template).unwrap();
@@ -491,7 +507,9 @@ impl Drop for Served {
 /// A tool call the model makes: the tool and its string arguments, in the order it writes them.
 #[derive(Clone, Copy, Debug)]
 struct Call {
+    /// The tool.
     name: &'static str,
+    /// Its arguments (all strings, which every format writes alike).
     args: &'static [(&'static str, &'static str)],
 }
 
@@ -503,8 +521,7 @@ const CAT: Call = Call { name: "cat", args: &[("file", "a.rs"), ("encoding", "ut
 impl Call {
     /// The arguments as the model writes JSON (Python's spacing).
     fn json(&self) -> String {
-        let fields: Vec<String> =
-            self.args.iter().map(|(k, v)| format!("{}: {}", json!(k), json!(v))).collect();
+        let fields: Vec<String> = self.args.iter().map(|(k, v)| format!("{}: {}", json!(k), json!(v))).collect();
         format!("{{{}}}", fields.join(", "))
     }
 
@@ -520,8 +537,11 @@ impl Call {
 /// One answer of the model, before its family's format is applied.
 #[derive(Clone, Debug)]
 struct Reply {
+    /// The reasoning (Kimi-K2-Instruct writes none).
     thinking: &'static str,
+    /// The text (gpt-oss: the commentary preamble of a calling turn).
     text: &'static str,
+    /// The calls; none for a final answer.
     calls: Vec<Call>,
 }
 
@@ -576,7 +596,10 @@ fn scenarios(family: &Family) -> Vec<Scenario> {
             name: "plain",
             steps: vec![
                 step(Input::Query("Hello!"), answering("A greeting; answer briefly.", "Hello! How can I help?")),
-                step(Input::Query("Tell me a joke."), answering("They want a joke.", "A crab never shares: shellfish.")),
+                step(
+                    Input::Query("Tell me a joke."),
+                    answering("They want a joke.", "A crab never shares: shellfish."),
+                ),
             ],
         },
         Scenario { name: "one_call", steps: vec![step(QUERY, first_call()), step(RESULTS, summary())] },
@@ -623,7 +646,11 @@ fn model_output(format: Format, reply: &Reply, call_index: &mut usize) -> String
                 if !text.is_empty() || i > 0 {
                     out.push('\n');
                 }
-                out += &format!("<tool_call>\n{{\"name\": \"{}\", \"arguments\": {}}}\n</tool_call>", call.name, call.json());
+                out += &format!(
+                    "<tool_call>\n{{\"name\": \"{}\", \"arguments\": {}}}\n</tool_call>",
+                    call.name,
+                    call.json()
+                );
             }
             out + eos
         }
@@ -633,7 +660,11 @@ fn model_output(format: Format, reply: &Reply, call_index: &mut usize) -> String
                 let each: Vec<String> = calls
                     .iter()
                     .map(|c| {
-                        format!("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>", c.name, c.json())
+                        format!(
+                            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>",
+                            c.name,
+                            c.json()
+                        )
                     })
                     .collect();
                 out += &format!("<｜tool▁calls▁begin｜>{}<｜tool▁calls▁end｜>", each.join("\n"));
@@ -775,7 +806,10 @@ fn tools(client: &Client) -> Value {
             props.iter().map(|p| ((*p).to_owned(), json!({"type": "string"}))).collect();
         json!({"type": "object", "properties": properties, "required": props})
     };
-    let defs = [("ls", "List the files in a directory.", schema(&["path"])), ("cat", "Read a file.", schema(&["file", "encoding"]))];
+    let defs = [
+        ("ls", "List the files in a directory.", schema(&["path"])),
+        ("cat", "Read a file.", schema(&["file", "encoding"])),
+    ];
     let tools: Vec<Value> = defs
         .into_iter()
         .map(|(name, description, parameters)| match client {
@@ -809,7 +843,9 @@ impl Conversation {
         let items = match client {
             Client::Chat { .. } => vec![json!({"role": "system", "content": SYSTEM})],
             Client::Messages => Vec::new(),
-            Client::ResponsesStateless | Client::ResponsesStored => vec![json!({"role": "developer", "content": SYSTEM})],
+            Client::ResponsesStateless | Client::ResponsesStored => {
+                vec![json!({"role": "developer", "content": SYSTEM})]
+            }
         };
         Conversation { client, items, previous: None, calls: Vec::new() }
     }
@@ -819,7 +855,8 @@ impl Conversation {
     /// last tool message; Responses: a user message after the outputs) and an inline system
     /// message after them (Chat and Messages: `system`; Responses: `developer`).
     fn add(&mut self, input: Input) {
-        let user_text = |text: &str| json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]});
+        let user_text =
+            |text: &str| json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]});
         let (reminder, system) = match input {
             Input::Query(query) => {
                 self.items.push(match self.client {
@@ -937,6 +974,35 @@ impl Conversation {
     }
 }
 
+/// The reasoning and the text of an answer as `client`'s API returns them (Chat's
+/// `reasoning_content` and `content`, Messages' thinking and text blocks, Responses' reasoning
+/// and message items), each trimmed.
+fn answer_parts(client: &Client, response: &Value) -> (String, String) {
+    let texts = |items: &[Value], kind: &str, field: &str| -> String {
+        items.iter().filter(|i| i["type"] == kind).map(|i| i[field].as_str().unwrap_or_default()).collect()
+    };
+    let (reasoning, text) = match client {
+        Client::Chat { .. } => {
+            let message = &response["choices"][0]["message"];
+            let field = |key: &str| message[key].as_str().unwrap_or_default().to_owned();
+            (field("reasoning_content"), field("content"))
+        }
+        Client::Messages => {
+            let blocks = response["content"].as_array().unwrap();
+            (texts(blocks, "thinking", "thinking"), texts(blocks, "text", "text"))
+        }
+        Client::ResponsesStateless | Client::ResponsesStored => {
+            let items = response["output"].as_array().unwrap();
+            let parts = |kind: &str| -> Vec<Value> {
+                let of_kind = items.iter().filter(|i| i["type"] == kind);
+                of_kind.flat_map(|i| i["content"].as_array().unwrap().clone()).collect()
+            };
+            (texts(&parts("reasoning"), "reasoning_text", "text"), texts(&parts("message"), "output_text", "text"))
+        }
+    };
+    (reasoning.trim().to_owned(), text.trim().to_owned())
+}
+
 /// A JSON string's text.
 fn text(value: &Value) -> String {
     value.as_str().unwrap_or_else(|| panic!("not a string: {value}")).to_owned()
@@ -975,6 +1041,15 @@ struct Transition {
     full: bool,
     /// Where the prompts part, when they do.
     divergence: Option<String>,
+    /// A full prefix that does not go on with the end token the model sampled: how.
+    end_token: Option<String>,
+}
+
+impl Transition {
+    /// Whether it is what FAMILIES.md documents.
+    fn as_documented(&self) -> bool {
+        self.full == self.expected_full && self.end_token.is_none()
+    }
 }
 
 /// Whether `next` starts with `prompt` followed by `generated`; where they part otherwise.
@@ -1006,10 +1081,15 @@ async fn run_cell(family: &Family, tokenizer: &Tokenizer, scenario: &Scenario, c
     for step in &scenario.steps {
         conversation.add(step.input);
         let response = served.post(client.path(), &conversation.body()).await;
+        // The answer was read as the model meant it: its reasoning, its text, its calls.
+        let what = format!("{} {} {}", family.template, scenario.name, client.label());
+        let thinking = if family.format == Format::KimiK2 { "" } else { step.reply.thinking };
+        let parts = answer_parts(client, &response);
+        assert_eq!(parts, (thinking.to_owned(), step.reply.text.to_owned()), "{what}: reasoning, text\n{response}");
         let calls = conversation.echo(&response);
         let names: Vec<&str> = calls.iter().map(|(_, name)| name.as_str()).collect();
         let wanted: Vec<&str> = step.reply.calls.iter().map(|c| c.name).collect();
-        assert_eq!(names, wanted, "{} {} {}: the calls were parsed\n{response}", family.template, scenario.name, client.label());
+        assert_eq!(names, wanted, "{what}: the calls\n{response}");
     }
     let seen = served.model.seen();
     assert_eq!(seen.len(), scenario.steps.len());
@@ -1017,12 +1097,24 @@ async fn run_cell(family: &Family, tokenizer: &Tokenizer, scenario: &Scenario, c
         .map(|n| {
             let (before, after) = (&seen[n - 1], &seen[n]);
             let checked = continues(tokenizer, &before.prompt, before.generated(), &after.prompt);
+            // A full prefix goes on with the token the model ended its turn with, written by the
+            // template (GLM's next role token, gpt-oss's `<|call|>`, everyone else's EOS).
+            let end = after.prompt.get(before.prompt.len() + before.generated().len()).copied();
+            let end_token = match (&checked, before.stop()) {
+                (Ok(()), Some(stop)) if end != Some(stop) => Some(format!(
+                    "the turn goes on with {:?} where the model ended it with {:?}",
+                    tokenizer.decode(&end.into_iter().collect::<Vec<_>>()).unwrap(),
+                    tokenizer.decode(&[stop]).unwrap()
+                )),
+                _ => None,
+            };
             Transition {
                 cell: format!("{} {}", scenario.name, client.label()),
                 step: n,
                 expected_full: expected_full(family, client, &scenario.steps[n - 1].reply, scenario.steps[n].input),
                 full: checked.is_ok(),
                 divergence: checked.err(),
+                end_token,
             }
         })
         .collect()
@@ -1067,23 +1159,52 @@ async fn check_family(name: &str) {
                 .iter()
                 .map(|t| {
                     let seen = if t.full { "full" } else { "miss" };
-                    if t.full == t.expected_full { seen.to_owned() } else { format!("{seen} (expected {})", if t.expected_full { "full" } else { "miss" }) }
+                    match (t.as_documented(), t.expected_full) {
+                        (true, _) => seen.to_owned(),
+                        (false, true) => format!("{seen} (WRONG: expected full)"),
+                        (false, false) => format!("{seen} (WRONG: expected miss)"),
+                    }
                 })
                 .collect();
             report.push(format!("  {:<58} {}", format!("{} {}", scenario.name, client.label()), marks.join(", ")));
-            wrong.extend(transitions.into_iter().filter(|t| t.full != t.expected_full));
+            wrong.extend(transitions.into_iter().filter(|t| !t.as_documented()));
         }
     }
     check_usage(family, &tokenizer).await;
     println!("{name}:\n{}", report.join("\n"));
     let failures: Vec<String> = wrong
         .iter()
-        .map(|t| match &t.divergence {
-            Some(d) => format!("{name} {} transition {}→{}: the prefix broke\n    {d}", t.cell, t.step - 1, t.step),
-            None => format!("{name} {} transition {}→{}: a documented miss kept the prefix", t.cell, t.step - 1, t.step),
+        .map(|t| {
+            let at = format!("{name} {} transition {}→{}", t.cell, t.step - 1, t.step);
+            match (&t.divergence, &t.end_token) {
+                (Some(d), _) => format!("{at}: the prefix broke\n    {d}"),
+                (None, Some(e)) => format!("{at}: {e}"),
+                (None, None) => format!("{at}: a documented miss kept the prefix"),
+            }
         })
         .collect();
     assert!(failures.is_empty(), "{} transitions are not as documented:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// The control: with replay off, the built-in template re-renders a Hermes answer differently
+/// (its call as bare `{"name": …, "arguments": "…"}` JSON, no `<tool_call>` tags), and the check
+/// sees the prefix break there.
+#[tokio::test]
+async fn without_replay_the_prefix_breaks() {
+    let family = family("llama3");
+    let tokenizer = family_tokenizer(family);
+    let scenario = scenarios(family).into_iter().find(|s| s.name == "one_call").unwrap();
+    let served = Served::start_with(family, &tokenizer, &script(family, &scenario), 0).await;
+    let mut conversation = Conversation::new(Client::Chat { echo_reasoning: true, kwargs: None });
+    for step in &scenario.steps {
+        conversation.add(step.input);
+        let response = served.post("/v1/chat/completions", &conversation.body()).await;
+        conversation.echo(&response);
+    }
+    let seen = served.model.seen();
+    let broke = continues(&tokenizer, &seen[0].prompt, seen[0].generated(), &seen[1].prompt).unwrap_err();
+    let rendered = broke.lines().last().unwrap();
+    assert!(rendered.contains("⟦HERE⟧ \"{\\\"name\\\": \\\"ls\\\""), "{broke}");
 }
 
 /// The table covers exactly the templates `ChatTemplate::named` knows.
@@ -1094,41 +1215,49 @@ fn every_family_template_is_in_the_matrix() {
     assert_eq!(known, tested);
 }
 
+/// The `qwen3` rows of the matrix.
 #[tokio::test]
 async fn qwen3() {
     check_family("qwen3").await;
 }
 
+/// The `qwen3_preserve` rows of the matrix.
 #[tokio::test]
 async fn qwen3_preserve() {
     check_family("qwen3_preserve").await;
 }
 
+/// The `deepseek_r1` rows of the matrix.
 #[tokio::test]
 async fn deepseek_r1() {
     check_family("deepseek_r1").await;
 }
 
+/// The `gpt_oss` rows of the matrix.
 #[tokio::test]
 async fn gpt_oss() {
     check_family("gpt_oss").await;
 }
 
+/// The `nemotron` rows of the matrix.
 #[tokio::test]
 async fn nemotron() {
     check_family("nemotron").await;
 }
 
+/// The `glm47` rows of the matrix.
 #[tokio::test]
 async fn glm47() {
     check_family("glm47").await;
 }
 
+/// The `kimi_k2` rows of the matrix.
 #[tokio::test]
 async fn kimi_k2() {
     check_family("kimi_k2").await;
 }
 
+/// The `llama3` rows of the matrix.
 #[tokio::test]
 async fn llama3() {
     check_family("llama3").await;

@@ -8,7 +8,8 @@
 //!   of them instead of opening a user turn (a new "user query" would make templates such as
 //!   Qwen3's drop the reasoning of the whole tool loop);
 //! - an assistant turn's reasoning is its `reasoning_content`, its calls its `tool_calls` (the
-//!   arguments as the client sent them: a JSON string verbatim, a value through `tojson`);
+//!   arguments as an object, keys in the client's order, as `transformers` passes them; text
+//!   that is not a JSON object verbatim);
 //! - every client string is escaped ([`escape_special_tokens`]);
 //! - `tool_choice: none` offers no tools; a named choice offers only that one.
 
@@ -268,8 +269,13 @@ fn template_messages(
                         Block::Thinking { text, handle } => echoed.push((text.clone(), handle.clone())),
                         Block::ToolUse { id, name, arguments } => {
                             call_args.push((name.as_str(), arguments));
+                            // Templates read arguments as an object (`transformers` passes
+                            // dicts); JSON text that is not an object stays text.
                             let arguments = match arguments {
-                                Value::String(raw) => Value::String(escape(raw)),
+                                Value::String(raw) => match serde_json::from_str::<Value>(&escape(raw)) {
+                                    Ok(object @ Value::Object(_)) => object,
+                                    _ => Value::String(escape(raw)),
+                                },
                                 other => other.clone(),
                             };
                             calls.push(json!({"id": id, "type": "function",

@@ -11,6 +11,9 @@
 //! Answer → Messages ([`render`]): content blocks in generation order, `thinking` blocks with a
 //! non-empty `signature` (the turn's replay handle; with `thinking.display: "omitted"` the text
 //! is left out), `tool_use` blocks with the parsed input, and usage as Anthropic defines it.
+//!
+//! The session is Claude Code's `x-claude-code-session-id` header, else `x-session-id`, else
+//! `metadata.user_id`.
 
 mod render;
 
@@ -257,6 +260,8 @@ fn conversation(
     };
     let session = headers
         .get("x-claude-code-session-id")
+        .or_else(|| headers.get("x-session-id"))
+        .filter(|v| !v.is_empty())
         .map(|v| v.as_bytes().to_vec())
         .or_else(|| req.metadata.as_ref().and_then(|m| m.user_id.clone()).map(String::into_bytes))
         .filter(|k| !k.is_empty())

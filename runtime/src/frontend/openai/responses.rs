@@ -5,7 +5,8 @@
 //! (one user message) or items: messages (`user`, `system`, `developer`, `assistant`), and the
 //! assistant side of earlier turns (`reasoning`, `function_call`, assistant messages), which are
 //! gathered into one assistant turn as they were generated, and `function_call_output`s, which
-//! are tool results. Item types this node does not serve (hosted tools' calls, references) are
+//! are tool results (a user message right after them is text beside them, as in Anthropic's
+//! tool-result turns, not a new query). Item types this node does not serve (hosted tools' calls, references) are
 //! left out, and so are tools other than `function` tools (Codex sends `web_search` and
 //! namespaces). `prompt_cache_key`, then the `session-id` header, names the session.
 //!
@@ -160,6 +161,11 @@ fn append(turns: &mut Vec<Turn>, role: Role, block: Block) {
     }
 }
 
+/// Whether `turn` is tool outputs (with any text folded beside them).
+fn holds_results(turn: &Turn) -> bool {
+    turn.blocks.iter().any(|b| matches!(b, Block::ToolResult { .. }))
+}
+
 /// The input items as turns.
 fn turns(items: &[Value]) -> Result<Vec<Turn>, ApiError> {
     let mut turns: Vec<Turn> = Vec::new();
@@ -184,10 +190,17 @@ fn turns(items: &[Value]) -> Result<Vec<Turn>, ApiError> {
                     }
                 };
                 let blocks = content_blocks(&item["content"]);
-                if role == Role::Assistant {
-                    blocks.into_iter().for_each(|b| append(&mut turns, Role::Assistant, b));
-                } else {
-                    turns.push(Turn::new(role, blocks));
+                match turns.last_mut() {
+                    _ if role == Role::Assistant => {
+                        blocks.into_iter().for_each(|b| append(&mut turns, Role::Assistant, b))
+                    }
+                    // A user message right after tool outputs is text beside them (a reminder, a
+                    // steer), as Anthropic sends it in the results' own turn: folded into the
+                    // last result, not a new user query.
+                    Some(last) if role == Role::User && last.role == Role::User && holds_results(last) => {
+                        last.blocks.extend(blocks)
+                    }
+                    _ => turns.push(Turn::new(role, blocks)),
                 }
             }
             "function_call" => append(
