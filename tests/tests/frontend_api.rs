@@ -567,7 +567,8 @@ async fn a_body_that_never_arrives_is_408() {
 
 /// With `frontend.reasoning_parser` and `frontend.tool_call_parser`, a chat answer carries
 /// `reasoning_content`, parsed `tool_calls` (arguments as the model wrote them) and
-/// `finish_reason: "tool_calls"`; streamed, the same as deltas that add up to the same message.
+/// `finish_reason: "tool_calls"`; streamed, the same as deltas that add up to the same message
+/// (a call's arguments streaming after its id and name).
 #[tokio::test]
 async fn chat_answers_carry_reasoning_and_parsed_tool_calls() {
     let config = FrontendSection {
@@ -601,9 +602,20 @@ async fn chat_answers_carry_reasoning_and_parsed_tool_calls() {
         let delta = &chunk["choices"][0]["delta"];
         reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
         content.push_str(delta["content"].as_str().unwrap_or(""));
+        // A call's first delta has its index, id and name; the rest add to its arguments.
         for call in delta["tool_calls"].as_array().into_iter().flatten() {
-            assert_eq!(call["index"].as_u64(), Some(calls.len() as u64), "calls are indexed in order");
-            calls.push(call.clone());
+            let index = call["index"].as_u64().unwrap() as usize;
+            if call.get("id").is_some() {
+                assert_eq!(index, calls.len(), "calls are indexed in order");
+                calls.push(call.clone());
+            } else {
+                let arguments = &mut calls[index]["function"]["arguments"];
+                *arguments = json!(format!(
+                    "{}{}",
+                    arguments.as_str().unwrap(),
+                    call["function"]["arguments"].as_str().unwrap()
+                ));
+            }
         }
     }
     assert_eq!(reasoning, message["reasoning_content"]);
@@ -766,14 +778,20 @@ async fn anthropic_streaming_follows_the_event_grammar() {
                         block["text"] =
                             json!(format!("{}{}", block["text"].as_str().unwrap(), delta["text"].as_str().unwrap()))
                     }
+                    // The input arrives as pieces of JSON text, whole only at the block's stop.
                     "input_json_delta" => {
-                        block["input"] = serde_json::from_str(delta["partial_json"].as_str().unwrap()).unwrap()
+                        let so_far = block["partial"].as_str().unwrap_or("").to_owned();
+                        block["partial"] = json!(so_far + delta["partial_json"].as_str().unwrap());
                     }
                     other => panic!("unexpected delta {other}"),
                 }
             }
             "content_block_stop" => {
                 assert_eq!(open.take(), Some(index));
+                let block = &mut blocks[index];
+                if let Some(partial) = block.as_object_mut().unwrap().remove("partial") {
+                    block["input"] = serde_json::from_str(partial.as_str().unwrap()).unwrap();
+                }
             }
             other => panic!("unexpected event {other}"),
         }

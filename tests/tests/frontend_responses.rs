@@ -151,13 +151,13 @@ async fn a_stream_has_the_exact_event_sequence() {
     assert!(text_deltas >= 1);
     want.extend(std::iter::repeat_n("response.output_text.delta", text_deltas));
     want.extend(["response.output_text.done", "response.content_part.done", "response.output_item.done"]);
+    // Each call's arguments stream in pieces.
     for _ in 0..2 {
-        want.extend([
-            "response.output_item.added",
-            "response.function_call_arguments.delta",
-            "response.function_call_arguments.done",
-            "response.output_item.done",
-        ]);
+        want.push("response.output_item.added");
+        let argument_deltas = deltas(&names, want.len(), "response.function_call_arguments.delta");
+        assert!(argument_deltas >= 1);
+        want.extend(std::iter::repeat_n("response.function_call_arguments.delta", argument_deltas));
+        want.extend(["response.function_call_arguments.done", "response.output_item.done"]);
     }
     want.push("response.completed");
     assert_eq!(names, want);
@@ -174,6 +174,12 @@ async fn a_stream_has_the_exact_event_sequence() {
         .map(|(_, d)| d["delta"].as_str().unwrap())
         .collect();
     assert_eq!(streamed, completed["output"][1]["content"][0]["text"].as_str().unwrap());
+    let arguments: String = events
+        .iter()
+        .filter(|(n, d)| n == "response.function_call_arguments.delta" && d["output_index"] == 3)
+        .map(|(_, d)| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(arguments, completed["output"][3]["arguments"].as_str().unwrap(), "the pieces add up to the arguments");
     // Every item's events carry its index and id.
     for (name, data) in &events {
         if name.contains("output_item") {

@@ -275,6 +275,8 @@ struct Blocks {
     call_prefix: &'static str,
     /// The request id's unique part, which call ids are made from.
     suffix: String,
+    /// The tool call whose arguments are streaming: its index, id, name and arguments so far.
+    call: Option<(usize, String, String, String)>,
     done: Vec<Done>,
 }
 
@@ -290,6 +292,14 @@ impl Blocks {
         let (kind, text) = match segment {
             Segment::Thinking(t) => (BlockKind::Thinking, t),
             Segment::Text(t) => (BlockKind::Text, t),
+            Segment::ToolCallStart { name } => return self.start_call(name, out),
+            Segment::ToolCallArgs(t) => {
+                if let Some((index, _, _, sent)) = &mut self.call {
+                    sent.push_str(&t);
+                    out.push(Output::Delta { index: *index, text: t });
+                }
+                return;
+            }
             Segment::ToolCall(call) => return self.call(call, out),
         };
         if self.open.as_ref().is_some_and(|(open, _, _)| *open != kind) {
@@ -314,7 +324,34 @@ impl Blocks {
         out.push(Output::Delta { index: *index, text });
     }
 
+    /// Opens a tool-call block whose arguments stream.
+    fn start_call(&mut self, name: String, out: &mut Vec<Output>) {
+        self.close(out);
+        let id = format!("{}_{}_{}", self.call_prefix, self.suffix, self.calls);
+        let index = self.next;
+        self.next += 1;
+        out.push(Output::Start { index, kind: BlockKind::ToolCall { id: id.clone(), name: name.clone() } });
+        self.call = Some((index, id, name, String::new()));
+    }
+
+    /// A complete call: it closes the call that streamed (its arguments continue what was
+    /// said), or is a block of its own.
     fn call(&mut self, call: ToolCall, out: &mut Vec<Output>) {
+        if let Some((index, id, name, sent)) = self.call.take() {
+            let arguments = match call.arguments.strip_prefix(sent.as_str()) {
+                Some(rest) => {
+                    if !rest.is_empty() {
+                        out.push(Output::Delta { index, text: rest.to_owned() });
+                    }
+                    call.arguments
+                }
+                None => sent,
+            };
+            self.calls += 1;
+            out.push(Output::Stop { index, text: arguments.clone(), handle: None });
+            self.done.push(Done::ToolCall { id, name, arguments });
+            return;
+        }
         self.close(out);
         let id = call.id.unwrap_or_else(|| format!("{}_{}_{}", self.call_prefix, self.suffix, self.calls));
         self.calls += 1;
@@ -326,8 +363,13 @@ impl Blocks {
         self.done.push(Done::ToolCall { id, name: call.name, arguments: call.arguments });
     }
 
-    /// Closes the open block (a thinking block gets its handle).
+    /// Closes the open block (a thinking block gets its handle; a streaming call ends with what
+    /// was said of it).
     fn close(&mut self, out: &mut Vec<Output>) {
+        if let Some((_, _, name, sent)) = &self.call {
+            let call = ToolCall { id: None, name: name.clone(), arguments: sent.clone() };
+            self.call(call, out);
+        }
         if let Some((kind, index, text)) = self.open.take() {
             let handle = (kind == BlockKind::Thinking).then(|| replay::handle(&text));
             out.push(Output::Stop { index, text: text.clone(), handle: handle.clone() });

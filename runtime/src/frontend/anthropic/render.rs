@@ -149,10 +149,8 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
                             BlockKind::Thinking if omit => continue,
                             BlockKind::Thinking => json!({"type": "thinking_delta", "thinking": text}),
                             BlockKind::Text => json!({"type": "text_delta", "text": text}),
-                            // The input as JSON text: the model's arguments, normalised to an object.
-                            BlockKind::ToolCall { .. } => {
-                                json!({"type": "input_json_delta", "partial_json": input(&text).to_string()})
-                            }
+                            // The input as the JSON text the model writes, piece by piece.
+                            BlockKind::ToolCall { .. } => json!({"type": "input_json_delta", "partial_json": text}),
                         };
                         frames.push(event(
                             "content_block_delta",

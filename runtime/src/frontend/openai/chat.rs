@@ -7,9 +7,9 @@
 //! template offers.
 //!
 //! Answer → Chat: `content`, `reasoning_content`, `tool_calls` (`finish_reason: "tool_calls"`);
-//! streamed, one `delta` per piece of text or reasoning and one per complete tool call (with its
-//! `index`), then the chunk with the finish reason, a `usage` chunk when
-//! `stream_options.include_usage` is set, and `data: [DONE]`.
+//! streamed, one `delta` per piece of text or reasoning, and per tool call a delta with its
+//! `index`, `id` and name, then deltas of its arguments as they stream; then the chunk with the
+//! finish reason, a `usage` chunk when `stream_options.include_usage` is set, and `data: [DONE]`.
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -446,7 +446,8 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
         }
         // The kind of every block, by index; tool calls are numbered among themselves.
         let mut kinds: Vec<BlockKind> = Vec::new();
-        let mut calls = 0;
+        // The block index of each tool call: calls are numbered among themselves.
+        let mut calls: Vec<usize> = Vec::new();
         loop {
             let step = match answer.step().await {
                 Ok(step) => step,
@@ -461,22 +462,30 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
                 let mut frames = Vec::new();
                 for output in step.outputs {
                     let delta = match output {
+                        // A call: its id and name first, then its arguments as they stream.
                         Output::Start { kind, .. } => {
+                            let delta = match &kind {
+                                BlockKind::ToolCall { id, name } => {
+                                    calls.push(kinds.len());
+                                    json!({"tool_calls": [Render::tool_call(id, name, "", Some(calls.len() - 1))]})
+                                }
+                                _ => Value::Null,
+                            };
                             kinds.push(kind);
-                            continue;
+                            if delta.is_null() {
+                                continue;
+                            }
+                            delta
                         }
                         Output::Delta { index, text } => match &kinds[index] {
                             BlockKind::Thinking => json!({"reasoning_content": text}),
                             BlockKind::Text => json!({"content": text}),
-                            BlockKind::ToolCall { .. } => continue,
-                        },
-                        Output::Stop { index, text, .. } => match &kinds[index] {
-                            BlockKind::ToolCall { id, name } => {
-                                calls += 1;
-                                json!({"tool_calls": [Render::tool_call(id, name, &text, Some(calls - 1))]})
+                            BlockKind::ToolCall { .. } => {
+                                let call = calls.iter().position(|&i| i == index).expect("a started call");
+                                json!({"tool_calls": [{"index": call, "function": {"arguments": text}}]})
                             }
-                            _ => continue,
                         },
+                        Output::Stop { .. } => continue,
                     };
                     frames.push(sse(&render.chunk(delta, None)));
                 }

@@ -35,10 +35,13 @@ enum State {
 enum Route {
     Thinking,
     Text,
-    /// A call to `name`; its arguments so far.
+    /// A call to `name`; its arguments so far, and how much of them was said (once the body
+    /// shows a JSON object, the arguments stream: the call's name is said, then the arguments
+    /// without their surrounding whitespace as they arrive).
     Call {
         name: String,
         arguments: String,
+        said: Option<usize>,
     },
 }
 
@@ -67,7 +70,7 @@ impl HarmonyParser {
         };
         if let Some(recipient) = word("to=") {
             let name = recipient.strip_prefix("functions.").unwrap_or(&recipient).to_owned();
-            return Route::Call { name, arguments: String::new() };
+            return Route::Call { name, arguments: String::new(), said: None };
         }
         match word("<|channel|>").as_deref() {
             Some("analysis") if self.reasoning => Route::Thinking,
@@ -120,13 +123,28 @@ impl HarmonyParser {
                     match route {
                         Route::Thinking => push_thinking(out, content),
                         Route::Text => push_text(out, content),
-                        Route::Call { arguments, .. } => arguments.push_str(content),
+                        Route::Call { name, arguments, said } => {
+                            arguments.push_str(content);
+                            let lead = arguments.len() - arguments.trim_start().len();
+                            if said.is_none() && arguments[lead..].starts_with('{') {
+                                push_segment(out, Segment::ToolCallStart { name: name.clone() });
+                                *said = Some(lead);
+                            }
+                            if let Some(said) = said {
+                                let visible = arguments.trim_end().len();
+                                if visible > *said {
+                                    push_segment(out, Segment::ToolCallArgs(arguments[*said..visible].to_owned()));
+                                    *said = visible;
+                                }
+                            }
+                        }
                     }
                     match done {
                         Some(consumed) => {
-                            if let Route::Call { name, arguments } = route {
+                            if let Route::Call { name, arguments, said } = route {
                                 let arguments = arguments.trim();
-                                if super::json::is_json_object(arguments) {
+                                // A call whose arguments streamed stays a call.
+                                if said.is_some() || super::json::is_json_object(arguments) {
                                     let call =
                                         ToolCall { id: None, name: name.clone(), arguments: arguments.to_owned() };
                                     push_segment(out, Segment::ToolCall(call));

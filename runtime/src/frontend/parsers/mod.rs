@@ -45,7 +45,17 @@ pub enum Segment {
     Thinking(String),
     /// Answer text.
     Text(String),
-    /// A complete tool call.
+    /// A tool call begins whose arguments will stream ([`Segment::ToolCallArgs`]) before the
+    /// call completes ([`Segment::ToolCall`], with the whole arguments): formats whose arguments
+    /// are a JSON object after the name (Hermes) say the name as soon as it is read.
+    ToolCallStart {
+        /// The tool.
+        name: String,
+    },
+    /// More of the arguments of the call that started.
+    ToolCallArgs(String),
+    /// A complete tool call (after a [`Segment::ToolCallStart`], its arguments continue what
+    /// was streamed).
     ToolCall(ToolCall),
 }
 
@@ -170,8 +180,9 @@ fn push_thinking(out: &mut Vec<Segment>, text: &str) {
 /// and thinking are dropped.
 pub(crate) fn push_segment(out: &mut Vec<Segment>, segment: Segment) {
     match (out.last_mut(), segment) {
-        (_, Segment::Text(t) | Segment::Thinking(t)) if t.is_empty() => {}
+        (_, Segment::Text(t) | Segment::Thinking(t) | Segment::ToolCallArgs(t)) if t.is_empty() => {}
         (Some(Segment::Text(last)), Segment::Text(t)) => last.push_str(&t),
+        (Some(Segment::ToolCallArgs(last)), Segment::ToolCallArgs(t)) => last.push_str(&t),
         (Some(Segment::Thinking(last)), Segment::Thinking(t)) => last.push_str(&t),
         (_, segment) => out.push(segment),
     }

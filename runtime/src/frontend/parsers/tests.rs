@@ -16,12 +16,32 @@ fn call(name: &str, arguments: &str) -> Segment {
     Segment::ToolCall(ToolCall { id: None, name: name.to_owned(), arguments: arguments.to_owned() })
 }
 
-/// Consecutive text (or thinking) pieces as one; what a client sees as blocks.
+/// Consecutive text (or thinking) pieces as one, and a streamed call as the call it completes
+/// as: what a client sees as blocks. A streamed call's pieces must add up to its arguments.
 fn blocks(segments: Vec<Segment>) -> Vec<Segment> {
     let mut out = Vec::new();
+    let mut streamed: Option<(String, String)> = None;
     for s in segments {
-        push_segment(&mut out, s);
+        match s {
+            Segment::ToolCallStart { name } => {
+                assert!(streamed.is_none(), "a call starts while another streams");
+                streamed = Some((name, String::new()));
+            }
+            Segment::ToolCallArgs(t) => streamed.as_mut().expect("arguments of a started call").1.push_str(&t),
+            Segment::ToolCall(call) => {
+                if let Some((name, args)) = streamed.take() {
+                    assert_eq!(call.name, name, "the call that streamed completes");
+                    assert!(call.arguments.starts_with(&args), "{:?} continues {args:?}", call.arguments);
+                }
+                push_segment(&mut out, Segment::ToolCall(call));
+            }
+            other => {
+                assert!(streamed.is_none(), "{other:?} while a call streams");
+                push_segment(&mut out, other);
+            }
+        }
     }
+    assert!(streamed.is_none(), "a streamed call completes");
     out
 }
 
@@ -456,4 +476,81 @@ proptest::proptest! {
             proptest::prop_assert_eq!(whole, if input.is_empty() { vec![] } else { vec![text(&input)] });
         }
     }
+}
+
+/// Hermes arguments stream as they arrive: the name is said once the head is read, the
+/// arguments piece by piece before the closing tag, and the call completes with all of them.
+#[test]
+fn hermes_arguments_stream_before_the_call_completes() {
+    let input = "Let me look.<tool_call>\n{\"name\": \"write\", \"arguments\": {\"path\": \"a.rs\", \"text\": \"fn main() {}\"}}\n</tool_call>";
+    let mut parser = AnswerParser::new(None, Some(ToolFormat::Hermes), false);
+    let mut out = Vec::new();
+    let close = input.find("</tool_call>").unwrap();
+    for (at, c) in input.char_indices() {
+        if at == close {
+            let streamed: String = out
+                .iter()
+                .filter_map(|s| match s {
+                    Segment::ToolCallArgs(t) => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(streamed, r#"{"path": "a.rs", "text": "fn main() {}"}"#, "all of it before the closing tag");
+            assert!(out.iter().any(|s| matches!(s, Segment::ToolCallStart { name } if name == "write")), "{out:?}");
+            assert!(!out.iter().any(|s| matches!(s, Segment::ToolCall(_))), "not complete yet");
+        }
+        parser.push(&c.to_string(), &mut out);
+    }
+    parser.finish(&mut out);
+    assert_eq!(blocks(out), [text("Let me look."), call("write", r#"{"path": "a.rs", "text": "fn main() {}"}"#)]);
+
+    // A call that breaks off after its name still completes, with what came of it.
+    let mut parser = AnswerParser::new(None, Some(ToolFormat::Hermes), false);
+    let mut out = Vec::new();
+    for c in "<tool_call>{\"name\": \"ls\", \"arguments\": {\"pa".chars() {
+        parser.push(&c.to_string(), &mut out);
+    }
+    parser.finish(&mut out);
+    assert_eq!(blocks(out), [call("ls", "{\"pa")]);
+}
+
+/// gpt-oss calls stream their arguments too: the body of a message to `functions.f`, without the
+/// whitespace around it.
+#[test]
+fn harmony_arguments_stream_before_the_call_completes() {
+    let input = "<|channel|>commentary to=functions.ls <|constrain|>json<|message|> {\"path\": \".\"}\n<|call|>";
+    let mut parser = AnswerParser::new(Some(ReasoningKind::GptOss), Some(ToolFormat::Harmony), false);
+    let mut out = Vec::new();
+    let close = input.find("<|call|>").unwrap();
+    for (at, c) in input.char_indices() {
+        if at == close {
+            let streamed: String = out
+                .iter()
+                .filter_map(|s| match s {
+                    Segment::ToolCallArgs(t) => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(streamed, "{\"path\": \".\"}", "{out:?}");
+        }
+        parser.push(&c.to_string(), &mut out);
+    }
+    parser.finish(&mut out);
+    assert_eq!(blocks(out), [call("ls", "{\"path\": \".\"}")]);
+}
+
+/// A long call streamed in small pieces is scanned once, not once per piece: 256 KiB of
+/// arguments in 3-byte pieces parse (a parser that rescans its buffer would take hours here).
+#[test]
+fn a_long_streamed_call_is_linear() {
+    let content = "x".repeat(256 << 10);
+    let arguments = format!("{{\"path\": \"big.txt\", \"content\": \"{content}\"}}");
+    let input = format!("<tool_call>\n{{\"name\": \"write\", \"arguments\": {arguments}}}\n</tool_call>");
+    let mut parser = AnswerParser::new(ReasoningKind::from_name("qwen3"), Some(ToolFormat::Hermes), false);
+    let mut out = Vec::new();
+    for piece in input.as_bytes().chunks(3) {
+        parser.push(std::str::from_utf8(piece).unwrap(), &mut out);
+    }
+    parser.finish(&mut out);
+    assert_eq!(blocks(out), [call("write", &arguments)]);
 }

@@ -8,7 +8,7 @@ use super::json::{
     is_json_object, json_str, loose_value, object_fields, object_text, python_calls, python_list_end, skip_ws,
     value_end,
 };
-use super::scan::{Scan, scan};
+use super::scan::{Scan, held_suffix, scan};
 use super::{Segment, ToolCall, push_segment, push_text};
 
 /// A tool-call format, by Dynamo's parser names.
@@ -140,6 +140,13 @@ impl ToolFormat {
         }
     }
 
+    /// Formats whose arguments stream before the call completes: a JSON object after the
+    /// tool's name, written as the model writes it (harmony's stream in its own parser). The
+    /// others say each call whole once its closing marker arrives.
+    fn streams_arguments(self) -> bool {
+        matches!(self, ToolFormat::Hermes)
+    }
+
     /// Formats whose closing marker a length-stopped answer may never write: what was read is
     /// parsed at the end of the stream.
     fn recovers_unclosed(self) -> bool {
@@ -194,12 +201,28 @@ pub struct ToolParser {
     buf: String,
     /// Whether anything but whitespace came before (a bare JSON call must open the answer).
     said_text: bool,
+    /// The call being held whose name was said and whose arguments are streaming.
+    streaming: Option<Streaming>,
+    /// Bytes of a held call's text already searched for its closing marker (searched again
+    /// only from there on, so a long call streamed in small pieces is scanned once).
+    scanned: usize,
+}
+
+/// A held call whose arguments stream as they arrive ([`ToolFormat::streams_arguments`]).
+#[derive(Debug)]
+struct Streaming {
+    /// The tool.
+    name: String,
+    /// Where the arguments object starts in the call's text.
+    args_at: usize,
+    /// Bytes of it said so far.
+    sent: usize,
 }
 
 impl ToolParser {
     /// A parser for `format`.
     pub fn new(format: ToolFormat) -> ToolParser {
-        ToolParser { format, inside: None, buf: String::new(), said_text: false }
+        ToolParser { format, inside: None, buf: String::new(), said_text: false, streaming: None, scanned: 0 }
     }
 
     /// Parses `text`, appending text and complete tool calls to `out`.
@@ -319,13 +342,18 @@ impl ToolParser {
                     };
                     let (body_end, resume) = match self.body_end(start, end) {
                         Some(found) => found,
-                        None if !end => return,
+                        None if !end => {
+                            self.stream_arguments(out);
+                            return;
+                        }
                         None => {
                             // The stream ended inside a call.
                             let recovered =
                                 self.format.recovers_unclosed().then(|| self.format.parse(&self.buf)).flatten();
                             match recovered {
                                 Some(calls) => calls.into_iter().for_each(|c| push_segment(out, Segment::ToolCall(c))),
+                                // A call whose name was said stays a call, with what came of it.
+                                None if self.streaming.is_some() => self.finish_streamed(None, out),
                                 None => {
                                     let text = format!("{marker}{}", self.buf);
                                     push_text(out, &text);
@@ -333,10 +361,18 @@ impl ToolParser {
                             }
                             self.buf.clear();
                             self.inside = None;
+                            self.scanned = 0;
                             return;
                         }
                     };
-                    match self.format.parse(&self.buf[..body_end]) {
+                    let parsed = self.format.parse(&self.buf[..body_end]);
+                    match parsed {
+                        _ if self.streaming.is_some() => {
+                            let mut calls = parsed.unwrap_or_default().into_iter();
+                            let first = calls.next();
+                            self.finish_streamed(first, out);
+                            calls.for_each(|c| push_segment(out, Segment::ToolCall(c)));
+                        }
                         Some(calls) => calls.into_iter().for_each(|c| push_segment(out, Segment::ToolCall(c))),
                         None => {
                             let text = format!("{marker}{}", &self.buf[..resume]);
@@ -346,20 +382,71 @@ impl ToolParser {
                     }
                     self.buf.drain(..resume);
                     self.inside = None;
+                    self.scanned = 0;
                 }
             }
         }
     }
 
+    /// While a call of a format that streams its arguments is held: says its name once the
+    /// call's head is read (`{"name": "f", "arguments": ` before an object), then the arguments
+    /// as they arrive, up to the end of the object (a suffix that may begin the closing marker
+    /// is held back).
+    fn stream_arguments(&mut self, out: &mut Vec<Segment>) {
+        if !self.format.streams_arguments() {
+            return;
+        }
+        if self.streaming.is_none() {
+            let Some((name, args_at)) = hermes_head(&self.buf) else { return };
+            push_segment(out, Segment::ToolCallStart { name: name.clone() });
+            self.streaming = Some(Streaming { name, args_at, sent: 0 });
+        }
+        let Some(streaming) = &mut self.streaming else { return };
+        let End::Tags(tags) = self.format.end(0) else { return };
+        // Held back: what may begin the closing marker, and the call object's own `}` with the
+        // whitespace around it, which may follow the arguments. Only the buffer's end is looked
+        // at, so a long call costs the same per piece.
+        let safe = &self.buf[..self.buf.len() - held_suffix(&self.buf, tags)];
+        let trimmed = safe.trim_end();
+        let upto = trimmed.strip_suffix('}').map_or(trimmed, str::trim_end).len();
+        let from = streaming.args_at + streaming.sent;
+        if upto > from {
+            push_segment(out, Segment::ToolCallArgs(self.buf[from..upto].to_owned()));
+            streaming.sent = upto - streaming.args_at;
+        }
+    }
+
+    /// Completes the call whose arguments streamed: `parsed` when it continues what was said,
+    /// else the call as said (its name and the arguments streamed: what was said stands).
+    fn finish_streamed(&mut self, parsed: Option<ToolCall>, out: &mut Vec<Segment>) {
+        let Some(streaming) = self.streaming.take() else { return };
+        let said = &self.buf[streaming.args_at..streaming.args_at + streaming.sent];
+        let call = match parsed {
+            Some(call) if call.name == streaming.name && call.arguments.starts_with(said) => call,
+            _ => ToolCall { id: None, name: streaming.name, arguments: said.to_owned() },
+        };
+        push_segment(out, Segment::ToolCall(call));
+    }
+
     /// Where the call's body ends in `buf` and where the text after it resumes, once complete
     /// (`end`: no more text comes).
-    fn body_end(&self, start: usize, end: bool) -> Option<(usize, usize)> {
+    fn body_end(&mut self, start: usize, end: bool) -> Option<(usize, usize)> {
         let buf = &self.buf;
         match self.format.end(start) {
-            End::Tags(tags) => match scan(buf, tags) {
-                Scan::Found { at, marker } => Some((at, at + tags[marker].len())),
-                Scan::Partial { .. } => None,
-            },
+            End::Tags(tags) => {
+                let longest = tags.iter().map(|t| t.len()).max().unwrap_or(0);
+                let mut from = self.scanned.saturating_sub(longest).min(buf.len());
+                while !buf.is_char_boundary(from) {
+                    from -= 1;
+                }
+                match scan(&buf[from..], tags) {
+                    Scan::Found { at, marker } => Some((from + at, from + at + tags[marker].len())),
+                    Scan::Partial { .. } => {
+                        self.scanned = buf.len();
+                        None
+                    }
+                }
+            }
             End::Json => value_end(buf, 0).map(|e| (e, e)),
             End::JsonObjects => {
                 let mut e = value_end(buf, 0)?;
@@ -410,6 +497,33 @@ fn bare_json_call_start(rest: &str) -> Option<bool> {
     } else {
         None
     }
+}
+
+/// The head of a Hermes call, `{"name": "f", "arguments": ` (or `"parameters"`) before an
+/// object: the name and where the object starts; `None` while the head is not all there (or is
+/// not this one: then the call is parsed whole when it completes).
+fn hermes_head(body: &str) -> Option<(String, usize)> {
+    let b = body.as_bytes();
+    let mut i = skip_ws(body, 0);
+    (b.get(i) == Some(&b'{')).then_some(())?;
+    i = skip_ws(body, i + 1);
+    let key_end = value_end(body, i)?;
+    (json_str(&body[i..key_end])?.as_ref() == "name").then_some(())?;
+    i = skip_ws(body, key_end);
+    (b.get(i) == Some(&b':')).then_some(())?;
+    i = skip_ws(body, i + 1);
+    let name_end = value_end(body, i)?;
+    let name = json_str(&body[i..name_end])?.into_owned();
+    i = skip_ws(body, name_end);
+    (b.get(i) == Some(&b',')).then_some(())?;
+    i = skip_ws(body, i + 1);
+    let key_end = value_end(body, i)?;
+    let key = json_str(&body[i..key_end])?;
+    (key == "arguments" || key == "parameters").then_some(())?;
+    i = skip_ws(body, key_end);
+    (b.get(i) == Some(&b':')).then_some(())?;
+    i = skip_ws(body, i + 1);
+    (b.get(i) == Some(&b'{')).then_some((name, i))
 }
 
 /// `{"name": …, "arguments" | "parameters": …}` as a call, its arguments as written.
