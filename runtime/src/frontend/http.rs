@@ -161,6 +161,21 @@ pub(super) fn request_id(prefix: &str) -> String {
     format!("{prefix}-{nanos:016x}{:06x}", NEXT.fetch_add(1, Ordering::Relaxed) & 0xff_ffff)
 }
 
+/// The sending end of an [`event_stream`].
+pub(super) type Frames = futures::channel::mpsc::Sender<Result<Bytes, std::convert::Infallible>>;
+
+/// Sends `frames` in order; `false` once the client has gone (the caller then returns, which
+/// drops the generation and so cancels it).
+pub(super) async fn send_all(tx: &mut Frames, frames: Vec<Bytes>) -> bool {
+    use futures::SinkExt;
+    for frame in frames {
+        if tx.send(Ok(frame)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
 /// A server-sent-event response whose frames come from `rx`.
 pub(super) fn event_stream(rx: futures::channel::mpsc::Receiver<Result<Bytes, std::convert::Infallible>>) -> Response {
     (

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
 use crate::frontend::generate::{FinishReason, GenerateRequest};
-use crate::frontend::http::event_stream;
+use crate::frontend::http::{event_stream, send_all};
 use crate::frontend::ir::{BlockKind, Conversation, Finish, Output, Usage};
 use crate::frontend::lower::Tail;
 
@@ -180,12 +180,7 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
                 ));
                 frames.push(event("message_stop", &json!({"type": "message_stop"})));
             }
-            for frame in frames {
-                if tx.send(Ok(frame)).await.is_err() {
-                    return;
-                }
-            }
-            if done {
+            if !send_all(&mut tx, frames).await || done {
                 return;
             }
         }

@@ -25,7 +25,7 @@ use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
 use crate::frontend::error::ApiError;
 use crate::frontend::generate::{FinishReason, GenerateRequest};
-use crate::frontend::http::{counted, event_stream, prepare_off_thread, request_id, session_id};
+use crate::frontend::http::{counted, event_stream, prepare_off_thread, request_id, send_all, session_id};
 use crate::frontend::ir::{Block, BlockKind, Conversation, Output, Role, ToolChoice, ToolDef, Turn, Usage};
 use crate::frontend::lower::{self, Tail};
 
@@ -499,13 +499,7 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
                 }
                 (frames, done)
             };
-            // A send fails when the client has gone: returning drops the generation (cancels it).
-            for frame in frames {
-                if tx.send(Ok(frame)).await.is_err() {
-                    return;
-                }
-            }
-            if done {
+            if !send_all(&mut tx, frames).await || done {
                 return;
             }
         }

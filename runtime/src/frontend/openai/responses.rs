@@ -39,7 +39,7 @@ use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
 use crate::frontend::error::{ApiError, clip};
 use crate::frontend::generate::{AgentHints, FinishReason, GenerateRequest};
-use crate::frontend::http::{counted, event_stream, prepare_off_thread, request_id, session_id, session_key};
+use crate::frontend::http::{counted, event_stream, prepare_off_thread, request_id, send_all, session_id, session_key};
 use crate::frontend::ir::{Block, BlockKind, Conversation, Finish, Output, Role, Turn, Usage};
 use crate::frontend::lower::{self, Tail};
 use crate::frontend::replay::HANDLE_PREFIX;
@@ -614,17 +614,11 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
                 let object = finish_response(&state, rest, &answer, &finish);
                 let name = if incomplete { "response.incomplete" } else { "response.completed" };
                 frames.push(events.frame(name, json!({"response": object})));
-                for frame in frames {
-                    if tx.send(Ok(frame)).await.is_err() {
-                        return;
-                    }
-                }
+                send_all(&mut tx, frames).await;
                 return;
             }
-            for frame in frames {
-                if tx.send(Ok(frame)).await.is_err() {
-                    return;
-                }
+            if !send_all(&mut tx, frames).await {
+                return;
             }
         }
     });

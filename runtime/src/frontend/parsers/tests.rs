@@ -478,6 +478,16 @@ proptest::proptest! {
     }
 }
 
+/// The arguments said so far by `ToolCallArgs` pieces.
+fn streamed_arguments(out: &[Segment]) -> String {
+    out.iter()
+        .filter_map(|s| match s {
+            Segment::ToolCallArgs(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Hermes arguments stream as they arrive: the name is said once the head is read, the
 /// arguments piece by piece before the closing tag, and the call completes with all of them.
 #[test]
@@ -488,13 +498,7 @@ fn hermes_arguments_stream_before_the_call_completes() {
     let close = input.find("</tool_call>").unwrap();
     for (at, c) in input.char_indices() {
         if at == close {
-            let streamed: String = out
-                .iter()
-                .filter_map(|s| match s {
-                    Segment::ToolCallArgs(t) => Some(t.as_str()),
-                    _ => None,
-                })
-                .collect();
+            let streamed = streamed_arguments(&out);
             assert_eq!(streamed, r#"{"path": "a.rs", "text": "fn main() {}"}"#, "all of it before the closing tag");
             assert!(out.iter().any(|s| matches!(s, Segment::ToolCallStart { name } if name == "write")), "{out:?}");
             assert!(!out.iter().any(|s| matches!(s, Segment::ToolCall(_))), "not complete yet");
@@ -524,13 +528,7 @@ fn harmony_arguments_stream_before_the_call_completes() {
     let close = input.find("<|call|>").unwrap();
     for (at, c) in input.char_indices() {
         if at == close {
-            let streamed: String = out
-                .iter()
-                .filter_map(|s| match s {
-                    Segment::ToolCallArgs(t) => Some(t.as_str()),
-                    _ => None,
-                })
-                .collect();
+            let streamed = streamed_arguments(&out);
             assert_eq!(streamed, "{\"path\": \".\"}", "{out:?}");
         }
         parser.push(&c.to_string(), &mut out);
