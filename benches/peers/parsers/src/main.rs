@@ -44,6 +44,8 @@ fn ours(reasoning: Option<&str>, tools: Option<&str>, in_reasoning: bool, chunks
             Segment::Thinking(t) => out.thinking.push_str(&t),
             Segment::Text(t) => out.text.push_str(&t),
             Segment::ToolCall(c) => out.calls.push((c.name, serde_json::from_str(&c.arguments).unwrap_or(Value::Null))),
+            // A streamed call's pieces: the complete call that follows carries all of them.
+            Segment::ToolCallStart { .. } | Segment::ToolCallArgs(_) => {}
         }
     }
     out
