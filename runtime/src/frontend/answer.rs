@@ -292,7 +292,7 @@ impl Blocks {
         let (kind, text) = match segment {
             Segment::Thinking(t) => (BlockKind::Thinking, t),
             Segment::Text(t) => (BlockKind::Text, t),
-            Segment::ToolCallStart { name } => return self.start_call(name, out),
+            Segment::ToolCallStart { id, name } => return self.start_call(id, name, out),
             Segment::ToolCallArgs(t) => {
                 if let Some((index, _, _, sent)) = &mut self.call {
                     sent.push_str(&t);
@@ -325,9 +325,9 @@ impl Blocks {
     }
 
     /// Opens a tool-call block whose arguments stream.
-    fn start_call(&mut self, name: String, out: &mut Vec<Output>) {
+    fn start_call(&mut self, id: Option<String>, name: String, out: &mut Vec<Output>) {
         self.close(out);
-        let id = format!("{}_{}_{}", self.call_prefix, self.suffix, self.calls);
+        let id = id.unwrap_or_else(|| format!("{}_{}_{}", self.call_prefix, self.suffix, self.calls));
         let index = self.next;
         self.next += 1;
         out.push(Output::Start { index, kind: BlockKind::ToolCall { id: id.clone(), name: name.clone() } });

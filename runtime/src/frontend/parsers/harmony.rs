@@ -127,7 +127,7 @@ impl HarmonyParser {
                             arguments.push_str(content);
                             let lead = arguments.len() - arguments.trim_start().len();
                             if said.is_none() && arguments[lead..].starts_with('{') {
-                                push_segment(out, Segment::ToolCallStart { name: name.clone() });
+                                push_segment(out, Segment::ToolCallStart { id: None, name: name.clone() });
                                 *said = Some(lead);
                             }
                             if let Some(said) = said {

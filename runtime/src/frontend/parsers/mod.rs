@@ -47,8 +47,11 @@ pub enum Segment {
     Text(String),
     /// A tool call begins whose arguments will stream ([`Segment::ToolCallArgs`]) before the
     /// call completes ([`Segment::ToolCall`], with the whole arguments): formats whose arguments
-    /// are a JSON object after the name (Hermes) say the name as soon as it is read.
+    /// are a JSON object after the name (Hermes, Kimi-K2, DeepSeek-V3.1, harmony) say the name
+    /// as soon as it is read.
     ToolCallStart {
+        /// The model's own id for the call, where its format has one.
+        id: Option<String>,
         /// The tool.
         name: String,
     },

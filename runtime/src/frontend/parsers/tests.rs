@@ -23,7 +23,7 @@ fn blocks(segments: Vec<Segment>) -> Vec<Segment> {
     let mut streamed: Option<(String, String)> = None;
     for s in segments {
         match s {
-            Segment::ToolCallStart { name } => {
+            Segment::ToolCallStart { name, .. } => {
                 assert!(streamed.is_none(), "a call starts while another streams");
                 streamed = Some((name, String::new()));
             }
@@ -500,7 +500,7 @@ fn hermes_arguments_stream_before_the_call_completes() {
         if at == close {
             let streamed = streamed_arguments(&out);
             assert_eq!(streamed, r#"{"path": "a.rs", "text": "fn main() {}"}"#, "all of it before the closing tag");
-            assert!(out.iter().any(|s| matches!(s, Segment::ToolCallStart { name } if name == "write")), "{out:?}");
+            assert!(out.iter().any(|s| matches!(s, Segment::ToolCallStart { name, .. } if name == "write")), "{out:?}");
             assert!(!out.iter().any(|s| matches!(s, Segment::ToolCall(_))), "not complete yet");
         }
         parser.push(&c.to_string(), &mut out);
@@ -551,4 +551,49 @@ fn a_long_streamed_call_is_linear() {
     }
     parser.finish(&mut out);
     assert_eq!(blocks(out), [call("write", &arguments)]);
+}
+
+/// Kimi-K2's calls stream one by one inside their section: each says its name and id when its
+/// arguments begin, its arguments as they arrive, and completes at its own end marker, before
+/// the section closes.
+#[test]
+fn kimi_calls_stream_one_by_one() {
+    let first = "<|tool_call_begin|>functions.ls:0<|tool_call_argument_begin|>{\"path\": \".\"}<|tool_call_end|>";
+    let second =
+        "<|tool_call_begin|>functions.cat:1<|tool_call_argument_begin|> {\"file\": \"a.rs\"} <|tool_call_end|>";
+    let input = format!("<|tool_calls_section_begin|>{first}{second}<|tool_calls_section_end|>");
+    let mut parser = AnswerParser::new(None, Some(ToolFormat::KimiK2), false);
+    let mut out = Vec::new();
+    let second_at = input.find("<|tool_call_begin|>functions.cat").unwrap();
+    let close = input.find("<|tool_calls_section_end|>").unwrap();
+    for (at, c) in input.char_indices() {
+        if at == second_at {
+            let done: Vec<&ToolCall> = out
+                .iter()
+                .filter_map(|s| match s {
+                    Segment::ToolCall(c) => Some(c),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(done.len(), 1, "the first call completed at its own end: {out:?}");
+            assert_eq!(done[0].id.as_deref(), Some("functions.ls:0"));
+        }
+        if at == close {
+            assert!(
+                out.iter().any(|s| matches!(s, Segment::ToolCallStart { id: Some(id), name } if id == "functions.cat:1" && name == "cat")),
+                "{out:?}"
+            );
+        }
+        parser.push(&c.to_string(), &mut out);
+    }
+    parser.finish(&mut out);
+    let calls: Vec<ToolCall> = blocks(out)
+        .into_iter()
+        .filter_map(|s| match s {
+            Segment::ToolCall(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls.len(), 2);
+    assert_eq!((calls[1].name.as_str(), calls[1].arguments.as_str()), ("cat", "{\"file\": \"a.rs\"}"));
 }

@@ -1,6 +1,8 @@
 //! Tool-call parsers: the text between a format's start marker and its end (a closing marker, or
 //! the end of a JSON value) is held until it is complete, then becomes tool calls, or the text it
-//! was if it does not parse.
+//! was if it does not parse. Formats whose arguments are a JSON object after the tool's name
+//! (Hermes, Kimi-K2, DeepSeek-V3.1) say a call's name as soon as it is read and stream its
+//! arguments as they arrive; such a call, once begun, stays a call.
 
 use serde_json::Value;
 
@@ -140,9 +142,20 @@ impl ToolFormat {
         }
     }
 
+    /// The markers of one call inside a section, for formats whose calls stream one by one:
+    /// its start, the start of its arguments (after its name or id), its end.
+    fn call_markers(self) -> Option<(&'static str, &'static str, &'static str)> {
+        match self {
+            ToolFormat::KimiK2 => Some(("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
+            ToolFormat::DeepseekV31 => Some(("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")),
+            _ => None,
+        }
+    }
+
     /// Formats whose arguments stream before the call completes: a JSON object after the
-    /// tool's name, written as the model writes it (harmony's stream in its own parser). The
-    /// others say each call whole once its closing marker arrives.
+    /// tool's name, written as the model writes it (harmony's stream in its own parser, Kimi-K2's
+    /// and DeepSeek-V3.1's call by call, [`call_markers`](Self::call_markers)). The others
+    /// (parameters as XML or Python, JSON lists) say each call whole once it is complete.
     fn streams_arguments(self) -> bool {
         matches!(self, ToolFormat::Hermes)
     }
@@ -206,6 +219,32 @@ pub struct ToolParser {
     /// Bytes of a held call's text already searched for its closing marker (searched again
     /// only from there on, so a long call streamed in small pieces is scanned once).
     scanned: usize,
+    /// A held section of calls (Kimi-K2, DeepSeek-V3.1) whose calls stream one by one.
+    section: Section,
+}
+
+/// The calls of a held section said so far ([`ToolFormat::call_markers`]).
+#[derive(Debug, Default)]
+struct Section {
+    /// Where the text after the last completed call starts.
+    base: usize,
+    /// Calls completed.
+    emitted: usize,
+    /// The call whose arguments are streaming.
+    current: Option<SectionCall>,
+}
+
+/// A call of a section, streaming.
+#[derive(Debug)]
+struct SectionCall {
+    id: Option<String>,
+    name: String,
+    /// Where its arguments start (their first visible character) once known.
+    args_at: usize,
+    /// Bytes of them said.
+    sent: usize,
+    /// Bytes after `args_at` searched for the call's end.
+    searched: usize,
 }
 
 /// A held call whose arguments stream as they arrive ([`ToolFormat::streams_arguments`]).
@@ -222,7 +261,15 @@ struct Streaming {
 impl ToolParser {
     /// A parser for `format`.
     pub fn new(format: ToolFormat) -> ToolParser {
-        ToolParser { format, inside: None, buf: String::new(), said_text: false, streaming: None, scanned: 0 }
+        ToolParser {
+            format,
+            inside: None,
+            buf: String::new(),
+            said_text: false,
+            streaming: None,
+            scanned: 0,
+            section: Section::default(),
+        }
     }
 
     /// Parses `text`, appending text and complete tool calls to `out`.
@@ -351,6 +398,7 @@ impl ToolParser {
                             let recovered =
                                 self.format.recovers_unclosed().then(|| self.format.parse(&self.buf)).flatten();
                             match recovered {
+                                _ if self.section_started() => self.finish_section(recovered, out),
                                 Some(calls) => calls.into_iter().for_each(|c| push_segment(out, Segment::ToolCall(c))),
                                 // A call whose name was said stays a call, with what came of it.
                                 None if self.streaming.is_some() => self.finish_streamed(None, out),
@@ -367,6 +415,7 @@ impl ToolParser {
                     };
                     let parsed = self.format.parse(&self.buf[..body_end]);
                     match parsed {
+                        _ if self.section_started() => self.finish_section(parsed, out),
                         _ if self.streaming.is_some() => {
                             let mut calls = parsed.unwrap_or_default().into_iter();
                             let first = calls.next();
@@ -393,12 +442,15 @@ impl ToolParser {
     /// as they arrive, up to the end of the object (a suffix that may begin the closing marker
     /// is held back).
     fn stream_arguments(&mut self, out: &mut Vec<Segment>) {
+        if let Some(markers) = self.format.call_markers() {
+            return self.stream_section(markers, out);
+        }
         if !self.format.streams_arguments() {
             return;
         }
         if self.streaming.is_none() {
             let Some((name, args_at)) = hermes_head(&self.buf) else { return };
-            push_segment(out, Segment::ToolCallStart { name: name.clone() });
+            push_segment(out, Segment::ToolCallStart { id: None, name: name.clone() });
             self.streaming = Some(Streaming { name, args_at, sent: 0 });
         }
         let Some(streaming) = &mut self.streaming else { return };
@@ -414,6 +466,85 @@ impl ToolParser {
             push_segment(out, Segment::ToolCallArgs(self.buf[from..upto].to_owned()));
             streaming.sent = upto - streaming.args_at;
         }
+    }
+
+    /// The calls of a held section as they arrive: each says its name (and id) once its
+    /// arguments begin, then its arguments (without surrounding whitespace; a suffix that may
+    /// begin a closing marker is held back), and completes at its own end marker.
+    fn stream_section(&mut self, (begin, args, end): (&str, &str, &str), out: &mut Vec<Segment>) {
+        let End::Tags(section_ends) = self.format.end(0) else { return };
+        loop {
+            let section = &mut self.section;
+            if section.current.is_none() {
+                let rest = &self.buf[section.base..];
+                let Some(at) = rest.find(begin) else { return };
+                let head_at = at + begin.len();
+                let Some(head_len) = rest[head_at..].find(args) else { return };
+                let head = rest[head_at..head_at + head_len].trim();
+                let (id, name) = match self.format {
+                    ToolFormat::KimiK2 => {
+                        let bare = head.strip_prefix("functions.").unwrap_or(head);
+                        (Some(head.to_owned()), bare.rsplit_once(':').map_or(bare, |(name, _)| name).to_owned())
+                    }
+                    _ => (None, head.to_owned()),
+                };
+                push_segment(out, Segment::ToolCallStart { id: id.clone(), name: name.clone() });
+                let args_at = section.base + head_at + head_len + args.len();
+                section.current = Some(SectionCall { id, name, args_at, sent: 0, searched: 0 });
+            }
+            let Some(call) = &mut section.current else { return };
+            // The arguments start at their first visible character.
+            if call.sent == 0 {
+                call.args_at = skip_ws(&self.buf, call.args_at);
+            }
+            let from = call.args_at.min(self.buf.len());
+            let search = (from + call.searched.saturating_sub(end.len())).min(self.buf.len());
+            let search = (search..=self.buf.len()).find(|&i| self.buf.is_char_boundary(i)).unwrap_or(self.buf.len());
+            match self.buf[search..].find(end) {
+                Some(e) => {
+                    let end_at = search + e;
+                    let arguments = self.buf[from..end_at].trim_end().to_owned();
+                    let said = call.sent.min(arguments.len());
+                    push_segment(out, Segment::ToolCallArgs(arguments[said..].to_owned()));
+                    let call = section.current.take().expect("a streaming call");
+                    push_segment(out, Segment::ToolCall(ToolCall { id: call.id, name: call.name, arguments }));
+                    section.emitted += 1;
+                    section.base = end_at + end.len();
+                }
+                None => {
+                    call.searched = self.buf.len() - from;
+                    let mut held = held_suffix(&self.buf, &[end]);
+                    held = held.max(held_suffix(&self.buf, section_ends));
+                    let safe = self.buf[..self.buf.len() - held].trim_end().len();
+                    if safe > from + call.sent {
+                        push_segment(out, Segment::ToolCallArgs(self.buf[from + call.sent..safe].to_owned()));
+                        call.sent = safe - from;
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Completes a section whose calls streamed: the parsed calls after those said, the
+    /// streaming one completed by its parse when that continues what was said (else as said).
+    fn finish_section(&mut self, parsed: Option<Vec<ToolCall>>, out: &mut Vec<Segment>) {
+        let section = std::mem::take(&mut self.section);
+        let mut rest = parsed.into_iter().flatten().skip(section.emitted);
+        if let Some(call) = section.current {
+            let said = &self.buf[call.args_at..call.args_at + call.sent];
+            let completed = match rest.next() {
+                Some(parsed) if parsed.name == call.name && parsed.arguments.starts_with(said) => parsed,
+                _ => ToolCall { id: call.id, name: call.name, arguments: said.to_owned() },
+            };
+            push_segment(out, Segment::ToolCall(completed));
+        }
+        rest.for_each(|c| push_segment(out, Segment::ToolCall(c)));
+    }
+
+    /// Whether a held section has said any of its calls.
+    fn section_started(&self) -> bool {
+        self.section.emitted > 0 || self.section.current.is_some()
     }
 
     /// Completes the call whose arguments streamed: `parsed` when it continues what was said,
