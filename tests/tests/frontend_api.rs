@@ -879,3 +879,41 @@ async fn anthropic_errors_and_models() {
     assert_eq!(models["data"][0]["type"], "model");
     assert_eq!(models["first_id"], models["data"][0]["id"]);
 }
+
+/// One call allowed (`parallel_tool_calls: false`; Anthropic's `disable_parallel_tool_use`):
+/// the answer ends where its second call would begin, streamed or not.
+#[tokio::test]
+async fn a_single_call_answer_ends_before_the_second_call() {
+    let config = FrontendSection {
+        reasoning_parser: Some("qwen3".into()),
+        tool_call_parser: Some("hermes".into()),
+        ..FrontendSection::default()
+    };
+    let server = Server::start(config).await;
+    let mut body = chat("agent");
+    body["parallel_tool_calls"] = json!(false);
+    let (status, _, value) = post(&server, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{value}");
+    let calls = value["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{value}");
+    assert_eq!(calls[0]["function"]["name"], "ls");
+    assert_eq!(value["choices"][0]["finish_reason"], "tool_calls");
+    body["stream"] = json!(true);
+    let events = post_stream(&server, "/v1/chat/completions", &body).await;
+    let started = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .flat_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array().cloned().unwrap_or_default())
+        .filter(|call| call.get("id").is_some())
+        .count();
+    assert_eq!(started, 1, "{events:?}");
+
+    let mut messages = claude_request("fa690", false);
+    messages["tools"] = json!([{"name": "ls", "input_schema": {"type": "object"}}, {"name": "cat", "input_schema": {"type": "object"}}]);
+    messages["tool_choice"] = json!({"type": "auto", "disable_parallel_tool_use": true});
+    let (status, _, value) = post(&server, "/v1/messages", &messages).await;
+    assert_eq!(status, 200, "{value}");
+    let uses: Vec<&Value> = value["content"].as_array().unwrap().iter().filter(|b| b["type"] == "tool_use").collect();
+    assert_eq!(uses.len(), 1, "{value}");
+    assert_eq!(value["stop_reason"], "tool_use");
+}

@@ -82,6 +82,8 @@ pub(super) struct Answer {
     stop_token_ids: Vec<u32>,
     /// The session and generation prompt the turn is kept under; none when replay is off.
     replay: Option<(String, String)>,
+    /// End the answer where a second tool call would begin.
+    single_call: bool,
     tokenizer: Tokenizer,
     state: FrontendState,
 }
@@ -122,6 +124,7 @@ impl Answer {
             generated: Vec::new(),
             stop_token_ids,
             replay,
+            single_call: tail.single_call,
             tokenizer: inner.tokenizer.clone(),
             state: state.clone(),
         }
@@ -176,6 +179,16 @@ impl Answer {
                 }
             }
         }
+        // With one call allowed, the answer ends where a second one begins (what came after
+        // the first was generated but is not the answer: the turn is not kept for replay).
+        let cut = if self.single_call { self.second_call(&segments) } else { None };
+        let (done, keep) = match cut {
+            Some(at) => {
+                segments.truncate(at);
+                (Some(FinishReason::Stop), false)
+            }
+            None => (done, self.stop.matched().is_none()),
+        };
         let mut step = Step::default();
         for segment in segments {
             self.blocks.add(segment, &mut step.outputs);
@@ -186,10 +199,30 @@ impl Answer {
                 reason = FinishReason::ToolCalls;
             }
             let stop_sequence = self.stop.matched().map(str::to_owned);
-            self.finished(stop_sequence.is_none());
+            self.finished(keep);
             step.finish = Some(Finish { reason, stop_sequence });
         }
         Ok(step)
+    }
+
+    /// Where in `segments` a second tool call of the answer begins, if one does.
+    fn second_call(&self, segments: &[Segment]) -> Option<usize> {
+        let mut seen = self.blocks.calls > 0 || self.blocks.call.is_some();
+        let mut open = self.blocks.call.is_some();
+        for (i, segment) in segments.iter().enumerate() {
+            let begins = match segment {
+                Segment::ToolCallStart { .. } => {
+                    open = true;
+                    true
+                }
+                Segment::ToolCall(_) => !std::mem::replace(&mut open, false),
+                _ => false,
+            };
+            if begins && std::mem::replace(&mut seen, true) {
+                return Some(i);
+            }
+        }
+        None
     }
 
     /// Counts the reasoning tokens and keeps the turn for replay (unless a stop string cut it:

@@ -42,6 +42,9 @@ pub(super) struct Tail {
     /// The generation prompt's text, which the answer is kept for replay with; none for a
     /// prompt that is not a chat (a legacy completion).
     pub(super) generation_prompt: Option<String>,
+    /// At most one tool call (`parallel_tool_calls: false`, Anthropic's
+    /// `disable_parallel_tool_use`): the answer ends where a second one would begin.
+    pub(super) single_call: bool,
 }
 
 /// Refuses a model this node does not serve.
@@ -148,7 +151,15 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
         let in_reasoning = inner.reasoning.is_some_and(|kind| kind.starts_in_reasoning(&generation_prompt));
         AnswerParser::new(inner.reasoning, inner.tools, in_reasoning)
     });
-    Ok(Lowered { prompt, regions, tail: Tail { parser, generation_prompt: Some(generation_prompt) } })
+    Ok(Lowered {
+        prompt,
+        regions,
+        tail: Tail {
+            parser,
+            generation_prompt: Some(generation_prompt),
+            single_call: !conversation.parallel_tool_calls,
+        },
+    })
 }
 
 /// Tools in the shape chat templates read (`{"type": "function", "function": {…}}`), as the
