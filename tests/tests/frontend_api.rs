@@ -917,3 +917,30 @@ async fn a_single_call_answer_ends_before_the_second_call() {
     assert_eq!(uses.len(), 1, "{value}");
     assert_eq!(value["stop_reason"], "tool_use");
 }
+
+/// Clients that send every field send the ones they did not set as `null`: every API takes
+/// them as unset.
+#[tokio::test]
+async fn null_fields_are_unset_fields() {
+    let server = server().await;
+    let chat = json!({"model": "fake", "messages": [{"role": "user", "content": "hi", "name": null, "tool_calls": null}],
+        "stream": null, "stream_options": null, "tools": null, "tool_choice": null, "parallel_tool_calls": null,
+        "max_tokens": null, "max_completion_tokens": null, "stop": null, "n": null, "temperature": null, "seed": null,
+        "user": null, "nvext": null, "chat_template_kwargs": null, "reasoning_effort": null});
+    let (status, _, value) = post(&server, "/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{value}");
+    let completion = json!({"model": "fake", "prompt": "hi", "stream": null, "max_tokens": null, "stop": null});
+    let (status, _, value) = post(&server, "/v1/completions", &completion).await;
+    assert_eq!(status, 200, "{value}");
+    let responses = json!({"model": "fake", "input": "hi", "stream": null, "instructions": null, "tools": null,
+        "tool_choice": null, "max_output_tokens": null, "temperature": null, "top_p": null, "store": null,
+        "previous_response_id": null, "include": null, "reasoning": null, "metadata": null, "text": null,
+        "truncation": null, "user": null, "prompt_cache_key": null, "parallel_tool_calls": null});
+    let (status, _, value) = post(&server, "/v1/responses", &responses).await;
+    assert_eq!(status, 200, "{value}");
+    let messages = json!({"model": "fake", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+        "stream": null, "system": null, "tools": null, "tool_choice": null, "thinking": null,
+        "stop_sequences": null, "temperature": null, "metadata": null});
+    let (status, _, value) = post(&server, "/v1/messages", &messages).await;
+    assert_eq!(status, 200, "{value}");
+}

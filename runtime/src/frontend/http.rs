@@ -9,6 +9,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::FrontendState;
@@ -126,6 +127,16 @@ async fn read_body(state: &FrontendState, headers: &HeaderMap, body: Body) -> Re
             format!("The request body did not arrive within {:?}.", inner.body_timeout),
         ))
     })
+}
+
+/// A field's value, its default when it is `null`: clients that send every field send the
+/// ones they did not set as `null` (`"stream": null`).
+pub(crate) fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + serde::Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 /// The body as `T`: 400 for anything that is not a valid `T`.

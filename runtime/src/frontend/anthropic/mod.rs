@@ -53,7 +53,7 @@ pub(super) struct MessagesRequest {
     #[serde(default)]
     stop_sequences: Option<Vec<String>>,
     temperature: Option<f32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::frontend::http::null_as_default")]
     stream: bool,
     #[serde(default)]
     metadata: Option<Metadata>,

@@ -68,7 +68,7 @@ pub(crate) struct ResponsesRequest {
     store: Option<bool>,
     #[serde(default)]
     previous_response_id: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::frontend::http::null_as_default")]
     stream: bool,
     #[serde(default)]
     include: Option<Vec<String>>,

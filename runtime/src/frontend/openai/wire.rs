@@ -40,7 +40,7 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub n: Option<usize>,
     /// Stream server-sent events.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::frontend::http::null_as_default")]
     pub stream: bool,
     /// Streaming options.
     #[serde(default)]
@@ -83,7 +83,7 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub n: Option<usize>,
     /// Stream server-sent events.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::frontend::http::null_as_default")]
     pub stream: bool,
     /// Streaming options.
     #[serde(default)]
@@ -135,7 +135,7 @@ impl StopStrings {
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage` (and no choices) before `[DONE]`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::frontend::http::null_as_default")]
     pub include_usage: bool,
 }
 
