@@ -21,7 +21,6 @@ use super::lower::Tail;
 use super::parsers::{AnswerParser, Segment, ToolCall};
 use super::replay::{self, Kept};
 use crate::metrics;
-use crate::tokenizer::Tokenizer;
 
 /// A finished block of the answer.
 #[derive(Clone, Debug, PartialEq)]
@@ -84,7 +83,6 @@ pub(super) struct Answer {
     replay: Option<(String, String)>,
     /// End the answer where a second tool call would begin.
     single_call: bool,
-    tokenizer: Tokenizer,
     state: FrontendState,
 }
 
@@ -125,7 +123,6 @@ impl Answer {
             stop_token_ids,
             replay,
             single_call: tail.single_call,
-            tokenizer: inner.tokenizer.clone(),
             state: state.clone(),
         }
     }
@@ -238,8 +235,13 @@ impl Answer {
             })
             .collect();
         if !reasoning.is_empty() {
-            self.usage.reasoning_tokens =
-                self.tokenizer.encode(&reasoning).map_or(0, |ids| ids.len()).min(self.usage.completion_tokens);
+            self.usage.reasoning_tokens = self
+                .state
+                .inner
+                .tokenizer
+                .encode(&reasoning)
+                .map_or(0, |ids| ids.len())
+                .min(self.usage.completion_tokens);
         }
         let Some((session, generation_prompt)) = self.replay.take().filter(|_| keep) else { return };
         let mut text = String::new();

@@ -172,6 +172,12 @@ pub(super) fn request_id(prefix: &str) -> String {
     format!("{prefix}-{nanos:016x}{:06x}", NEXT.fetch_add(1, Ordering::Relaxed) & 0xff_ffff)
 }
 
+/// One named server-sent event: `event: NAME` and its JSON data (Anthropic's and the Responses
+/// API's framing).
+pub(super) fn named_event(name: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+}
+
 /// The sending end of an [`event_stream`].
 pub(super) type Frames = futures::channel::mpsc::Sender<Result<Bytes, std::convert::Infallible>>;
 

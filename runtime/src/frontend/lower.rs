@@ -193,14 +193,7 @@ fn template_messages(
     let session = conversation.session.as_deref().unwrap_or("");
     let mut out = Vec::with_capacity(conversation.turns.len() + 1);
     let mut kept = Vec::with_capacity(conversation.turns.len() + 1);
-    let system: Vec<&str> = conversation
-        .system
-        .iter()
-        .filter_map(|b| match b {
-            Block::Text { text, .. } => Some(text.as_str()),
-            _ => None,
-        })
-        .collect();
+    let system = texts(&conversation.system);
     if !system.is_empty() {
         out.push(TemplateMessage {
             role: "system".into(),

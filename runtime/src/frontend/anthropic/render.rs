@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
 use crate::frontend::generate::{FinishReason, GenerateRequest};
-use crate::frontend::http::{event_stream, send_all};
+use crate::frontend::http::{event_stream, named_event as event, send_all};
 use crate::frontend::ir::{BlockKind, Conversation, Finish, Output, Usage};
 use crate::frontend::lower::Tail;
 
@@ -57,10 +57,6 @@ fn message_id(id: &str) -> String {
 /// A tool call's input: its arguments as JSON (`{}` when the model wrote something else).
 fn input(arguments: &str) -> Value {
     serde_json::from_str(arguments).ok().filter(Value::is_object).unwrap_or_else(|| json!({}))
-}
-
-fn event(name: &str, data: &Value) -> Bytes {
-    Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
 }
 
 pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Instant) -> Response {

@@ -39,7 +39,9 @@ use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
 use crate::frontend::error::{ApiError, clip};
 use crate::frontend::generate::{AgentHints, FinishReason, GenerateRequest};
-use crate::frontend::http::{counted, event_stream, prepare_off_thread, request_id, send_all, session_id, session_key};
+use crate::frontend::http::{
+    counted, event_stream, named_event, prepare_off_thread, request_id, send_all, session_id, session_key,
+};
 use crate::frontend::ir::{Block, BlockKind, Conversation, Finish, Output, Role, Turn, Usage};
 use crate::frontend::lower::{self, Tail};
 use crate::frontend::replay::HANDLE_PREFIX;
@@ -636,7 +638,7 @@ impl Events {
         data["type"] = json!(name);
         data["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
-        Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+        named_event(name, &data)
     }
 
     /// The events of one output event.
