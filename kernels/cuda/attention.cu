@@ -11,6 +11,10 @@
 // of 32 (converted to f32 once per tile, reused by every query vector of the block): lane j scores
 // key j, the warp reduces max / sum with shuffles, and lane l accumulates output dims l, l + 32, ...
 //
+// Batches: blockIdx.z is a sequence, owning rows seq_rows[z]..seq_rows[z + 1] (positions and q/out
+// rows are offset by seq_rows[z]) and the block table at block_table + seq_tables[z]; `rows` is
+// the most rows of one sequence (the grid's x extent covers it).
+//
 // Determinism: tiles always start at multiples of 32 from position 0 and a tile past a row's
 // position contributes exactly nothing, so a row's output does not depend on which rows share its
 // launch nor on where its KV pages sit.
@@ -24,6 +28,7 @@
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 attention_paged(const float* __restrict__ q, const bf16_t* __restrict__ k_pages, const bf16_t* __restrict__ v_pages,
                 const unsigned int* __restrict__ block_table, const unsigned int* __restrict__ positions,
+                const unsigned int* __restrict__ seq_rows, const unsigned int* __restrict__ seq_tables,
                 float* __restrict__ out, int rows, int heads, int kv_heads, int head_dim, int block_tokens,
                 float scale) {
     extern __shared__ float smem[];
@@ -33,6 +38,16 @@ attention_paged(const float* __restrict__ q, const bf16_t* __restrict__ k_pages,
     float* qs = vs + KT * stride;            // [QV_PER_CTA][head_dim], pre-scaled
     __shared__ unsigned int max_pos_s;
 
+    // This block's sequence: its rows, its block table; blocks past its rows have nothing to do.
+    {
+        const unsigned int row0 = seq_rows[blockIdx.z];
+        rows = (int)(seq_rows[blockIdx.z + 1] - row0);
+        q += (long long)row0 * heads * head_dim;
+        out += (long long)row0 * heads * head_dim;
+        positions += row0;
+        block_table += seq_tables[blockIdx.z];
+        if ((long long)blockIdx.x * QV_PER_CTA >= (long long)rows * (heads / kv_heads)) return;
+    }
     const int group = heads / kv_heads;
     const int kvh = blockIdx.y;
     const long long n_qv = (long long)rows * group;

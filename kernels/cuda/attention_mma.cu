@@ -133,7 +133,9 @@ template <int D>
 __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const bf16_t* __restrict__ k_pages,
                                               const bf16_t* __restrict__ v_pages,
                                               const unsigned int* __restrict__ block_table,
-                                              const unsigned int* __restrict__ positions, float* __restrict__ out,
+                                              const unsigned int* __restrict__ positions,
+                                              const unsigned int* __restrict__ seq_rows,
+                                              const unsigned int* __restrict__ seq_tables, float* __restrict__ out,
                                               int rows, int heads, int kv_heads, int block_tokens, float scale) {
     constexpr int STRIDE = D + 8;        // bf16 per shared row
     constexpr int KSTEPS = D / 16;       // k-steps of S over the head dim
@@ -142,6 +144,16 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
     constexpr int TILE = MMA_KEYS * STRIDE;
     __shared__ unsigned int max_pos_s;
 
+    // This block's sequence: its rows, its block table; blocks past its rows have nothing to do.
+    {
+        const unsigned int row0 = seq_rows[blockIdx.z];
+        rows = (int)(seq_rows[blockIdx.z + 1] - row0);
+        q += (long long)row0 * heads * D;
+        out += (long long)row0 * heads * D;
+        positions += row0;
+        block_table += seq_tables[blockIdx.z];
+        if ((long long)blockIdx.x * MMA_QV >= (long long)rows * (heads / kv_heads)) return;
+    }
     const int group = heads / kv_heads;
     const int kvh = blockIdx.y;
     const long long n_qv = (long long)rows * group;
@@ -305,15 +317,16 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
 }
 
 // The arguments of attention_paged (head_dim must be the entry point's). Grid: x = ceil(rows ·
-// group / MMA_QV), y = kv_heads; MMA_WARPS · 32 threads; 2 · 2 · MMA_KEYS · (head_dim + 8) · 2
+// group / MMA_QV) for the longest sequence's rows, y = kv_heads, z = sequences; MMA_WARPS · 32 threads; 2 · 2 · MMA_KEYS · (head_dim + 8) · 2
 // bytes of dynamic shared memory.
 #define ATTENTION_MMA_ENTRY(D)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) attention_mma_d##D(                               \
         const float* __restrict__ q, const bf16_t* __restrict__ k_pages, const bf16_t* __restrict__ v_pages,      \
         const unsigned int* __restrict__ block_table, const unsigned int* __restrict__ positions,                 \
+        const unsigned int* __restrict__ seq_rows, const unsigned int* __restrict__ seq_tables,                   \
         float* __restrict__ out, int rows, int heads, int kv_heads, int head_dim, int block_tokens, float scale) { \
-        attention_mma<D>(q, k_pages, v_pages, block_table, positions, out, rows, heads, kv_heads, block_tokens,    \
-                         scale);                                                                                   \
+        attention_mma<D>(q, k_pages, v_pages, block_table, positions, seq_rows, seq_tables, out, rows, heads,      \
+                         kv_heads, block_tokens, scale);                                                           \
     }
 
 ATTENTION_MMA_ENTRY(64)

@@ -161,16 +161,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `out = silu(gate) * up` element-wise over `len` elements.
     fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf) -> Result<(), KernelError>;
 
-    /// A new buffer holding row `row` of `x: [rows, width]`.
+    /// A new buffer holding rows `picks` of `x: [rows, width]`, in that order.
     ///
-    /// The default goes through the host; device backends should override it with a device copy.
-    fn row(&self, x: &Self::Buf, rows: usize, width: usize, row: usize) -> Result<Self::Buf, KernelError> {
-        if row >= rows {
-            return Err(KernelError::index("row", format!("row {row} of {rows}")));
+    /// The default goes through the host; device backends should override it with device copies.
+    fn gather_rows(&self, x: &Self::Buf, rows: usize, width: usize, picks: &[usize]) -> Result<Self::Buf, KernelError> {
+        if let Some(&row) = picks.iter().find(|&&r| r >= rows) {
+            return Err(KernelError::index("gather_rows", format!("row {row} of {rows}")));
         }
         let mut host = vec![0.0f32; rows * width];
         self.download(x, &mut host)?;
-        self.upload(&host[row * width..(row + 1) * width])
+        let picked: Vec<f32> = picks.iter().flat_map(|&r| host[r * width..(r + 1) * width].iter().copied()).collect();
+        self.upload(&picked)
     }
 
     /// `x += y` element-wise over `len` elements.
@@ -190,9 +191,24 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         slots: &[u32],
     ) -> Result<(), KernelError>;
 
-    /// Causal attention of `q: [rows, heads, head_dim]` over the paged KV of `layer`: query row `r`
-    /// at absolute position `positions[r]` attends to positions `0..=positions[r]`, whose KV lives
-    /// in block `block_table[p / B]` at offset `p % B`. Writes `out: [rows, heads * head_dim]`.
+    /// Causal attention of the query rows of several sequences over the paged KV of `layer`, in
+    /// one call: query row `r` of sequence `s` (rows `seqs.rows(s)`) at absolute position
+    /// `positions[r]` attends to its sequence's positions `0..=positions[r]`, whose KV lives in
+    /// block `seqs.table(s)[p / B]` at offset `p % B`. `q: [rows, heads, head_dim]`; writes
+    /// `out: [rows, heads * head_dim]`. A row's output depends on its own sequence only.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_batch(
+        &self,
+        q: &Self::Buf,
+        kv: &Self::Kv,
+        layer: usize,
+        spec: AttentionSpec,
+        seqs: SeqBatch<'_>,
+        positions: &[u32],
+        out: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+
+    /// [`Self::attention_batch`] of one sequence whose block table is `block_table`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -203,7 +219,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         block_table: &[u32],
         positions: &[u32],
         out: &mut Self::Buf,
-    ) -> Result<(), KernelError>;
+    ) -> Result<(), KernelError> {
+        let rows = [0, positions.len() as u32];
+        let tables = [0, block_table.len() as u32];
+        let seqs = SeqBatch { row_starts: &rows, table_starts: &tables, tables: block_table };
+        self.attention_batch(q, kv, layer, spec, seqs, positions, out)
+    }
 
     /// Gathers blocks of the pool into block-image payloads in host memory (`out[i]` ← `blocks[i]`,
     /// layout `[layer][k|v][B][kv_heads][head_dim]`, elements of `kv_elem_bytes()`).
@@ -254,3 +275,85 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// without a copy engine answers.
 #[derive(Clone, Copy, Debug)]
 pub struct FinishedCopies(pub std::time::Duration);
+
+/// The sequences of one batched attention call: sequence `s` owns the query rows
+/// `row_starts[s]..row_starts[s + 1]` and the block table `tables[table_starts[s]..table_starts[s + 1]]`.
+/// Both offset arrays have one entry more than there are sequences and start at 0.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqBatch<'a> {
+    /// Row offsets, `S + 1` of them, non-decreasing.
+    pub row_starts: &'a [u32],
+    /// Block-table offsets into `tables`, `S + 1` of them, non-decreasing.
+    pub table_starts: &'a [u32],
+    /// Every sequence's block table, one after the other.
+    pub tables: &'a [u32],
+}
+
+impl SeqBatch<'_> {
+    /// Sequences in the batch.
+    pub fn len(&self) -> usize {
+        self.row_starts.len().saturating_sub(1)
+    }
+
+    /// Whether the batch has no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The query rows of sequence `s`.
+    pub fn rows(&self, s: usize) -> std::ops::Range<usize> {
+        self.row_starts[s] as usize..self.row_starts[s + 1] as usize
+    }
+
+    /// The block table of sequence `s`.
+    pub fn table(&self, s: usize) -> &[u32] {
+        &self.tables[self.table_starts[s] as usize..self.table_starts[s + 1] as usize]
+    }
+
+    /// Checks the batch against `positions` (one per row) and a pool of `num_blocks` blocks of
+    /// `block_tokens` tokens: offsets well formed, every sequence's table covering its largest
+    /// position with blocks inside the pool.
+    pub fn check(
+        &self,
+        op: &'static str,
+        positions: &[u32],
+        block_tokens: usize,
+        num_blocks: usize,
+    ) -> Result<(), KernelError> {
+        let (rs, ts) = (self.row_starts, self.table_starts);
+        if rs.len() != ts.len() || rs.first().is_some_and(|&r| r != 0) || ts.first().is_some_and(|&t| t != 0) {
+            return Err(KernelError::shape(
+                op,
+                "row and table offsets must have one entry per sequence plus one, from 0",
+            ));
+        }
+        if rs.windows(2).any(|w| w[0] > w[1]) || ts.windows(2).any(|w| w[0] > w[1]) {
+            return Err(KernelError::shape(op, "row and table offsets must not decrease"));
+        }
+        if rs.last().map_or(0, |&r| r as usize) != positions.len() {
+            return Err(KernelError::shape(
+                op,
+                format!("the sequences hold {:?} rows, positions {}", rs.last(), positions.len()),
+            ));
+        }
+        if ts.last().map_or(0, |&t| t as usize) > self.tables.len() {
+            return Err(KernelError::shape(op, "table offsets run past the tables"));
+        }
+        for s in 0..self.len() {
+            let table = self.table(s);
+            if let Some(&p) = positions[self.rows(s)].iter().max() {
+                let need = p as usize / block_tokens + 1;
+                if need > table.len() {
+                    return Err(KernelError::index(
+                        op,
+                        format!("position {p} beyond a block table of {}", table.len()),
+                    ));
+                }
+                if let Some(&b) = table[..need].iter().find(|&&b| b as usize >= num_blocks) {
+                    return Err(KernelError::index(op, format!("block {b} in a pool of {num_blocks}")));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::{AttentionSpec, Backend, FinishedCopies, KernelError};
+use crate::backend::{AttentionSpec, Backend, FinishedCopies, KernelError, SeqBatch};
 use crate::kv_layout::{HostKvPool, PagedLayout};
 
 /// A weight tensor in host memory, row-major `[rows, cols]`.
@@ -330,13 +330,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention(
+    fn attention_batch(
         &self,
         q: &Vec<f32>,
         kv: &HostKvPool,
         layer: usize,
         spec: AttentionSpec,
-        block_table: &[u32],
+        seqs: SeqBatch<'_>,
         positions: &[u32],
         out: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
@@ -354,17 +354,12 @@ impl Backend for CpuBackend {
         if layer >= layout.layers {
             return Err(KernelError::index("attention", format!("layer {layer} of {}", layout.layers)));
         }
-        for &p in positions {
-            let blocks_needed = p as usize / block_tokens + 1;
-            if blocks_needed > block_table.len() {
-                return Err(KernelError::index(
-                    "attention",
-                    format!("position {p} beyond a block table of {}", block_table.len()),
-                ));
-            }
-        }
-        if let Some(&b) = block_table.iter().find(|&&b| b as usize >= kv.num_blocks()) {
-            return Err(KernelError::index("attention", format!("block {b} in a pool of {}", kv.num_blocks())));
+        seqs.check("attention", positions, block_tokens, kv.num_blocks())?;
+        // The block table of every row.
+        let mut row_tables: Vec<&[u32]> = Vec::with_capacity(rows);
+        for s in 0..seqs.len() {
+            let table = seqs.table(s);
+            row_tables.extend(seqs.rows(s).map(|_| table));
         }
         let group = heads / kv_heads;
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -382,6 +377,7 @@ impl Backend for CpuBackend {
                 let len = positions[r] as usize + 1;
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
+                let block_table = row_tables[r];
                 for p in 0..len {
                     let page = kv.page_f32(layer, false, block_table[p / block_tokens]);
                     let at = (p % block_tokens) * width + g * head_dim;
@@ -589,5 +585,40 @@ mod tests {
         // Out-of-range positions and blocks are errors, not reads.
         assert_eq!(cpu.attention(&q, &kv, 0, spec, &table[..2], &positions, &mut out).unwrap_err().kind(), "index");
         assert_eq!(cpu.attention(&q, &kv, 0, spec, &[6, 1, 99], &positions, &mut out).unwrap_err().kind(), "index");
+    }
+
+    #[test]
+    fn batched_attention_reads_each_sequence_through_its_own_table_bitwise_as_alone() {
+        let cpu = CpuBackend::new(2);
+        let spec = AttentionSpec { heads: 4, kv_heads: 2, head_dim: 8, block_tokens: 4 };
+        let layout = PagedLayout { layers: 1, block_tokens: 4, kv_heads: 2, head_dim: 8, elem_bytes: 4 };
+        let mut kv = cpu.kv_pool(layout, 12).expect("pool");
+        // Sequence a: 10 tokens in blocks [6, 1, 3]; sequence b: 7 tokens in blocks [0, 9].
+        let (ta, tb) = ([6u32, 1, 3], [0u32, 9]);
+        for (table, tokens, seed) in [(&ta[..], 10usize, 5u64), (&tb[..], 7, 8)] {
+            let slots: Vec<u32> = (0..tokens).map(|p| table[p / 4] * 4 + (p % 4) as u32).collect();
+            let (k, v) = (rand_vec(seed, tokens * 16), rand_vec(seed + 1, tokens * 16));
+            cpu.kv_write(&mut kv, 0, &k, &v, &slots).expect("write");
+        }
+        // One batch: a prefill chunk of a (rows at 6..10) and a decode row of b (at 6).
+        let qa = rand_vec(20, 4 * 32);
+        let qb = rand_vec(21, 32);
+        let q: Vec<f32> = qa.iter().chain(&qb).copied().collect();
+        let positions = [6u32, 7, 8, 9, 6];
+        let tables: Vec<u32> = ta.iter().chain(&tb).copied().collect();
+        let seqs = SeqBatch { row_starts: &[0, 4, 5], table_starts: &[0, 3, 5], tables: &tables };
+        let mut out = vec![0.0; 5 * 32];
+        cpu.attention_batch(&q, &kv, 0, spec, seqs, &positions, &mut out).expect("batch");
+        let mut alone_a = vec![0.0; 4 * 32];
+        cpu.attention(&qa, &kv, 0, spec, &ta, &positions[..4], &mut alone_a).expect("a");
+        let mut alone_b = vec![0.0; 32];
+        cpu.attention(&qb, &kv, 0, spec, &tb, &positions[4..], &mut alone_b).expect("b");
+        let alone: Vec<u32> = alone_a.iter().chain(&alone_b).map(|x| x.to_bits()).collect();
+        assert_eq!(out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), alone);
+        // Malformed batches are errors.
+        let bad = SeqBatch { row_starts: &[0, 4, 4], table_starts: &[0, 3, 5], tables: &tables };
+        assert_eq!(cpu.attention_batch(&q, &kv, 0, spec, bad, &positions, &mut out).unwrap_err().kind(), "shape");
+        let short = SeqBatch { row_starts: &[0, 4, 5], table_starts: &[0, 3, 4], tables: &tables };
+        assert_eq!(cpu.attention_batch(&q, &kv, 0, spec, short, &positions, &mut out).unwrap_err().kind(), "index");
     }
 }

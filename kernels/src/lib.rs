@@ -31,5 +31,5 @@ pub mod kv_layout;
 pub mod model;
 pub mod sampling;
 
-pub use backend::{AttentionSpec, Backend, FinishedCopies, KernelError};
+pub use backend::{AttentionSpec, Backend, FinishedCopies, KernelError, SeqBatch};
 pub use cpu::CpuBackend;

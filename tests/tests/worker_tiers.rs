@@ -18,7 +18,7 @@ use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::kv_layout::{HostKvPool, PagedLayout};
 use dynamo_kernels::model::{HostWeights, Llama};
-use dynamo_kernels::{AttentionSpec, Backend, CpuBackend, KernelError};
+use dynamo_kernels::{AttentionSpec, Backend, CpuBackend, KernelError, SeqBatch};
 use dynamo_tiering::block::{BlockHash, BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs, verify_image};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
@@ -242,13 +242,13 @@ impl Backend for EmulatedCopyEngine {
         drop(state);
         self.cpu.kv_write(kv, layer, k, v, slots)
     }
-    fn attention(
+    fn attention_batch(
         &self,
         q: &Vec<f32>,
         kv: &HostKvPool,
         layer: usize,
         spec: AttentionSpec,
-        block_table: &[u32],
+        seqs: SeqBatch<'_>,
         positions: &[u32],
         out: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
@@ -257,7 +257,7 @@ impl Backend for EmulatedCopyEngine {
             state.violations.push("attention before the started scatter landed".into());
         }
         drop(state);
-        self.cpu.attention(q, kv, layer, spec, block_table, positions, out)
+        self.cpu.attention_batch(q, kv, layer, spec, seqs, positions, out)
     }
     fn kv_gather(&self, kv: &HostKvPool, blocks: &[u32], out: &mut [&mut [u8]]) -> Result<(), KernelError> {
         self.cpu.kv_gather(kv, blocks, out)

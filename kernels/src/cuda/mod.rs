@@ -59,7 +59,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::{AttentionSpec, Backend, KernelError};
+use crate::backend::{AttentionSpec, Backend, KernelError, SeqBatch};
 use crate::kv_layout::{LayoutError, PagedLayout};
 
 /// Every kernel entry point in `kernels/cuda/*.cu`.
@@ -1077,15 +1077,23 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn row(&self, x: &CudaSlice<f32>, rows: usize, width: usize, row: usize) -> Result<CudaSlice<f32>, KernelError> {
-        if row >= rows {
-            return Err(KernelError::index("row", format!("row {row} of {rows}")));
+    fn gather_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        width: usize,
+        picks: &[usize],
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        if let Some(&row) = picks.iter().find(|&&r| r >= rows) {
+            return Err(KernelError::index("gather_rows", format!("row {row} of {rows}")));
         }
-        check_len("row", "x", x.len(), rows * width)?;
-        let mut out = self.zeros(width)?;
-        self.stream
-            .memcpy_dtod(&x.slice(row * width..(row + 1) * width), &mut out)
-            .map_err(driver_err("cuMemcpyDtoD"))?;
+        check_len("gather_rows", "x", x.len(), rows * width)?;
+        let mut out = self.zeros(picks.len() * width)?;
+        for (i, &row) in picks.iter().enumerate() {
+            self.stream
+                .memcpy_dtod(&x.slice(row * width..(row + 1) * width), &mut out.slice_mut(i * width..(i + 1) * width))
+                .map_err(driver_err("cuMemcpyDtoD"))?;
+        }
         Ok(out)
     }
 
@@ -1160,13 +1168,13 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn attention(
+    fn attention_batch(
         &self,
         q: &CudaSlice<f32>,
         kv: &CudaKv,
         layer: usize,
         spec: AttentionSpec,
-        block_table: &[u32],
+        seqs: SeqBatch<'_>,
         positions: &[u32],
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
@@ -1188,20 +1196,13 @@ impl Backend for CudaBackend {
         let width = spec.heads * spec.head_dim;
         check_len("attention", "q", q.len(), rows * width)?;
         check_len("attention", "out", out.len(), rows * width)?;
+        seqs.check("attention", positions, spec.block_tokens, kv.num_blocks)?;
         if rows == 0 {
             return Ok(());
         }
-        let max_pos = *positions.iter().max().expect("rows > 0") as usize;
-        let need_blocks = max_pos / spec.block_tokens + 1;
-        if block_table.len() < need_blocks {
-            return Err(KernelError::shape(
-                "attention",
-                format!("position {max_pos} needs {need_blocks} blocks, the table has {}", block_table.len()),
-            ));
-        }
-        if let Some(&b) = block_table[..need_blocks].iter().find(|&&b| b as usize >= kv.num_blocks) {
-            return Err(KernelError::index("attention", format!("block {b} outside a pool of {}", kv.num_blocks)));
-        }
+        // The grid covers the longest sequence's rows; each sequence is one z slice.
+        let longest = (0..seqs.len()).map(|s| seqs.rows(s).len()).max().unwrap_or(0);
+        let n_seqs = seqs.len() as u32;
         let group = spec.heads / spec.kv_heads;
         let mma = match spec.head_dim {
             64 if self.mma_attention.load(Ordering::Relaxed) => Some(&self.kernels.attention_mma[0]),
@@ -1211,28 +1212,37 @@ impl Backend for CudaBackend {
         let (func, cfg, name) = match mma {
             // 64 query vectors (4 warps of 16) per block.
             Some(func) => {
-                let ctas_x = (rows * group).div_ceil(64) as u32;
+                let ctas_x = (longest * group).div_ceil(64) as u32;
                 let cfg = LaunchConfig {
-                    grid_dim: (ctas_x, spec.kv_heads as u32, 1),
+                    grid_dim: (ctas_x, spec.kv_heads as u32, n_seqs),
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: mma_smem_bytes(spec.head_dim) as u32,
                 };
                 (func, cfg, "attention_mma")
             }
-            None => (&self.kernels.attention, self.fp32_attention_config(rows * group, spec)?, "attention_paged"),
+            None => {
+                let mut cfg = self.fp32_attention_config(longest * group, spec)?;
+                cfg.grid_dim.2 = n_seqs;
+                (&self.kernels.attention, cfg, "attention_paged")
+            }
         };
         self.wait_loaded(kv, layer)?;
-        let d_table = self.upload_u32("attention", &block_table[..need_blocks])?;
+        let tables_len = *seqs.table_starts.last().unwrap_or(&0) as usize;
+        let d_table = self.upload_u32("attention", &seqs.tables[..tables_len])?;
         let d_pos = self.upload_u32("attention", positions)?;
+        let d_rows = self.upload_u32("attention", seqs.row_starts)?;
+        let d_tables = self.upload_u32("attention", seqs.table_starts)?;
         let scale = 1.0 / (spec.head_dim as f32).sqrt();
         let (r, h, kvh, hd, bt) =
-            (rows as i32, spec.heads as i32, spec.kv_heads as i32, spec.head_dim as i32, spec.block_tokens as i32);
+            (longest as i32, spec.heads as i32, spec.kv_heads as i32, spec.head_dim as i32, spec.block_tokens as i32);
         let mut b = self.stream.launch_builder(func);
         b.arg(q)
             .arg(&kv.k[layer])
             .arg(&kv.v[layer])
             .arg(&d_table)
             .arg(&d_pos)
+            .arg(&d_rows)
+            .arg(&d_tables)
             .arg(out)
             .arg(&r)
             .arg(&h)
@@ -1241,10 +1251,12 @@ impl Backend for CudaBackend {
             .arg(&bt)
             .arg(&scale);
         // SAFETY: attention_paged and attention_mma_d{64,128} take (const float*, const bf16*,
-        // const bf16*, const unsigned*, const unsigned*, float*, int × 5, float): q and out hold
-        // rows × heads × head_dim, the table covers every position up to the largest with in-range
-        // block ids (checked), head_dim ≤ 256 (and is the mma entry point's own), and the dynamic
-        // shared memory matches the kernel's layout (opted into at start for the mma kernels).
+        // const bf16*, const unsigned* × 4, float*, int × 5, float): q and out hold rows × heads ×
+        // head_dim; the row and table offsets have one entry per z slice plus one and index inside
+        // positions and the tables, each sequence's table covers its largest position with in-range
+        // block ids (checked by `SeqBatch::check`); head_dim ≤ 256 (and is the mma entry point's
+        // own), and the dynamic shared memory matches the kernel's layout (opted into at start for
+        // the mma kernels).
         unsafe { b.launch(cfg) }.map_err(driver_err(name))?;
         Ok(())
     }

@@ -9,7 +9,7 @@
 
 use dynamo_config::ModelShape;
 
-use crate::backend::{AttentionSpec, Backend, KernelError};
+use crate::backend::{AttentionSpec, Backend, KernelError, SeqBatch};
 use crate::kv_layout::PagedLayout;
 
 /// Where the model's weights come from: named tensors in Hugging Face Llama naming
@@ -229,30 +229,64 @@ impl<B: Backend> Llama<B> {
         block_table: &[u32],
         block_tokens: usize,
     ) -> Result<Vec<f32>, ModelError> {
-        let t = tokens.len();
-        if t == 0 {
+        let chunk = Chunk { tokens, start, block_table };
+        Ok(self.forward_batch(kv, &[chunk], block_tokens)?.pop().expect("one chunk, one row of logits"))
+    }
+
+    /// One engine step over several sequences: each [`Chunk`] (a prefill chunk or a decode
+    /// token of its own sequence) is computed in the same pass over the weights — every matrix
+    /// multiply takes all the chunks' rows at once — and attends through its own block table.
+    /// Returns the logits of each chunk's last token, in the chunks' order.
+    ///
+    /// The determinism contract holds across the batch: a chunk's logits do not depend on the
+    /// chunks it was computed with (bitwise on the CPU).
+    pub fn forward_batch(
+        &self,
+        kv: &mut B::Kv,
+        chunks: &[Chunk<'_>],
+        block_tokens: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if chunks.is_empty() || chunks.iter().any(|c| c.tokens.is_empty()) {
             return Err(ModelError::Empty);
         }
-        let end = start + t;
-        if block_table.len() * block_tokens < end {
-            return Err(ModelError::BlockTable {
-                blocks: block_table.len(),
-                covered: block_table.len() * block_tokens,
-                needed: end,
-            });
+        let t: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        let mut tokens = Vec::with_capacity(t);
+        let mut positions = Vec::with_capacity(t);
+        let mut slots = Vec::with_capacity(t);
+        let mut row_starts = Vec::with_capacity(chunks.len() + 1);
+        let mut table_starts = Vec::with_capacity(chunks.len() + 1);
+        let mut tables = Vec::new();
+        let mut last_rows = Vec::with_capacity(chunks.len());
+        row_starts.push(0u32);
+        table_starts.push(0u32);
+        for c in chunks {
+            let end = c.start + c.tokens.len();
+            if c.block_table.len() * block_tokens < end {
+                return Err(ModelError::BlockTable {
+                    blocks: c.block_table.len(),
+                    covered: c.block_table.len() * block_tokens,
+                    needed: end,
+                });
+            }
+            tokens.extend_from_slice(c.tokens);
+            for p in c.start as u32..end as u32 {
+                positions.push(p);
+                slots.push(c.block_table[p as usize / block_tokens] * block_tokens as u32 + p % block_tokens as u32);
+            }
+            // Only the blocks the chunk reaches: the rest of its table is not read.
+            tables.extend_from_slice(&c.block_table[..end.div_ceil(block_tokens)]);
+            row_starts.push(positions.len() as u32);
+            table_starts.push(tables.len() as u32);
+            last_rows.push(positions.len() - 1);
         }
+        let seqs = SeqBatch { row_starts: &row_starts, table_starts: &table_starts, tables: &tables };
         let s = self.shape;
         let (hd, h, qd, kvd, f) = (s.head_dim, s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn);
         let be = &self.backend;
-        let positions: Vec<u32> = (start as u32..end as u32).collect();
-        let slots: Vec<u32> = positions
-            .iter()
-            .map(|&p| block_table[p as usize / block_tokens] * block_tokens as u32 + p % block_tokens as u32)
-            .collect();
         let spec = AttentionSpec { heads: s.heads, kv_heads: s.kv_heads, head_dim: hd, block_tokens };
 
         let mut x = be.zeros(t * h)?;
-        be.embed(&self.embed, tokens, &mut x)?;
+        be.embed(&self.embed, &tokens, &mut x)?;
         let mut normed = be.zeros(t * h)?;
         let mut q = be.zeros(t * qd)?;
         let mut k = be.zeros(t * kvd)?;
@@ -270,7 +304,7 @@ impl<B: Backend> Llama<B> {
             be.rope(&mut q, t, s.heads, hd, &positions, self.rope_theta)?;
             be.rope(&mut k, t, s.kv_heads, hd, &positions, self.rope_theta)?;
             be.kv_write(kv, i, &k, &v, &slots)?;
-            be.attention(&q, kv, i, spec, block_table, &positions, &mut attn)?;
+            be.attention_batch(&q, kv, i, spec, seqs, &positions, &mut attn)?;
             be.matmul(&attn, t, &layer.wo, &mut proj)?;
             be.add_assign(&mut x, &proj, t * h)?;
             be.rmsnorm(&x, &layer.ffn_norm, t, h, self.rms_eps, &mut normed)?;
@@ -280,15 +314,28 @@ impl<B: Backend> Llama<B> {
             be.matmul(&act, t, &layer.w_down, &mut proj)?;
             be.add_assign(&mut x, &proj, t * h)?;
         }
-        let last = be.row(&x, t, h, t - 1)?;
-        let mut last_normed = be.zeros(h)?;
-        be.rmsnorm(&last, &self.norm, 1, h, self.rms_eps, &mut last_normed)?;
-        let mut logits = be.zeros(s.vocab)?;
-        be.matmul(&last_normed, 1, &self.lm_head, &mut logits)?;
-        let mut out = vec![0.0f32; s.vocab];
+        let n = chunks.len();
+        let last = be.gather_rows(&x, t, h, &last_rows)?;
+        let mut last_normed = be.zeros(n * h)?;
+        be.rmsnorm(&last, &self.norm, n, h, self.rms_eps, &mut last_normed)?;
+        let mut logits = be.zeros(n * s.vocab)?;
+        be.matmul(&last_normed, n, &self.lm_head, &mut logits)?;
+        let mut out = vec![0.0f32; n * s.vocab];
         be.download(&logits, &mut out)?;
-        Ok(out)
+        Ok(out.chunks_exact(s.vocab).map(<[f32]>::to_vec).collect())
     }
+}
+
+/// One sequence's part of a batched forward ([`Llama::forward_batch`]): its tokens at positions
+/// `start..start + tokens.len()`, and its block table, which must cover them.
+#[derive(Clone, Copy, Debug)]
+pub struct Chunk<'a> {
+    /// The tokens to compute.
+    pub tokens: &'a [u32],
+    /// The position of the first.
+    pub start: usize,
+    /// The sequence's block table.
+    pub block_table: &'a [u32],
 }
 
 #[cfg(test)]
@@ -388,6 +435,38 @@ mod tests {
         let a = model.forward(&mut pool, &[next], 19, &table, b).expect("decode");
         let c = model.forward(&mut pool2, &[next], 19, &table2, b).expect("decode");
         assert_eq!(bits(&a), bits(&c));
+    }
+
+    #[test]
+    fn a_batched_step_gives_each_sequence_bitwise_the_logits_it_gets_alone() {
+        let model = Llama::new(CpuBackend::new(2), &Toy::new(3)).expect("model");
+        let b = 4;
+        let a: Vec<u32> = (0..13).map(|i| (i * 5 + 1) % 64).collect();
+        let c: Vec<u32> = (0..6).map(|i| (i * 11 + 2) % 64).collect();
+        // Alone: a's first 9 tokens, then its last 4; c's first 5, then its 6th (a decode step).
+        let mut solo = model.kv_pool(b, 16).expect("pool");
+        let (ta, tc) = ([0u32, 1, 2, 3], [4u32, 5]);
+        model.forward(&mut solo, &a[..9], 0, &ta, b).expect("a1");
+        let want_a = model.forward(&mut solo, &a[9..], 9, &ta, b).expect("a2");
+        model.forward(&mut solo, &c[..5], 0, &tc, b).expect("c1");
+        let want_c = model.forward(&mut solo, &c[5..], 5, &tc, b).expect("c2");
+        // Batched: the same chunks two at a time, in other pages and the other order.
+        let mut pool = model.kv_pool(b, 16).expect("pool");
+        let (ta, tc) = ([9u32, 2, 14, 7], [11u32, 0]);
+        let first = [
+            Chunk { tokens: &c[..5], start: 0, block_table: &tc },
+            Chunk { tokens: &a[..9], start: 0, block_table: &ta },
+        ];
+        model.forward_batch(&mut pool, &first, b).expect("step 1");
+        let second = [
+            Chunk { tokens: &a[9..], start: 9, block_table: &ta },
+            Chunk { tokens: &c[5..], start: 5, block_table: &tc },
+        ];
+        let got = model.forward_batch(&mut pool, &second, b).expect("step 2");
+        assert_eq!(got.len(), 2);
+        assert_eq!(bits(&got[0]), bits(&want_a));
+        assert_eq!(bits(&got[1]), bits(&want_c));
+        assert_eq!(model.forward_batch(&mut pool, &[], b).unwrap_err().kind(), "empty");
     }
 
     #[test]
