@@ -112,6 +112,8 @@ pub mod names {
     pub const INTER_TOKEN_SECONDS: &str = "dynamo_node_inter_token_seconds";
     /// Counter.
     pub const WORKER_RESTARTS: &str = "dynamo_node_worker_restarts_total";
+    /// Counter.
+    pub const PREEMPTIONS: &str = "dynamo_node_preemptions_total";
     /// Histogram `{tier}`.
     pub const WRITE_THROUGH_LAG_SECONDS: &str = "dynamo_node_kv_write_through_lag_seconds";
     /// Counter `{tier}`.
@@ -178,6 +180,11 @@ pub fn describe() {
     describe_counter!(REPLAYED_TURNS, Unit::Count, "Echoed assistant turns replayed from their generated tokens.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
+    describe_counter!(
+        PREEMPTIONS,
+        Unit::Count,
+        "Running requests that yielded their G1 pages to others (they resume by loading their blocks back)."
+    );
     describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
     describe_gauge!(KV_CAPACITY_BLOCKS, Unit::Count, "KV blocks the tier can hold (G1: summed over workers).");
     describe_counter!(KV_PROMPT_TOKENS, Unit::Count, "Prompt tokens of admitted requests.");
@@ -369,6 +376,11 @@ pub fn set_io_inflight(tier: Tier, ops: u64) {
 pub fn record_worker_restart(g1_blocks_removed: u64) {
     counter!(names::WORKER_RESTARTS).increment(1);
     counter!(names::KV_EVICTIONS, "tier" => Tier::G1.as_str(), "region" => "restart").increment(g1_blocks_removed);
+}
+
+/// Counts one running request preempted out of G1.
+pub fn record_preemption() {
+    counter!(names::PREEMPTIONS).increment(1);
 }
 
 /// Marks the tier degraded (the node runs without it) or healthy.

@@ -8,44 +8,48 @@ use std::time::Duration;
 use dynamo_actors::scheduler::{SchedulerArgs, SchedulerMsg, SchedulerRef, SchedulerStatus, SubmitError, Submitted};
 use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeSupervisor};
 use dynamo_actors::worker::{
-    Engine, EngineFactory, EngineHost, Finish, GenOutcome, GenRequest, JobEvent, LocalFuture, WorkerArgs, WorkerError,
-    WorkerEvent,
+    Engine, EngineFactory, EngineHost, Finish, GenOutcome, GenRequest, JobEvent, LocalFuture, Ticket, WorkerArgs,
+    WorkerError, WorkerEvent,
 };
 use dynamo_config::{QueuePolicy, RoutingPolicy};
 use ractor::Actor;
 use ractor::rpc::CallResult;
 use tokio::sync::Semaphore;
 
-/// Waits for a permit per request; a prompt starting with 666 panics; answers with its worker id.
+/// Serves one request at a time: waits for a permit per request; a prompt starting with 666
+/// panics; answers with its worker id.
 struct Scripted {
     id: usize,
     gate: Arc<Semaphore>,
+    /// The request being served, answered by `reset` if serving it panics.
+    serving: Option<Ticket>,
 }
 
 impl Engine for Scripted {
-    fn generate<'a>(
-        &'a mut self,
-        req: &'a GenRequest,
-        on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
-    ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>> {
+    fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()> {
         Box::pin(async move {
             self.gate.acquire().await.expect("gate").forget();
-            assert_ne!(req.prompt[0], 666, "scripted panic");
-            on_event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: [0; 4] });
-            on_event(WorkerEvent::Token(self.id as u32));
-            Ok(GenOutcome {
+            let prompt = ticket.req.prompt.clone();
+            let ticket = self.serving.insert(ticket);
+            assert_ne!(prompt[0], 666, "scripted panic");
+            ticket.event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: [0; 4] });
+            ticket.event(WorkerEvent::Token(self.id as u32));
+            self.serving.take().expect("serving").finish(Ok(GenOutcome {
                 tokens: vec![self.id as u32],
                 cached_tokens: 0,
                 hit_tokens: [0; 4],
-                prefill_tokens: req.prompt.len(),
+                prefill_tokens: prompt.len(),
                 finish: Finish::Length,
                 ttft: Duration::ZERO,
                 corrupt_blocks: 0,
-            })
+            }));
         })
     }
 
-    fn reset(&mut self) -> usize {
+    fn reset(&mut self, why: &str) -> usize {
+        if let Some(ticket) = self.serving.take() {
+            ticket.finish(Err(WorkerError::Panicked(why.to_string())));
+        }
         0
     }
 
@@ -68,7 +72,7 @@ async fn node_with(
     max_sessions: usize,
 ) -> (ractor::ActorRef<NodeMsg>, SchedulerRef) {
     let factory: EngineFactory =
-        Arc::new(move |id| Ok(Box::new(Scripted { id, gate: gate.clone() }) as Box<dyn Engine>));
+        Arc::new(move |id| Ok(Box::new(Scripted { id, gate: gate.clone(), serving: None }) as Box<dyn Engine>));
     let workers = (0..2)
         .map(|id| WorkerArgs {
             id,

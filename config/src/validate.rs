@@ -162,6 +162,7 @@ impl NodeConfig {
             );
         }
         c.at_least_one("engine.max_batch_tokens", self.engine.max_batch_tokens);
+        c.at_least_one("engine.max_running_requests", self.engine.max_running_requests);
         c.at_least_one("engine.max_queued_requests", self.engine.max_queued_requests);
         if self.engine.kind == crate::EngineKind::Scripted && self.engine.script.is_none() {
             c.fail("engine.script", "engine.kind = \"scripted\" needs engine.script: a JSON array of answers");

@@ -199,6 +199,7 @@ impl Serving {
             pages,
             policy: plan.g1.policy,
             prefill_chunk: cfg.engine.max_batch_tokens,
+            max_running: cfg.engine.max_running_requests,
         };
         // Called on each worker's engine thread, at start and after a restart.
         let factory: EngineFactory = match plan.device.clone() {
@@ -249,8 +250,8 @@ impl Serving {
                         image_bytes: plan.layout.image_bytes(),
                         prefill_tokens_per_s,
                         decode_s_per_token: decode_step.as_secs_f64(),
-                        // The reference engine serves one request at a time.
-                        decode_weight: 1.0,
+                        // Decodes run batched alongside prefills: queued decode work barely delays a first token.
+                        decode_weight: 0.0,
                         // G2 → G1 and G3 → G2: this machine's, measured on real transfers
                         // (`CostModel::measured_on`); a configured G3 rate stands until then.
                         g2_bytes_per_s: 0.0,
@@ -319,6 +320,7 @@ struct EngineSpec {
     pages: usize,
     policy: PolicyKind,
     prefill_chunk: usize,
+    max_running: usize,
 }
 
 impl EngineSpec {
@@ -327,7 +329,8 @@ impl EngineSpec {
         let model = Llama::new(backend, self.weights.as_ref())?;
         let worker = Worker::new(model, self.tiers.clone(), self.pages, self.policy)?
             .with_id(id)
-            .with_prefill_chunk(self.prefill_chunk);
+            .with_prefill_chunk(self.prefill_chunk)
+            .with_max_running(self.max_running);
         Ok(Box::new(worker))
     }
 }

@@ -339,9 +339,9 @@ fn a_g3_that_does_not_fit_leaves_the_disk_as_it_was() {
 /// per queued request), not a constant second.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_node_says_when_to_retry_from_its_queue() {
-    let node = start(&format!("{ONE_WORKER}max_queued_requests = 1\n"));
+    // A batch of one: one request runs, then one waits, and the queue is full.
+    let node = start(&format!("{ONE_WORKER}max_queued_requests = 1\nmax_running_requests = 1\n"));
     let prompt = long_prompt(8_000);
-    // One request runs, then one waits: the queue is full.
     let mut busy = Vec::new();
     for _ in 0..2 {
         let api = node.api.clone();

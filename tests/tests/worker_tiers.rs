@@ -14,7 +14,7 @@ use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Wate
 use dynamo_actors::tiers::{
     BlockSite, G2Tier, G3Tier, KvObserver, LINK_SAMPLE_BYTES, LoadCost, NoObserver, NodeTiers, WriteBatch,
 };
-use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, WorkerEvent};
+use dynamo_actors::worker::{GenOutcome, GenRequest, JobEvent, Resume, Ticket, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::kv_layout::{HostKvPool, PagedLayout};
 use dynamo_kernels::model::{HostWeights, Llama};
@@ -92,8 +92,12 @@ impl Node {
     }
 
     fn worker_on<E: Backend>(&self, backend: E) -> Worker<E> {
+        self.worker_with_pages(backend, 32)
+    }
+
+    fn worker_with_pages<E: Backend>(&self, backend: E, pages: usize) -> Worker<E> {
         let model = Llama::new(backend, self.weights.as_ref()).expect("model");
-        Worker::new(model, self.tiers.clone(), 32, PolicyKind::Lru).expect("worker")
+        Worker::new(model, self.tiers.clone(), pages, PolicyKind::Lru).expect("worker")
     }
 }
 
@@ -749,6 +753,98 @@ async fn sampling_stays_inside_the_decodable_ids() {
             let out = run(&mut w, &req).await;
             assert_eq!(out.tokens.len(), 8);
             assert!(out.tokens.iter().all(|&t| allowed.contains(t)), "{sampling:?} seed {seed}: {:?}", out.tokens);
+        }
+    }
+}
+
+/// Admits every request at once, runs steps until all have ended, and answers each outcome and
+/// the number of steps taken.
+async fn serve_batch<E: Backend>(w: &mut Worker<E>, reqs: &[GenRequest]) -> (Vec<GenOutcome>, usize) {
+    let mut answers = Vec::new();
+    for req in reqs {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        w.admit(Ticket::local(req.clone(), tx)).await;
+        answers.push(rx);
+    }
+    let mut steps = 0;
+    while w.running() > 0 {
+        w.step().await;
+        steps += 1;
+        assert!(steps < 10_000, "the batch makes progress");
+    }
+    let outcomes = answers
+        .into_iter()
+        .map(|mut rx| {
+            let mut streamed = Vec::new();
+            loop {
+                match rx.try_recv().expect("every request is answered") {
+                    JobEvent::Event(WorkerEvent::Token(t)) => streamed.push(t),
+                    JobEvent::Event(_) => {}
+                    JobEvent::Done(outcome) => {
+                        assert_eq!(streamed, outcome.tokens, "the stream is the outcome");
+                        return outcome;
+                    }
+                    JobEvent::Failed(e) => panic!("request failed: {e}"),
+                }
+            }
+        })
+        .collect();
+    (outcomes, steps)
+}
+
+/// Requests of every kind served together — prompts of several lengths computed in chunks
+/// alongside the others' decode steps, greedy and seeded temperature sampling, short and long
+/// answers — get exactly the tokens each gets alone on a fresh node, in far fewer steps than
+/// one at a time would take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_answers_every_request_as_it_would_be_answered_alone() {
+    let n = node(64);
+    let mut w = n.worker().with_prefill_chunk(3 * B);
+    let reqs: Vec<GenRequest> = (0..6u32)
+        .map(|i| {
+            let mut req = GenRequest::greedy(turn(B / 2 + i as usize * 11, 40 + i), 4 + 3 * i as usize);
+            if i % 2 == 1 {
+                req.sampling = dynamo_kernels::sampling::Sampling::Temperature { temperature: 0.9 };
+                req.seed = u64::from(i) * 77;
+            }
+            req
+        })
+        .collect();
+    let (outcomes, steps) = serve_batch(&mut w, &reqs).await;
+    let generated: usize = outcomes.iter().map(|o| o.tokens.len()).sum();
+    for (req, out) in reqs.iter().zip(&outcomes) {
+        assert_eq!(out.tokens.len(), req.max_tokens);
+        assert_eq!(out.tokens, recomputed(req).await, "a request's tokens do not depend on its batch mates");
+    }
+    assert!(steps * 2 < generated, "{steps} steps for {generated} tokens: decodes share steps");
+}
+
+/// A burst that overflows G1: the lowest-priority request yields its pages, its blocks go to G2
+/// (write-through), and it resumes by loading them back instead of recomputing them — with the
+/// same answer either way, and the same as alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_that_overflows_g1_preempts_into_g2_and_resumes_by_loading() {
+    // 8 G1 pages of 16 tokens: three prompts of 2 pages fit, but their answers reach a third and
+    // a fourth page each (12): one request yields while decoding.
+    let reqs: Vec<GenRequest> = (0..3u32).map(|i| GenRequest::greedy(turn(2 * B - 1, 60 + i), B + 2)).collect();
+    let mut alone = Vec::new();
+    for req in &reqs {
+        alone.push(recomputed(req).await);
+    }
+    for resume in [Resume::Load, Resume::Recompute] {
+        let n = node(128);
+        let mut w = n.worker_with_pages(CpuBackend::default(), 8).with_resume(resume);
+        let (outcomes, _) = serve_batch(&mut w, &reqs).await;
+        for (out, want) in outcomes.iter().zip(&alone) {
+            assert_eq!(&out.tokens, want, "{resume:?}: preemption changes no token");
+        }
+        let stats = w.preemption_stats().clone();
+        println!("{resume:?}: {stats:?}");
+        assert!(stats.preempted >= 1, "{resume:?}: G1 overflowed: {stats:?}");
+        assert_eq!(stats.resume_latency.len(), stats.preempted, "every preempted request came back: {stats:?}");
+        match resume {
+            Resume::Load => assert!(stats.resumed_cached_tokens >= B, "resumed by loading: {stats:?}"),
+            Resume::Recompute => assert_eq!(stats.resumed_cached_tokens, 0, "recomputed: {stats:?}"),
         }
     }
 }

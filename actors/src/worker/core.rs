@@ -1,44 +1,64 @@
 //! The worker's engine loop: one engine, its G1 pool, onboarding of cached prefixes from G1/G2/G3,
-//! prefill of the rest, decode, and write-through of every completed block to G2 and G3.
+//! continuous batching of the requests in flight, and write-through of every completed block to
+//! G2 and G3.
 //!
-//! This is the synchronous core that the WorkerActor owns; it takes one request at a time and is
-//! meant to run on the worker's own thread (the forward pass is CPU- or GPU-bound work, never run
-//! inside an async handler). G3 writes are spawned on the ambient tokio runtime so decode never
-//! waits for the disk; [`Worker::flush`] waits for them.
+//! This is the synchronous core that the WorkerActor owns, meant to run on the worker's own thread
+//! (the forward pass is CPU- or GPU-bound work, never run inside an async handler). G3 writes are
+//! spawned on the ambient tokio runtime so decode never waits for the disk; [`Worker::flush`]
+//! waits for them.
+//!
+//! Many requests are in flight at once ([`Worker::admit`], then [`Worker::step`]): each step is
+//! one forward pass over the decode token of every running request plus prefill chunks of the
+//! others, within `engine.max_batch_tokens` tokens and `engine.max_running_requests` requests,
+//! every matrix multiply taking all their rows at once and attention reading each request's own
+//! block table. New requests join at the next step; finished ones leave. A request's tokens do
+//! not depend on its batch mates (bitwise on the CPU).
 //!
 //! A request's life:
-//! 1. hash the prompt's complete blocks; walk them while each is found in G1 (reused in place), G2
-//!    or G3 (loaded: G3 → a G2 slot, verified → G1 page). A G3 block that fails verification ends
-//!    the cached prefix there; the rest is recomputed. At least the last prompt token is always
-//!    computed, so the engine has its logits.
-//! 2. prefill the rest, in passes of at most `engine.max_batch_tokens`; register the blocks each
-//!    pass completes in G1 and write them through: gathered into a sealed image in a G2 slot,
-//!    admitted to G2, and written to G3 in the background, as far down as its region's retention
-//!    policy allows.
-//!
-//! Copies between G1 and G2 run on the backend's copy engine where it has one (CUDA streams of their own):
-//! a pass's gather runs while the next pass computes, and a loaded prefix's scatter runs layer by
-//! layer ahead of the first pass's attention. The worker keeps the copies' buffers (G2 slots and
-//! images) until they finish, and no G1 page with a gather in flight is reused before it ends.
-//! 3. decode; generated blocks are registered and written through as they complete.
+//! 1. admission: hash the prompt's complete blocks; walk them while each is found in G1 (reused in
+//!    place), G2 or G3 (loaded: G3 → a G2 slot, verified → G1 page). A G3 block that fails
+//!    verification ends the cached prefix there; the rest is recomputed. At least the last prompt
+//!    token is always computed, so the step has its logits.
+//! 2. prefill the rest over as many steps as the budget needs; register the blocks each step
+//!    completes in G1 and write them through: gathered into a sealed image in a G2 slot, admitted
+//!    to G2, and written to G3 in the background, as far down as its region's retention policy
+//!    allows.
+//! 3. decode, one token per step; generated blocks are registered and written through as they
+//!    complete.
 //! 4. release the request's G1 references and set the holds of its blocks (conversation context
 //!    survives a tool-call gap this way).
+//!
+//! When G1 has no page left for a step, the lowest-priority request yields: its blocks are
+//! written through (most are in G2 already), its pages freed, and it resumes later by loading
+//! them back rather than recomputing them ([`Resume`]).
+//!
+//! Copies between G1 and G2 run on the backend's copy engine where it has one (CUDA streams of
+//! their own): a step's gather runs while the next step computes, and a loaded prefix's scatter
+//! runs layer by layer ahead of the next step's attention. The worker keeps the copies' buffers
+//! (G2 slots and images) until they finish, and no G1 page with a gather in flight is reused
+//! before it ends.
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dynamo_config::{RegionKind, TierName};
 use dynamo_kernels::Backend;
-use dynamo_kernels::model::{Llama, ModelError};
+use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
 use dynamo_tiering::block::{BlockHash, BlockHasher, HEADER_LEN, ImageSpec, RetentionMeta, payload_mut, seal};
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
+use futures::FutureExt;
 use tokio::task::JoinSet;
 
-use crate::telemetry::{Tier, record_tier_error, record_transfer, record_write_lag, record_write_skipped};
+use super::{JobEvent, Ticket};
+
+use crate::telemetry::{
+    Tier, record_preemption, record_tier_error, record_transfer, record_write_lag, record_write_skipped,
+};
 use crate::tiers::{BlockSite, G2Tier, NodeTiers};
 
 /// One generation request, already tokenized.
@@ -163,6 +183,9 @@ pub enum WorkerError {
     /// The worker restarted before this queued request started; it may be retried.
     #[error("the worker restarted before this request started; retry it")]
     Restarting,
+    /// The engine step this request was part of failed (a kernel or copy error).
+    #[error("the engine step failed: {0}")]
+    Step(String),
 }
 
 impl WorkerError {
@@ -175,6 +198,7 @@ impl WorkerError {
             WorkerError::Model(e) => e.kind(),
             WorkerError::Panicked(_) => "panicked",
             WorkerError::Restarting => "restarting",
+            WorkerError::Step(_) => "engine_step",
         }
     }
 }
@@ -189,17 +213,25 @@ pub fn unix_millis() -> Millis {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// Requests one worker runs at once unless configured (`engine.max_running_requests`).
+pub const DEFAULT_MAX_RUNNING: usize = 64;
+
+/// The region of prompt token `token`: the request's range that holds it, else conversation.
+fn region_of(req: &GenRequest, token: usize) -> RegionKind {
+    req.regions.iter().find(|(r, _)| r.contains(&token)).map(|(_, k)| *k).unwrap_or(RegionKind::Conversation)
+}
+
 /// G3 write batches one worker keeps in flight at most; beyond it write-through stops at G2.
 pub const MAX_G3_BATCHES_IN_FLIGHT: usize = 8;
 
-/// One engine with its G1 pool.
+/// One engine with its G1 pool, serving many requests at once (continuous batching).
 pub struct Worker<B: Backend> {
     id: usize,
     /// G1 → G2 gathers in flight on the copy engine, oldest first. Declared before the pool and
     /// the model, so a dropped worker waits for its copies before the pool goes.
     copying: Vec<Copying<B>>,
-    /// The G2 → G1 scatter of the cached prefix in flight, until the first pass has run.
-    loading: Option<Loading<B>>,
+    /// G2 → G1 scatters of cached prefixes in flight, until the next step has run.
+    loading: Vec<Loading<B>>,
     model: Llama<B>,
     kv: B::Kv,
     tiers: Arc<NodeTiers>,
@@ -216,8 +248,19 @@ pub struct Worker<B: Backend> {
     /// Sealed G2 images waiting for their G2 → G3 write.
     g3_batch: Vec<PendingWrite>,
     writes: JoinSet<()>,
-    /// Most prompt tokens computed in one forward pass (see [`Worker::with_prefill_chunk`]).
+    /// Most tokens computed in one step (see [`Worker::with_prefill_chunk`]).
     prefill_chunk: usize,
+    /// Most requests in the batch (see [`Worker::with_max_running`]).
+    max_running: usize,
+    /// How a preempted request comes back.
+    resume: Resume,
+    /// The requests in the batch, in admission order.
+    running: Vec<Seq>,
+    /// Requests preempted to free G1, waiting to resume (before any new one is admitted).
+    preempted: Vec<Seq>,
+    /// Admissions so far: each request's order.
+    admitted: u64,
+    stats: PreemptionStats,
 }
 
 impl<B: Backend> std::fmt::Debug for Worker<B> {
@@ -226,11 +269,80 @@ impl<B: Backend> std::fmt::Debug for Worker<B> {
     }
 }
 
+/// How a request preempted out of G1 comes back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Resume {
+    /// Its blocks are loaded back from where write-through put them (G1 if still resident, G2,
+    /// G3), and only the rest is recomputed: the default.
+    #[default]
+    Load,
+    /// Everything is recomputed, as vLLM's default preemption does (the benchmark's comparison).
+    Recompute,
+}
+
+/// What preemption did on a worker so far.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PreemptionStats {
+    /// Requests preempted.
+    pub preempted: usize,
+    /// Tokens a resumed request did not recompute (loaded or still resident).
+    pub resumed_cached_tokens: usize,
+    /// Tokens a resumed request recomputed.
+    pub resumed_computed_tokens: usize,
+    /// For each resumed request, the time from its resumption (G1 had room again) to its next
+    /// token: what bringing it back cost.
+    pub resume_latency: Vec<Duration>,
+    /// For each resumed request, the time from its preemption to its next token (waiting for
+    /// room included).
+    pub preempted_for: Vec<Duration>,
+}
+
 /// Where a block of the request's sequence lives in G1.
 struct SeqBlock {
     page: u32,
     /// Registered in G1 and referenced by this request.
     registered: Option<BlockHash>,
+}
+
+/// A request this worker serves, and where it is in its life.
+struct Seq {
+    ticket: Ticket,
+    /// Its admission's order (the latest admitted yields first among equal priorities).
+    order: u64,
+    /// The hashes of its complete blocks: the prompt's, then the generated ones as their KV
+    /// completes.
+    chain: Vec<BlockHash>,
+    /// Complete blocks of the prompt.
+    prompt_blocks: usize,
+    /// The prompt, then the generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens whose KV is in this worker's G1: the next step computes from here.
+    computed: usize,
+    /// Its G1 pages, one per block.
+    blocks: Vec<SeqBlock>,
+    outcome: GenOutcome,
+    rng: SeededRng,
+    start: Instant,
+    /// Whether the prompt has been prefilled (and reported).
+    prefilled: bool,
+    /// When it was preempted and when it resumed, until its next token.
+    preempted_at: Option<(Instant, Option<Instant>)>,
+}
+
+impl Seq {
+    fn req(&self) -> &GenRequest {
+        &self.ticket.req
+    }
+
+    /// The region of block `i`: the prompt's regions for its blocks, generated after them.
+    fn region(&self, i: usize, block_tokens: usize) -> RegionKind {
+        if i < self.prompt_blocks { region_of(self.req(), i * block_tokens) } else { RegionKind::Generated }
+    }
+
+    /// Tokens waiting for their KV.
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
 }
 
 /// A completed block whose KV is still only in its G1 page.
@@ -251,11 +363,13 @@ struct Copying<B: Backend> {
     slots: Vec<SlotMut>,
 }
 
-/// A G2 → G1 scatter in flight, the images it reads and where their blocks are in the sequence.
+/// A G2 → G1 scatter in flight, the images it reads, whose sequence it is for and where their
+/// blocks are in it.
 struct Loading<B: Backend> {
     /// Declared first: dropping it waits for the copies before the images are released.
     copies: B::Copies,
     images: Vec<SlotRef>,
+    order: u64,
     blocks: Vec<usize>,
 }
 
@@ -284,7 +398,7 @@ impl<B: Backend> Worker<B> {
         Ok(Self {
             id: 0,
             copying: Vec::new(),
-            loading: None,
+            loading: Vec::new(),
             model,
             kv,
             tiers,
@@ -298,14 +412,34 @@ impl<B: Backend> Worker<B> {
             g3_batch: Vec::new(),
             writes: JoinSet::new(),
             prefill_chunk: usize::MAX,
+            max_running: DEFAULT_MAX_RUNNING,
+            resume: Resume::Load,
+            running: Vec::new(),
+            preempted: Vec::new(),
+            admitted: 0,
+            stats: PreemptionStats::default(),
         })
     }
 
-    /// Computes a prompt in forward passes of at most `tokens` tokens (`engine.max_batch_tokens`),
-    /// each attending to the KV the ones before it wrote: what bounds a pass's activation memory
-    /// whatever the prompt's length. By default a prompt is one pass.
+    /// Computes at most `tokens` tokens per step (`engine.max_batch_tokens`): the decode tokens of
+    /// every running request, then prefill chunks of the others within what is left. A long
+    /// prompt is computed over several steps, each attending to the KV the ones before it wrote:
+    /// what bounds a step's activation memory whatever the prompts' lengths. By default a step
+    /// takes everything.
     pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
         self.prefill_chunk = tokens.max(1);
+        self
+    }
+
+    /// Runs at most `requests` requests at once (`engine.max_running_requests`).
+    pub fn with_max_running(mut self, requests: usize) -> Self {
+        self.max_running = requests.max(1);
+        self
+    }
+
+    /// How preempted requests come back (by default: by loading their blocks).
+    pub fn with_resume(mut self, resume: Resume) -> Self {
+        self.resume = resume;
         self
     }
 
@@ -330,13 +464,40 @@ impl<B: Backend> Worker<B> {
         &self.model
     }
 
+    /// What preemption did so far.
+    pub fn preemption_stats(&self) -> &PreemptionStats {
+        &self.stats
+    }
+
+    /// Requests admitted and not finished (running or preempted).
+    pub fn running(&self) -> usize {
+        self.running.len() + self.preempted.len()
+    }
+
+    /// Whether another request may join the batch now: below the limit, and nobody waits to
+    /// resume.
+    pub fn has_room(&self) -> bool {
+        self.preempted.is_empty() && self.running.len() < self.max_running
+    }
+
+    /// Fails every request in the batch with [`WorkerError::Panicked`]`(why)` (their pages are
+    /// not given back: a [`Self::reset`] follows).
+    pub fn abort(&mut self, why: &str) {
+        for seq in self.running.drain(..).chain(self.preempted.drain(..)) {
+            seq.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
+        }
+    }
+
     /// Forgets everything in G1, as a restarted worker would: every page is free again and no
-    /// block is resident (after a panic, the pool's contents cannot be trusted). Returns how many
-    /// registered blocks were dropped; they are reported cleared.
+    /// block is resident (after a panic, the pool's contents cannot be trusted). Requests still
+    /// in the batch are answered "restarting". Returns how many registered blocks were dropped;
+    /// they are reported cleared.
     pub fn reset(&mut self) -> usize {
+        self.running.clear();
+        self.preempted.clear();
         let dropped = self.by_hash.len();
         // Dropping the copies in flight waits for them; their images are not trusted either.
-        self.loading = None;
+        self.loading.clear();
         self.copying.clear();
         self.gathering.fill(false);
         self.free = (0..self.pages as u32).rev().collect();
@@ -383,63 +544,377 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn region_of(req: &GenRequest, token: usize) -> RegionKind {
-        req.regions.iter().find(|(r, _)| r.contains(&token)).map(|(_, k)| *k).unwrap_or(RegionKind::Conversation)
-    }
-
-    /// Serves one request; `on_event` sees the prefill result and then each generated token, and
-    /// returns false to stop early (the client went away).
+    /// Serves one request alone: admits it, then runs steps until it ends; `on_event` sees the
+    /// prefill passes, the prefill result and each generated token, and returns false to stop
+    /// early (the client went away). Requests admitted before it share its steps.
     pub async fn generate(
         &mut self,
         req: &GenRequest,
         on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
     ) -> Result<GenOutcome, WorkerError> {
-        let start_time = Instant::now();
-        #[cfg(feature = "failpoints")]
-        if req.max_tokens == FAILPOINT_PANIC_MAX_TOKENS {
-            panic!("failpoint: injected worker panic");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        self.admit(Ticket::local(req.clone(), tx)).await;
+        let order = self.admitted;
+        let mut cancelled = false;
+        loop {
+            while let Ok(event) = rx.try_recv() {
+                match event {
+                    JobEvent::Event(e) => {
+                        if !cancelled && !on_event(e) {
+                            cancelled = true;
+                            self.cancel(order);
+                        }
+                    }
+                    JobEvent::Done(outcome) => return Ok(outcome),
+                    JobEvent::Failed(e) => return Err(e),
+                }
+            }
+            if self.running() == 0 {
+                return Err(WorkerError::Restarting);
+            }
+            self.step().await;
         }
+    }
+
+    /// Takes a request into the batch: checks it, hashes its prompt and brings its cached prefix
+    /// into G1 (reads from G3 are awaited here); the next step computes the rest. A request that
+    /// cannot be served is answered at once.
+    pub async fn admit(&mut self, ticket: Ticket) {
         let b = self.tiers.block_tokens;
+        let req = &ticket.req;
         let len = req.prompt.len();
         if len == 0 {
-            return Err(WorkerError::EmptyPrompt);
+            return ticket.finish(Err(WorkerError::EmptyPrompt));
         }
         let needed = (len + req.max_tokens).div_ceil(b);
         if needed > self.pages {
-            return Err(WorkerError::TooLong { prompt: len, max_tokens: req.max_tokens, needed, capacity: self.pages });
+            let (prompt, max_tokens, capacity) = (len, req.max_tokens, self.pages);
+            return ticket.finish(Err(WorkerError::TooLong { prompt, max_tokens, needed, capacity }));
         }
-        let now = unix_millis();
-        let mut hasher = BlockHasher::new(self.tiers.salt, b);
-        let hashes = hasher.hash_sequence(&req.prompt);
-        let mut seq: Vec<SeqBlock> = Vec::with_capacity(len.div_ceil(b) + 1);
-        let mut outcome = GenOutcome {
-            tokens: Vec::new(),
-            cached_tokens: 0,
-            hit_tokens: [0; 4],
-            prefill_tokens: 0,
-            finish: Finish::Length,
-            ttft: Duration::ZERO,
-            corrupt_blocks: 0,
+        let chain = BlockHasher::new(self.tiers.salt, b).hash_sequence(&req.prompt);
+        self.admitted += 1;
+        let mut seq = Seq {
+            order: self.admitted,
+            prompt_blocks: chain.len(),
+            chain,
+            tokens: req.prompt.clone(),
+            computed: 0,
+            blocks: Vec::with_capacity(len.div_ceil(b) + 1),
+            outcome: GenOutcome {
+                tokens: Vec::new(),
+                cached_tokens: 0,
+                hit_tokens: [0; 4],
+                prefill_tokens: 0,
+                finish: Finish::Length,
+                ttft: Duration::ZERO,
+                corrupt_blocks: 0,
+            },
+            rng: SeededRng::new(req.seed),
+            start: Instant::now(),
+            prefilled: false,
+            preempted_at: None,
+            ticket,
         };
-        let result = self.run(req, &hashes, &mut seq, &mut outcome, now, start_time, on_event).await;
-        // A scatter still in flight (the request failed before its first pass) ends here.
-        self.loading = None;
-        // The turn's blocks are in G2 when it ends (the next turn may be served anywhere), and its
-        // G3 batch goes.
+        // A panic from here on finds the request in the batch, where the restart fails it.
+        let onboarded = AssertUnwindSafe(async {
+            #[cfg(feature = "failpoints")]
+            if seq.req().max_tokens == FAILPOINT_PANIC_MAX_TOKENS {
+                panic!("failpoint: injected worker panic");
+            }
+            self.onboard(&mut seq, true).await
+        })
+        .catch_unwind()
+        .await;
+        match onboarded {
+            Ok(Ok(())) => {
+                seq.outcome.cached_tokens = seq.computed;
+                seq.outcome.prefill_tokens = len - seq.computed;
+                self.running.push(seq);
+            }
+            Ok(Err(e)) => {
+                self.release(&mut seq);
+                seq.ticket.finish(Err(e));
+            }
+            Err(panic) => {
+                self.running.push(seq);
+                std::panic::resume_unwind(panic);
+            }
+        }
+    }
+
+    /// Stops the request admitted `order`-th at the next step (its caller stopped listening).
+    fn cancel(&mut self, order: u64) {
+        if let Some(i) = self.running.iter().position(|s| s.order == order) {
+            let seq = self.running.remove(i);
+            self.end(seq, Ok(Finish::Stop));
+        } else if let Some(i) = self.preempted.iter().position(|s| s.order == order) {
+            let seq = self.preempted.remove(i);
+            self.end(seq, Ok(Finish::Stop));
+        }
+    }
+
+    /// One engine step: preempted requests resume when G1 has room for them; requests whose
+    /// caller went away end; then one forward pass computes the pending decode token of every
+    /// running request and prefill chunks of the others (in priority, then arrival order) within
+    /// the step's token budget. A request that needs a G1 page when none is free makes the
+    /// lowest-priority request yield its pages ([`Self::preempt`]). Each request then reports
+    /// what the step did for it, and those that finished leave the batch.
+    pub async fn step(&mut self) {
+        self.resume_preempted().await;
+        let mut running = std::mem::take(&mut self.running);
+        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> = Vec::new();
+        for (i, seq) in running.iter().enumerate() {
+            if seq.ticket.is_closed() {
+                ended.push((i, Ok(Finish::Stop)));
+            }
+        }
+        // Decode tokens first, then prefill chunks; higher priority and earlier arrival first.
+        let mut order: Vec<usize> = (0..running.len()).filter(|i| !ended.iter().any(|(e, _)| e == i)).collect();
+        order.sort_by_key(|&i| {
+            let s = &running[i];
+            (s.pending() > 1, std::cmp::Reverse(s.ticket.priority), s.order)
+        });
+        let b = self.tiers.block_tokens;
+        let mut budget = self.prefill_chunk;
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        let mut yielded: Vec<usize> = Vec::new();
+        for (at, &i) in order.iter().enumerate() {
+            if yielded.contains(&i) {
+                continue;
+            }
+            let take = running[i].pending().min(budget);
+            if take == 0 {
+                continue;
+            }
+            let need = (running[i].computed + take).div_ceil(b);
+            let mut fits = true;
+            while running[i].blocks.len() < need {
+                match self.alloc_page(unix_millis()) {
+                    Ok(page) => running[i].blocks.push(SeqBlock { page, registered: None }),
+                    Err(_) => {
+                        // The lowest-priority request not yet in this step yields; if there is
+                        // none, this one does (unless it would be alone: then it cannot fit).
+                        let victim = order[at + 1..].iter().rev().copied().find(|v| !yielded.contains(v));
+                        match victim {
+                            Some(v) => {
+                                self.preempt(&mut running[v]);
+                                yielded.push(v);
+                            }
+                            None if !plan.is_empty() => {
+                                self.preempt(&mut running[i]);
+                                yielded.push(i);
+                                fits = false;
+                                break;
+                            }
+                            None => {
+                                ended.push((i, Err(WorkerError::Overloaded)));
+                                fits = false;
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            if fits {
+                plan.push((i, take));
+                budget -= take;
+            }
+        }
+        let tables: Vec<Vec<u32>> =
+            plan.iter().map(|&(i, _)| running[i].blocks.iter().map(|s| s.page).collect()).collect();
+        let chunks: Vec<Chunk<'_>> = plan
+            .iter()
+            .zip(&tables)
+            .map(|(&(i, take), table)| {
+                let s = &running[i];
+                Chunk { tokens: &s.tokens[s.computed..s.computed + take], start: s.computed, block_table: table }
+            })
+            .collect();
+        let logits =
+            if chunks.is_empty() { Ok(Vec::new()) } else { self.model.forward_batch(&mut self.kv, &chunks, b) };
+        drop(chunks);
+        let load_failed = self.finish_loads(&mut running);
+        match logits {
+            Ok(logits) => {
+                for (&(i, take), logits) in plan.iter().zip(&logits) {
+                    if let Some(e) = load_failed.iter().find(|(order, _)| *order == running[i].order).map(|(_, e)| e) {
+                        ended.push((i, Err(WorkerError::Step(e.clone()))));
+                        continue;
+                    }
+                    if let Some(end) = self.advance(&mut running[i], take, logits) {
+                        ended.push((i, end));
+                    }
+                }
+            }
+            Err(e) => {
+                let e = e.to_string();
+                ended.extend(plan.iter().map(|&(i, _)| (i, Err(WorkerError::Step(e.clone())))));
+            }
+        }
+        self.gather_pending();
+        self.maybe_flush_batches();
+        // Those that ended leave, and those that yielded wait to resume; the rest stay in order.
+        let mut fate: Vec<Option<Option<Result<Finish, WorkerError>>>> = running.iter().map(|_| None).collect();
+        for (i, end) in ended {
+            fate[i].get_or_insert(Some(end));
+        }
+        for v in yielded {
+            fate[v].get_or_insert(None);
+        }
+        let mut leaving = Vec::new();
+        for (seq, fate) in std::mem::take(&mut running).into_iter().zip(fate) {
+            match fate {
+                None => running.push(seq),
+                Some(end) => leaving.push((seq, end)),
+            }
+        }
+        self.running = running;
+        for (seq, end) in leaving {
+            match end {
+                Some(end) => self.end(seq, end),
+                None => self.preempted.push(seq),
+            }
+        }
+        self.preempted.sort_by_key(|s| (std::cmp::Reverse(s.ticket.priority), s.order));
+    }
+
+    /// What one step's `take` tokens and the logits after them mean for `seq`; `Some` when it
+    /// ends.
+    fn advance(&mut self, seq: &mut Seq, take: usize, logits: &[f32]) -> Option<Result<Finish, WorkerError>> {
+        let b = self.tiers.block_tokens;
+        let before = seq.computed;
+        seq.computed += take;
+        // The blocks this step completed get an identity (generated ones are hashed now) and
+        // are written through.
+        for i in before / b..seq.computed / b {
+            if i == seq.chain.len() {
+                let parent = seq.chain.last().copied();
+                let hash = BlockHasher::new(self.tiers.salt, b).hash_block(parent, &seq.tokens[i * b..(i + 1) * b]);
+                seq.chain.push(hash);
+            }
+            let region = seq.region(i, b);
+            self.register(i, &mut seq.blocks, &seq.chain, region, unix_millis(), true);
+        }
+        if seq.computed < seq.tokens.len() {
+            // Between two prefill passes: go on only while someone waits for the answer.
+            if !seq.prefilled && !seq.ticket.event(WorkerEvent::Computed { tokens: seq.computed }) {
+                seq.outcome.prefill_tokens = seq.computed - seq.outcome.cached_tokens;
+                return Some(Ok(Finish::Stop));
+            }
+            return None;
+        }
+        if !seq.prefilled {
+            seq.prefilled = true;
+            let (cached_tokens, hit_tokens) = (seq.outcome.cached_tokens, seq.outcome.hit_tokens);
+            if !seq.ticket.event(WorkerEvent::Prefilled { cached_tokens, hit_tokens }) {
+                return Some(Ok(Finish::Stop));
+            }
+        }
+        if let Some((preempted, resumed)) = seq.preempted_at.take() {
+            self.stats.preempted_for.push(preempted.elapsed());
+            self.stats.resume_latency.push(resumed.unwrap_or(preempted).elapsed());
+        }
+        let step = seq.outcome.tokens.len();
+        if step >= seq.req().max_tokens {
+            return Some(Ok(Finish::Length));
+        }
+        let req = &seq.ticket.req;
+        let token = match &req.forced {
+            Some(forced) => match forced.get(step) {
+                Some(&token) => token,
+                None => return Some(Ok(Finish::Stop)),
+            },
+            None => sample_in(logits, req.allowed.as_deref(), req.sampling, &mut seq.rng),
+        };
+        if step == 0 {
+            seq.outcome.ttft = seq.start.elapsed();
+        }
+        if req.stop_tokens.contains(&token) {
+            return Some(Ok(Finish::Stop));
+        }
+        seq.outcome.tokens.push(token);
+        seq.tokens.push(token);
+        if !seq.ticket.event(WorkerEvent::Token(token)) {
+            return Some(Ok(Finish::Stop));
+        }
+        (seq.outcome.tokens.len() == seq.req().max_tokens).then_some(Ok(Finish::Length))
+    }
+
+    /// Frees `seq`'s G1 pages for others: its completed blocks are written through first (most
+    /// are in G2 already), its references released (the blocks stay in G1 until evicted), its
+    /// private pages freed. It resumes from the tiers ([`Self::resume_preempted`]).
+    fn preempt(&mut self, seq: &mut Seq) {
+        self.gather_pending();
+        self.finish_gathers(true);
+        self.loading.retain(|l| l.order != seq.order);
+        self.release(seq);
+        seq.computed = 0;
+        seq.preempted_at = Some((Instant::now(), None));
+        self.stats.preempted += 1;
+        record_preemption();
+    }
+
+    /// Resumes preempted requests, highest priority first, while G1 has room for their blocks
+    /// (always the first one when nothing else runs): each brings back what the tiers kept of it
+    /// (or, with [`Resume::Recompute`], nothing) and recomputes the rest.
+    async fn resume_preempted(&mut self) {
+        let b = self.tiers.block_tokens;
+        while let Some(first) = self.preempted.first() {
+            let referenced: usize = self.running.iter().map(|s| s.blocks.len()).sum();
+            let needed = (first.tokens.len() + 1).div_ceil(b) + self.running.len();
+            if !self.running.is_empty() && referenced + needed > self.pages {
+                return;
+            }
+            let mut seq = self.preempted.remove(0);
+            if let Some((_, resumed)) = &mut seq.preempted_at {
+                *resumed = Some(Instant::now());
+            }
+            let loaded = match self.resume {
+                Resume::Load => self.onboard(&mut seq, false).await,
+                Resume::Recompute => Ok(()),
+            };
+            match loaded {
+                Ok(()) => {
+                    self.stats.resumed_cached_tokens += seq.computed;
+                    self.stats.resumed_computed_tokens += seq.tokens.len() - seq.computed;
+                    self.running.push(seq);
+                }
+                Err(e) => {
+                    self.release(&mut seq);
+                    self.end(seq, Err(e));
+                }
+            }
+        }
+    }
+
+    /// Releases `seq`'s G1 references and frees its private pages.
+    fn release(&mut self, seq: &mut Seq) {
+        for block in std::mem::take(&mut seq.blocks) {
+            match block.registered {
+                Some(hash) => drop(self.registry.release(hash)),
+                None => self.free_page(block.page),
+            }
+        }
+    }
+
+    /// Ends `seq` and answers its caller. The turn's blocks are in G2 when it ends (the next turn
+    /// may be served anywhere) and its G3 batch goes; its G1 references are released and its
+    /// private pages freed. The turn's answer becomes conversation context for the next turn (an
+    /// agent resends it), so its blocks are promoted to the conversation's priority and hold.
+    fn end(&mut self, mut seq: Seq, end: Result<Finish, WorkerError>) {
+        self.loading.retain(|l| l.order != seq.order);
         self.gather_pending();
         self.finish_gathers(true);
         self.send_g3_batch();
-        // Release the request's references whatever happened; private pages go back to the pool.
-        // The turn's answer becomes conversation context for the next turn (an agent resends
-        // it), so its blocks are promoted to the conversation's priority and hold.
-        let end = unix_millis();
+        let b = self.tiers.block_tokens;
+        let now = unix_millis();
         let conversation = self.tiers.retention.policy(RegionKind::Conversation).priority;
-        for (i, block) in seq.iter().enumerate() {
+        for (i, block) in std::mem::take(&mut seq.blocks).into_iter().enumerate() {
             match block.registered {
                 Some(hash) => {
                     let _ = self.registry.release(hash);
-                    let region = if i < hashes.len() {
-                        Self::region_of(req, i * b)
+                    let region = if i < seq.prompt_blocks {
+                        seq.region(i, b)
                     } else {
                         let _ = self.registry.set_priority(hash, conversation);
                         if let Some(g2) = &self.tiers.g2 {
@@ -449,133 +924,40 @@ impl<B: Backend> Worker<B> {
                     };
                     let hold = self.tiers.retention.policy(region).hold.as_duration().as_millis() as u64;
                     if hold > 0 {
-                        let _ = self.registry.hold(hash, end + hold);
+                        let _ = self.registry.hold(hash, now + hold);
                         if let Some(g2) = &self.tiers.g2 {
-                            g2.hold(hash, end + hold);
+                            g2.hold(hash, now + hold);
                         }
                     }
                 }
                 None => self.free_page(block.page),
             }
         }
-        result.map(|()| outcome)
+        let Seq { ticket, mut outcome, prefilled, computed, .. } = seq;
+        if !prefilled {
+            // Stopped before its prompt was in: only what was computed counts.
+            outcome.prefill_tokens = computed.saturating_sub(outcome.cached_tokens);
+        }
+        ticket.finish(end.map(|finish| {
+            outcome.finish = finish;
+            outcome
+        }));
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn run(
-        &mut self,
-        req: &GenRequest,
-        hashes: &[BlockHash],
-        seq: &mut Vec<SeqBlock>,
-        outcome: &mut GenOutcome,
-        now: Millis,
-        start_time: Instant,
-        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
-    ) -> Result<(), WorkerError> {
+    /// Finds the cached prefix of `seq`'s tokens and brings it into G1: blocks in this worker's
+    /// G1 are reused in place; the rest comes from G2, or from G3 (all of the run's reads in
+    /// flight together, each verified) into G2 slots, and then into G1 pages in one batched
+    /// scatter, which the next step waits for. A tier is used only while loading from it beats
+    /// recomputing; a G3 block that fails ends the prefix there. At least the last token is left
+    /// to compute, so the step has its logits. `first`: the request's admission (its hits are
+    /// what it reports), not a resume after preemption.
+    async fn onboard(&mut self, seq: &mut Seq, first: bool) -> Result<(), WorkerError> {
+        let now = unix_millis();
         let b = self.tiers.block_tokens;
-        let len = req.prompt.len();
-        // 1. The cached prefix, capped so that the last prompt token is computed.
-        self.onboard(req, hashes, seq, outcome, now).await?;
-        let cached = seq.len() * b;
-        outcome.cached_tokens = cached;
-        outcome.prefill_tokens = len - cached;
-
-        // 2. Pages for the rest of the prompt, then prefill. Pages for generated tokens are taken
-        // as decode reaches them: a `max_tokens` far beyond what the answer uses reserves nothing.
-        while seq.len() < len.div_ceil(b) {
-            let page = self.alloc_page(now)?;
-            seq.push(SeqBlock { page, registered: None });
-        }
-        let mut table: Vec<u32> = seq.iter().map(|s| s.page).collect();
-        let mut logits = Vec::new();
-        let mut pos = cached;
-        for chunk in req.prompt[cached..].chunks(self.prefill_chunk) {
-            logits = self.model.forward(&mut self.kv, chunk, pos, &table, b)?;
-            self.finish_load(seq, false)?;
-            // The blocks this pass completed leave for G2 while the next pass computes.
-            let done = (pos + chunk.len()) / b;
-            for i in pos / b..done.min(hashes.len()) {
-                self.register(i, seq, hashes, Self::region_of(req, i * b), now, true);
-            }
-            self.gather_pending();
-            pos += chunk.len();
-            if pos < len && !on_event(WorkerEvent::Computed { tokens: pos }) {
-                // Cancelled: only what was computed counts.
-                outcome.prefill_tokens = pos - cached;
-                outcome.finish = Finish::Stop;
-                return Ok(());
-            }
-        }
-        if !on_event(WorkerEvent::Prefilled { cached_tokens: cached, hit_tokens: outcome.hit_tokens }) {
-            outcome.finish = Finish::Stop;
-            return Ok(());
-        }
-
-        // 3. Decode.
-        let mut rng = SeededRng::new(req.seed);
-        let mut tokens_so_far = req.prompt.clone();
-        let mut chain: Vec<BlockHash> = hashes.to_vec();
-        for step in 0..req.max_tokens {
-            let token = match &req.forced {
-                Some(forced) => match forced.get(step) {
-                    Some(&token) => token,
-                    None => {
-                        outcome.finish = Finish::Stop;
-                        return Ok(());
-                    }
-                },
-                None => sample_in(&logits, req.allowed.as_deref(), req.sampling, &mut rng),
-            };
-            if step == 0 {
-                outcome.ttft = start_time.elapsed();
-            }
-            if req.stop_tokens.contains(&token) {
-                outcome.finish = Finish::Stop;
-                return Ok(());
-            }
-            outcome.tokens.push(token);
-            tokens_so_far.push(token);
-            if !on_event(WorkerEvent::Token(token)) {
-                outcome.finish = Finish::Stop;
-                return Ok(());
-            }
-            if step + 1 == req.max_tokens {
-                break;
-            }
-            let pos = tokens_so_far.len() - 1;
-            if pos / b == seq.len() {
-                let page = self.alloc_page(unix_millis())?;
-                seq.push(SeqBlock { page, registered: None });
-                table.push(page);
-            }
-            logits = self.model.forward(&mut self.kv, &[token], pos, &table, b)?;
-            // A generated block completes: it gets an identity and is written through.
-            if tokens_so_far.len().is_multiple_of(b) {
-                let i = tokens_so_far.len() / b - 1;
-                let parent = chain.last().copied();
-                let hash = BlockHasher::new(self.tiers.salt, b).hash_block(parent, &tokens_so_far[i * b..(i + 1) * b]);
-                chain.push(hash);
-                self.register(i, seq, &chain, RegionKind::Generated, unix_millis(), true);
-            }
-            self.maybe_flush_batches();
-        }
-        Ok(())
-    }
-
-    /// Finds the cached prefix and brings it into G1: blocks in this worker's G1 are reused in
-    /// place; the rest comes from G2, or from G3 (all of the run's reads in flight together, each
-    /// verified) into G2 slots, and then into G1 pages in one batched scatter. A tier is used
-    /// only while loading from it beats recomputing; a G3 block that fails ends the prefix there.
-    async fn onboard(
-        &mut self,
-        req: &GenRequest,
-        hashes: &[BlockHash],
-        seq: &mut Vec<SeqBlock>,
-        outcome: &mut GenOutcome,
-        now: Millis,
-    ) -> Result<(), WorkerError> {
-        let b = self.tiers.block_tokens;
-        let cap = (req.prompt.len() - 1) / b;
+        let cap = ((seq.tokens.len() - 1) / b).min(seq.chain.len());
+        let hashes = seq.chain.clone();
+        let hashes = hashes.as_slice();
+        let mut hits = [0usize; 4];
         let tiers = self.tiers.clone();
         let image_bytes = tiers.layout.payload_bytes() + HEADER_LEN;
         let g2_bw = match tiers.cost.g2_read_bytes_per_s {
@@ -638,7 +1020,7 @@ impl<B: Backend> Worker<B> {
                     Some(Ok(_)) => {}
                     Some(Err(failure)) => {
                         if failure.error.kind() == "corrupt" {
-                            outcome.corrupt_blocks += 1;
+                            seq.outcome.corrupt_blocks += 1;
                         }
                         g3.health.record_error(&failure.error);
                         record_tier_error(Tier::G3, failure.error.kind());
@@ -667,27 +1049,22 @@ impl<B: Backend> Worker<B> {
         for (i, source) in plan.into_iter().enumerate() {
             match source {
                 Source::G1(page) => {
-                    seq.push(SeqBlock { page, registered: Some(hashes[i]) });
-                    outcome.hit_tokens[0] += b;
+                    seq.blocks.push(SeqBlock { page, registered: Some(hashes[i]) });
+                    hits[0] += b;
                 }
                 Source::Image { image, from_g3 } => {
                     let page = match self.alloc_page(now) {
                         Ok(page) => page,
                         Err(e) => {
-                            self.forget_loaded(seq, &loaded);
-                            for s in seq.drain(..) {
-                                match s.registered {
-                                    Some(hash) => drop(self.registry.release(hash)),
-                                    None => self.free_page(s.page),
-                                }
-                            }
+                            self.forget_loaded(&mut seq.blocks, &loaded);
+                            self.release(seq);
                             return Err(e);
                         }
                     };
-                    seq.push(SeqBlock { page, registered: None });
-                    outcome.hit_tokens[if from_g3 { 2 } else { 1 }] += b;
-                    let region = Self::region_of(req, i * b);
-                    self.register(i, seq, hashes, region, now, false);
+                    seq.blocks.push(SeqBlock { page, registered: None });
+                    hits[if from_g3 { 2 } else { 1 }] += b;
+                    let region = seq.region(i, b);
+                    self.register(i, &mut seq.blocks, hashes, region, now, false);
                     self.write_loaded(i, hashes, region, image.clone(), from_g3, now);
                     loads.push((page, image));
                     loaded.push(i);
@@ -707,32 +1084,38 @@ impl<B: Backend> Worker<B> {
             let copies = match started {
                 Ok(copies) => copies,
                 Err(e) => {
-                    self.forget_loaded(seq, &loaded);
+                    self.forget_loaded(&mut seq.blocks, &loaded);
                     return Err(ModelError::from(e).into());
                 }
             };
             let images = loads.into_iter().map(|(_, image)| image).collect();
-            self.loading = Some(Loading { copies, images, blocks: loaded });
+            let loading = Loading { copies, images, order: seq.order, blocks: loaded };
             // Until the link is measured, a load runs alone and is timed.
             if tiers.g2.as_ref().is_some_and(G2Tier::wants_load_sample) {
-                self.finish_load(seq, true)?;
+                if let Err(e) = self.finish_load(loading, &mut seq.blocks, true) {
+                    return Err(WorkerError::Step(e));
+                }
+            } else {
+                self.loading.push(loading);
             }
+        }
+        seq.computed = seq.blocks.len() * b;
+        if first {
+            seq.outcome.hit_tokens = hits;
         }
         Ok(())
     }
 
-    /// Waits for the prefix's scatter (after the first pass has queued its compute behind it, or
+    /// Waits for one prefix's scatter (after the next step has queued its compute behind it, or
     /// alone when `sample`: then its time measures the G2 → G1 link) and releases its images.
-    /// Blocks whose load failed leave G1.
-    fn finish_load(&mut self, seq: &mut [SeqBlock], sample: bool) -> Result<(), WorkerError> {
-        let Some(Loading { copies, images, blocks }) = self.loading.take() else {
-            return Ok(());
-        };
+    /// Blocks whose load failed leave G1; the error says why.
+    fn finish_load(&mut self, loading: Loading<B>, seq: &mut [SeqBlock], sample: bool) -> Result<(), String> {
+        let Loading { copies, images, blocks, .. } = loading;
         let elapsed = match self.model.backend().copies_wait(copies) {
             Ok(elapsed) => elapsed,
             Err(e) => {
                 self.forget_loaded(seq, &blocks);
-                return Err(ModelError::from(e).into());
+                return Err(e.to_string());
             }
         };
         let bytes = self.tiers.layout.payload_bytes() * images.len();
@@ -741,6 +1124,20 @@ impl<B: Backend> Worker<B> {
             g2.observe_load(bytes, elapsed);
         }
         Ok(())
+    }
+
+    /// Waits for every scatter in flight (once a step has queued its compute behind them);
+    /// answers the requests whose load failed, by order, and why.
+    fn finish_loads(&mut self, running: &mut [Seq]) -> Vec<(u64, String)> {
+        let mut failed = Vec::new();
+        for loading in std::mem::take(&mut self.loading) {
+            let order = loading.order;
+            let Some(seq) = running.iter_mut().find(|s| s.order == order) else { continue };
+            if let Err(e) = self.finish_load(loading, &mut seq.blocks, false) {
+                failed.push((order, e));
+            }
+        }
+        failed
     }
 
     /// Takes the loaded blocks at `blocks` of the sequence out of G1: their load failed, so their

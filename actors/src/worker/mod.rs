@@ -31,7 +31,8 @@ use self::queue::JobQueue;
 #[cfg(feature = "failpoints")]
 pub use self::core::FAILPOINT_PANIC_MAX_TOKENS;
 pub use self::core::{
-    Finish, GenOutcome, GenRequest, MAX_G3_BATCHES_IN_FLIGHT, Worker, WorkerError, WorkerEvent, unix_millis,
+    DEFAULT_MAX_RUNNING, Finish, GenOutcome, GenRequest, MAX_G3_BATCHES_IN_FLIGHT, PreemptionStats, Resume, Worker,
+    WorkerError, WorkerEvent, unix_millis,
 };
 use crate::telemetry::{self, Tier};
 
@@ -39,41 +40,151 @@ use crate::telemetry::{self, Tier};
 pub type LocalFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 
 /// What a WorkerActor drives: one engine and its G1 pool.
+///
+/// A batching engine (the reference worker) keeps the requests it admits in a batch that each
+/// [`Engine::step`] advances; an engine that serves each request on a task of its own (the
+/// simulated one, whose time is virtual) starts that task in [`Engine::admit`] and runs no steps.
 pub trait Engine: 'static {
-    /// Serves one request; `on_event` sees the prefill result, then each token, and returns false
-    /// to stop early.
-    fn generate<'a>(
-        &'a mut self,
-        req: &'a GenRequest,
-        on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
-    ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>>;
-    /// Drops everything in G1 (after a panic its contents cannot be trusted) and reports it
-    /// cleared; returns how many blocks were dropped.
-    fn reset(&mut self) -> usize;
+    /// Takes a request; what it reports and how it ends go to `ticket`.
+    fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()>;
+    /// Whether [`Engine::admit`] may take another request now.
+    fn has_room(&self) -> bool {
+        true
+    }
+    /// Requests admitted and not finished that [`Engine::step`] serves.
+    fn running(&self) -> usize {
+        0
+    }
+    /// One step over the running requests.
+    fn step(&mut self) -> LocalFuture<'_, ()> {
+        Box::pin(async {})
+    }
+    /// Drops everything in G1 (after a panic its contents cannot be trusted) and fails the
+    /// requests it was serving with `why`; returns how many blocks were dropped.
+    fn reset(&mut self, why: &str) -> usize;
     /// Waits until every write-through started so far is acknowledged or failed.
     fn flush(&mut self) -> LocalFuture<'_, ()>;
-    /// Another handle on the same engine for a request served concurrently (engines that batch,
-    /// like the simulated one); `None` (the default) serves requests one at a time.
-    fn fork(&self) -> Option<Box<dyn Engine>> {
-        None
-    }
 }
 
 impl<B: dynamo_kernels::Backend + 'static> Engine for Worker<B> {
-    fn generate<'a>(
-        &'a mut self,
-        req: &'a GenRequest,
-        on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
-    ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>> {
-        Box::pin(Worker::generate(self, req, on_event))
+    fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()> {
+        Box::pin(Worker::admit(self, ticket))
     }
 
-    fn reset(&mut self) -> usize {
+    fn has_room(&self) -> bool {
+        Worker::has_room(self)
+    }
+
+    fn running(&self) -> usize {
+        Worker::running(self)
+    }
+
+    fn step(&mut self) -> LocalFuture<'_, ()> {
+        Box::pin(Worker::step(self))
+    }
+
+    fn reset(&mut self, why: &str) -> usize {
+        self.abort(why);
         Worker::reset(self)
     }
 
     fn flush(&mut self) -> LocalFuture<'_, ()> {
         Box::pin(Worker::flush(self))
+    }
+}
+
+/// A request as an engine serves it: the request, where its events go, and the accounting of its
+/// worker's load and of the node's metrics. A ticket is answered once ([`Ticket::finish`]); one
+/// dropped unanswered (its engine went away) answers "restarting", so the caller may retry.
+pub struct Ticket {
+    /// The request.
+    pub req: GenRequest,
+    /// Agent-hint priority; higher goes first (and yields last).
+    pub priority: i32,
+    predicted_cached: Option<usize>,
+    events: mpsc::UnboundedSender<JobEvent>,
+    /// The worker's load it is counted in; `None` for a request served directly
+    /// ([`Worker::generate`]), which reports its prefill passes too and no metrics.
+    load: Option<Arc<WorkerLoad>>,
+    prefilled: bool,
+    answered: bool,
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket").field("prompt", &self.req.prompt.len()).field("priority", &self.priority).finish()
+    }
+}
+
+impl Ticket {
+    /// The ticket of a queued job, counted in `load`.
+    pub fn new(job: Job, load: Arc<WorkerLoad>) -> Self {
+        let Job { req, predicted_cached, priority, events, .. } = job;
+        Self { req, priority, predicted_cached, events, load: Some(load), prefilled: false, answered: false }
+    }
+
+    /// The ticket of a request served directly, reporting to `events` (prefill passes included).
+    pub fn local(req: GenRequest, events: mpsc::UnboundedSender<JobEvent>) -> Self {
+        Self { req, priority: 0, predicted_cached: None, events, load: None, prefilled: false, answered: false }
+    }
+
+    /// Whether nobody waits for the answer any more.
+    pub fn is_closed(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// Reports `event`; false once nobody listens (the request should stop).
+    pub fn event(&mut self, event: WorkerEvent) -> bool {
+        match event {
+            // Prefill passes are the worker's own business, unless served directly.
+            WorkerEvent::Computed { .. } if self.load.is_some() => return !self.is_closed(),
+            WorkerEvent::Prefilled { .. } if !self.prefilled => {
+                self.prefilled = true;
+                if let Some(load) = &self.load {
+                    load.prefilled(&self.req);
+                }
+            }
+            _ => {}
+        }
+        self.events.send(JobEvent::Event(event)).is_ok()
+    }
+
+    /// Answers the request: its load leaves the worker, the node's metrics count it, and the
+    /// caller gets the outcome or the error.
+    pub fn finish(mut self, result: Result<GenOutcome, WorkerError>) {
+        self.answered = true;
+        if let Some(load) = &self.load {
+            load.remove(&self.req, self.prefilled);
+            if self.events.is_closed() && matches!(result, Ok(GenOutcome { finish: Finish::Stop, .. })) {
+                telemetry::record_cancelled(if self.prefilled { "decode" } else { "prefill" });
+            }
+            if let Ok(outcome) = &result {
+                telemetry::record_prompt(self.req.prompt.len() as u64, outcome.prefill_tokens as u64);
+                if let Some(predicted) = self.predicted_cached {
+                    telemetry::record_prediction(predicted as u64, outcome.cached_tokens as u64);
+                }
+                for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3, Tier::G4].into_iter().zip(outcome.hit_tokens) {
+                    if hit > 0 {
+                        telemetry::record_hit_tokens(tier, hit as u64);
+                    }
+                }
+            }
+        }
+        let _ = self.events.send(match result {
+            Ok(outcome) => JobEvent::Done(outcome),
+            Err(e) => JobEvent::Failed(e),
+        });
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.answered {
+            if let Some(load) = &self.load {
+                load.remove(&self.req, self.prefilled);
+            }
+            let _ = self.events.send(JobEvent::Failed(WorkerError::Restarting));
+        }
     }
 }
 
@@ -329,7 +440,9 @@ fn engine_thread(
     tokio::task::LocalSet::new().block_on(&runtime, serve(id, factory, rx, ready, actor, load));
 }
 
-/// The engine loop: builds the engine, then serves the queue until it closes.
+/// The engine loop: builds the engine, then serves the queue until it closes. New requests join
+/// the engine's batch between steps, as many as it has room for; while nothing runs the loop
+/// waits for the queue.
 async fn serve(
     id: usize,
     factory: EngineFactory,
@@ -350,83 +463,67 @@ async fn serve(
         }
     };
     let _ = ready.send(Ok(()));
-    while let Some(job) = rx.pop().await {
-        // Nobody waits for it any more (the client went away or timed out while it was queued).
-        if job.events.is_closed() {
-            load.remove(&job.req, false);
-            telemetry::record_cancelled("queued");
-            continue;
-        }
-        if let Some(fork) = engine.fork() {
-            tokio::task::spawn_local(serve_forked(id, fork, job, load.clone()));
-            continue;
-        }
-        if let Err(what) = run_job(engine.as_mut(), &job, &load).await {
-            let dropped = engine.reset();
-            tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
-            telemetry::record_worker_restart(dropped as u64);
-            // The queue closes before the request's failure is reported: a client that
-            // retries at once is routed to another worker, not queued behind the restart.
-            rx.close();
-            let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what.clone())));
-            while let Some(queued) = rx.pop().await {
-                load.remove(&queued.req, false);
-                let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
+    let mut open = true;
+    loop {
+        while open && engine.has_room() {
+            let job = if engine.running() == 0 {
+                rx.pop().await
+            } else {
+                match rx.try_pop() {
+                    Some(job) => Some(job),
+                    None => break,
+                }
+            };
+            let Some(job) = job else {
+                open = false;
+                break;
+            };
+            // Nobody waits for it any more (the client went away or timed out while it was queued).
+            if job.events.is_closed() {
+                load.remove(&job.req, false);
+                telemetry::record_cancelled("queued");
+                continue;
             }
-            engine.flush().await;
-            let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
-            return;
+            let admitted = AssertUnwindSafe(engine.admit(Ticket::new(job, load.clone()))).catch_unwind().await;
+            if let Err(panic) = admitted {
+                return restart(id, engine, &rx, &actor, &load, panic_message(panic.as_ref())).await;
+            }
         }
+        if engine.running() == 0 {
+            if open {
+                continue;
+            }
+            break;
+        }
+        if let Err(panic) = AssertUnwindSafe(engine.step()).catch_unwind().await {
+            return restart(id, engine, &rx, &actor, &load, panic_message(panic.as_ref())).await;
+        }
+        // Queued requests, timers and the write-through's completions get their turn.
+        tokio::task::yield_now().await;
     }
     engine.flush().await;
 }
 
-/// Serves one job; reports its events and its end. `Err` carries the message of a panic (the
-/// request's failure is then the caller's to report).
-async fn run_job(engine: &mut dyn Engine, job: &Job, load: &WorkerLoad) -> Result<(), String> {
-    let events = job.events.clone();
-    let mut prefilled = false;
-    let mut forward = |e| match e {
-        // Between two prefill passes: go on only while someone waits for the answer.
-        WorkerEvent::Computed { .. } => !events.is_closed(),
-        e => {
-            if let WorkerEvent::Prefilled { .. } = e
-                && !prefilled
-            {
-                prefilled = true;
-                load.prefilled(&job.req);
-            }
-            events.send(JobEvent::Event(e)).is_ok()
-        }
-    };
-    let result = AssertUnwindSafe(engine.generate(&job.req, &mut forward)).catch_unwind().await;
-    load.remove(&job.req, prefilled);
-    if job.events.is_closed() && matches!(result, Ok(Ok(GenOutcome { finish: Finish::Stop, .. }))) {
-        telemetry::record_cancelled(if prefilled { "decode" } else { "prefill" });
+/// After a panic inside the engine: fails what it was serving and what is queued, and has the
+/// actor restarted with a fresh engine.
+async fn restart(
+    id: usize,
+    mut engine: Box<dyn Engine>,
+    rx: &JobQueue,
+    actor: &WorkerRef,
+    load: &WorkerLoad,
+    what: String,
+) {
+    // The queue closes before the requests' failures are reported: a client that retries at
+    // once is routed to another worker, not queued behind the restart.
+    rx.close();
+    let dropped = engine.reset(&what);
+    tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
+    telemetry::record_worker_restart(dropped as u64);
+    while let Some(queued) = rx.pop().await {
+        load.remove(&queued.req, false);
+        let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
     }
-    let result = result.map_err(|panic| panic_message(panic.as_ref()))?;
-    if let Ok(outcome) = &result {
-        telemetry::record_prompt(job.req.prompt.len() as u64, outcome.prefill_tokens as u64);
-        if let Some(predicted) = job.predicted_cached {
-            telemetry::record_prediction(predicted as u64, outcome.cached_tokens as u64);
-        }
-        for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3, Tier::G4].into_iter().zip(outcome.hit_tokens) {
-            if hit > 0 {
-                telemetry::record_hit_tokens(tier, hit as u64);
-            }
-        }
-    }
-    let _ = job.events.send(match result {
-        Ok(outcome) => JobEvent::Done(outcome),
-        Err(e) => JobEvent::Failed(e),
-    });
-    Ok(())
-}
-
-/// Serves one job on a forked engine handle, concurrently with the worker's other requests.
-async fn serve_forked(id: usize, mut engine: Box<dyn Engine>, job: Job, load: Arc<WorkerLoad>) {
-    if let Err(what) = run_job(engine.as_mut(), &job, &load).await {
-        tracing::error!(worker = id, panic = %what, "a concurrently served request panicked");
-        let _ = job.events.send(JobEvent::Failed(WorkerError::Panicked(what)));
-    }
+    engine.flush().await;
+    let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
 }

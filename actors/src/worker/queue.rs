@@ -133,6 +133,11 @@ impl JobQueue {
         }
     }
 
+    /// The next job by policy if one waits, without waiting.
+    pub fn try_pop(&self) -> Option<Job> {
+        self.inner.lock().expect("queue lock").heap.pop().map(|entry| entry.job)
+    }
+
     /// Refuses every later push; [`Self::pop`] still hands out what is queued, then `None`.
     pub fn close(&self) {
         self.inner.lock().expect("queue lock").closed = true;

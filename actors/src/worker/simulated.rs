@@ -32,7 +32,7 @@ use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
 use tokio::time::Instant;
 
-use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, WorkerError, WorkerEvent};
+use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent};
 use crate::tiers::{BlockSite, KvObserver};
 
 /// How far write-through takes completed blocks (a replay compares these).
@@ -522,16 +522,32 @@ pub fn splitmix(state: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+impl SimulatedEngine {
+    /// Serves one request on this worker: prefill when the GPU is free, then decode alongside the
+    /// worker's other requests.
+    pub async fn generate(
+        &mut self,
+        req: &GenRequest,
+        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
+    ) -> Result<GenOutcome, WorkerError> {
+        self.shared.run(req, on_event).await
+    }
+}
+
+/// Each request runs on a task of its own, concurrently with the worker's others (prefills take
+/// the GPU one at a time; decodes run alongside).
 impl Engine for SimulatedEngine {
-    fn generate<'a>(
-        &'a mut self,
-        req: &'a GenRequest,
-        on_event: &'a mut (dyn FnMut(WorkerEvent) -> bool + Send),
-    ) -> LocalFuture<'a, Result<GenOutcome, WorkerError>> {
-        Box::pin(self.shared.run(req, on_event))
+    fn admit(&mut self, mut ticket: Ticket) -> LocalFuture<'_, ()> {
+        let shared = self.shared.clone();
+        tokio::task::spawn_local(async move {
+            let req = ticket.req.clone();
+            let result = shared.run(&req, &mut |e| ticket.event(e)).await;
+            ticket.finish(result);
+        });
+        Box::pin(async {})
     }
 
-    fn reset(&mut self) -> usize {
+    fn reset(&mut self, _why: &str) -> usize {
         let w = &self.shared;
         let dropped = w.g1.borrow().len();
         w.node.stats.g1_resident.fetch_sub(dropped as i64, Ordering::Relaxed);
@@ -545,10 +561,6 @@ impl Engine for SimulatedEngine {
             let mut writes = std::mem::take(&mut *self.shared.writes.borrow_mut());
             while writes.join_next().await.is_some() {}
         })
-    }
-
-    fn fork(&self) -> Option<Box<dyn Engine>> {
-        Some(Box::new(self.clone()))
     }
 }
 

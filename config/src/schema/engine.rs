@@ -48,6 +48,9 @@ pub struct EngineSection {
     pub workers: usize,
     /// Most tokens (prefill + decode) in one engine step. Default `2048`.
     pub max_batch_tokens: usize,
+    /// Most requests one worker runs at once (its batch: each step computes the next token of
+    /// every one of them, plus prefill chunks). Default `64`.
+    pub max_running_requests: usize,
     /// Admission bound: requests queued per worker before new ones are shed with an
     /// "overloaded" error. Default `64`.
     pub max_queued_requests: usize,
@@ -68,6 +71,7 @@ impl Default for EngineSection {
             device: DeviceKind::Auto,
             workers: 2,
             max_batch_tokens: 2048,
+            max_running_requests: 64,
             max_queued_requests: 64,
             calibration: None,
             script: None,
