@@ -29,7 +29,7 @@ use crate::session::{SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::queue::PushError;
-use crate::worker::{GenRequest, Job, JobEvent, WorkerHandle};
+use crate::worker::{GenRequest, Job, JobEvent, PromptHashes, WorkerHandle};
 
 /// The SchedulerActor.
 #[derive(Debug)]
@@ -192,17 +192,19 @@ impl SchedulerState {
 
     /// KV-aware order: workers by estimated time to first token, with the session's worker and
     /// temperature sampling applied; also the predicted cached tokens per worker.
-    fn kv_order(&mut self, kv: &KvRouting, req: &GenRequest, sticky: Option<usize>) -> Vec<(usize, usize, f64)> {
+    /// The prompt's block hashes are computed here, once, and go to the worker with the request.
+    fn kv_order(&mut self, kv: &KvRouting, req: &mut GenRequest, sticky: Option<usize>) -> Vec<(usize, usize, f64)> {
         let started = Instant::now();
         let hashes = BlockHasher::new(kv.salt, kv.block_tokens).hash_sequence(&req.prompt);
         if let Some(writer) = &kv.writer {
             writer.flush();
         }
         kv.index.find_matches(&hashes, &mut self.matches);
+        req.hashes = Some(Arc::new(PromptHashes { salt: kv.salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
         self.matches.views(&mut self.views);
         let cost = match &kv.tiers {
-            Some(tiers) => kv.cost.measured_on(tiers),
-            None => kv.cost,
+            Some(tiers) => kv.cost.measured(&tiers.measured),
+            None => kv.cost.clone(),
         };
         let mut ranked: Vec<(usize, f64, usize, f64)> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {
@@ -213,8 +215,8 @@ impl SchedulerState {
             };
             let prefix = self.views.for_worker(SourceId::worker(node, i as u16));
             let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
-            let e = cost.estimate(req.prompt.len(), prefix, queued);
-            let alone = cost.estimate(req.prompt.len(), prefix, Queued::default()).ttft_s;
+            let e = cost.estimate(req.prompt.len(), prefix.into(), queued);
+            let alone = cost.estimate(req.prompt.len(), prefix.into(), Queued::default()).ttft_s;
             ranked.push((i, e.ttft_s, e.cached_blocks * kv.block_tokens, alone));
         }
         ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
@@ -273,20 +275,21 @@ impl SchedulerState {
     async fn submit(
         &mut self,
         myself: &SchedulerRef,
-        req: GenRequest,
+        mut req: GenRequest,
         session: Option<String>,
         hints: Hints,
     ) -> Result<Submitted, SubmitError> {
         let sticky = session.as_ref().and_then(|s| self.sessions.get(s)).and_then(|e| e.last_worker);
         // Each candidate with the cached tokens expected there and the request's engine time
         // there (WSPT's processing time: its prefill alone plus its expected decode).
-        let decode_s =
-            |kv: &KvRouting| hints.expected_output_tokens.unwrap_or(req.max_tokens) as f64 * kv.cost.decode_s_per_token;
+        let decode_s = |kv: &KvRouting| {
+            hints.expected_output_tokens.unwrap_or(req.max_tokens) as f64 * kv.cost.decode_s_per_token.unwrap_or(0.0)
+        };
         let order: Vec<(usize, Option<usize>, f64)> = match (&self.args.kv, self.args.policy) {
             (Some(kv), RoutingPolicy::KvAware) => {
                 let kv = kv.clone();
                 let decode = decode_s(&kv);
-                self.kv_order(&kv, &req, sticky).into_iter().map(|(i, c, s)| (i, Some(c), s + decode)).collect()
+                self.kv_order(&kv, &mut req, sticky).into_iter().map(|(i, c, s)| (i, Some(c), s + decode)).collect()
             }
             (kv, _) => {
                 let cost = kv.as_ref().map_or(req.prompt.len() as f64, |kv| {

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use dynamo_config::{RegionKind, RetentionSection, TierName, TiersSection};
 use dynamo_tiering::block::{BlockHash, BlockLayout, Salt};
+use dynamo_tiering::cost::{CostModel, Measurements};
 use dynamo_tiering::g2::{HostPool, SlotMut, SlotRef};
 use dynamo_tiering::g3::{G3Error, G3Store};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
@@ -61,14 +62,7 @@ pub struct G2Tier {
     registry: Arc<Mutex<TierRegistry>>,
     inner: Mutex<G2Inner>,
     observer: Arc<dyn KvObserver>,
-    load_bandwidth: MeasuredBandwidth,
-    /// Whether a load of at least [`LINK_SAMPLE_BYTES`] has been timed.
-    load_sampled: AtomicBool,
 }
-
-/// The smallest load that measures the G2 → G1 link for good: smaller ones are dominated by
-/// launch and setup latency.
-pub const LINK_SAMPLE_BYTES: usize = 16 << 20;
 
 #[derive(Debug)]
 struct G2Inner {
@@ -79,36 +73,7 @@ impl G2Tier {
     /// A G2 tier over `pool`, with `registry` deciding what stays (shared with whoever reports
     /// its stats).
     pub fn new(pool: HostPool, registry: Arc<Mutex<TierRegistry>>) -> Self {
-        Self {
-            pool,
-            registry,
-            inner: Mutex::new(G2Inner { slots: HashMap::new() }),
-            observer: Arc::new(NoObserver),
-            load_bandwidth: MeasuredBandwidth::default(),
-            load_sampled: AtomicBool::new(false),
-        }
-    }
-
-    /// Folds one batched load into G1 (`bytes` of payload scattered in `elapsed`, with nothing
-    /// else running) into the measured G2 → G1 bandwidth: the host link on a GPU worker, memcpy
-    /// on the CPU engine.
-    pub fn observe_load(&self, bytes: usize, elapsed: Duration) {
-        self.load_bandwidth.observe(bytes, elapsed);
-        if bytes >= LINK_SAMPLE_BYTES {
-            self.load_sampled.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Whether the next load should be timed alone, before compute runs alongside it: until one
-    /// of at least [`LINK_SAMPLE_BYTES`] has been. A load overlapped with compute shares the
-    /// device with it, so its time says little about the link.
-    pub fn wants_load_sample(&self) -> bool {
-        !self.load_sampled.load(Ordering::Relaxed)
-    }
-
-    /// Measured G2 → G1 bandwidth in bytes per second, once a load was timed.
-    pub fn measured_load_bandwidth(&self) -> Option<f64> {
-        self.load_bandwidth.get()
+        Self { pool, registry, inner: Mutex::new(G2Inner { slots: HashMap::new() }), observer: Arc::new(NoObserver) }
     }
 
     /// Reports what this tier stores and drops to `observer`.
@@ -268,32 +233,6 @@ impl G3Health {
     }
 }
 
-/// A link's bandwidth as measured on real transfers: an exponentially weighted mean of bytes per
-/// second, so the cost model follows the machine as it is now.
-#[derive(Debug, Default)]
-pub struct MeasuredBandwidth(Mutex<Option<f64>>);
-
-impl MeasuredBandwidth {
-    /// Folds one transfer of `bytes` in `elapsed` in.
-    pub fn observe(&self, bytes: usize, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        if secs <= 0.0 || bytes == 0 {
-            return;
-        }
-        let sample = bytes as f64 / secs;
-        let mut bw = self.0.lock().expect("bandwidth lock");
-        *bw = Some(match *bw {
-            Some(old) => 0.8 * old + 0.2 * sample,
-            None => sample,
-        });
-    }
-
-    /// Bytes per second, once a transfer was timed.
-    pub fn get(&self) -> Option<f64> {
-        *self.0.lock().expect("bandwidth lock")
-    }
-}
-
 /// G3: the store and what it holds.
 #[derive(Debug)]
 pub struct G3Tier {
@@ -303,20 +242,13 @@ pub struct G3Tier {
     pub health: G3Health,
     registry: Arc<Mutex<TierRegistry>>,
     observer: Arc<dyn KvObserver>,
-    read_bandwidth: MeasuredBandwidth,
 }
 
 impl G3Tier {
     /// A G3 tier over `store`, with `registry` (rebuilt from the store's recovery) deciding what
     /// stays (shared with whoever reports its stats).
     pub fn new(store: Arc<G3Store>, registry: Arc<Mutex<TierRegistry>>) -> Self {
-        Self {
-            store,
-            health: G3Health::default(),
-            registry,
-            observer: Arc::new(NoObserver),
-            read_bandwidth: MeasuredBandwidth::default(),
-        }
+        Self { store, health: G3Health::default(), registry, observer: Arc::new(NoObserver) }
     }
 
     /// Reports what this tier stores and drops to `observer`.
@@ -335,16 +267,6 @@ impl G3Tier {
     /// The write of `hash` completed: G3 acknowledges it.
     pub fn acknowledge(&self, hash: BlockHash, parent: Option<BlockHash>) {
         self.observer.stored(BlockSite::Node(TierName::G3), parent, &[hash]);
-    }
-
-    /// Folds one batched read of `bytes` in `elapsed` into the measured read bandwidth.
-    pub fn observe_read(&self, bytes: usize, elapsed: Duration) {
-        self.read_bandwidth.observe(bytes, elapsed);
-    }
-
-    /// Measured read bandwidth in bytes per second, once a read was timed.
-    pub fn measured_read_bandwidth(&self) -> Option<f64> {
-        self.read_bandwidth.get()
     }
 
     /// Whether reads and writes may go to G3 now (false while the node is degraded).
@@ -415,8 +337,11 @@ pub struct NodeTiers {
     pub g3: Option<G3Tier>,
     /// Write-through batch bounds.
     pub write_batch: WriteBatch,
-    /// What loading costs against recomputing.
-    pub cost: LoadCost,
+    /// What loading costs against recomputing: the node's one cost model, as configured and
+    /// measured at start-up (its unknown rates are filled in from `measured`).
+    pub cost: CostModel,
+    /// What real transfers measured.
+    pub measured: Measurements,
     /// Where G1 changes are reported (G2 and G3 report through their own observer).
     pub observer: Arc<dyn KvObserver>,
 }
@@ -454,35 +379,12 @@ impl WriteBatch {
     }
 }
 
-/// The numbers behind "never load a run of blocks slower than recomputing it": the engine's
-/// prefill throughput and each tier's read bandwidth. A zero throughput means unmeasured: loading
-/// is then always taken (it is on every machine this runs on without a GPU).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct LoadCost {
-    /// Prompt tokens per second the engine prefills (measured at start-up).
-    pub prefill_tokens_per_s: f64,
-    /// G2 → G1 bytes per second from configuration (the host link, or memcpy on a CPU engine);
-    /// 0 = use the measured bandwidth ([`G2Tier::measured_load_bandwidth`]).
-    pub g2_read_bytes_per_s: f64,
-    /// G3 → G2 bytes per second from configuration (`tiers.g3.read_gb_s`); 0 = use the measured
-    /// bandwidth.
-    pub g3_read_bytes_per_s: f64,
-}
-
-impl LoadCost {
-    /// Whether loading one block image of `image_bytes` at `bytes_per_s` beats computing its
-    /// `block_tokens` tokens. Unknown numbers favour loading.
-    pub fn load_beats_recompute(&self, image_bytes: usize, bytes_per_s: f64, block_tokens: usize) -> bool {
-        if self.prefill_tokens_per_s <= 0.0 || bytes_per_s <= 0.0 {
-            return true;
-        }
-        let load = image_bytes as f64 / bytes_per_s;
-        let recompute = block_tokens as f64 / self.prefill_tokens_per_s;
-        load < recompute
-    }
-}
-
 impl NodeTiers {
+    /// The cost model with what has been measured so far.
+    pub fn cost_now(&self) -> CostModel {
+        self.cost.measured(&self.measured)
+    }
+
     /// Registry metadata for a block of `region`.
     pub fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
         BlockMeta { parent, region, priority: self.retention.policy(region).priority, retain_until: 0 }

@@ -15,13 +15,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use dynamo_actors::cost::CostModel;
+use dynamo_actors::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_actors::index::{IndexConfig, IndexWriter, PrefixIndex};
 use dynamo_actors::publisher::KvPublisher;
 use dynamo_actors::scheduler::{Hints, KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::stores::{StoreArgs, Watermarks};
 use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
-use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, LoadCost, NodeTiers, WriteBatch};
+use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{
     Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, Worker, WorkerArgs, WorkerError, WorkerEvent,
 };
@@ -175,6 +175,22 @@ impl Serving {
                 publisher.stored(BlockSite::Node(TierName::G3), header.parent, &[header.hash]);
             }
         }
+        // The node's one cost model, for the router and the workers alike.
+        let cost = CostModel {
+            block_tokens,
+            image_bytes: plan.layout.image_bytes(),
+            prefill: Prefill::rate(prefill_tokens_per_s),
+            decode_s_per_token: Some(decode_step.as_secs_f64()).filter(|s| *s > 0.0),
+            // Decodes run batched alongside prefills: queued decode work barely delays a first
+            // token.
+            decode_weight: 0.0,
+            // G2 → G1: measured on the workers' batched loads (until then, loads are taken).
+            g2_read: None,
+            // G3: a configured disk rate stands; otherwise measured on real reads.
+            g3_read: cfg.tiers.g3.read_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
+            // No peers yet (G4 is the peer-link issue).
+            g4_read: None,
+        };
         let tiers = Arc::new(NodeTiers {
             block_tokens,
             salt,
@@ -183,13 +199,8 @@ impl Serving {
             g2,
             g3,
             write_batch: WriteBatch::from_config(&cfg.tiers),
-            cost: LoadCost {
-                prefill_tokens_per_s,
-                // G2 → G1: measured on the workers' batched loads (until then, loads are assumed
-                // to beat compute).
-                g2_read_bytes_per_s: 0.0,
-                g3_read_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
-            },
+            cost: cost.clone(),
+            measured: Default::default(),
             observer: publisher,
         });
 
@@ -245,20 +256,7 @@ impl Serving {
                     workers_per_node: 0,
                     salt,
                     block_tokens,
-                    cost: CostModel {
-                        block_tokens,
-                        image_bytes: plan.layout.image_bytes(),
-                        prefill_tokens_per_s,
-                        decode_s_per_token: decode_step.as_secs_f64(),
-                        // Decodes run batched alongside prefills: queued decode work barely delays a first token.
-                        decode_weight: 0.0,
-                        // G2 → G1 and G3 → G2: this machine's, measured on real transfers
-                        // (`CostModel::measured_on`); a configured G3 rate stands until then.
-                        g2_bytes_per_s: 0.0,
-                        g3_bytes_per_s: cfg.tiers.g3.read_gb_s.map_or(0.0, |gb| gb * 1e9),
-                        // No peers yet (G4 is the peer-link issue).
-                        g4_bytes_per_s: 0.0,
-                    },
+                    cost,
                     tiers: Some(tiers.clone()),
                     sticky_bonus: cfg.router.sticky_bonus.as_duration(),
                     temperature: cfg.router.temperature,
@@ -449,6 +447,8 @@ impl Generator for NodeGenerator {
             stop_tokens: req.stop_token_ids,
             allowed: Some(self.decodable.clone()),
             forced: req.forced.map(Arc::from),
+            // The router hashes the prompt (once) when it looks it up.
+            hashes: None,
         };
         let this = self.clone();
         let session = req.session_id;

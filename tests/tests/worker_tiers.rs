@@ -9,17 +9,16 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dynamo_actors::cost::CostModel;
+use dynamo_actors::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Watermarks};
-use dynamo_actors::tiers::{
-    BlockSite, G2Tier, G3Tier, KvObserver, LINK_SAMPLE_BYTES, LoadCost, NoObserver, NodeTiers, WriteBatch,
-};
+use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, NoObserver, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{GenOutcome, GenRequest, JobEvent, Resume, Ticket, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::kv_layout::{HostKvPool, PagedLayout};
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::{AttentionSpec, Backend, CpuBackend, KernelError, SeqBatch};
 use dynamo_tiering::block::{BlockHash, BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs, verify_image};
+use dynamo_tiering::cost::LINK_SAMPLE_BYTES;
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
@@ -80,7 +79,8 @@ fn node_with(g2_slots: u32, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
         g2: Some(G2Tier::new(pool, Arc::new(Mutex::new(g2_registry))).with_observer(observer.clone())),
         g3: Some(G3Tier::new(store, Arc::new(Mutex::new(g3_registry))).with_observer(observer.clone())),
         write_batch: WriteBatch::default(),
-        cost: LoadCost::default(),
+        cost: CostModel::unknown(B, layout.image_bytes()),
+        measured: Default::default(),
         observer,
     };
     Node { tiers: Arc::new(tiers), weights: Arc::new(HostWeights::random(shape, 9)), g3_path, faults, _dir: dir }
@@ -412,24 +412,16 @@ async fn worker_b_loads_worker_a_prefix_from_g2() {
     let req = request(second);
     let out_b = run(&mut b, &req).await;
     assert_eq!(out_b.hit_tokens, [0, 3 * B, 0, 0], "the 3 complete prompt blocks come from G2");
-    let g2 = n.tiers.g2.as_ref().expect("G2");
-    let measured = g2.measured_load_bandwidth().expect("the G2 → G1 load was timed");
-    assert!(measured.is_finite() && measured > 0.0, "{measured} B/s");
-    assert!(g2.wants_load_sample(), "a load this small does not measure the link for good");
-    // The router's cost model takes it where no G2 rate is configured, and keeps a configured one.
-    let base = CostModel {
-        block_tokens: B,
-        image_bytes: 4096,
-        prefill_tokens_per_s: 1000.0,
-        decode_s_per_token: 0.01,
-        decode_weight: 1.0,
-        g2_bytes_per_s: 0.0,
-        g3_bytes_per_s: 0.0,
-        g4_bytes_per_s: 0.0,
-    };
-    assert_eq!(base.measured_on(&n.tiers).g2_bytes_per_s, measured);
-    let configured = CostModel { g2_bytes_per_s: 5e9, ..base };
-    assert_eq!(configured.measured_on(&n.tiers).g2_bytes_per_s, 5e9);
+    let measured = n.tiers.measured.g2_load.get().expect("the G2 → G1 load was timed");
+    assert!(measured.get().is_finite() && measured.get() > 0.0, "{measured:?}");
+    assert!(n.tiers.measured.wants_load_sample(), "a load this small does not measure the link for good");
+    // The cost model (the router's and the workers' one) takes it where no G2 rate is
+    // configured, and keeps a configured one.
+    let base = CostModel { prefill: Prefill::rate(1000.0), ..CostModel::unknown(B, 4096) };
+    assert_eq!(base.measured(&n.tiers.measured).g2_read, Some(measured));
+    assert_eq!(n.tiers.cost_now().g2_read, Some(measured));
+    let configured = CostModel { g2_read: BytesPerSec::new(5e9), ..base };
+    assert_eq!(configured.measured(&n.tiers.measured).g2_read, BytesPerSec::new(5e9));
     assert_eq!(out_b.cached_tokens, 3 * B);
     assert_eq!(out_b.tokens, recomputed(&req).await, "same greedy output as recomputing everything");
 
@@ -477,8 +469,8 @@ async fn copies_that_finish_later_than_they_start_keep_their_buffers_and_answers
     // Worker C, on the same emulated engine, loads the prefix from G2 with a scatter that lands
     // only when its first pass writes the pool, and answers as recomputing does. (The link counts
     // as measured, so the load overlaps the pass instead of running alone to be timed.)
-    g2.observe_load(LINK_SAMPLE_BYTES, Duration::from_millis(1));
-    assert!(!g2.wants_load_sample());
+    n.tiers.measured.observe_load(LINK_SAMPLE_BYTES, Duration::from_millis(1));
+    assert!(!n.tiers.measured.wants_load_sample());
     let mut second = first.clone();
     second.extend(&out_a.tokens);
     second.extend(turn(12, 8));
@@ -498,7 +490,7 @@ async fn a_failed_load_leaves_no_block_in_g1_over_pages_it_never_filled() {
     let hashes = BlockHasher::new(n.tiers.salt, B).hash_sequence(&req.prompt);
     // The link counts as measured, so loads overlap the first pass (the emulation lands a scatter
     // at a pass's first write).
-    n.tiers.g2.as_ref().expect("G2").observe_load(LINK_SAMPLE_BYTES, Duration::from_millis(1));
+    n.tiers.measured.observe_load(LINK_SAMPLE_BYTES, Duration::from_millis(1));
 
     let mut d = n.worker_on(EmulatedCopyEngine::default());
     d.model().backend().fail_scatters.store(true, std::sync::atomic::Ordering::Relaxed);

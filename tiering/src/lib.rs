@@ -26,6 +26,7 @@
 //! in virtual time under `tokio::time::pause`.
 
 pub mod block;
+pub mod cost;
 pub mod g2;
 pub mod g3;
 pub mod io;

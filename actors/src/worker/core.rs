@@ -48,7 +48,8 @@ use dynamo_config::{RegionKind, TierName};
 use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
-use dynamo_tiering::block::{BlockHash, BlockHasher, HEADER_LEN, ImageSpec, RetentionMeta, payload_mut, seal};
+use dynamo_tiering::block::{BlockHash, BlockHasher, HEADER_LEN, ImageSpec, RetentionMeta, Salt, payload_mut, seal};
+use dynamo_tiering::cost::LoadFrom;
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
@@ -59,7 +60,7 @@ use super::{JobEvent, Ticket};
 use crate::telemetry::{
     Tier, record_preemption, record_tier_error, record_transfer, record_write_lag, record_write_skipped,
 };
-use crate::tiers::{BlockSite, G2Tier, NodeTiers};
+use crate::tiers::{BlockSite, G3Tier, NodeTiers};
 
 /// One generation request, already tokenized.
 #[derive(Clone, Debug, PartialEq)]
@@ -82,6 +83,22 @@ pub struct GenRequest {
     /// The answer's tokens, computed as usual but not sampled (the scripted engine); generation
     /// stops when they run out.
     pub forced: Option<Arc<[u32]>>,
+    /// The prompt's block hashes, when the router computed them already (the worker computes
+    /// them otherwise).
+    pub hashes: Option<Arc<PromptHashes>>,
+}
+
+/// The hashes of a prompt's complete blocks, computed once per request (by the router, which
+/// looks them up in the prefix index) and carried to the worker, with what they were computed
+/// under: a worker uses them only if its blocks are named the same way.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptHashes {
+    /// The salt they were hashed with.
+    pub salt: Salt,
+    /// Tokens per block.
+    pub block_tokens: usize,
+    /// One per complete block of the prompt.
+    pub hashes: Arc<[BlockHash]>,
 }
 
 impl GenRequest {
@@ -97,6 +114,22 @@ impl GenRequest {
             stop_tokens: vec![],
             allowed: None,
             forced: None,
+            hashes: None,
+        }
+    }
+
+    /// The prompt's block hashes under `salt` at `block_tokens` per block: the ones it carries
+    /// when they were computed that way, else computed now.
+    pub fn block_hashes(&self, salt: Salt, block_tokens: usize) -> Vec<BlockHash> {
+        match &self.hashes {
+            Some(h)
+                if h.salt == salt
+                    && h.block_tokens == block_tokens
+                    && h.hashes.len() == self.prompt.len() / block_tokens =>
+            {
+                h.hashes.to_vec()
+            }
+            _ => BlockHasher::new(salt, block_tokens).hash_sequence(&self.prompt),
         }
     }
 }
@@ -591,7 +624,7 @@ impl<B: Backend> Worker<B> {
             let (prompt, max_tokens, capacity) = (len, req.max_tokens, self.pages);
             return ticket.finish(Err(WorkerError::TooLong { prompt, max_tokens, needed, capacity }));
         }
-        let chain = BlockHasher::new(self.tiers.salt, b).hash_sequence(&req.prompt);
+        let chain = req.block_hashes(self.tiers.salt, b);
         self.admitted += 1;
         let mut seq = Seq {
             order: self.admitted,
@@ -959,34 +992,28 @@ impl<B: Backend> Worker<B> {
         let hashes = hashes.as_slice();
         let mut hits = [0usize; 4];
         let tiers = self.tiers.clone();
-        let image_bytes = tiers.layout.payload_bytes() + HEADER_LEN;
-        let g2_bw = match tiers.cost.g2_read_bytes_per_s {
-            bw if bw > 0.0 => bw,
-            _ => tiers.g2.as_ref().and_then(G2Tier::measured_load_bandwidth).unwrap_or(0.0),
-        };
-        let g2_ok = tiers.cost.load_beats_recompute(image_bytes, g2_bw, b);
-        let g3_ok = tiers.g2.is_some()
-            && tiers.g3.as_ref().is_some_and(|g3| {
-                let bw = match tiers.cost.g3_read_bytes_per_s {
-                    bw if bw > 0.0 => bw,
-                    _ => g3.measured_read_bandwidth().unwrap_or(0.0),
-                };
-                g3.usable() && tiers.cost.load_beats_recompute(image_bytes, bw, b)
-            });
+        let cost = tiers.cost_now();
+        let g3_usable = tiers.g2.is_some() && tiers.g3.as_ref().is_some_and(G3Tier::usable);
 
         // Plan: where each block of the prefix comes from.
         let mut plan: Vec<Source> = Vec::new();
-        for &hash in hashes.iter().take(cap) {
+        for (i, &hash) in hashes.iter().enumerate().take(cap) {
             if let Some(&page) = self.by_hash.get(&hash) {
                 self.registry.acquire(hash, now).expect("resident");
                 plan.push(Source::G1(page));
                 continue;
             }
-            if g2_ok && let Some(image) = tiers.g2.as_ref().and_then(|g2| g2.get(hash, now)) {
+            let end = (i + 1) * b;
+            if cost.worth_loading(LoadFrom::G2, end)
+                && let Some(image) = tiers.g2.as_ref().and_then(|g2| g2.get(hash, now))
+            {
                 plan.push(Source::Image { image, from_g3: false });
                 continue;
             }
-            if g3_ok && tiers.g3.as_ref().is_some_and(|g3| g3.store.contains(hash)) {
+            if g3_usable
+                && cost.worth_loading(LoadFrom::G3, end)
+                && tiers.g3.as_ref().is_some_and(|g3| g3.store.contains(hash))
+            {
                 plan.push(Source::G3);
                 continue;
             }
@@ -1033,7 +1060,7 @@ impl<B: Backend> Worker<B> {
             let elapsed = started.elapsed();
             if read_bytes > 0 {
                 record_transfer(Tier::G3, Tier::G2, read_bytes as u64, elapsed);
-                g3.observe_read(read_bytes, elapsed);
+                tiers.measured.g3_read.observe(read_bytes, elapsed);
             }
             // Blocks past a failure are not part of the prefix: G1 references go back, images drop.
             for (source, &hash) in plan.drain(end..).zip(&hashes[end..]) {
@@ -1091,7 +1118,7 @@ impl<B: Backend> Worker<B> {
             let images = loads.into_iter().map(|(_, image)| image).collect();
             let loading = Loading { copies, images, order: seq.order, blocks: loaded };
             // Until the link is measured, a load runs alone and is timed.
-            if tiers.g2.as_ref().is_some_and(G2Tier::wants_load_sample) {
+            if tiers.g2.is_some() && tiers.measured.wants_load_sample() {
                 if let Err(e) = self.finish_load(loading, &mut seq.blocks, true) {
                     return Err(WorkerError::Step(e));
                 }
@@ -1120,8 +1147,8 @@ impl<B: Backend> Worker<B> {
         };
         let bytes = self.tiers.layout.payload_bytes() * images.len();
         record_transfer(Tier::G2, Tier::G1, bytes as u64, elapsed);
-        if let Some(g2) = self.tiers.g2.as_ref().filter(|_| sample) {
-            g2.observe_load(bytes, elapsed);
+        if sample {
+            self.tiers.measured.observe_load(bytes, elapsed);
         }
         Ok(())
     }
@@ -1416,5 +1443,23 @@ impl<B: Backend> Worker<B> {
         });
         // Reap finished writes so the set does not grow with the node's uptime.
         while self.writes.try_join_next().is_some() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn carried_hashes_are_used_only_when_named_the_workers_way() {
+        let prompt: Vec<u32> = (0..70).collect();
+        let want = BlockHasher::new(Salt(1), 16).hash_sequence(&prompt);
+        let mut req = GenRequest::greedy(prompt.clone(), 1);
+        assert_eq!(req.block_hashes(Salt(1), 16), want, "computed when none are carried");
+        let wrong = BlockHasher::new(Salt(2), 16).hash_sequence(&prompt);
+        req.hashes = Some(Arc::new(PromptHashes { salt: Salt(2), block_tokens: 16, hashes: wrong.clone().into() }));
+        assert_eq!(req.block_hashes(Salt(2), 16), wrong, "carried ones are taken as they are");
+        assert_eq!(req.block_hashes(Salt(1), 16), want, "another salt: computed again");
+        assert_eq!(req.block_hashes(Salt(2), 32), BlockHasher::new(Salt(2), 32).hash_sequence(&prompt));
     }
 }

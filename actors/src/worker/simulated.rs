@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use dynamo_config::{PrefillCalibration, RegionKind, RetentionSection, TierName};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
+use dynamo_tiering::cost::{BytesPerSec, CostModel, LoadFrom, Prefill};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
 use tokio::time::Instant;
 
@@ -70,9 +71,26 @@ impl SimTiming {
         self.prefill.prefill_ms(tokens as u64) / 1e3
     }
 
-    /// Seconds to recompute the block that ends at `end` tokens, given the tokens before it.
-    fn recompute_block_s(&self, end: usize, block_tokens: usize) -> f64 {
-        self.prefill_s(end) - self.prefill_s(end.saturating_sub(block_tokens))
+    /// The node's cost model on these rates: G2 crosses the host link; G3 is read from disk and
+    /// then crosses it; a peer's G2 comes over the NIC straight into the GPU (GPUDirect RDMA),
+    /// paced by the slower of the NIC and the link; recompute follows the calibrated curve.
+    pub fn cost_model(&self, block_tokens: usize) -> CostModel {
+        let link = BytesPerSec::new(self.link_bytes_per_s);
+        let disk = BytesPerSec::new(self.disk_read_bytes_per_s);
+        let net = BytesPerSec::new(self.network_bytes_per_s);
+        CostModel {
+            block_tokens,
+            image_bytes: self.block_bytes as usize,
+            prefill: Some(Prefill::Curve(Arc::new(self.prefill.clone()))),
+            decode_s_per_token: Some(self.decode_s_per_token),
+            decode_weight: 0.0,
+            g2_read: link,
+            g3_read: disk.zip(link).map(|(d, l)| d.then(l)),
+            g4_read: match (link, net) {
+                (Some(l), Some(n)) => Some(if l < n { l } else { n }),
+                _ => None,
+            },
+        }
     }
 }
 
@@ -123,6 +141,8 @@ pub struct SimNode {
     pub retention: RetentionSection,
     /// Rates.
     pub timing: SimTiming,
+    /// The cost model on those rates: what decides whether a cached block is loaded.
+    pub cost: CostModel,
     /// How far blocks are written.
     pub write_through: WriteThrough,
     g2: Option<Mutex<TierRegistry>>,
@@ -154,6 +174,7 @@ impl SimNode {
             block_tokens,
             salt,
             retention,
+            cost: timing.cost_model(block_tokens),
             timing,
             write_through,
             g2: tier(g2_blocks),
@@ -389,7 +410,7 @@ impl SimWorker {
         }
         let node = self.node.clone();
         let timing = &node.timing;
-        let hashes = BlockHasher::new(node.salt, b).hash_sequence(&req.prompt);
+        let hashes = req.block_hashes(node.salt, b);
         let cap = (len - 1) / b;
         // The GPU prefills one request at a time; the cached prefix is looked up once it is ours.
         let gpu = self.gpu.lock().await;
@@ -397,24 +418,22 @@ impl SimWorker {
         node.stats.prefills.fetch_add(1, Ordering::Relaxed);
         let now = now_ms(self.epoch);
 
-        // The cached prefix: G1 in place, then G2 over the link, then G3 from disk, each block
-        // only while loading it beats recomputing it.
+        // The cached prefix: G1 in place, then G2 over the link, then G3 from disk, then a
+        // peer, each block only while the cost model says loading it beats recomputing it.
         let link_s = timing.block_bytes as f64 / timing.link_bytes_per_s.max(1.0);
-        let disk_s = timing.block_bytes as f64 / timing.disk_read_bytes_per_s.max(1.0);
-        // A peer's G2 comes over the NIC straight into the GPU (GPUDirect RDMA): the slower of
-        // the two links paces it.
-        let net_s = link_s.max(timing.block_bytes as f64 / timing.network_bytes_per_s.max(1.0));
+        let net_s = node.cost.g4_read.map_or(0.0, |r| r.seconds(timing.block_bytes as usize));
+        let cost = &node.cost;
         let mut hit = [0usize; 4];
         let mut from = Vec::with_capacity(cap);
         for (i, &hash) in hashes.iter().enumerate().take(cap) {
-            let recompute = timing.recompute_block_s((i + 1) * b, b);
+            let end = (i + 1) * b;
             let tier = if self.g1.borrow().contains(hash) {
                 0
-            } else if link_s < recompute && SimNode::holds(&node.g2, hash, now) {
+            } else if cost.worth_loading(LoadFrom::G2, end) && SimNode::holds(&node.g2, hash, now) {
                 1
-            } else if link_s + disk_s < recompute && SimNode::holds(&node.g3, hash, now) {
+            } else if cost.worth_loading(LoadFrom::G3, end) && SimNode::holds(&node.g3, hash, now) {
                 2
-            } else if net_s < recompute && node.peer_holds(hash, now) {
+            } else if cost.worth_loading(LoadFrom::G4, end) && node.peer_holds(hash, now) {
                 3
             } else {
                 break;

@@ -28,7 +28,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use dynamo_actors::tiers::{G2Tier, G3Tier, LoadCost, NoObserver, NodeTiers, WriteBatch};
+use dynamo_actors::cost::{CostModel, Prefill};
+use dynamo_actors::tiers::{G2Tier, G3Tier, NoObserver, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, unix_millis};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection};
 use dynamo_kernels::backend::Backend;
@@ -353,7 +354,11 @@ fn scratch_tiers(
         g2,
         g3,
         write_batch: WriteBatch::default(),
-        cost: LoadCost { prefill_tokens_per_s, ..LoadCost::default() },
+        cost: CostModel {
+            prefill: Prefill::rate(prefill_tokens_per_s),
+            ..CostModel::unknown(opts.block_tokens, layout.image_bytes())
+        },
+        measured: Default::default(),
         observer: Arc::new(NoObserver),
     })
 }

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant as WallInstant};
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use dynamo_actors::cost::CostModel;
 use dynamo_actors::index::{IndexConfig, PrefixIndex};
 use dynamo_actors::publisher::KvPublisher;
 use dynamo_actors::scheduler::{KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef};
@@ -680,18 +679,8 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         let node = factory_nodes[id / per_node].clone();
         Ok(Box::new(SimulatedEngine::new(id, node, g1_blocks, PolicyKind::Lru, epoch)) as Box<dyn Engine>)
     });
-    let t = &setup.timing;
-    let cost = CostModel {
-        block_tokens: setup.block_tokens,
-        image_bytes: t.block_bytes as usize,
-        prefill_tokens_per_s: 8192.0 / (t.prefill.prefill_ms(8192) / 1e3),
-        decode_s_per_token: t.decode_s_per_token,
-        // The simulated engine batches decodes alongside prefills.
-        decode_weight: 0.0,
-        g2_bytes_per_s: t.link_bytes_per_s,
-        g3_bytes_per_s: 1.0 / (1.0 / t.disk_read_bytes_per_s + 1.0 / t.link_bytes_per_s),
-        g4_bytes_per_s: t.network_bytes_per_s.min(t.link_bytes_per_s),
-    };
+    // The router ranks workers with the same cost model the simulated workers decide with.
+    let cost = setup.timing.cost_model(setup.block_tokens);
     let args = NodeArgs {
         workers: (0..setup.workers * setup.nodes)
             .map(|id| WorkerArgs {
