@@ -5,6 +5,7 @@
 //! dynamo-node config default             print the embedded default configuration
 //! dynamo-node config check FILE          validate FILE; errors as FILE:LINE:COL: `key`: message
 //! dynamo-node bench storage --dir DIR    G3 throughput against fio on the same device
+//! dynamo-node bench serve [--model M]    tokens/s through the HTTP API at 1, 4, 16, 64 streams
 //! dynamo-node gpu-check [--device N]     CUDA kernels vs the CPU backend, KV copy bandwidth
 //! ```
 //!
@@ -126,6 +127,9 @@ pub enum BenchCommand {
     /// Replay a request trace through the node's actors with simulated engines, in virtual time,
     /// one run per routing policy.
     Replay(crate::bench::replay::ReplayArgs),
+    /// Generated tokens per second through the real HTTP API of a node started in this process,
+    /// at several numbers of concurrent streams, against the memory-bandwidth bound of decode.
+    Serve(crate::bench::serve::BenchServeArgs),
 }
 
 /// Parses the command line and runs it.
@@ -157,6 +161,9 @@ pub fn main() -> ExitCode {
         }
         Some(Command::Bench(BenchCommand::Replay(args))) => {
             report(crate::bench::replay::run(&args).map(|table| print!("{table}")))
+        }
+        Some(Command::Bench(BenchCommand::Serve(args))) => {
+            report(crate::bench::serve::run(&args).map(|table| print!("{table}")))
         }
         Some(Command::GpuCheck(args)) => gpu_check(&args),
     }

@@ -2,4 +2,5 @@
 
 pub mod cached_ttft;
 pub mod replay;
+pub mod serve;
 pub mod storage;
