@@ -200,7 +200,8 @@ impl SchedulerState {
             writer.flush();
         }
         kv.index.find_matches(&hashes, &mut self.matches);
-        req.hashes = Some(Arc::new(PromptHashes { salt: kv.salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
+        req.hashes =
+            Some(Arc::new(PromptHashes { salt: kv.salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
         self.matches.views(&mut self.views);
         let cost = match &kv.tiers {
             Some(tiers) => kv.cost.measured(&tiers.measured),
