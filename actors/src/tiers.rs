@@ -14,6 +14,7 @@ use dynamo_tiering::block::{BlockHash, BlockLayout, Salt};
 use dynamo_tiering::cost::{CostModel, Measurements};
 use dynamo_tiering::g2::{HostPool, SlotMut, SlotRef};
 use dynamo_tiering::g3::{G3Error, G3Store};
+use dynamo_tiering::pipeline::{Pipeline, WriteThrough};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
 
 /// Where a block is: one worker's G1, or one of the node's shared tiers.
@@ -385,13 +386,13 @@ impl NodeTiers {
         self.cost.measured(&self.measured)
     }
 
-    /// Registry metadata for a block of `region`.
-    pub fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
-        BlockMeta { parent, region, priority: self.retention.policy(region).priority, retain_until: 0 }
+    /// The pipeline's policy over this node's retention (every worker writes through to G3).
+    pub fn pipeline(&self) -> Pipeline<'_> {
+        Pipeline { block_tokens: self.block_tokens, retention: &self.retention, write_through: WriteThrough::G2G3 }
     }
 
-    /// Whether blocks of `region` may be written down to `tier`.
-    pub fn reaches(&self, region: RegionKind, tier: TierName) -> bool {
-        tier <= self.retention.policy(region).lowest_tier
+    /// Registry metadata for a block of `region`.
+    pub fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
+        self.pipeline().meta(parent, region)
     }
 }

@@ -30,6 +30,7 @@ pub mod cost;
 pub mod g2;
 pub mod g3;
 pub mod io;
+pub mod pipeline;
 pub mod registry;
 pub mod transfer;
 

@@ -44,13 +44,13 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dynamo_config::{RegionKind, TierName};
+use dynamo_config::RegionKind;
 use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
 use dynamo_tiering::block::{BlockHash, BlockHasher, HEADER_LEN, ImageSpec, RetentionMeta, Salt, payload_mut, seal};
-use dynamo_tiering::cost::LoadFrom;
 use dynamo_tiering::g2::{SlotMut, SlotRef};
+use dynamo_tiering::pipeline::{self, Landed, Presence, Refusal};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
 use tokio::task::JoinSet;
@@ -60,7 +60,7 @@ use super::{JobEvent, Ticket};
 use crate::telemetry::{
     Tier, record_preemption, record_tier_error, record_transfer, record_write_lag, record_write_skipped,
 };
-use crate::tiers::{BlockSite, G3Tier, NodeTiers};
+use crate::tiers::{BlockSite, NodeTiers};
 
 /// One generation request, already tokenized.
 #[derive(Clone, Debug, PartialEq)]
@@ -249,11 +249,6 @@ pub fn unix_millis() -> Millis {
 /// Requests one worker runs at once unless configured (`engine.max_running_requests`).
 pub const DEFAULT_MAX_RUNNING: usize = 64;
 
-/// The region of prompt token `token`: the request's range that holds it, else conversation.
-fn region_of(req: &GenRequest, token: usize) -> RegionKind {
-    req.regions.iter().find(|(r, _)| r.contains(&token)).map(|(_, k)| *k).unwrap_or(RegionKind::Conversation)
-}
-
 /// G3 write batches one worker keeps in flight at most; beyond it write-through stops at G2.
 pub const MAX_G3_BATCHES_IN_FLIGHT: usize = 8;
 
@@ -369,7 +364,11 @@ impl Seq {
 
     /// The region of block `i`: the prompt's regions for its blocks, generated after them.
     fn region(&self, i: usize, block_tokens: usize) -> RegionKind {
-        if i < self.prompt_blocks { region_of(self.req(), i * block_tokens) } else { RegionKind::Generated }
+        if i < self.prompt_blocks {
+            pipeline::region_of(&self.req().regions, i * block_tokens)
+        } else {
+            RegionKind::Generated
+        }
     }
 
     /// Tokens waiting for their KV.
@@ -422,6 +421,35 @@ enum Source {
     Image { image: SlotRef, from_g3: bool },
     /// In G3, to be read.
     G3,
+}
+
+/// The real executor's answers while the pipeline plans a prefix: a G1 block found is acquired
+/// (its page kept), a G2 image found is taken (so it cannot go before it is loaded).
+struct Lookup<'w, B: Backend> {
+    worker: &'w mut Worker<B>,
+    now: Millis,
+    pages: Vec<u32>,
+    images: Vec<SlotRef>,
+}
+
+impl<B: Backend> pipeline::TierLookup for Lookup<'_, B> {
+    fn in_g1(&mut self, hash: BlockHash) -> bool {
+        let Some(&page) = self.worker.by_hash.get(&hash) else { return false };
+        self.worker.registry.acquire(hash, self.now).expect("resident");
+        self.pages.push(page);
+        true
+    }
+
+    fn in_g2(&mut self, hash: BlockHash) -> bool {
+        let Some(image) = self.worker.tiers.g2.as_ref().and_then(|g2| g2.get(hash, self.now)) else { return false };
+        self.images.push(image);
+        true
+    }
+
+    fn in_g3(&mut self, hash: BlockHash) -> bool {
+        let tiers = &self.worker.tiers;
+        tiers.g2.is_some() && tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash))
+    }
 }
 
 impl<B: Backend> Worker<B> {
@@ -616,13 +644,13 @@ impl<B: Backend> Worker<B> {
         let b = self.tiers.block_tokens;
         let req = &ticket.req;
         let len = req.prompt.len();
-        if len == 0 {
-            return ticket.finish(Err(WorkerError::EmptyPrompt));
-        }
-        let needed = (len + req.max_tokens).div_ceil(b);
-        if needed > self.pages {
-            let (prompt, max_tokens, capacity) = (len, req.max_tokens, self.pages);
-            return ticket.finish(Err(WorkerError::TooLong { prompt, max_tokens, needed, capacity }));
+        match self.tiers.pipeline().admit(len, req.max_tokens, self.pages) {
+            Ok(()) => {}
+            Err(Refusal::EmptyPrompt) => return ticket.finish(Err(WorkerError::EmptyPrompt)),
+            Err(Refusal::TooLong { needed }) => {
+                let (prompt, max_tokens, capacity) = (len, req.max_tokens, self.pages);
+                return ticket.finish(Err(WorkerError::TooLong { prompt, max_tokens, needed, capacity }));
+            }
         }
         let chain = req.block_hashes(self.tiers.salt, b);
         self.admitted += 1;
@@ -941,29 +969,26 @@ impl<B: Backend> Worker<B> {
         self.send_g3_batch();
         let b = self.tiers.block_tokens;
         let now = unix_millis();
-        let conversation = self.tiers.retention.policy(RegionKind::Conversation).priority;
+        let tiers = self.tiers.clone();
+        let pipeline = tiers.pipeline();
         for (i, block) in std::mem::take(&mut seq.blocks).into_iter().enumerate() {
-            match block.registered {
-                Some(hash) => {
-                    let _ = self.registry.release(hash);
-                    let region = if i < seq.prompt_blocks {
-                        seq.region(i, b)
-                    } else {
-                        let _ = self.registry.set_priority(hash, conversation);
-                        if let Some(g2) = &self.tiers.g2 {
-                            g2.promote(hash, conversation);
-                        }
-                        RegionKind::Conversation
-                    };
-                    let hold = self.tiers.retention.policy(region).hold.as_duration().as_millis() as u64;
-                    if hold > 0 {
-                        let _ = self.registry.hold(hash, now + hold);
-                        if let Some(g2) = &self.tiers.g2 {
-                            g2.hold(hash, now + hold);
-                        }
-                    }
+            let Some(hash) = block.registered else {
+                self.free_page(block.page);
+                continue;
+            };
+            let _ = self.registry.release(hash);
+            let fate = pipeline.turn_end(seq.region(i, b), i >= seq.prompt_blocks, now);
+            if let Some(priority) = fate.priority {
+                let _ = self.registry.set_priority(hash, priority);
+                if let Some(g2) = &tiers.g2 {
+                    g2.promote(hash, priority);
                 }
-                None => self.free_page(block.page),
+            }
+            if let Some(until) = fate.hold_until {
+                let _ = self.registry.hold(hash, until);
+                if let Some(g2) = &tiers.g2 {
+                    g2.hold(hash, until);
+                }
             }
         }
         let Seq { ticket, mut outcome, prefilled, computed, .. } = seq;
@@ -987,37 +1012,27 @@ impl<B: Backend> Worker<B> {
     async fn onboard(&mut self, seq: &mut Seq, first: bool) -> Result<(), WorkerError> {
         let now = unix_millis();
         let b = self.tiers.block_tokens;
-        let cap = ((seq.tokens.len() - 1) / b).min(seq.chain.len());
         let hashes = seq.chain.clone();
         let hashes = hashes.as_slice();
         let mut hits = [0usize; 4];
         let tiers = self.tiers.clone();
-        let cost = tiers.cost_now();
-        let g3_usable = tiers.g2.is_some() && tiers.g3.as_ref().is_some_and(G3Tier::usable);
 
-        // Plan: where each block of the prefix comes from.
-        let mut plan: Vec<Source> = Vec::new();
-        for (i, &hash) in hashes.iter().enumerate().take(cap) {
-            if let Some(&page) = self.by_hash.get(&hash) {
-                self.registry.acquire(hash, now).expect("resident");
-                plan.push(Source::G1(page));
-                continue;
-            }
-            let end = (i + 1) * b;
-            if cost.worth_loading(LoadFrom::G2, end)
-                && let Some(image) = tiers.g2.as_ref().and_then(|g2| g2.get(hash, now))
-            {
-                plan.push(Source::Image { image, from_g3: false });
-                continue;
-            }
-            if g3_usable
-                && cost.worth_loading(LoadFrom::G3, end)
-                && tiers.g3.as_ref().is_some_and(|g3| g3.store.contains(hash))
-            {
-                plan.push(Source::G3);
-                continue;
-            }
-            break;
+        // The plan (the pipeline's): where each block of the prefix comes from. G1 blocks are
+        // acquired and G2 images taken as the plan finds them.
+        let mut lookup = Lookup { worker: self, now, pages: Vec::new(), images: Vec::new() };
+        let sources = tiers.pipeline().plan_prefix(hashes, seq.tokens.len(), &tiers.cost_now(), &mut lookup);
+        let Lookup { mut pages, mut images, .. } = lookup;
+        let mut plan: Vec<Source> = Vec::with_capacity(sources.len());
+        let (mut pages, mut images) = (pages.drain(..), images.drain(..));
+        for source in sources {
+            plan.push(match source {
+                pipeline::Source::G1 => Source::G1(pages.next().expect("a page per G1 block")),
+                pipeline::Source::G2 => {
+                    Source::Image { image: images.next().expect("an image per G2 block"), from_g3: false }
+                }
+                pipeline::Source::G3 => Source::G3,
+                pipeline::Source::G4 => unreachable!("a node without peers has no G4"),
+            });
         }
 
         // G3 reads, all in flight together.
@@ -1078,6 +1093,7 @@ impl<B: Backend> Worker<B> {
                 Source::G1(page) => {
                     seq.blocks.push(SeqBlock { page, registered: Some(hashes[i]) });
                     hits[0] += b;
+                    self.write_reused(i, hashes, seq.region(i, b), now);
                 }
                 Source::Image { image, from_g3 } => {
                     let page = match self.alloc_page(now) {
@@ -1220,13 +1236,33 @@ impl<B: Backend> Worker<B> {
             // private to this request.
             Ok(Admission::AlreadyPresent) | Err(_) => {}
         }
-        if computed && self.reaches_g2(region) && !self.tiers.g2.as_ref().is_some_and(|g2| g2.contains(hash)) {
+        let Some(g2) = self.tiers.g2.as_ref().filter(|_| computed) else { return };
+        let present = Presence { g2: g2.contains(hash), g3: false };
+        if self.tiers.pipeline().write_targets(region, Landed::Computed, present).g2 {
             self.gathers.push(PendingGather { hash, parent, page: seq[i].page, region, completed: Instant::now() });
         }
     }
 
-    fn reaches_g2(&self, region: RegionKind) -> bool {
-        self.tiers.g2.is_some() && self.tiers.reaches(region, TierName::G2)
+    /// What the tiers below hold of `hash` (G2 if present, G3 if present and usable).
+    fn presence(&self, hash: BlockHash) -> Presence {
+        Presence {
+            g2: self.tiers.g2.as_ref().is_some_and(|g2| g2.contains(hash)),
+            g3: self.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash)),
+        }
+    }
+
+    /// A block reused in place from G1: if its image is still in G2 and G3 lacks it (its write
+    /// was skipped while the disk was behind), it goes to G3 now.
+    fn write_reused(&mut self, i: usize, hashes: &[BlockHash], region: RegionKind, now: Millis) {
+        let tiers = self.tiers.clone();
+        let (Some(g2), Some(_)) = (tiers.g2.as_ref(), tiers.g3.as_ref()) else { return };
+        if !tiers.pipeline().write_targets(region, Landed::Reused, self.presence(hashes[i])).g3 {
+            return;
+        }
+        if let Some(image) = g2.get(hashes[i], now) {
+            let parent = i.checked_sub(1).map(|p| hashes[p]);
+            self.queue_g3(hashes[i], parent, region, image, Instant::now(), now);
+        }
     }
 
     /// A block just loaded from below: G2 keeps the image it came in (a block read from G3 is
@@ -1242,10 +1278,12 @@ impl<B: Backend> Worker<B> {
     ) {
         let tiers = self.tiers.clone();
         let parent = i.checked_sub(1).map(|p| hashes[p]);
-        if let Some(g2) = tiers.g2.as_ref().filter(|_| from_g3 && tiers.reaches(region, TierName::G2)) {
+        let from = if from_g3 { pipeline::Source::G3 } else { pipeline::Source::G2 };
+        let targets = tiers.pipeline().write_targets(region, Landed::Loaded(from), self.presence(hashes[i]));
+        if let Some(g2) = tiers.g2.as_ref().filter(|_| targets.g2) {
             g2.admit(hashes[i], tiers.meta(parent, region), image.clone(), now);
         }
-        if !from_g3 {
+        if targets.g3 {
             self.queue_g3(hashes[i], parent, region, image, Instant::now(), now);
         }
     }
@@ -1369,10 +1407,13 @@ impl<B: Backend> Worker<B> {
         now: Millis,
     ) {
         let tiers = self.tiers.clone();
-        let Some(g3) = tiers.g3.as_ref().filter(|g3| g3.usable() && tiers.reaches(region, TierName::G3)) else {
+        let Some(g3) = tiers.g3.as_ref().filter(|g3| g3.usable()) else {
             return;
         };
-        if g3.store.contains(hash) {
+        // Whether the block goes to G3 at all is the pipeline's call (the write-through of a
+        // computed block decides it here, once its image is sealed in G2).
+        let present = Presence { g2: true, g3: g3.store.contains(hash) };
+        if !tiers.pipeline().write_targets(region, Landed::Computed, present).g3 {
             return;
         }
         // A disk slower than the write stream must not build an unbounded backlog: with this many

@@ -29,7 +29,8 @@ use std::time::Duration;
 
 use dynamo_config::{PrefillCalibration, RegionKind, RetentionSection, TierName};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
-use dynamo_tiering::cost::{BytesPerSec, CostModel, LoadFrom, Prefill};
+use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill};
+use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Refusal, Source, TierLookup, region_of};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
 use tokio::time::Instant;
 
@@ -37,15 +38,7 @@ use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerE
 use crate::tiers::{BlockSite, KvObserver};
 
 /// How far write-through takes completed blocks (a replay compares these).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WriteThrough {
-    /// Blocks stay in the G1 of the worker that computed them.
-    Off,
-    /// Down to G2.
-    G2,
-    /// Down to G2 and G3 (each region's `lowest_tier` still applies).
-    G2G3,
-}
+pub use dynamo_tiering::pipeline::WriteThrough;
 
 /// The calibrated rates of a simulated worker and its node.
 #[derive(Clone, Debug)]
@@ -217,8 +210,17 @@ impl SimNode {
         (len(&self.g2), len(&self.g3))
     }
 
+    /// The pipeline's policy over this node's retention and write-through.
+    pub fn pipeline(&self) -> Pipeline<'_> {
+        Pipeline { block_tokens: self.block_tokens, retention: &self.retention, write_through: self.write_through }
+    }
+
     fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
-        BlockMeta { parent, region, priority: self.retention.policy(region).priority, retain_until: 0 }
+        self.pipeline().meta(parent, region)
+    }
+
+    fn contains(tier: &Option<Mutex<TierRegistry>>, hash: BlockHash) -> bool {
+        tier.as_ref().is_some_and(|r| r.lock().expect("registry").contains(hash))
     }
 
     fn holds(tier: &Option<Mutex<TierRegistry>>, hash: BlockHash, now: Millis) -> bool {
@@ -326,18 +328,39 @@ impl SimulatedEngine {
     }
 }
 
+/// The simulated executor's answers while the pipeline plans a prefix (each answer counts as an
+/// access in that tier's registry, as a real lookup does).
+struct SimLookup<'w> {
+    worker: &'w SimWorker,
+    now: Millis,
+}
+
+impl TierLookup for SimLookup<'_> {
+    fn in_g1(&mut self, hash: BlockHash) -> bool {
+        self.worker.g1.borrow().contains(hash)
+    }
+
+    fn in_g2(&mut self, hash: BlockHash) -> bool {
+        SimNode::holds(&self.worker.node.g2, hash, self.now)
+    }
+
+    fn in_g3(&mut self, hash: BlockHash) -> bool {
+        SimNode::holds(&self.worker.node.g3, hash, self.now)
+    }
+
+    fn in_g4(&mut self, hash: BlockHash) -> bool {
+        self.worker.node.peer_holds(hash, self.now)
+    }
+}
+
 impl SimWorker {
     fn site(&self) -> BlockSite {
         BlockSite::G1 { worker: self.id }
     }
 
-    fn region_of(req: &GenRequest, token: usize) -> RegionKind {
-        req.regions.iter().find(|(r, _)| r.contains(&token)).map(|(_, k)| *k).unwrap_or(RegionKind::Conversation)
-    }
-
-    /// Registers a block in G1 (referenced) and writes it through; returns whether it is
-    /// referenced (to be released at the end).
-    fn complete(&self, hash: BlockHash, parent: Option<BlockHash>, region: RegionKind, computed: bool) -> bool {
+    /// Registers a block in G1 (referenced) and writes it through as the pipeline says; returns
+    /// whether it is referenced (to be released at the end).
+    fn complete(&self, hash: BlockHash, parent: Option<BlockHash>, region: RegionKind, landed: Landed) -> bool {
         let now = now_ms(self.epoch);
         let node = self.node.clone();
         let meta = node.meta(parent, region);
@@ -361,17 +384,18 @@ impl SimWorker {
             Err(_) => false,
         };
         drop(g1);
-        let lowest = node.retention.policy(region).lowest_tier;
         let bytes = node.timing.block_bytes;
-        if node.write_through != WriteThrough::Off && computed && TierName::G2 <= lowest {
-            node.stats.g1_to_g2_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let present = Presence { g2: SimNode::contains(&node.g2, hash), g3: SimNode::contains(&node.g3, hash) };
+        let targets = node.pipeline().write_targets(region, landed, present);
+        if targets.g2 && node.g2.is_some() {
+            // A block read from below lands in G2 on its way up; only a computed one crosses G1 → G2.
+            if landed == Landed::Computed {
+                node.stats.g1_to_g2_bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
             node.admit(TierName::G2, hash, meta, now);
         }
-        // Down to G3 unless it is there already (duplicates are not written again).
-        if node.write_through == WriteThrough::G2G3
-            && TierName::G3 <= lowest
-            && node.g3.as_ref().is_some_and(|g3| !g3.lock().expect("registry").contains(hash))
-        {
+        // Down to G3 (duplicates are not written again).
+        if targets.g3 && node.g3.is_some() {
             let completed = Instant::now();
             let Some(done) = node.disk_write_done(bytes) else { return referenced };
             self.writes.borrow_mut().spawn(async move {
@@ -396,55 +420,38 @@ impl SimWorker {
         let start = Instant::now();
         let b = self.node.block_tokens;
         let len = req.prompt.len();
-        if len == 0 {
-            return Err(WorkerError::EmptyPrompt);
-        }
-        let needed = (len + req.max_tokens).div_ceil(b);
-        if needed > self.g1_blocks {
-            return Err(WorkerError::TooLong {
-                prompt: len,
-                max_tokens: req.max_tokens,
-                needed,
-                capacity: self.g1_blocks,
-            });
-        }
+        let needed = match self.node.pipeline().admit(len, req.max_tokens, self.g1_blocks) {
+            Ok(()) => (len + req.max_tokens).div_ceil(b),
+            Err(Refusal::EmptyPrompt) => return Err(WorkerError::EmptyPrompt),
+            Err(Refusal::TooLong { needed }) => {
+                let (max_tokens, capacity) = (req.max_tokens, self.g1_blocks);
+                return Err(WorkerError::TooLong { prompt: len, max_tokens, needed, capacity });
+            }
+        };
         let node = self.node.clone();
         let timing = &node.timing;
         let hashes = req.block_hashes(node.salt, b);
-        let cap = (len - 1) / b;
         // The GPU prefills one request at a time; the cached prefix is looked up once it is ours.
         let gpu = self.gpu.lock().await;
         node.stats.queue_us_sum.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
         node.stats.prefills.fetch_add(1, Ordering::Relaxed);
         let now = now_ms(self.epoch);
 
-        // The cached prefix: G1 in place, then G2 over the link, then G3 from disk, then a
-        // peer, each block only while the cost model says loading it beats recomputing it.
+        // The cached prefix, as the pipeline plans it: G1 in place, then G2 over the link, then
+        // G3 from disk, then a peer, each block only while loading it beats recomputing it.
         let link_s = timing.block_bytes as f64 / timing.link_bytes_per_s.max(1.0);
         let net_s = node.cost.g4_read.map_or(0.0, |r| r.seconds(timing.block_bytes as usize));
-        let cost = &node.cost;
+        let mut lookup = SimLookup { worker: self, now };
+        let from = node.pipeline().plan_prefix(&hashes, len, &node.cost, &mut lookup);
         let mut hit = [0usize; 4];
-        let mut from = Vec::with_capacity(cap);
-        for (i, &hash) in hashes.iter().enumerate().take(cap) {
-            let end = (i + 1) * b;
-            let tier = if self.g1.borrow().contains(hash) {
-                0
-            } else if cost.worth_loading(LoadFrom::G2, end) && SimNode::holds(&node.g2, hash, now) {
-                1
-            } else if cost.worth_loading(LoadFrom::G3, end) && SimNode::holds(&node.g3, hash, now) {
-                2
-            } else if cost.worth_loading(LoadFrom::G4, end) && node.peer_holds(hash, now) {
-                3
-            } else {
-                break;
-            };
-            hit[tier] += b;
-            from.push(tier);
+        for source in &from {
+            hit[source.index()] += b;
         }
         let cached = from.len() * b;
-        let g3_blocks = from.iter().filter(|&&t| t == 2).count() as u64;
-        let link_blocks = from.iter().filter(|&&t| t == 1 || t == 2).count() as u64;
-        let g4_blocks = from.iter().filter(|&&t| t == 3).count() as u64;
+        let count = |of: &[Source]| from.iter().filter(|s| of.contains(s)).count() as u64;
+        let g3_blocks = count(&[Source::G3]);
+        let link_blocks = count(&[Source::G2, Source::G3]);
+        let g4_blocks = count(&[Source::G4]);
         node.stats.g4_to_g1_bytes.fetch_add(g4_blocks * timing.block_bytes, Ordering::Relaxed);
         if g3_blocks > 0 {
             node.stats.g3_to_g1_bytes.fetch_add(g3_blocks * timing.block_bytes, Ordering::Relaxed);
@@ -458,9 +465,13 @@ impl SimWorker {
         // The prompt's blocks are in G1 now.
         let mut referenced = Vec::with_capacity(needed);
         for (i, &hash) in hashes.iter().enumerate() {
-            let computed = i >= from.len() || from[i] != 0;
-            let region = Self::region_of(req, i * b);
-            if self.complete(hash, i.checked_sub(1).map(|p| hashes[p]), region, computed) {
+            let landed = match from.get(i) {
+                None => Landed::Computed,
+                Some(Source::G1) => Landed::Reused,
+                Some(&source) => Landed::Loaded(source),
+            };
+            let region = region_of(&req.regions, i * b);
+            if self.complete(hash, i.checked_sub(1).map(|p| hashes[p]), region, landed) {
                 referenced.push((hash, region));
             }
         }
@@ -499,7 +510,7 @@ impl SimWorker {
                 let parent = chain.last().copied();
                 let hash = BlockHasher::new(node.salt, b).hash_block(parent, &sequence[i * b..]);
                 chain.push(hash);
-                if self.complete(hash, parent, RegionKind::Generated, true) {
+                if self.complete(hash, parent, RegionKind::Generated, Landed::Computed) {
                     referenced.push((hash, RegionKind::Generated));
                 }
             }
@@ -510,20 +521,17 @@ impl SimWorker {
         // its blocks are promoted to the conversation's priority and hold.
         let end = now_ms(self.epoch);
         let mut g1 = self.g1.borrow_mut();
-        let conversation = node.retention.policy(RegionKind::Conversation).priority;
+        let pipeline = node.pipeline();
         for (hash, region) in referenced {
             let _ = g1.release(hash);
-            let region = if region == RegionKind::Generated {
-                let _ = g1.set_priority(hash, conversation);
-                node.promote_g2(hash, conversation);
-                RegionKind::Conversation
-            } else {
-                region
-            };
-            let hold = node.retention.policy(region).hold.as_duration().as_millis() as Millis;
-            if hold > 0 {
-                let _ = g1.hold(hash, end + hold);
-                node.hold_g2(hash, end + hold);
+            let fate = pipeline.turn_end(region, region == RegionKind::Generated, end);
+            if let Some(priority) = fate.priority {
+                let _ = g1.set_priority(hash, priority);
+                node.promote_g2(hash, priority);
+            }
+            if let Some(until) = fate.hold_until {
+                let _ = g1.hold(hash, until);
+                node.hold_g2(hash, until);
             }
         }
         drop(g1);
