@@ -104,6 +104,12 @@ impl G2Tier {
         Some(slot)
     }
 
+    /// The image of `hash`, if resident, without counting an access (write-through reading it
+    /// on to G3 is not a use of the block).
+    pub fn peek(&self, hash: BlockHash) -> Option<SlotRef> {
+        self.inner.lock().expect("G2 lock").slots.get(&hash).cloned()
+    }
+
     /// Whether `hash` is resident.
     pub fn contains(&self, hash: BlockHash) -> bool {
         self.inner.lock().expect("G2 lock").slots.contains_key(&hash)

@@ -43,6 +43,26 @@ fn node(g2_slots: u32) -> Node {
 /// A node whose G3 reports to `observer`, with its I/O engine behind a [`FaultyEngine`] when
 /// `faulty` (reachable as `Node::faults`).
 fn node_with(g2_slots: u32, observer: Arc<dyn KvObserver>, faulty: bool) -> Node {
+    // G2 keeps a few slots of headroom for in-flight loads and gathers.
+    let sizes =
+        Sizes { g2_slots, g2_blocks: g2_slots.saturating_sub(4) as usize, g3_slots: 64, g3_policy: PolicyKind::Lfu };
+    node_sized(sizes, observer, faulty)
+}
+
+/// The tiers' sizes of a test node.
+struct Sizes {
+    /// Slots of the G2 pool.
+    g2_slots: u32,
+    /// Blocks G2's registry keeps.
+    g2_blocks: usize,
+    /// Slots of the G3 store.
+    g3_slots: u64,
+    /// G3's eviction policy.
+    g3_policy: PolicyKind,
+}
+
+fn node_sized(sizes: Sizes, observer: Arc<dyn KvObserver>, faulty: bool) -> Node {
+    let Sizes { g2_slots, g2_blocks, g3_slots, g3_policy } = sizes;
     let shape = ModelShape::named("tiny").expect("tiny");
     let layout = BlockLayout::for_model(&shape, Dtype::F32, B);
     let slot_bytes = align_up(layout.image_bytes());
@@ -52,7 +72,7 @@ fn node_with(g2_slots: u32, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
     let options = G3Options {
         format_foreign: false,
         paths: vec![g3_path.clone()],
-        capacity_per_path: SUPERBLOCK_LEN + 64 * slot_bytes as u64,
+        capacity_per_path: SUPERBLOCK_LEN + g3_slots * slot_bytes as u64,
         slot_bytes,
         direct_io: true,
         engine: EngineChoice::Uring(UringOptions { queue_depth: 8, threads: 1, register_buffers: true }),
@@ -68,9 +88,8 @@ fn node_with(g2_slots: u32, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
     })
     .expect("G3");
     let store = Arc::new(store);
-    let g3_registry = TierRegistry::new(store.capacity_slots() as usize, PolicyKind::Lfu);
-    // G2 keeps a few slots of headroom for in-flight loads and gathers.
-    let g2_registry = TierRegistry::new(g2_slots.saturating_sub(4) as usize, PolicyKind::Lru);
+    let g3_registry = TierRegistry::new(store.capacity_slots() as usize, g3_policy);
+    let g2_registry = TierRegistry::new(g2_blocks, PolicyKind::Lru);
     let tiers = NodeTiers {
         block_tokens: B,
         salt: Salt::derive(&SaltInputs { model: "tiny/seed-9", ..Default::default() }),
@@ -839,4 +858,124 @@ async fn a_burst_that_overflows_g1_preempts_into_g2_and_resumes_by_loading() {
             Resume::Recompute => assert_eq!(stats.resumed_cached_tokens, 0, "recomputed: {stats:?}"),
         }
     }
+}
+
+/// A small agentic trace: sessions opening with the same system prompt, each turn resending the
+/// conversation so far (its answers included) plus new input, the turns of a session moving
+/// between two workers. Answers `(session, turn, worker, new input tokens, answer tokens)` in the
+/// order served.
+fn equality_trace() -> Vec<(u32, u32, usize, usize, usize)> {
+    let mut trace = Vec::new();
+    for turn in 0..3u32 {
+        for session in 0..3u32 {
+            let worker = ((session + turn) % 2) as usize;
+            trace.push((session, turn, worker, if turn == 0 { 2 * B + 5 } else { 12 }, 10));
+        }
+    }
+    trace
+}
+
+/// Two workers sharing G2 and G3, as a replay drives them.
+trait Pair {
+    /// Serves `req` on worker `w`.
+    async fn serve(&mut self, w: usize, req: &GenRequest) -> GenOutcome;
+    /// Waits until every write-through has landed.
+    async fn flush(&mut self);
+}
+
+impl Pair for [Worker<CpuBackend>; 2] {
+    async fn serve(&mut self, w: usize, req: &GenRequest) -> GenOutcome {
+        self[w].generate(req, &mut |_| true).await.expect("generate")
+    }
+    async fn flush(&mut self) {
+        for w in self {
+            w.flush().await;
+        }
+    }
+}
+
+impl Pair for [dynamo_actors::worker::simulated::SimulatedEngine; 2] {
+    async fn serve(&mut self, w: usize, req: &GenRequest) -> GenOutcome {
+        self[w].generate(req, &mut |_| true).await.expect("generate")
+    }
+    async fn flush(&mut self) {
+        for e in self {
+            dynamo_actors::worker::Engine::flush(e).await;
+        }
+    }
+}
+
+/// Replays [`equality_trace`] on `pair`, every write-through landing before the next request, and
+/// answers each request's hit tokens per tier, in order.
+async fn replay_hits(pair: &mut impl Pair) -> Vec<[usize; 4]> {
+    let system = turn(2 * B, 70);
+    let mut history: Vec<Vec<u32>> = vec![system.clone(); 3];
+    let mut hits = Vec::new();
+    for (session, k, worker, input, answer) in equality_trace() {
+        let conversation = &mut history[session as usize];
+        conversation.extend(turn(input, 100 + session * 10 + k));
+        let regions = vec![(0..2 * B, RegionKind::System)];
+        let req = GenRequest { regions, ..GenRequest::greedy(conversation.clone(), answer) };
+        let out = pair.serve(worker, &req).await;
+        assert_eq!(out.tokens.len(), answer, "every answer has its full length");
+        conversation.extend(&out.tokens);
+        hits.push(out.hit_tokens);
+        pair.flush().await;
+    }
+    hits
+}
+
+/// The simulated engine and the reference engine drive the same pipeline: replaying the same
+/// trace over tiers of the same sizes, every request gets the same hit tokens from the same
+/// tiers — G1 reuse, G2 loads across workers, and G3 loads once G2 has evicted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulated_and_the_reference_engine_hit_the_same_tiers_on_a_replay() {
+    use dynamo_actors::worker::simulated::{SimNode, SimTiming, SimulatedEngine, WriteThrough};
+    use dynamo_config::Calibration;
+
+    // G2 keeps 6 blocks (its pool has room to spare, so only the registry evicts); G3 keeps all.
+    let sizes = Sizes { g2_slots: 64, g2_blocks: 6, g3_slots: 128, g3_policy: PolicyKind::Lru };
+    let n = node_sized(sizes, Arc::new(NoObserver), false);
+    let mut workers =
+        [n.worker_with_pages(CpuBackend::default(), 128), n.worker_with_pages(CpuBackend::default(), 128)];
+    let reference = replay_hits(&mut workers).await;
+
+    // The same sizes on a simulated node, deciding with the same (unmeasured) cost model.
+    let cal = Calibration::h200();
+    let prefill = cal.prefill_for("llama-8b").expect("calibrated").clone();
+    let timing = SimTiming {
+        block_bytes: n.tiers.layout.image_bytes() as u64,
+        prefill,
+        decode_s_per_token: 0.005,
+        link_bytes_per_s: cal.link.h2d_pinned_gb_s * 1e9,
+        disk_read_bytes_per_s: cal.disk.seq_read_gb_s * 1e9,
+        disk_write_bytes_per_s: cal.disk.seq_write_gb_s * 1e9,
+        network_bytes_per_s: 50e9,
+    };
+    let retention = RetentionSection::default();
+    let mut sim = SimNode::new(
+        B,
+        n.tiers.salt,
+        retention,
+        timing,
+        WriteThrough::G2G3,
+        6,
+        128,
+        PolicyKind::Lru,
+        Arc::new(NoObserver),
+    );
+    sim.cost = n.tiers.cost.clone();
+    let sim = Arc::new(sim);
+    let epoch = tokio::time::Instant::now();
+    let mut engines = [
+        SimulatedEngine::new(0, sim.clone(), 128, PolicyKind::Lru, epoch),
+        SimulatedEngine::new(1, sim.clone(), 128, PolicyKind::Lru, epoch),
+    ];
+    let simulated = tokio::task::LocalSet::new().run_until(replay_hits(&mut engines)).await;
+
+    for (i, (r, s)) in reference.iter().zip(&simulated).enumerate() {
+        assert_eq!(r, s, "request {i} ({:?}): reference {r:?}, simulated {s:?}", equality_trace()[i]);
+    }
+    let total = |tier: usize| reference.iter().map(|h| h[tier]).sum::<usize>();
+    assert!(total(0) > 0 && total(1) > 0 && total(2) > 0, "the trace exercises G1, G2 and G3: {reference:?}");
 }

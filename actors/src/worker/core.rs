@@ -1259,7 +1259,7 @@ impl<B: Backend> Worker<B> {
         if !tiers.pipeline().write_targets(region, Landed::Reused, self.presence(hashes[i])).g3 {
             return;
         }
-        if let Some(image) = g2.get(hashes[i], now) {
+        if let Some(image) = g2.peek(hashes[i]) {
             let parent = i.checked_sub(1).map(|p| hashes[p]);
             self.queue_g3(hashes[i], parent, region, image, Instant::now(), now);
         }
