@@ -62,17 +62,23 @@ impl PrefillCalibration {
     /// Milliseconds to prefill `tokens`: piecewise-linear over the points, with an implicit
     /// `(0, 0)` point below the first, and the last segment extended beyond the last point.
     pub fn prefill_ms(&self, tokens: u64) -> f64 {
-        let mut points: Vec<(f64, f64)> = Vec::with_capacity(self.points_ms.len() + 1);
-        if self.points_ms.first().is_none_or(|&(t, _)| t > 0) {
-            points.push((0.0, 0.0));
-        }
-        points.extend(self.points_ms.iter().map(|&(t, ms)| (t as f64, ms)));
-        if tokens == 0 || points.len() < 2 {
+        // The points with the implicit origin in front, without allocating (the simulated engine
+        // asks this for every block it considers loading).
+        let origin = self.points_ms.first().is_none_or(|&(t, _)| t > 0).then_some((0.0, 0.0));
+        let mut points = origin.into_iter().chain(self.points_ms.iter().map(|&(t, ms)| (t as f64, ms)));
+        let (Some(mut a), Some(mut b)) = (points.next(), points.next()) else { return 0.0 };
+        if tokens == 0 {
             return 0.0;
         }
         let x = tokens as f64;
-        let segment = points.windows(2).find(|w| x <= w[1].0).unwrap_or(&points[points.len() - 2..]);
-        let ((x0, y0), (x1, y1)) = (segment[0], segment[1]);
+        // The first segment that reaches x, or the last one.
+        while x > b.0 {
+            match points.next() {
+                Some(next) => (a, b) = (b, next),
+                None => break,
+            }
+        }
+        let ((x0, y0), (x1, y1)) = (a, b);
         (y0 + (x - x0) * (y1 - y0) / (x1 - x0)).max(0.0)
     }
 }
