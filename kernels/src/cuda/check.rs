@@ -18,7 +18,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::{CudaBackend, DeviceInfo};
-use crate::backend::{AttentionSpec, Backend, KernelError};
+use crate::backend::{AttentionSpec, Backend, KernelError, SeqBatch};
 use crate::cpu::CpuBackend;
 use crate::kv_layout::PagedLayout;
 use crate::model::{HostWeights, Llama};
@@ -363,6 +363,21 @@ pub trait CaseRunner {
         q: &[f32],
         pos: &[u32],
     ) -> Result<Vec<f32>, KernelError>;
+    /// Writes K/V rows into `slots` (every layer), then one batched attention of `q` rows at
+    /// `pos` over several sequences' block tables (layer 1).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_batch(
+        &self,
+        layout: PagedLayout,
+        blocks: usize,
+        spec: AttentionSpec,
+        k: &[f32],
+        v: &[f32],
+        slots: &[u32],
+        seqs: SeqBatch<'_>,
+        q: &[f32],
+        pos: &[u32],
+    ) -> Result<Vec<f32>, KernelError>;
     /// Writes K/V into every slot, gathers `gather` into payloads, scatters them into `scatter`
     /// of a fresh pool and gathers those back; both payload sets as f32.
     fn gather_scatter(
@@ -501,6 +516,26 @@ impl<B: Backend> CaseRunner for Runner<'_, B> {
         let dq = b.upload(q)?;
         let mut out = poisoned(b, q.len())?;
         b.attention(&dq, &kv, layout.layers - 1, spec, table, pos, &mut out)?;
+        fetch(b, &out, q.len())
+    }
+
+    fn attention_batch(
+        &self,
+        layout: PagedLayout,
+        blocks: usize,
+        spec: AttentionSpec,
+        k: &[f32],
+        v: &[f32],
+        slots: &[u32],
+        seqs: SeqBatch<'_>,
+        q: &[f32],
+        pos: &[u32],
+    ) -> Result<Vec<f32>, KernelError> {
+        let b = self.0;
+        let kv = self.fill_pool(layout, blocks, k, v, slots)?;
+        let dq = b.upload(q)?;
+        let mut out = poisoned(b, q.len())?;
+        b.attention_batch(&dq, &kv, layout.layers - 1, spec, seqs, pos, &mut out)?;
         fetch(b, &out, q.len())
     }
 
@@ -670,8 +705,53 @@ pub fn attention_cases<T: Backend, R: Backend>(
             |r| r.attention(layout, blocks, spec, &k, &v, &table, &q, &pos),
         ));
     }
-
+    out.push(batched_attention_case(test, reference, &mut rng, tolerance, label));
     out
+}
+
+/// One batched attention call over three sequences of one pool, each through its own table: a
+/// prefill chunk after a prefix, a decode row and a whole short prompt (what one engine step of
+/// continuous batching asks).
+fn batched_attention_case<T: Backend, R: Backend>(
+    test: &T,
+    reference: &R,
+    rng: &mut SeededRng,
+    tolerance: f64,
+    label: &str,
+) -> KernelCheck {
+    let (heads, kv_heads, head_dim, block_tokens) = (8, 2, 128, 16);
+    let layout = PagedLayout { layers: 2, block_tokens, kv_heads, head_dim, elem_bytes: 4 };
+    let spec = AttentionSpec { heads, kv_heads, head_dim, block_tokens };
+    // (context, rows computed at its end) per sequence.
+    let seqs = [(300usize, 40usize), (129, 1), (45, 45)];
+    let blocks: usize = seqs.iter().map(|(ctx, _)| ctx.div_ceil(block_tokens)).sum::<usize>() + 7;
+    let order = permutation(rng, blocks);
+    let (mut tables, mut table_starts, mut row_starts, mut slots, mut pos) =
+        (vec![], vec![0u32], vec![0u32], vec![], vec![]);
+    let mut next = 0;
+    for &(ctx, rows) in &seqs {
+        let table: Vec<u32> = order[next..next + ctx.div_ceil(block_tokens)].to_vec();
+        next += table.len();
+        slots.extend((0..ctx).map(|p| table[p / block_tokens] * block_tokens as u32 + (p % block_tokens) as u32));
+        pos.extend((ctx - rows) as u32..ctx as u32);
+        tables.extend(&table);
+        table_starts.push(tables.len() as u32);
+        row_starts.push(pos.len() as u32);
+    }
+    let tokens = slots.len();
+    let (k, v) =
+        (random_bf16(rng, tokens * kv_heads * head_dim, 2.0), random_bf16(rng, tokens * kv_heads * head_dim, 2.0));
+    let q = random(rng, pos.len() * heads * head_dim, 2.0);
+    let batch = SeqBatch { row_starts: &row_starts, table_starts: &table_starts, tables: &tables };
+    compare_case(
+        &format!(
+            "attention batch of 3 sequences (prefill chunk, decode, prompt) h{heads}/{kv_heads}x{head_dim} [{label}]"
+        ),
+        tolerance,
+        test,
+        reference,
+        |r| r.attention_batch(layout, blocks, spec, &k, &v, &slots, batch, &q, &pos),
+    )
 }
 
 /// The attention cases on the kernel that serves: the tensor-core one (bf16 Q and P, so a bf16
