@@ -15,9 +15,11 @@
 //! the caller recomputes it. A failed write (a full disk, an I/O error) fails that block only.
 //!
 //! Headers make the store self-describing: on open, a tokio-uring scan ([`scan`]) reads every
-//! slot's header and rebuilds the index; what it finds is returned so the caller can rebuild its
-//! registry (retention metadata travels in the header).
+//! slot's header and rebuilds the index; what it finds is returned, and
+//! [`G3Store::open_recovered`] ([`recover`]) rebuilds the tier's registry from it (retention
+//! metadata travels in the header).
 
+pub mod recover;
 pub mod scan;
 pub mod superblock;
 
@@ -35,6 +37,8 @@ use crate::g2::{HostPool, SLOT_ALIGN, SlotMut, SlotRef, align_up};
 use crate::io::psync::PsyncEngine;
 use crate::io::uring::{UringEngine, UringOptions};
 use crate::io::{IoBuf, IoEngine, IoRequest};
+use crate::registry::RegistryError;
+pub use recover::Recovered;
 use superblock::{SUPERBLOCK_LEN, Superblock};
 
 /// Which engine a store drives its files with.
@@ -148,6 +152,14 @@ pub enum G3Error {
     /// The buffer to write is not a sealed image.
     #[error("refusing to write an unsealed image: {0}")]
     NotAnImage(ImageError),
+    /// A block recovered on open could not be registered in the tier's registry.
+    #[error("rebuilding the G3 registry: recovered block {hash}: {source}")]
+    Unregistered {
+        /// The block.
+        hash: BlockHash,
+        /// What the registry said.
+        source: RegistryError,
+    },
 }
 
 impl G3Error {
@@ -165,6 +177,7 @@ impl G3Error {
             G3Error::NotFound(_) => "not_found",
             G3Error::TooLarge { .. } => "too_large",
             G3Error::NotAnImage(_) => "not_an_image",
+            G3Error::Unregistered { .. } => "unregistered",
         }
     }
 
