@@ -16,6 +16,9 @@
 //!   health (degrade to G1+G2 and recover by probing).
 //!
 //! Shared pieces that are not actors:
+//! - [`builder`] — [`builder::NodeBuilder`]: the one staged builder of a node (index and KV
+//!   events → stores opened from their plan, G3's registry recovered → tiers with the node's one
+//!   cost model → engines → the running actor tree's handles), used by every entry point.
 //! - [`index`] — [`index::PrefixIndex`]: the global prefix index fed by [`index::KvEvent`]s
 //!   (per-source sequence numbers, gap detection and resync, approximate mode), answering per
 //!   location and tier the longest cached prefix of a request.
@@ -30,6 +33,7 @@
 //! Blocking work never runs inside a handler: engines run on their workers' threads, G3 I/O on
 //! the store's ring threads.
 
+pub mod builder;
 pub mod cost;
 pub mod index;
 pub mod publisher;
