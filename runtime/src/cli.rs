@@ -144,7 +144,7 @@ pub fn main() -> ExitCode {
         }
         Some(Command::Config(ConfigCommand::Check { file })) => match NodeConfig::load(&file) {
             // What `serve` checks on this machine before it builds anything, too.
-            Ok(cfg) => match crate::node::ResolvedTiers::resolve(&cfg) {
+            Ok(cfg) => match crate::plan::ResolvedTiers::resolve(&cfg) {
                 Ok(_) => {
                     println!("{}: ok", file.display());
                     ExitCode::SUCCESS

@@ -6,9 +6,13 @@
 //!
 //! - [`cli`] — `dynamo-node [serve]`, `config default|check`, `bench storage`; exit codes and error
 //!   printing.
-//! - [`node`] — resolves a [`dynamo_config::NodeConfig`] into concrete tiers (slot sizes, block
-//!   counts, files), builds G2 and G3, rebuilds the G3 registry from what the store recovered,
-//!   prints the resolved tiers, and runs until SIGINT/SIGTERM.
+//! - [`plan`] — resolves a [`dynamo_config::NodeConfig`] on this machine into what the node will
+//!   run (slot sizes, block counts, files, where the engines run) and into the store plan the node
+//!   builder ([`dynamo_actors::builder`]) opens.
+//! - [`serving`] — the actor tree over the node's tiers, assembled by the node builder with the
+//!   reference engines, and the frontend's [`frontend::Generator`] on top of it.
+//! - [`node`] — starts a node (tiers, actor tree, metrics poller, HTTP frontend) and stops it
+//!   within its shutdown grace; `serve` runs one until SIGINT/SIGTERM.
 //! - [`bench`] — operator-facing benchmarks; `bench storage` measures G3 against `fio` on the
 //!   same device and suggests a `[tiers.g3]` section.
 //! - [`logging`] — `tracing` set up from `[node]` (text or JSON to stderr).
@@ -28,5 +32,6 @@ pub mod frontend;
 pub mod logging;
 pub mod metrics;
 pub mod node;
+pub mod plan;
 pub mod serving;
 pub mod tokenizer;

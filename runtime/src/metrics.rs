@@ -67,13 +67,14 @@ impl fmt::Debug for MetricsHandle {
 }
 
 /// Installs the global recorder and serves `/metrics` on `cfg.listen`, every histogram bucketed by
-/// `cfg.latency_buckets_seconds`; registers the descriptions and the known series. With
-/// `cfg.enabled = false` it installs nothing and returns [`MetricsHandle::disabled`].
+/// `cfg.latency_buckets_seconds`; registers the descriptions, the known series and a request
+/// series for each of `apis` (the frontend's route labels). With `cfg.enabled = false` it
+/// installs nothing and returns [`MetricsHandle::disabled`].
 ///
 /// Call it once per process, inside a tokio runtime (the listener runs on it). Errors: the address
 /// does not parse or cannot be bound (in use, not local), the buckets are empty, no runtime, or a
 /// recorder is already installed.
-pub fn install(cfg: &MetricsSection) -> anyhow::Result<MetricsHandle> {
+pub fn install(cfg: &MetricsSection, apis: &[&'static str]) -> anyhow::Result<MetricsHandle> {
     if !cfg.enabled {
         return Ok(MetricsHandle::disabled());
     }
@@ -134,7 +135,7 @@ pub fn install(cfg: &MetricsSection) -> anyhow::Result<MetricsHandle> {
     };
     describe();
     register_known_series();
-    register_request_series(&crate::frontend::Route::ALL.map(crate::frontend::Route::label));
+    register_request_series(apis);
     Ok(MetricsHandle { exporter: Some((addr, handle)) })
 }
 
@@ -154,17 +155,6 @@ pub struct TierSources {
 }
 
 impl TierSources {
-    /// The node's tiers.
-    pub fn of(node: &crate::node::Node) -> Self {
-        Self {
-            g1_capacity: node.tiers.g1.blocks * node.tiers.workers as u64,
-            g2: node.g2.clone(),
-            g2_registry: node.g2_registry.clone(),
-            g3: node.g3.clone(),
-            g3_registry: node.g3_registry.clone(),
-        }
-    }
-
     /// Publishes one snapshot: capacities, resident blocks, evictions, G3 in-flight I/O and the
     /// G3 store's counters.
     pub fn publish(&self) {
@@ -190,10 +180,9 @@ impl TierSources {
     }
 }
 
-/// Publishes the node's tiers now, marks the present ones healthy, and then every `period` on a
-/// tokio task until the handle is aborted.
-pub fn spawn_tier_poller(node: &crate::node::Node, period: Duration) -> tokio::task::JoinHandle<()> {
-    let sources = TierSources::of(node);
+/// Publishes `sources` now, marks the present tiers healthy, and then every `period` on a tokio
+/// task until the handle is aborted.
+pub fn spawn_tier_poller(sources: TierSources, period: Duration) -> tokio::task::JoinHandle<()> {
     sources.publish();
     if sources.g2.is_some() {
         set_tier_degraded(Tier::G2, false);
@@ -322,7 +311,7 @@ mod tests {
     #[test]
     fn disabled_metrics_install_nothing() {
         let cfg = MetricsSection { enabled: false, ..MetricsSection::default() };
-        let handle = install(&cfg).unwrap();
+        let handle = install(&cfg, &[]).unwrap();
         assert!(!handle.is_enabled());
         assert_eq!(handle.line(), "metrics disabled");
         assert!(handle.render().is_none());

@@ -1,579 +1,264 @@
-//! The node's tiers, resolved from configuration and built.
+//! The node process: [`start`] brings a node up from its resolved configuration — its tiers and
+//! actor tree through the node builder ([`Serving`]), the tiers' metrics poller, the HTTP
+//! frontend on `frontend.http` — and returns a [`NodeHandle`], whose [`NodeHandle::stop`] takes it
+//! down within `node.shutdown_grace`. [`run`] is `serve`: start, wait for SIGINT or SIGTERM, stop.
+//! `bench serve` starts and stops its in-process node the same way.
 //!
-//! [`ResolvedTiers::resolve`] turns the operator's sizes into what the node will actually run:
-//! the block layout and image size of the model, slot sizes, block counts per tier, the G3 files
-//! and engine. [`Node::build`] then maps the G2 pool, opens the G3 store (rebuilding its index from
-//! slot headers), and rebuilds the G3 registry from what the store recovered, so a restarted node
-//! knows every block it had written — each of them verified again when it is read.
+//! Modules depend one way: `node` → [`crate::serving`] (the actor tree and the frontend's
+//! generator) → [`crate::plan`] (the resolved configuration) → [`crate::frontend`] →
+//! [`crate::metrics`], which imports none of them.
 
-use std::fmt::{self, Write as _};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::{Context, bail};
-use dynamo_config::{ByteSize, DeviceKind, Dtype, IoEngineKind, ModelShape, NodeConfig};
-use dynamo_kernels::KernelError;
-use dynamo_kernels::cuda::DeviceInfo;
-use dynamo_kernels::model::weights::read_hf_config;
-use dynamo_tiering::block::BlockLayout;
-use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
-use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store, Recovery};
-use dynamo_tiering::io::uring::UringOptions;
-use dynamo_tiering::registry::{BlockMeta, PolicyKind, TierRegistry};
+use anyhow::Context;
+use dynamo_actors::builder::NodeStores;
+use dynamo_config::NodeConfig;
 
-/// One memory tier's plan.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MemoryTierPlan {
-    /// Bytes configured.
-    pub capacity: u64,
-    /// Block images that fit.
-    pub blocks: u64,
-    /// Eviction policy.
-    pub policy: PolicyKind,
-}
-
-/// The G3 plan.
-#[derive(Clone, Debug, PartialEq)]
-pub struct G3Plan {
-    /// Files or devices.
-    pub paths: Vec<PathBuf>,
-    /// Bytes per file.
-    pub capacity_per_path: u64,
-    /// Slots per file.
-    pub slots_per_path: u64,
-    /// The engine and its settings.
-    pub engine: EngineChoice,
-    /// `O_DIRECT`.
-    pub direct_io: bool,
-    /// Eviction policy.
-    pub policy: PolicyKind,
-    /// `tiers.g3.format_foreign`.
-    pub format_foreign: bool,
-}
-
-/// Where the engines run: `engine.device` resolved against what the machine has.
-#[derive(Clone, Debug, PartialEq)]
-pub enum EngineDevice {
-    /// The reference engine on the CPU backend; G1 in host memory.
-    Cpu,
-    /// The reference engine on CUDA: worker `i` on device `i % device_count`, G1 in its memory.
-    Cuda(DeviceInfo),
-}
-
-impl EngineDevice {
-    /// The device ordinal of worker `worker` (CUDA only).
-    pub fn ordinal_of(&self, worker: usize) -> Option<usize> {
-        match self {
-            Self::Cpu => None,
-            Self::Cuda(info) => Some(worker % info.device_count.max(1)),
-        }
-    }
-}
-
-impl fmt::Display for EngineDevice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Cpu => f.write_str("cpu"),
-            Self::Cuda(info) => write!(f, "cuda ({info})"),
-        }
-    }
-}
-
-/// Device memory a CUDA worker needs besides its weights, activations and G1: the context,
-/// cuBLAS's workspace and the backend's staging buffers.
-pub const CUDA_WORKER_OVERHEAD: u64 = 1 << 30;
-
-/// Decides where the engines run. `probe` reports the first CUDA device (or why there is none);
-/// it is only called when `engine.device` is `"cuda"` or `"auto"`.
-fn resolve_device(
-    cfg: &NodeConfig,
-    probe: &dyn Fn() -> Result<DeviceInfo, KernelError>,
-) -> anyhow::Result<EngineDevice> {
-    let bf16 = cfg.model.dtype == Dtype::Bf16;
-    match cfg.engine.device {
-        DeviceKind::Cpu => Ok(EngineDevice::Cpu),
-        DeviceKind::Cuda => {
-            let info = probe().context("engine.device = \"cuda\" but no CUDA device is usable")?;
-            if !bf16 {
-                bail!(
-                    "engine.device = \"cuda\" keeps weights and KV in bf16, but model.dtype = \"{}\"; set model.dtype = \"bf16\"",
-                    cfg.model.dtype
-                );
-            }
-            Ok(EngineDevice::Cuda(info))
-        }
-        DeviceKind::Auto => match probe() {
-            Ok(info) if bf16 => Ok(EngineDevice::Cuda(info)),
-            Ok(info) => {
-                tracing::info!(
-                    device = %info,
-                    dtype = %cfg.model.dtype,
-                    "a GPU is present, but the CUDA engine keeps bf16 and model.dtype is not; running on the CPU"
-                );
-                Ok(EngineDevice::Cpu)
-            }
-            Err(e) => {
-                tracing::debug!(reason = %e, "no usable CUDA device; running on the CPU");
-                Ok(EngineDevice::Cpu)
-            }
-        },
-    }
-}
-
-/// G1 bytes per worker on a CUDA device: `tiers.g1.capacity`, or with 0 what is left of
-/// `gpu_memory_fraction` of the device (at most what is free) shared by the workers on it, after
-/// each one's weights, activations for `engine.max_batch_tokens` tokens and
-/// [`CUDA_WORKER_OVERHEAD`]. Fails with the numbers when the workers would not fit.
-pub fn g1_bytes_on_device(cfg: &NodeConfig, shape: &ModelShape, info: &DeviceInfo) -> anyhow::Result<u64> {
-    let workers = cfg.engine.workers.max(1);
-    let per_device = workers.div_ceil(info.device_count.max(1)) as u64;
-    let fraction = cfg.tiers.g1.gpu_memory_fraction;
-    let usable = ((info.total_memory as f64 * fraction) as u64).min(info.free_memory as u64);
-    let weights = dynamo_kernels::model::weight_bytes(shape);
-    let activations = dynamo_kernels::model::forward_bytes(shape, cfg.engine.max_batch_tokens.max(1));
-    let fixed = weights + activations + CUDA_WORKER_OVERHEAD;
-    let configured = cfg.tiers.g1.capacity.as_u64();
-    let share = usable / per_device;
-    let explain = || {
-        format!(
-            "{} has {} free of {}; each of its {per_device} worker(s) needs {} of weights, {} of activations \
-             (engine.max_batch_tokens = {}) and {} of overhead",
-            info.name,
-            ByteSize(info.free_memory as u64),
-            ByteSize(info.total_memory as u64),
-            ByteSize(weights),
-            ByteSize(activations),
-            cfg.engine.max_batch_tokens,
-            ByteSize(CUDA_WORKER_OVERHEAD),
-        )
-    };
-    if configured > 0 {
-        let free_share = info.free_memory as u64 / per_device;
-        if configured + fixed > free_share {
-            bail!("tiers.g1.capacity = {} does not fit: {}", ByteSize(configured), explain());
-        }
-        return Ok(configured);
-    }
-    match share.checked_sub(fixed) {
-        Some(left) if left > 0 => Ok(left),
-        _ => bail!(
-            "tiers.g1.capacity = 0 leaves no G1: gpu_memory_fraction = {fraction} gives each worker {}; {}",
-            ByteSize(share),
-            explain()
-        ),
-    }
-}
-
-/// What the node will run, derived from its configuration.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ResolvedTiers {
-    /// Node name.
-    pub node: String,
-    /// Model shape.
-    pub shape: ModelShape,
-    /// KV element type.
-    pub dtype: dynamo_config::Dtype,
-    /// Tokens per block.
-    pub block_tokens: usize,
-    /// Layout of one block's KV.
-    pub layout: BlockLayout,
-    /// Header + payload bytes of one image.
-    pub image_bytes: usize,
-    /// Bytes per G2/G3 slot (image rounded up to 4 KiB).
-    pub slot_bytes: usize,
-    /// Engine workers (each with its own G1).
-    pub workers: usize,
-    /// Where the engines run.
-    pub device: EngineDevice,
-    /// G1, per worker.
-    pub g1: MemoryTierPlan,
-    /// G2, shared by the workers.
-    pub g2: Option<(MemoryTierPlan, MlockPolicy)>,
-    /// G3.
-    pub g3: Option<G3Plan>,
-    /// G4: transport and peers, when enabled.
-    pub g4: Option<(String, String, Vec<String>)>,
-}
-
-impl ResolvedTiers {
-    /// Resolves a validated configuration on this machine (probing for a GPU when
-    /// `engine.device` allows one).
-    pub fn resolve(cfg: &NodeConfig) -> anyhow::Result<Self> {
-        Self::resolve_with(cfg, &dynamo_kernels::cuda::probe)
-    }
-
-    /// [`ResolvedTiers::resolve`] with `probe` reporting the CUDA device.
-    pub fn resolve_with(cfg: &NodeConfig, probe: &dyn Fn() -> Result<DeviceInfo, KernelError>) -> anyhow::Result<Self> {
-        crate::frontend::check_parsers(&cfg.frontend).map_err(anyhow::Error::msg)?;
-        scripted_answers(cfg)?;
-        let shape = match cfg.model_shape() {
-            Some(shape) => shape,
-            None => {
-                let dir =
-                    cfg.model.path.as_deref().context("model.name is not a known shape and model.path is unset")?;
-                read_hf_config(dir)?.shape_for_dir(dir)
-            }
-        };
-        let block_tokens = cfg.blocks.block_size;
-        let layout = BlockLayout::for_model(&shape, cfg.model.dtype, block_tokens);
-        let image_bytes = layout.image_bytes();
-        let slot_bytes = align_up(image_bytes);
-        let device = resolve_device(cfg, probe)?;
-        // G1 holds the paged layout, which has no header or alignment padding.
-        let g1_block_bytes = layout.payload_bytes() as u64;
-        let g1_capacity = match &device {
-            EngineDevice::Cpu if cfg.tiers.g1.capacity.as_u64() == 0 => bail!(
-                "tiers.g1.capacity = 0 derives G1 from GPU memory, but the engines run on the CPU \
-                 (no usable CUDA device, or model.dtype is not bf16); set a size such as \"256MiB\""
-            ),
-            EngineDevice::Cpu => cfg.tiers.g1.capacity.as_u64(),
-            EngineDevice::Cuda(info) => g1_bytes_on_device(cfg, &shape, info)?,
-        };
-        let g1 = MemoryTierPlan {
-            capacity: g1_capacity,
-            blocks: g1_capacity / g1_block_bytes,
-            policy: cfg.tiers.g1.eviction.into(),
-        };
-        let g2 = cfg.tiers.g2.enabled.then(|| {
-            let plan = MemoryTierPlan {
-                capacity: cfg.tiers.g2.capacity.as_u64(),
-                blocks: cfg.tiers.g2.capacity.as_u64() / slot_bytes as u64,
-                policy: cfg.tiers.g2.eviction.into(),
-            };
-            (plan, MlockPolicy::from(cfg.tiers.g2.mlock))
-        });
-        let g3 = if cfg.tiers.g3.enabled {
-            if g2.is_none() {
-                bail!(
-                    "tiers.g3 is enabled but tiers.g2 is not: G3 reads and writes go through G2 slots; enable tiers.g2"
-                );
-            }
-            let c = &cfg.tiers.g3;
-            let engine = match c.io_engine {
-                IoEngineKind::Uring => EngineChoice::Uring(UringOptions {
-                    queue_depth: c.queue_depth,
-                    threads: c.io_threads,
-                    register_buffers: c.register_buffers,
-                }),
-                IoEngineKind::Psync => EngineChoice::Psync { threads: c.queue_depth as usize },
-            };
-            // What opening the store would refuse, said before anything is built (and by
-            // `config check`): a path holding foreign data, a file system without the room.
-            for path in cfg.g3_paths() {
-                dynamo_tiering::g3::preflight(&path, c.capacity_per_path.as_u64(), c.format_foreign)?;
-            }
-            let data = c.capacity_per_path.as_u64().saturating_sub(dynamo_tiering::g3::superblock::SUPERBLOCK_LEN);
-            Some(G3Plan {
-                paths: cfg.g3_paths(),
-                capacity_per_path: c.capacity_per_path.as_u64(),
-                slots_per_path: data / slot_bytes as u64,
-                engine,
-                direct_io: c.direct_io,
-                policy: c.eviction.into(),
-                format_foreign: c.format_foreign,
-            })
-        } else {
-            None
-        };
-        let g4 = cfg
-            .tiers
-            .g4
-            .enabled
-            .then(|| (cfg.tiers.g4.transport.to_string(), cfg.tiers.g4.listen.clone(), cfg.tiers.g4.peers.clone()));
-        Ok(Self {
-            node: cfg.node.name.clone(),
-            shape,
-            dtype: cfg.model.dtype,
-            block_tokens,
-            layout,
-            image_bytes,
-            slot_bytes,
-            workers: cfg.engine.workers,
-            device,
-            g1,
-            g2,
-            g3,
-            g4,
-        })
-    }
-
-    /// A table for operators: one line per tier.
-    pub fn render(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "node {:?}: model {} ({}), {} tokens per block, {} of KV per block, image {} in {} slots",
-            self.node,
-            self.shape.name,
-            self.dtype,
-            self.block_tokens,
-            ByteSize(self.layout.payload_bytes() as u64),
-            ByteSize(self.image_bytes as u64),
-            ByteSize(self.slot_bytes as u64),
-        );
-        let _ = writeln!(out, "engines: {} × reference on {}", self.workers, self.device);
-        let _ = writeln!(out, "{:<4} {:<44} {:>10} {:>9} {:<6}", "tier", "medium", "capacity", "blocks", "policy");
-        let policy = |p: PolicyKind| if p == PolicyKind::Lru { "lru" } else { "lfu" };
-        let _ = writeln!(
-            out,
-            "{:<4} {:<44} {:>10} {:>9} {:<6}",
-            "G1",
-            format!(
-                "{} memory, per worker × {}",
-                match self.device {
-                    EngineDevice::Cpu => "host",
-                    EngineDevice::Cuda(_) => "device",
-                },
-                self.workers
-            ),
-            ByteSize(self.g1.capacity).to_string(),
-            self.g1.blocks,
-            policy(self.g1.policy)
-        );
-        match &self.g2 {
-            Some((g2, mlock)) => {
-                let _ = writeln!(
-                    out,
-                    "{:<4} {:<44} {:>10} {:>9} {:<6}",
-                    "G2",
-                    format!("host memory, mlock {mlock:?}").to_lowercase(),
-                    ByteSize(g2.capacity).to_string(),
-                    g2.blocks,
-                    policy(g2.policy)
-                );
-            }
-            None => {
-                let _ = writeln!(out, "G2   disabled");
-            }
-        }
-        match &self.g3 {
-            Some(g3) => {
-                let engine = match g3.engine {
-                    EngineChoice::Uring(u) => format!("io_uring qd {} × {} thread(s)", u.queue_depth, u.threads),
-                    EngineChoice::Psync { threads } => format!("pread/pwrite × {threads} threads"),
-                };
-                for path in &g3.paths {
-                    let _ = writeln!(
-                        out,
-                        "{:<4} {:<44} {:>10} {:>9} {:<6} {}{}",
-                        "G3",
-                        path.display().to_string(),
-                        ByteSize(g3.capacity_per_path).to_string(),
-                        g3.slots_per_path,
-                        policy(g3.policy),
-                        engine,
-                        if g3.direct_io { ", O_DIRECT" } else { "" }
-                    );
-                }
-            }
-            None => {
-                let _ = writeln!(out, "G3   disabled");
-            }
-        }
-        match &self.g4 {
-            Some((transport, listen, peers)) => {
-                let _ = writeln!(
-                    out,
-                    "G4   {transport} on {listen}, {} peer(s) (the peer link is not served yet)",
-                    peers.len()
-                );
-            }
-            None => {
-                let _ = writeln!(out, "G4   disabled");
-            }
-        }
-        out
-    }
-}
-
-/// Milliseconds since the Unix epoch: the clock of registries whose deadlines travel in headers.
-pub fn unix_millis() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
-
-/// G2 slots kept out of the registry's reach for transfers in flight: 1/16 of the pool, between
-/// 4 and 256 slots (never more than half a small pool).
-pub fn g2_reserve(slots: usize) -> usize {
-    (slots / 16).clamp(4, 256).min(slots / 2)
-}
-
-/// The node's built tiers.
-#[derive(Debug)]
-pub struct Node {
-    /// The plan.
-    pub tiers: ResolvedTiers,
-    /// The G2 pool.
-    pub g2: Option<HostPool>,
-    /// G2 bookkeeping, shared with the metrics poller.
-    pub g2_registry: Option<Arc<Mutex<TierRegistry>>>,
-    /// The G3 store.
-    pub g3: Option<Arc<G3Store>>,
-    /// G3 bookkeeping, rebuilt from the store's headers; shared with the metrics poller.
-    pub g3_registry: Option<Arc<Mutex<TierRegistry>>>,
-    /// What G3 recovered on open.
-    pub recovery: Recovery,
-}
-
-impl Node {
-    /// Maps G2, opens G3 (blocking while it scans), and rebuilds the G3 registry.
-    pub fn build(tiers: ResolvedTiers) -> anyhow::Result<Self> {
-        let mut g2 = None;
-        let mut g2_registry = None;
-        if let Some((plan, mlock)) = &tiers.g2 {
-            let slots = u32::try_from(plan.blocks).context("tiers.g2.capacity holds more than 2^32 slots")?;
-            let pool = HostPool::new(HostPoolOptions { slot_bytes: tiers.slot_bytes, slots, mlock: *mlock })
-                .context("building the G2 pool")?;
-            // The registry may fill all but a small reserve of slots: in-flight loads from G3 and
-            // gathers for write-through always find a slot, so a G2 full of held blocks still lets
-            // new blocks reach G3.
-            let resident = (plan.blocks as usize).saturating_sub(g2_reserve(plan.blocks as usize));
-            g2_registry = Some(Arc::new(Mutex::new(TierRegistry::new(resident, plan.policy))));
-            g2 = Some(pool);
-        }
-        let mut g3 = None;
-        let mut g3_registry = None;
-        let mut recovery = Recovery::default();
-        if let (Some(plan), Some(pool)) = (&tiers.g3, &g2) {
-            let options = G3Options {
-                format_foreign: plan.format_foreign,
-                paths: plan.paths.clone(),
-                capacity_per_path: plan.capacity_per_path,
-                slot_bytes: tiers.slot_bytes,
-                direct_io: plan.direct_io,
-                engine: plan.engine,
-            };
-            let (store, found) = G3Store::open(&options, pool).context("opening the G3 store")?;
-            let mut registry = TierRegistry::new(store.capacity_slots() as usize, plan.policy);
-            let now = unix_millis();
-            for header in &found.blocks {
-                let meta = BlockMeta {
-                    parent: header.parent,
-                    region: header.retention.region,
-                    priority: header.retention.priority,
-                    retain_until: header.retention.retain_until_ms,
-                };
-                registry.insert(header.hash, meta, now).context("rebuilding the G3 registry")?;
-            }
-            g3 = Some(Arc::new(store));
-            g3_registry = Some(Arc::new(Mutex::new(registry)));
-            recovery = found;
-        }
-        Ok(Self { tiers, g2, g2_registry, g3, g3_registry, recovery })
-    }
-
-    /// One line on what G3 found at start-up.
-    pub fn recovery_line(&self) -> Option<String> {
-        let store = self.g3.as_ref()?;
-        Some(format!(
-            "G3 recovered {} block(s) of {} slots via {}; {} invalid slot(s) dropped, {} file(s) formatted",
-            self.recovery.blocks.len(),
-            store.capacity_slots(),
-            store.engine_name(),
-            self.recovery.invalid_slots,
-            self.recovery.formatted_files,
-        ))
-    }
-}
+use crate::frontend::FrontendState;
+use crate::metrics::{MetricsHandle, TierSources};
+use crate::plan::{ResolvedTiers, scripted_answers};
+use crate::serving::Serving;
 
 /// How often the tiers' gauges and mirrored counters are published.
 const TIER_POLL_PERIOD: Duration = Duration::from_secs(1);
 
-/// Runs the node until SIGINT or SIGTERM. For now the node assembles its tiers and waits; the
-/// actor tree and the HTTP frontend are started here as they land.
+/// A change to the frontend's state before it serves.
+type FrontendHook = Box<dyn FnOnce(FrontendState) -> FrontendState + Send>;
+
+/// How [`start`] brings a node up, besides its configuration.
+pub struct Launch {
+    announce: bool,
+    metrics: MetricsHandle,
+    frontend: Option<FrontendHook>,
+}
+
+impl Launch {
+    /// Prints each step on stdout, as `serve` does, and publishes the tiers to `metrics` when it
+    /// is installed.
+    pub fn announced(metrics: MetricsHandle) -> Self {
+        Self { announce: true, metrics, frontend: None }
+    }
+
+    /// Prints nothing and publishes no tier metrics: a node inside another program (a bench).
+    pub fn quiet() -> Self {
+        Self { announce: false, metrics: MetricsHandle::disabled(), frontend: None }
+    }
+
+    /// Passes the frontend's state through `hook` before it serves (`bench serve` drops the stop
+    /// tokens).
+    pub fn with_frontend(mut self, hook: impl FnOnce(FrontendState) -> FrontendState + Send + 'static) -> Self {
+        self.frontend = Some(Box::new(hook));
+        self
+    }
+}
+
+impl std::fmt::Debug for Launch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launch")
+            .field("announce", &self.announce)
+            .field("metrics", &self.metrics)
+            .field("frontend", &self.frontend.is_some())
+            .finish()
+    }
+}
+
+/// A node serving its API.
+#[derive(Debug)]
+pub struct NodeHandle {
+    serving: Serving,
+    addr: SocketAddr,
+    vocab: usize,
+    grace: Duration,
+    poller: Option<tokio::task::JoinHandle<()>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl NodeHandle {
+    /// The address the API is served on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The actor tree and what it measured at start-up.
+    pub fn serving(&self) -> &Serving {
+        &self.serving
+    }
+
+    /// Token ids the frontend's tokenizer has.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Stops the node within `node.shutdown_grace`: the API stops accepting, requests in flight
+    /// get most of the grace and are then cancelled, and the workers flush write-through in the
+    /// rest. Errors if the HTTP server failed (the node is stopped all the same).
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let NodeHandle { serving, grace, poller, stop, mut server, .. } = self;
+        let _ = stop.send(());
+        let deadline = tokio::time::Instant::now() + grace;
+        let drain = grace - (grace / 4).min(Duration::from_secs(5));
+        let served = match tokio::time::timeout(drain, &mut server).await {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(e))) => Err(anyhow::Error::new(e).context("the HTTP server stopped with an error")),
+            Ok(Err(e)) => Err(anyhow::Error::new(e).context("the HTTP server task failed")),
+            Err(_) => {
+                // Closing the connections drops their streams, which cancels their requests: a
+                // worker stops within one prefill pass or one token, and skips what is queued.
+                tracing::warn!(?grace, "requests still running near the end of the shutdown grace; cancelling them");
+                server.abort();
+                let _ = server.await;
+                Ok(())
+            }
+        };
+        if let Some(poller) = poller {
+            poller.abort();
+        }
+        // The workers finish what they hold and flush their G3 writes before they exit. A write
+        // still in flight at the deadline is abandoned: its slot was never acknowledged, and the
+        // next start's scan verifies every slot.
+        let deadline = deadline.max(tokio::time::Instant::now() + Duration::from_secs(1));
+        if tokio::time::timeout_at(deadline, serving.shutdown()).await.is_err() {
+            tracing::warn!(?grace, "the workers did not stop within the shutdown grace; exiting without them");
+        }
+        served
+    }
+}
+
+/// Starts a node on `plan` (resolved from `cfg`): binds `frontend.http` (an address in use fails
+/// at once, before the tiers are built), opens the stores, starts the actor tree, and serves the
+/// API.
+pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> anyhow::Result<NodeHandle> {
+    let Launch { announce, metrics, frontend } = launch;
+    let listener = tokio::net::TcpListener::bind(&cfg.frontend.http)
+        .await
+        .with_context(|| format!("cannot serve the API on {} (frontend.http, --http)", cfg.frontend.http))?;
+    let addr = listener.local_addr()?;
+    if announce {
+        print!("{}", plan.render());
+    }
+    let (open_cfg, open_plan) = (cfg.clone(), plan.clone());
+    let stores =
+        tokio::task::spawn_blocking(move || Serving::open(&open_cfg, &open_plan)).await.context("start-up task")??;
+    if announce {
+        if let Some(line) = recovery_line(&stores) {
+            println!("{line}");
+        }
+        if let Some(pool) = stores.g2_pool()
+            && !pool.is_locked()
+        {
+            println!("G2 is not locked in RAM (mlock refused); see the warning above");
+        }
+    }
+    let poller =
+        metrics.is_enabled().then(|| crate::metrics::spawn_tier_poller(tier_sources(&plan, &stores), TIER_POLL_PERIOD));
+    let serving = match Serving::start(cfg, &plan, stores).await {
+        Ok(serving) => serving,
+        Err(e) => {
+            if let Some(poller) = poller {
+                poller.abort();
+            }
+            return Err(e);
+        }
+    };
+    if announce {
+        println!(
+            "actor tree up: {} worker(s), prefill measured at {:.0} tokens/s per worker",
+            cfg.engine.workers.max(1),
+            serving.prefill_tokens_per_s
+        );
+    }
+    let (state, vocab) = match frontend_state(cfg, &serving, announce).await {
+        Ok(built) => built,
+        Err(e) => {
+            if let Some(poller) = poller {
+                poller.abort();
+            }
+            serving.shutdown().await;
+            return Err(e);
+        }
+    };
+    let state = match frontend {
+        Some(hook) => hook(state),
+        None => state,
+    };
+    if announce {
+        println!("{}", metrics.line());
+        println!("serving the OpenAI API on http://{addr}/v1");
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(crate::frontend::serve(listener, state, async move {
+        let _ = stopped.await;
+    }));
+    Ok(NodeHandle { serving, addr, vocab, grace: cfg.node.shutdown_grace.as_duration(), poller, stop, server })
+}
+
+/// Runs the node until SIGINT or SIGTERM.
 pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     // Handlers go in first: a signal that arrives while the tiers are being built still stops the
     // node cleanly instead of killing it.
     let shutdown = ShutdownSignals::install()?;
-    let tiers = ResolvedTiers::resolve(&cfg)?;
+    let plan = ResolvedTiers::resolve(&cfg)?;
     // Before the tiers are built: an address in use fails the start at once.
-    let metrics = crate::metrics::install(&cfg.metrics)?;
-    let listener = tokio::net::TcpListener::bind(&cfg.frontend.http)
-        .await
-        .with_context(|| format!("cannot serve the API on {} (frontend.http, --http)", cfg.frontend.http))?;
-    print!("{}", tiers.render());
-    let node = tokio::task::spawn_blocking(move || Node::build(tiers)).await.context("start-up task")??;
-    if let Some(line) = node.recovery_line() {
-        println!("{line}");
-    }
-    if let Some(pool) = &node.g2
-        && !pool.is_locked()
-    {
-        println!("G2 is not locked in RAM (mlock refused); see the warning above");
-    }
-    let poller = metrics.is_enabled().then(|| crate::metrics::spawn_tier_poller(&node, TIER_POLL_PERIOD));
-    let serving = crate::serving::Serving::start(&cfg, node).await?;
-    println!(
-        "actor tree up: {} worker(s), prefill measured at {:.0} tokens/s per worker",
-        cfg.engine.workers.max(1),
-        serving.prefill_tokens_per_s
-    );
-    let (tokenizer, template) = frontend_parts(&cfg)?;
-    let generator = serving.generator(Arc::new(tokenizer.decodable())).await?;
-    let mut state = crate::frontend::FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
-    if let Some(answers) = scripted_answers(&cfg)? {
-        println!(
-            "engine scripted: {} answer(s) from {}",
-            answers.len(),
-            cfg.engine.script.as_deref().unwrap_or(Path::new("")).display()
-        );
-        state = state.with_script(answers);
-    }
-    println!("{}", metrics.line());
-    println!("serving the OpenAI API on http://{}/v1", listener.local_addr()?);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut server = tokio::spawn(crate::frontend::serve(listener, state, async move {
-        let _ = stop_rx.await;
-    }));
+    let metrics =
+        crate::metrics::install(&cfg.metrics, &crate::frontend::Route::ALL.map(crate::frontend::Route::label))?;
+    let node = start(&cfg, plan, Launch::announced(metrics)).await?;
     println!("ready; stop with Ctrl-C (SIGINT) or SIGTERM");
     shutdown.wait().await;
     println!("shutting down");
-    let _ = stop_tx.send(());
-    // The whole shutdown fits in the grace: requests in flight get most of it, the workers the
-    // rest to finish the pass they are in and flush write-through.
-    let grace = cfg.node.shutdown_grace.as_duration();
-    let deadline = tokio::time::Instant::now() + grace;
-    let drain = grace - (grace / 4).min(Duration::from_secs(5));
-    match tokio::time::timeout(drain, &mut server).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the HTTP server stopped with an error"),
-        Ok(Err(e)) => tracing::warn!(error = %e, "the HTTP server task failed"),
-        Err(_) => {
-            // Closing the connections drops their streams, which cancels their requests: a
-            // worker stops within one prefill pass or one token, and skips what is queued.
-            tracing::warn!(?grace, "requests still running near the end of the shutdown grace; cancelling them");
-            server.abort();
-            let _ = server.await;
-        }
-    }
-    if let Some(poller) = poller {
-        poller.abort();
-    }
-    // The workers finish what they hold and flush their G3 writes before they exit. A write
-    // still in flight at the deadline is abandoned: its slot was never acknowledged, and the
-    // next start's scan verifies every slot.
-    if tokio::time::timeout_at(deadline.max(tokio::time::Instant::now() + Duration::from_secs(1)), serving.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(?grace, "the workers did not stop within the shutdown grace; exiting without them");
+    if let Err(e) = node.stop().await {
+        tracing::warn!(error = %format!("{e:#}"), "the HTTP server did not stop cleanly");
     }
     println!("stopped");
     Ok(())
 }
 
-/// The answers of `engine.kind = "scripted"` (`engine.script`, a JSON array of strings); `None`
-/// for the other engines.
-pub fn scripted_answers(cfg: &NodeConfig) -> anyhow::Result<Option<Vec<String>>> {
-    if cfg.engine.kind != dynamo_config::EngineKind::Scripted {
-        return Ok(None);
+/// The frontend over `serving`: the configured tokenizer and template, and the scripted answers
+/// of `engine.kind = "scripted"`; with the number of token ids the tokenizer has.
+async fn frontend_state(cfg: &NodeConfig, serving: &Serving, announce: bool) -> anyhow::Result<(FrontendState, usize)> {
+    let (tokenizer, template) = frontend_parts(cfg)?;
+    let vocab = tokenizer.vocab_size();
+    let generator = serving.generator(Arc::new(tokenizer.decodable())).await?;
+    let mut state = FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
+    if let Some(answers) = scripted_answers(cfg)? {
+        if announce {
+            println!(
+                "engine scripted: {} answer(s) from {}",
+                answers.len(),
+                cfg.engine.script.as_deref().unwrap_or(Path::new("")).display()
+            );
+        }
+        state = state.with_script(answers);
     }
-    let path = cfg.engine.script.as_deref().context("engine.kind = \"scripted\" needs engine.script")?;
-    let text = std::fs::read_to_string(path).with_context(|| format!("engine.script: reading {}", path.display()))?;
-    let answers: Vec<String> = serde_json::from_str(&text)
-        .with_context(|| format!("engine.script: {} is not a JSON array of strings", path.display()))?;
-    anyhow::ensure!(!answers.is_empty(), "engine.script: {} holds no answer", path.display());
-    Ok(Some(answers))
+    Ok((state, vocab))
+}
+
+/// One line on what G3 found at start-up.
+fn recovery_line(stores: &NodeStores) -> Option<String> {
+    let store = stores.g3_store()?;
+    let recovery = stores.recovery();
+    Some(format!(
+        "G3 recovered {} block(s) of {} slots via {}; {} invalid slot(s) dropped, {} file(s) formatted",
+        recovery.blocks.len(),
+        store.capacity_slots(),
+        store.engine_name(),
+        recovery.invalid_slots,
+        recovery.formatted_files,
+    ))
+}
+
+/// What the tier poller reads: the open stores, and G1 as planned.
+fn tier_sources(plan: &ResolvedTiers, stores: &NodeStores) -> TierSources {
+    TierSources {
+        g1_capacity: plan.g1.blocks * plan.workers as u64,
+        g2: stores.g2_pool().cloned(),
+        g2_registry: stores.g2_registry().cloned(),
+        g3: stores.g3_store().cloned(),
+        g3_registry: stores.g3_registry().cloned(),
+    }
 }
 
 /// The tokenizer and chat template the frontend uses: the model directory's own when it has
@@ -625,141 +310,5 @@ impl ShutdownSignals {
             _ = self.term.recv() => tracing::info!("SIGTERM received"),
             _ = self.int.recv() => tracing::info!("SIGINT received"),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const GIB: u64 = 1 << 30;
-
-    fn h200(free: u64) -> DeviceInfo {
-        DeviceInfo {
-            ordinal: 0,
-            name: "NVIDIA H200".into(),
-            compute_capability: (9, 0),
-            total_memory: (141 * GIB) as usize,
-            free_memory: free as usize,
-            device_count: 1,
-        }
-    }
-
-    fn gpu_config(workers: usize, g1: u64) -> NodeConfig {
-        let mut cfg = NodeConfig::default();
-        cfg.model.name = "llama-8b".into();
-        cfg.model.dtype = Dtype::Bf16;
-        cfg.engine.device = DeviceKind::Cuda;
-        cfg.engine.workers = workers;
-        cfg.tiers.g1.capacity = ByteSize(g1);
-        cfg
-    }
-
-    fn no_gpu() -> Result<DeviceInfo, KernelError> {
-        Err(KernelError::CudaUnavailable("libcuda.so.1 not found".into()))
-    }
-
-    #[test]
-    fn the_weights_of_llama_8b_are_its_published_parameter_count_in_bf16() {
-        // Llama 3.1 8B: 8,030,261,248 parameters (untied output head).
-        assert_eq!(dynamo_kernels::model::weight_bytes(&ModelShape::LLAMA_8B), 2 * 8_030_261_248);
-    }
-
-    #[test]
-    fn g1_on_a_gpu_is_what_the_memory_fraction_leaves_after_weights_and_activations() {
-        let cfg = gpu_config(2, 0);
-        let info = h200(140 * GIB);
-        let tiers = ResolvedTiers::resolve_with(&cfg, &|| Ok(info.clone())).unwrap();
-        assert_eq!(tiers.device, EngineDevice::Cuda(info.clone()));
-        let share = (141.0 * GIB as f64 * cfg.tiers.g1.gpu_memory_fraction) as u64 / 2;
-        let weights = dynamo_kernels::model::weight_bytes(&ModelShape::LLAMA_8B);
-        let activations = dynamo_kernels::model::forward_bytes(&ModelShape::LLAMA_8B, cfg.engine.max_batch_tokens);
-        assert_eq!(tiers.g1.capacity, share - weights - activations - CUDA_WORKER_OVERHEAD);
-        // Two workers on an H200 each get room for well over a 32K-token prompt's KV (4 GiB).
-        assert!(tiers.g1.blocks * tiers.block_tokens as u64 > 100_000, "{} blocks", tiers.g1.blocks);
-        assert_eq!(tiers.g1.blocks, tiers.g1.capacity / tiers.layout.payload_bytes() as u64);
-        assert!(tiers.render().contains("cuda (cuda:0 NVIDIA H200"), "{}", tiers.render());
-
-        // Less free memory than the fraction allows: what is free counts.
-        let busy = ResolvedTiers::resolve_with(&cfg, &|| Ok(h200(60 * GIB))).unwrap();
-        assert_eq!(busy.g1.capacity, 30 * GIB - weights - activations - CUDA_WORKER_OVERHEAD);
-    }
-
-    #[test]
-    fn a_gpu_too_small_for_the_workers_is_refused_with_the_numbers() {
-        let err = format!("{:#}", ResolvedTiers::resolve_with(&gpu_config(8, 0), &|| Ok(h200(140 * GIB))).unwrap_err());
-        assert!(err.contains("leaves no G1") && err.contains("8 worker(s)") && err.contains("weights"), "{err}");
-        let err = format!(
-            "{:#}",
-            ResolvedTiers::resolve_with(&gpu_config(1, 200 * GIB), &|| Ok(h200(140 * GIB))).unwrap_err()
-        );
-        assert!(err.contains("does not fit"), "{err}");
-        // An explicit size that fits is taken as it is.
-        let tiers = ResolvedTiers::resolve_with(&gpu_config(1, 8 * GIB), &|| Ok(h200(140 * GIB))).unwrap();
-        assert_eq!(tiers.g1.capacity, 8 * GIB);
-    }
-
-    #[test]
-    fn auto_runs_on_the_cpu_without_a_gpu_or_without_bf16_and_cuda_says_why_it_cannot() {
-        let mut cfg = NodeConfig::default();
-        assert_eq!(cfg.engine.device, DeviceKind::Auto);
-        assert_eq!(ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap().device, EngineDevice::Cpu);
-        // A GPU, but f32 weights (the default): the CUDA engine keeps bf16, so the CPU it is.
-        assert_eq!(ResolvedTiers::resolve_with(&cfg, &|| Ok(h200(140 * GIB))).unwrap().device, EngineDevice::Cpu);
-
-        cfg.tiers.g1.capacity = ByteSize(0);
-        let err = format!("{:#}", ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap_err());
-        assert!(err.contains("engines run on the CPU"), "{err}");
-
-        let cfg = gpu_config(1, 0);
-        let err = format!("{:#}", ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap_err());
-        assert!(err.contains("no CUDA device is usable") && err.contains("libcuda.so.1 not found"), "{err}");
-        let mut f32_cfg = gpu_config(1, 0);
-        f32_cfg.model.dtype = Dtype::F32;
-        let err = format!("{:#}", ResolvedTiers::resolve_with(&f32_cfg, &|| Ok(h200(140 * GIB))).unwrap_err());
-        assert!(err.contains("model.dtype = \"bf16\""), "{err}");
-    }
-
-    #[test]
-    fn engine_device_cuda_on_this_machine_runs_on_its_gpu_or_says_why_not() {
-        let cfg = gpu_config(1, 0);
-        match dynamo_kernels::cuda::probe() {
-            Ok(info) => {
-                let tiers = ResolvedTiers::resolve(&cfg).unwrap();
-                assert_eq!(tiers.device, EngineDevice::Cuda(info));
-                assert!(tiers.g1.blocks > 0);
-            }
-            Err(reason) => {
-                let err = format!("{:#}", ResolvedTiers::resolve(&cfg).unwrap_err());
-                assert!(err.contains("no CUDA device is usable") && err.contains(&reason.to_string()), "{err}");
-            }
-        }
-    }
-
-    #[test]
-    fn workers_spread_over_the_devices() {
-        let info = DeviceInfo { device_count: 2, ..h200(140 * GIB) };
-        let device = EngineDevice::Cuda(info);
-        assert_eq!((0..4).map(|w| device.ordinal_of(w)).collect::<Vec<_>>(), [Some(0), Some(1), Some(0), Some(1)]);
-        assert_eq!(EngineDevice::Cpu.ordinal_of(0), None);
-    }
-
-    #[test]
-    fn a_checkpoint_shape_comes_from_its_config_json() {
-        let dir = tempfile::tempdir().unwrap();
-        let config = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
-            "vocab_size": 128256, "rope_theta": 500000.0, "tie_word_embeddings": true}"#;
-        std::fs::write(dir.path().join("config.json"), config).unwrap();
-        let mut cfg = NodeConfig::default();
-        cfg.model.name = "my-llama".into();
-        cfg.model.path = Some(dir.path().to_owned());
-        let tiers = ResolvedTiers::resolve(&cfg).unwrap();
-        assert_eq!(tiers.shape, ModelShape { name: tiers.shape.name, ..ModelShape::LLAMA_1B });
-        assert_eq!(tiers.shape.name, dir.path().display().to_string());
-
-        std::fs::remove_file(dir.path().join("config.json")).unwrap();
-        let err = format!("{:#}", ResolvedTiers::resolve(&cfg).unwrap_err());
-        assert!(err.contains("config.json"), "{err}");
     }
 }

@@ -1,10 +1,13 @@
-//! The serving side of a node: the actor tree over the node's tiers, and the HTTP frontend's
-//! [`Generator`] on top of it.
+//! The serving side of a node: the actor tree over the node's tiers, built by the node builder
+//! ([`dynamo_actors::builder`]), and the HTTP frontend's [`Generator`] on top of it.
 //!
-//! [`Serving::start`] loads the model once, measures its prefill throughput (the cost model's
-//! "is loading faster than recomputing?"), and starts the NodeSupervisor with one WorkerActor per
-//! `engine.workers`, the SchedulerActor and the G2/G3 store actors. [`NodeGenerator`] hands each
-//! request to the scheduler, which queues it on a worker or answers "overloaded" at once.
+//! [`Serving::open`] opens the node's stores from the resolved configuration (G3's registry
+//! rebuilt from what it recovered). [`Serving::start`] loads the model once, measures its prefill
+//! throughput (the cost model's "is loading faster than recomputing?"), builds the tiers with that
+//! one cost model, and starts the NodeSupervisor with one reference WorkerActor per
+//! `engine.workers` on threads of their own, the SchedulerActor and the G2/G3 store actors.
+//! [`NodeGenerator`] hands each request to the scheduler, which queues it on a worker or answers
+//! "overloaded" at once.
 //!
 //! The workers' engines run where [`EngineDevice`] says. On CUDA each worker opens its own backend
 //! (stream, cuBLAS, kernels) on its device, in its engine thread, with its G1 pool in device memory;
@@ -15,17 +18,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use dynamo_actors::builder::{EngineSet, NodeBuilder, NodeStores, RunningNode, Scheduling, TierSettings};
 use dynamo_actors::cost::{BytesPerSec, CostModel, Prefill};
-use dynamo_actors::index::{IndexConfig, IndexWriter, PrefixIndex};
-use dynamo_actors::publisher::KvPublisher;
-use dynamo_actors::scheduler::{Hints, KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef, SubmitError};
-use dynamo_actors::stores::{StoreArgs, Watermarks};
-use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
-use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, NodeTiers, WriteBatch};
+use dynamo_actors::index::IndexConfig;
+use dynamo_actors::scheduler::{Hints, SchedulerMsg, SchedulerRef, SubmitError};
+use dynamo_actors::supervisor::NodeRef;
+use dynamo_actors::tiers::{NodeTiers, WriteBatch};
 use dynamo_actors::worker::{
-    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, Worker, WorkerArgs, WorkerError, WorkerEvent,
+    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, Worker, WorkerError, WorkerEvent,
 };
-use dynamo_config::{NodeConfig, TierName};
+use dynamo_config::NodeConfig;
 use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::{Sampling, TokenSet};
@@ -34,16 +36,13 @@ use dynamo_tiering::block::{Salt, SaltInputs};
 use dynamo_tiering::registry::PolicyKind;
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use ractor::Actor;
 use ractor::rpc::CallResult;
 
 use crate::frontend::{FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator};
-use crate::node::{EngineDevice, Node};
+use crate::plan::{EngineDevice, ResolvedTiers};
 
-/// How often the store actors check occupancy and G3 health.
-const STORE_PERIOD: Duration = Duration::from_millis(500);
-/// G3 disk failures in a row that degrade the node to G1+G2.
-const G3_FAILURES_TO_DEGRADE: u32 = 4;
+/// How often the index's size is published to the metrics.
+const INDEX_METRICS_PERIOD: Duration = Duration::from_secs(1);
 /// What a client is told to wait before retrying a refused request when the scheduler has no
 /// estimate (a full node's own estimate comes from its queues).
 const RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -51,11 +50,11 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// The node's running actor tree.
 #[derive(Debug)]
 pub struct Serving {
-    /// The root of the tree.
-    pub node: NodeRef,
-    /// The G2 pool's registration with the CUDA device. Declared before `tiers`, so it is dropped
-    /// (the pool unregistered) before the pool can be.
+    /// The G2 pool's registration with the CUDA device. Declared before `node` and `tiers`, so it
+    /// is dropped (the pool unregistered) before the pool can be.
     _g2_registration: Option<Arc<HostRegistration>>,
+    /// The running tree's handles.
+    pub node: RunningNode,
     /// The tiers the workers share.
     pub tiers: Arc<NodeTiers>,
     /// The model's name as clients address it.
@@ -66,16 +65,23 @@ pub struct Serving {
     pub prefill_tokens_per_s: f64,
     /// Measured time of one decode step of one worker.
     pub decode_step: Duration,
-    /// The global prefix index the scheduler routes by.
-    pub index: Arc<PrefixIndex>,
-    join: tokio::task::JoinHandle<()>,
-    index_poller: tokio::task::JoinHandle<()>,
 }
 
 impl Serving {
-    /// Loads the model, measures it, and starts the actor tree over `node`'s tiers.
-    pub async fn start(cfg: &NodeConfig, mut node: Node) -> anyhow::Result<Self> {
-        let plan = node.tiers.clone();
+    /// Opens the node's stores as `plan` resolved them, with the prefix index of `[router]` fed
+    /// by a writer thread of its own. Blocks while G3 scans its slots.
+    pub fn open(cfg: &NodeConfig, plan: &ResolvedTiers) -> anyhow::Result<NodeStores> {
+        let builder = NodeBuilder::new(IndexConfig {
+            max_blocks: cfg.router.index_max_blocks,
+            approximate_ttl: cfg.router.approximate_ttl.as_duration(),
+        })
+        .with_index_writer()?
+        .with_index_metrics(INDEX_METRICS_PERIOD);
+        Ok(builder.open(&plan.store_plan(&cfg.tiers)?)?)
+    }
+
+    /// Loads the model, measures it, and starts the actor tree over `stores`.
+    pub async fn start(cfg: &NodeConfig, plan: &ResolvedTiers, stores: NodeStores) -> anyhow::Result<Self> {
         let model_cfg = cfg.model.clone();
         let shape = plan.shape;
         let weights = tokio::task::spawn_blocking(move || -> anyhow::Result<HostWeights> {
@@ -109,16 +115,16 @@ impl Serving {
         // The engine's rates, measured on the device the workers use; on CUDA the same backend
         // then registers the G2 pool with the device.
         let measure_weights = weights.clone();
-        let g2_pool = node.g2.take();
+        let g2_pool = stores.g2_pool().cloned();
         let batch_blocks = (cfg.engine.max_batch_tokens / block_tokens).max(4);
-        let (prefill_tokens_per_s, decode_step, g2_pool, g2_registration) =
+        let (prefill_tokens_per_s, decode_step, g2_registration) =
             tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
                 match device {
                     EngineDevice::Cpu => {
                         let model = Llama::new(CpuBackend::new(threads_each), measure_weights.as_ref())
                             .context("building the model")?;
                         let (rate, step) = measure_engine(&model, block_tokens, 4)?;
-                        Ok((rate, step, g2_pool, None))
+                        Ok((rate, step, None))
                     }
                     EngineDevice::Cuda(info) => {
                         let backend = CudaBackend::new(info.ordinal)
@@ -136,45 +142,13 @@ impl Serving {
                         let model = Llama::new(backend, measure_weights.as_ref()).context("uploading the model")?;
                         // One full forward pass of the engine (`engine.max_batch_tokens`).
                         let (rate, step) = measure_engine(&model, block_tokens, batch_blocks)?;
-                        Ok((rate, step, g2_pool, registration))
+                        Ok((rate, step, registration))
                     }
                 }
             })
             .await
             .context("start-up task")??;
-        node.g2 = g2_pool;
 
-        // Every change of where blocks are becomes a KV event in the index the scheduler reads.
-        let index = Arc::new(PrefixIndex::new(IndexConfig {
-            max_blocks: cfg.router.index_max_blocks,
-            approximate_ttl: cfg.router.approximate_ttl.as_duration(),
-        }));
-        let epoch = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
-        // Applied on a writer thread of the index's own: the engine threads that publish most
-        // events never wait on the index.
-        let writer = Arc::new(
-            IndexWriter::spawn(index.clone(), 1, Some(KvPublisher::on_applied()))
-                .context("starting the index writer")?,
-        );
-        let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::with_writer(0, epoch, writer.clone()));
-        let recovered = std::mem::take(&mut node.recovery.blocks);
-        let g2 = match (node.g2, node.g2_registry) {
-            (Some(pool), Some(registry)) => Some(G2Tier::new(pool, registry).with_observer(publisher.clone())),
-            _ => None,
-        };
-        let g3 = match (node.g3, node.g3_registry) {
-            (Some(store), Some(registry)) => Some(G3Tier::new(store, registry).with_observer(publisher.clone())),
-            _ => None,
-        };
-        // What G3 recovered at start-up is already there: the index learns it first.
-        if g3.is_some() {
-            for header in &recovered {
-                publisher.stored(BlockSite::Node(TierName::G3), header.parent, &[header.hash]);
-            }
-        }
         // The node's one cost model, for the router and the workers alike.
         let cost = CostModel {
             block_tokens,
@@ -191,18 +165,15 @@ impl Serving {
             // No peers yet (G4 is the peer-link issue).
             g4_read: None,
         };
-        let tiers = Arc::new(NodeTiers {
+        let tiered = stores.tiers(TierSettings {
             block_tokens,
             salt,
             layout: plan.layout,
             retention: cfg.retention.clone(),
-            g2,
-            g3,
             write_batch: WriteBatch::from_config(&cfg.tiers),
-            cost: cost.clone(),
-            measured: Default::default(),
-            observer: publisher,
+            cost,
         });
+        let tiers = tiered.tiers().clone();
 
         let spec = EngineSpec {
             weights,
@@ -227,74 +198,31 @@ impl Serving {
                 })
             }
         };
-        let queue_bound = cfg.engine.max_queued_requests.max(1);
-        let store = |high: f64, low: f64| StoreArgs {
-            tiers: tiers.clone(),
-            watermarks: Watermarks { high, low },
-            period: STORE_PERIOD,
-            failures_to_degrade: G3_FAILURES_TO_DEGRADE,
+        let engines = EngineSet {
+            workers,
+            factory,
+            host: EngineHost::Thread,
+            queue_bound: cfg.engine.max_queued_requests.max(1),
+            queue_policy: cfg.router.queue_policy,
         };
-        let args = NodeArgs {
-            workers: (0..workers)
-                .map(|id| WorkerArgs {
-                    id,
-                    factory: factory.clone(),
-                    queue_bound,
-                    queue_policy: cfg.router.queue_policy,
-                    host: EngineHost::Thread,
-                })
-                .collect(),
-            scheduler: SchedulerArgs {
-                policy: cfg.router.policy,
-                session_idle_timeout: cfg.frontend.session_idle_timeout.as_duration(),
-                max_sessions: cfg.frontend.max_sessions,
-                seed: cfg.model.seed,
-                kv: Some(KvRouting {
-                    index: index.clone(),
-                    writer: Some(writer),
-                    node: 0,
-                    workers_per_node: 0,
-                    salt,
-                    block_tokens,
-                    cost,
-                    tiers: Some(tiers.clone()),
-                    sticky_bonus: cfg.router.sticky_bonus.as_duration(),
-                    temperature: cfg.router.temperature,
-                }),
-            },
-            g2: tiers.g2.as_ref().map(|_| store(cfg.tiers.g2.high_watermark, cfg.tiers.g2.low_watermark)),
-            g3: tiers.g3.as_ref().map(|_| store(cfg.tiers.g3.high_watermark, cfg.tiers.g3.low_watermark)),
-        };
-        let (node, join) = Actor::spawn(None, NodeSupervisor, args).await.context("starting the actor tree")?;
-        let polled = index.clone();
-        let index_poller = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tick.tick().await;
-                let stats = polled.stats();
-                dynamo_actors::telemetry::publish_index(stats.blocks, stats.resyncs);
-            }
-        });
+        let node = tiered.engines(engines).spawn(Scheduling::from_config(cfg)).await?;
         Ok(Self {
-            node,
             _g2_registration: g2_registration,
+            node,
             tiers,
             model: cfg.model.name.clone(),
             max_context: pages * block_tokens,
             prefill_tokens_per_s,
             decode_step,
-            index,
-            join,
-            index_poller,
         })
     }
 
     /// The frontend's generator over this tree; it samples only the ids in `decodable` (those
     /// the tokenizer can decode).
     pub async fn generator(&self, decodable: Arc<TokenSet>) -> anyhow::Result<NodeGenerator> {
-        let scheduler = scheduler_of(&self.node).await?;
+        let scheduler = scheduler_of(&self.node.root).await?;
         Ok(NodeGenerator {
-            node: self.node.clone(),
+            node: self.node.root.clone(),
             scheduler: Arc::new(Mutex::new(scheduler)),
             model: self.model.clone(),
             max_context: self.max_context,
@@ -305,9 +233,7 @@ impl Serving {
     /// Stops taking requests, lets the workers finish their queues and flush write-through, and
     /// waits for the tree to stop.
     pub async fn shutdown(self) {
-        self.index_poller.abort();
-        let _ = self.node.call(NodeMsg::Shutdown, None).await;
-        let _ = self.join.await;
+        self.node.shutdown().await;
     }
 }
 
@@ -356,11 +282,7 @@ fn measure_engine<B: Backend>(
 }
 
 async fn scheduler_of(node: &NodeRef) -> anyhow::Result<SchedulerRef> {
-    match node.call(NodeMsg::Scheduler, Some(Duration::from_secs(5))).await {
-        Ok(CallResult::Success(scheduler)) => Ok(scheduler),
-        Ok(_) => anyhow::bail!("the node supervisor did not answer"),
-        Err(e) => anyhow::bail!("the node supervisor is gone: {e}"),
-    }
+    Ok(dynamo_actors::builder::current_scheduler(node, Some(Duration::from_secs(5))).await?)
 }
 
 /// The actor tree as the HTTP frontend's [`Generator`]: each request is routed and queued by the

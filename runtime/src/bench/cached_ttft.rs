@@ -3,9 +3,12 @@
 //!
 //! The harness is generic over the [`Backend`], so the same code runs the product's worker loop
 //! ([`Worker`]: onboarding, batched scatter, write-through) on a CUDA device in `gpu-check` and on
-//! the CPU backend in the tests. What it builds is a node of its own: a G2 pool (registered with the
-//! device through `prepare`, so loads into G1 read pinned host memory directly), a G3 store in a
-//! scratch directory, and two workers on one device (one backend each).
+//! the CPU backend in the tests. What it builds is a node of its own, through the node builder's
+//! stages up to the tiers ([`NodeBuilder`] → [`NodeStores`] → [`NodeTiers`]): a G2 pool
+//! (registered with the device through `prepare`, so loads into G1 read pinned host memory
+//! directly), a G3 store in a scratch directory, and two workers on one device (one backend
+//! each), which the harness drives itself — it clears their G1 between scenarios, so no scheduler
+//! or actor stands between it and them.
 //!
 //! Per run `r`, with a prompt of its own:
 //! 1. **cold**: worker A computes the whole prompt, then flushes write-through (G2 and G3 hold it);
@@ -24,12 +27,14 @@
 
 use std::fmt;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use dynamo_actors::builder::{G2Plan, G3Plan, NO_RECLAIM, NodeBuilder, NodeStores, StorePlan, TierSettings};
 use dynamo_actors::cost::{CostModel, Prefill};
-use dynamo_actors::tiers::{G2Tier, G3Tier, NoObserver, NodeTiers, WriteBatch};
+use dynamo_actors::index::IndexConfig;
+use dynamo_actors::tiers::{NodeTiers, WriteBatch};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, unix_millis};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection};
 use dynamo_kernels::backend::Backend;
@@ -37,9 +42,9 @@ use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_tiering::block::{BlockLayout, Salt, SaltInputs};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
-use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
+use dynamo_tiering::g3::{EngineChoice, G3Options};
 use dynamo_tiering::io::uring::UringOptions;
-use dynamo_tiering::registry::{PolicyKind, TierRegistry};
+use dynamo_tiering::registry::PolicyKind;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -215,8 +220,31 @@ pub async fn run<B: Backend, G>(
     let slot_bytes = align_up(layout.image_bytes());
     // G2 holds them all plus headroom for in-flight loads; G3 them all and a spare.
     let g2_slots = u32::try_from(held + 8).context("G2 slots")?;
-    let pool = HostPool::new(HostPoolOptions { slot_bytes, slots: g2_slots, mlock: MlockPolicy::Try })
-        .context("allocating the G2 pool")?;
+    std::fs::create_dir_all(&opts.dir).with_context(|| format!("creating {}", opts.dir.display()))?;
+    let g3_path = opts.dir.join("cached-ttft.g3");
+    // A file left by an interrupted run would bring its blocks back: every run starts empty.
+    let _ = std::fs::remove_file(&g3_path);
+    let plan = StorePlan {
+        g2: Some(G2Plan {
+            pool: HostPoolOptions { slot_bytes, slots: g2_slots, mlock: MlockPolicy::Try },
+            resident: held + 4,
+            policy: PolicyKind::Lru,
+            watermarks: NO_RECLAIM,
+        }),
+        g3: Some(G3Plan {
+            options: G3Options {
+                format_foreign: false,
+                paths: vec![g3_path.clone()],
+                capacity_per_path: SUPERBLOCK_LEN + 2 * (held as u64 + 8) * slot_bytes as u64,
+                slot_bytes,
+                direct_io: true,
+                engine: EngineChoice::Uring(UringOptions { queue_depth: 32, threads: 1, register_buffers: true }),
+            },
+            policy: PolicyKind::Lru,
+            watermarks: NO_RECLAIM,
+        }),
+    };
+    let stores = scratch_node().open(&plan).context("opening the scratch node's G2 and G3")?;
     let weights = HostWeights::random(opts.shape, opts.seed);
     let model = format!("{}/seed-{}", opts.shape.name, opts.seed);
     let salt = Salt::derive(&SaltInputs { model: &model, ..Default::default() });
@@ -225,24 +253,9 @@ pub async fn run<B: Backend, G>(
         None => measure_prefill(make, &weights, layout, salt, opts).await?,
     };
     let first = make().context("the first worker's backend")?;
-    let registration = prepare(&first, &pool).context("registering G2 with the device")?;
-    std::fs::create_dir_all(&opts.dir).with_context(|| format!("creating {}", opts.dir.display()))?;
-    let g3_path = opts.dir.join("cached-ttft.g3");
-    let options = G3Options {
-        format_foreign: false,
-        paths: vec![g3_path.clone()],
-        capacity_per_path: SUPERBLOCK_LEN + 2 * (held as u64 + 8) * slot_bytes as u64,
-        slot_bytes,
-        direct_io: true,
-        engine: EngineChoice::Uring(UringOptions { queue_depth: 32, threads: 1, register_buffers: true }),
-    };
-    let (store, _) = G3Store::open(&options, &pool).context("opening the G3 store")?;
-    let store = Arc::new(store);
-    let g3_registry = TierRegistry::new(store.capacity_slots() as usize, PolicyKind::Lru);
-    let g2_registry = TierRegistry::new(held + 4, PolicyKind::Lru);
-    let g2 = G2Tier::new(pool, Arc::new(Mutex::new(g2_registry)));
-    let g3 = G3Tier::new(store, Arc::new(Mutex::new(g3_registry)));
-    let tiers = scratch_tiers(opts, layout, salt, Some((g2, g3)), prefill_tokens_per_s);
+    let pool = stores.g2_pool().expect("the plan has G2");
+    let registration = prepare(&first, pool).context("registering G2 with the device")?;
+    let tiers = scratch_tiers(stores, opts, layout, salt, prefill_tokens_per_s);
     let node = Scratch { registration, tiers };
     let pages = held + 4;
     let mut a = Worker::new(Llama::new(first, &weights)?, node.tiers.clone(), pages, PolicyKind::Lru)?.with_id(0);
@@ -325,7 +338,8 @@ async fn measure_prefill<B: Backend>(
     salt: Salt,
     opts: &CachedTtftOptions,
 ) -> anyhow::Result<f64> {
-    let tiers = scratch_tiers(opts, layout, salt, None, 0.0);
+    let stores = scratch_node().open(&StorePlan::default()).context("a node without stores")?;
+    let tiers = scratch_tiers(stores, opts, layout, salt, 0.0);
     let pages = opts.prompt_tokens.div_ceil(opts.block_tokens) + 4;
     let backend = make().context("the measuring worker's backend")?;
     let mut worker = Worker::new(Llama::new(backend, weights)?, tiers, pages, PolicyKind::Lru)?;
@@ -337,30 +351,31 @@ async fn measure_prefill<B: Backend>(
     Ok(out.prefill_tokens as f64 / out.ttft.as_secs_f64().max(1e-9))
 }
 
-/// The scratch node's tiers: G2 and G3 if given, loads weighed against `prefill_tokens_per_s`.
+/// The scratch node: no KV events (nothing routes by them).
+fn scratch_node() -> NodeBuilder {
+    NodeBuilder::new(IndexConfig::default()).without_kv_events()
+}
+
+/// The scratch node's tiers over `stores`, loads weighed against `prefill_tokens_per_s`.
 fn scratch_tiers(
+    stores: NodeStores,
     opts: &CachedTtftOptions,
     layout: BlockLayout,
     salt: Salt,
-    stores: Option<(G2Tier, G3Tier)>,
     prefill_tokens_per_s: f64,
 ) -> Arc<NodeTiers> {
-    let (g2, g3) = stores.map_or((None, None), |(g2, g3)| (Some(g2), Some(g3)));
-    Arc::new(NodeTiers {
+    let tiered = stores.tiers(TierSettings {
         block_tokens: opts.block_tokens,
         salt,
         layout,
         retention: RetentionSection::default(),
-        g2,
-        g3,
         write_batch: WriteBatch::default(),
         cost: CostModel {
             prefill: Prefill::rate(prefill_tokens_per_s),
             ..CostModel::unknown(opts.block_tokens, layout.image_bytes())
         },
-        measured: Default::default(),
-        observer: Arc::new(NoObserver),
-    })
+    });
+    tiered.tiers().clone()
 }
 
 /// Runs `req` on `worker` to its first token.

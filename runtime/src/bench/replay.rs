@@ -23,22 +23,20 @@ use std::time::{Duration, Instant as WallInstant};
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use dynamo_actors::index::{IndexConfig, PrefixIndex};
-use dynamo_actors::publisher::KvPublisher;
-use dynamo_actors::scheduler::{KvRouting, SchedulerArgs, SchedulerMsg, SchedulerRef};
-use dynamo_actors::supervisor::{NodeArgs, NodeMsg, NodeSupervisor};
+use dynamo_actors::builder::{EngineSet, NodeBuilder, Routing, Scheduling};
+use dynamo_actors::index::IndexConfig;
+use dynamo_actors::scheduler::{SchedulerMsg, SchedulerRef};
 use dynamo_actors::tiers::KvObserver;
 use dynamo_actors::worker::simulated::{SimNode, SimTiming, SimulatedEngine, WriteThrough, splitmix};
-use dynamo_actors::worker::{
-    Engine, EngineFactory, EngineHost, GenRequest, JobEvent, WorkerArgs, WorkerEvent, local_spawner,
-};
+use dynamo_actors::worker::{Engine, EngineFactory, EngineHost, GenRequest, JobEvent, WorkerEvent, local_spawner};
 use dynamo_config::{ByteSize, Calibration, RegionKind, RetentionSection, RoutingPolicy};
 use dynamo_tiering::block::{BlockHasher, Salt};
 use dynamo_tiering::registry::PolicyKind;
-use ractor::Actor;
 use ractor::rpc::CallResult;
 use serde::Deserialize;
 use tokio::time::Instant;
+
+use crate::serving::Serving;
 
 /// Tokens a trace hash id stands for.
 const TRACE_BLOCK_TOKENS: usize = 512;
@@ -647,7 +645,9 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     let (spawner, spawn_loop) = local_spawner();
     tokio::task::spawn_local(spawn_loop);
     let salt = Salt(0x7265_706c_6179);
-    let index = Arc::new(PrefixIndex::new(IndexConfig { max_blocks: 64 << 20, ..IndexConfig::default() }));
+    // Events applied where published, under a constant epoch: the replay is deterministic in
+    // virtual time.
+    let builder = NodeBuilder::new(IndexConfig { max_blocks: 64 << 20, ..IndexConfig::default() }).with_epoch(1);
     let retention = match policy.eviction {
         Eviction::Retention => setup.retention.clone(),
         Eviction::PlainLru => plain_lru(),
@@ -656,7 +656,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     // the one index; every node can load from the others' G2 (G4).
     let nodes: Vec<Arc<SimNode>> = (0..setup.nodes)
         .map(|n| {
-            let publisher: Arc<dyn KvObserver> = Arc::new(KvPublisher::new(n as u16, 1, index.clone()));
+            let publisher: Arc<dyn KvObserver> = builder.publisher(n as u16);
             Arc::new(SimNode::new(
                 setup.block_tokens,
                 salt,
@@ -680,44 +680,26 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         Ok(Box::new(SimulatedEngine::new(id, node, g1_blocks, PolicyKind::Lru, epoch)) as Box<dyn Engine>)
     });
     // The router ranks workers with the same cost model the simulated workers decide with.
-    let cost = setup.timing.cost_model(setup.block_tokens);
-    let args = NodeArgs {
-        workers: (0..setup.workers * setup.nodes)
-            .map(|id| WorkerArgs {
-                id,
-                factory: factory.clone(),
-                queue_bound: 1 << 16,
-                queue_policy: dynamo_config::QueuePolicy::Fcfs,
-                host: EngineHost::Local(spawner.clone()),
-            })
-            .collect(),
-        scheduler: SchedulerArgs {
-            policy: policy.routing,
-            session_idle_timeout: Duration::from_secs(600),
-            max_sessions: usize::MAX,
-            seed: 42,
-            kv: Some(KvRouting {
-                index,
-                // Applied where published: the replay is deterministic in virtual time.
-                writer: None,
-                node: 0,
-                workers_per_node: setup.workers,
-                salt,
-                block_tokens: setup.block_tokens,
-                cost,
-                tiers: None,
-                sticky_bonus: setup.sticky_bonus,
-                temperature: setup.temperature,
-            }),
-        },
-        g2: None,
-        g3: None,
+    let routing = Routing { salt, block_tokens: setup.block_tokens, cost: setup.timing.cost_model(setup.block_tokens) };
+    let engines = EngineSet {
+        workers: setup.workers * setup.nodes,
+        factory,
+        host: EngineHost::Local(spawner),
+        queue_bound: 1 << 16,
+        queue_policy: dynamo_config::QueuePolicy::Fcfs,
     };
-    let (root, join) = Actor::spawn(None, NodeSupervisor, args).await.context("starting the simulated node")?;
-    let scheduler = match root.call(NodeMsg::Scheduler, None).await? {
-        CallResult::Success(s) => s,
-        _ => bail!("the supervisor did not answer"),
+    let scheduling = Scheduling {
+        policy: policy.routing,
+        session_idle_timeout: Duration::from_secs(600),
+        max_sessions: usize::MAX,
+        seed: 42,
+        sticky_bonus: setup.sticky_bonus,
+        temperature: setup.temperature,
+        workers_per_node: setup.workers,
     };
+    let node =
+        builder.simulated(routing).engines(engines).spawn(scheduling).await.context("starting the simulated node")?;
+    let scheduler = node.scheduler.clone();
     let start = Instant::now();
     // Occupancy over virtual time, sampled every 10 virtual seconds.
     let sampled = nodes.clone();
@@ -740,8 +722,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy.preamble_kept).await?;
     let virtual_time = start.elapsed();
     sampler.abort();
-    let _ = root.call(NodeMsg::Shutdown, None).await;
-    let _ = join.await;
+    node.shutdown().await;
     let load = |f: &dyn Fn(&SimNode) -> &std::sync::atomic::AtomicU64| -> u64 {
         nodes.iter().map(|n| f(n).load(Ordering::Relaxed)).sum()
     };
@@ -805,13 +786,11 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
         WriteThrough::G2 => cfg.tiers.g3.enabled = false,
         WriteThrough::G2G3 => {}
     }
-    let tiers = crate::node::ResolvedTiers::resolve(&cfg)?;
-    let node = tokio::task::spawn_blocking(move || crate::node::Node::build(tiers)).await??;
-    let serving = crate::serving::Serving::start(&cfg, node).await?;
-    let scheduler = match serving.node.call(NodeMsg::Scheduler, None).await? {
-        CallResult::Success(s) => s,
-        _ => bail!("the supervisor did not answer"),
-    };
+    let plan = crate::plan::ResolvedTiers::resolve(&cfg)?;
+    let (open_cfg, open_plan) = (cfg.clone(), plan.clone());
+    let stores = tokio::task::spawn_blocking(move || Serving::open(&open_cfg, &open_plan)).await??;
+    let serving = Serving::start(&cfg, &plan, stores).await?;
+    let scheduler = serving.node.current_scheduler().await?;
     let start = Instant::now();
     let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy.preamble_kept).await?;
     let elapsed = start.elapsed();

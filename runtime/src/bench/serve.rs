@@ -3,9 +3,9 @@
 //!
 //! The bench starts a node in this process from the embedded default configuration with the
 //! reference engine on the CPU (`--model`, `--workers`; G3 disabled, G2 as configured), built from
-//! the same pieces as `dynamo-node serve` ([`ResolvedTiers::resolve`], [`Node::build`],
-//! [`Serving::start`], [`FrontendState`], [`crate::frontend::serve`]) on 127.0.0.1 with an
-//! ephemeral port. The one difference is that the frontend sends no stop tokens, the server-side
+//! the same steps as `dynamo-node serve` ([`ResolvedTiers::resolve`], then [`node::start`] and
+//! [`NodeHandle::stop`]) on 127.0.0.1 with an ephemeral port, printing nothing and installing no
+//! metrics. The one difference is that the frontend sends no stop tokens, the server-side
 //! equivalent of vLLM's `ignore_eos`: the API has no `ignore_eos` or `min_tokens`, and random
 //! weights can sample `<|endoftext|>`, so without this an answer could end early. Every answer's
 //! length is still counted, never assumed: the generated tokens are the `usage.completion_tokens`
@@ -40,7 +40,6 @@
 //! against the goal of 8×.
 
 use std::fmt;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -50,10 +49,8 @@ use dynamo_kernels::{Backend, CpuBackend};
 use dynamo_tiering::block::BlockLayout;
 use serde_json::{Value, json};
 
-use crate::frontend::{ChatTemplate, FrontendState};
-use crate::node::{Node, ResolvedTiers};
-use crate::serving::Serving;
-use crate::tokenizer::Tokenizer;
+use crate::node::{self, Launch, NodeHandle};
+use crate::plan::ResolvedTiers;
 
 /// The goal: tokens per second at 16 streams over those at 1.
 const GOAL_16_OVER_1: f64 = 8.0;
@@ -392,42 +389,30 @@ fn bench_config(args: &BenchServeArgs, shape: ModelShape, data: &std::path::Path
     Ok(cfg)
 }
 
-/// A node serving the API on 127.0.0.1, assembled as `dynamo-node serve` assembles it.
+/// A node serving the API on 127.0.0.1, started as `dynamo-node serve` starts it.
 struct BenchNode {
     base: String,
     decode_step: Duration,
     /// The tokenizer's ids.
     vocab: usize,
-    serving: Serving,
-    stop: tokio::sync::oneshot::Sender<()>,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    node: NodeHandle,
 }
 
 impl BenchNode {
     async fn start(cfg: &NodeConfig) -> anyhow::Result<Self> {
-        let tiers = ResolvedTiers::resolve(cfg)?;
-        let node = tokio::task::spawn_blocking(move || Node::build(tiers)).await.context("start-up task")??;
-        let serving = Serving::start(cfg, node).await?;
-        // What `serve` uses for a model without a directory, tokenizer or template of its own.
-        let tokenizer = Tokenizer::builtin();
-        let vocab = tokenizer.vocab_size();
-        let generator = serving.generator(Arc::new(tokenizer.decodable())).await?;
-        let state = FrontendState::new(Arc::new(generator), tokenizer, ChatTemplate::builtin(), &cfg.frontend)
-            .with_stop_token_ids(Vec::new());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding the API")?;
-        let base = format!("http://{}", listener.local_addr()?);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(crate::frontend::serve(listener, state, async move {
-            let _ = stopped.await;
-        }));
-        Ok(Self { base, decode_step: serving.decode_step, vocab, serving, stop, server })
+        let plan = ResolvedTiers::resolve(cfg)?;
+        let launch = Launch::quiet().with_frontend(|state| state.with_stop_token_ids(Vec::new()));
+        let node = node::start(cfg, plan, launch).await?;
+        Ok(Self {
+            base: format!("http://{}", node.local_addr()),
+            decode_step: node.serving().decode_step,
+            vocab: node.vocab(),
+            node,
+        })
     }
 
     async fn stop(self) -> anyhow::Result<()> {
-        let _ = self.stop.send(());
-        let served = self.server.await.context("the HTTP server task");
-        self.serving.shutdown().await;
-        served?.context("the HTTP server")
+        self.node.stop().await
     }
 }
 
