@@ -11,20 +11,21 @@
 //! times side by side and their ratio, recompute ÷ load.
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use clap::Args;
+use dynamo_actors::builder::{G2Plan, NO_RECLAIM, NodeBuilder, StorePlan, TierSettings};
 use dynamo_actors::cost::CostModel;
-use dynamo_actors::tiers::{G2Tier, NoObserver, NodeTiers, WriteBatch};
+use dynamo_actors::index::IndexConfig;
+use dynamo_actors::tiers::WriteBatch;
 use dynamo_actors::worker::{GenRequest, JobEvent, PreemptionStats, Resume, Ticket, Worker};
 use dynamo_config::{Dtype, ModelShape, RetentionSection};
 use dynamo_kernels::CpuBackend;
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_tiering::block::{BlockLayout, Salt, SaltInputs};
-use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
-use dynamo_tiering::registry::{PolicyKind, TierRegistry};
+use dynamo_tiering::g2::{HostPoolOptions, MlockPolicy, align_up};
+use dynamo_tiering::registry::PolicyKind;
 
 /// Options of `bench preempt`.
 #[derive(Debug, Clone, Args)]
@@ -185,26 +186,31 @@ async fn burst(
     let b = args.block_tokens;
     // G2 holds every block of the burst.
     let blocks = args.streams * (args.prompt_tokens + args.max_tokens).div_ceil(b) + 8;
-    let pool = HostPool::new(HostPoolOptions {
-        slot_bytes: align_up(layout.image_bytes()),
-        slots: blocks as u32 + 8,
-        mlock: MlockPolicy::Try,
-    })
-    .context("the G2 pool")?;
-    let g2 = G2Tier::new(pool, Arc::new(Mutex::new(TierRegistry::new(blocks, PolicyKind::Lru))));
-    let tiers = Arc::new(NodeTiers {
+    let plan = StorePlan {
+        g2: Some(G2Plan {
+            pool: HostPoolOptions {
+                slot_bytes: align_up(layout.image_bytes()),
+                slots: blocks as u32 + 8,
+                mlock: MlockPolicy::Try,
+            },
+            resident: blocks,
+            policy: PolicyKind::Lru,
+            watermarks: NO_RECLAIM,
+        }),
+        g3: None,
+    };
+    // A node of the builder's up to its tiers, whose one worker the bench drives itself.
+    let stores = NodeBuilder::new(IndexConfig::default()).without_kv_events().open(&plan).context("the G2 pool")?;
+    let tiered = stores.tiers(TierSettings {
         block_tokens: b,
         salt: Salt::derive(&SaltInputs { model: "bench-preempt", ..Default::default() }),
         layout,
         retention: RetentionSection::default(),
-        g2: Some(g2),
-        g3: None,
         write_batch: WriteBatch::default(),
         // Unknown rates: loads are taken (the point is what they cost).
         cost: CostModel::unknown(b, layout.image_bytes()),
-        measured: Default::default(),
-        observer: Arc::new(NoObserver),
     });
+    let tiers = tiered.tiers().clone();
     let model = Llama::new(CpuBackend::default(), weights).context("the model")?;
     let mut worker = Worker::new(model, tiers, pages, PolicyKind::Lru)?.with_resume(resume);
     let vocab = weights.shape.vocab as u32;
