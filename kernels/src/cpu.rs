@@ -205,7 +205,10 @@ impl Backend for CpuBackend {
         check_len("matmul", "out", out.len(), rows * n)?;
         let work = rows * k * n;
         let dst = SharedMut(out.as_mut_ptr());
-        if rows >= self.threads && rows > 1 {
+        // Each thread reads its share of what dominates: with more rows than output columns (a
+        // prefill through a narrow layer) the rows, otherwise the weights — a decode batch of a
+        // few rows through a wide matrix reads every weight once, however many rows it holds.
+        if rows >= self.threads && rows > n {
             // Split by rows.
             self.split(rows, work, |range| {
                 let (r0, r1) = (range.start, range.end);
@@ -215,7 +218,8 @@ impl Backend for CpuBackend {
                 sgemm(&x[r0 * k..r1 * k], r1 - r0, k, w.data.as_slice(), n, out);
             });
         } else {
-            // Few rows (decode): split the output columns, each thread computing whole dot products.
+            // Few rows (decode): split the output columns, each thread computing whole dot products
+            // over its share of the weights.
             self.split(n, work, |range| {
                 let (c0, c1) = (range.start, range.end);
                 let cols = c1 - c0;

@@ -6,6 +6,7 @@
 //! dynamo-node config check FILE          validate FILE; errors as FILE:LINE:COL: `key`: message
 //! dynamo-node bench storage --dir DIR    G3 throughput against fio on the same device
 //! dynamo-node bench serve [--model M]    tokens/s through the HTTP API at 1, 4, 16, 64 streams
+//! dynamo-node bench preempt             resuming a preempted request: load its blocks vs recompute
 //! dynamo-node gpu-check [--device N]     CUDA kernels vs the CPU backend, KV copy bandwidth
 //! ```
 //!
@@ -130,6 +131,9 @@ pub enum BenchCommand {
     /// Generated tokens per second through the real HTTP API of a node started in this process,
     /// at several numbers of concurrent streams, against the memory-bandwidth bound of decode.
     Serve(crate::bench::serve::BenchServeArgs),
+    /// A burst that overflows G1: the request that yields resumes by loading its blocks back or by
+    /// recomputing them; time to its next token either way.
+    Preempt(crate::bench::preempt::BenchPreemptArgs),
 }
 
 /// Parses the command line and runs it.
@@ -164,6 +168,9 @@ pub fn main() -> ExitCode {
         }
         Some(Command::Bench(BenchCommand::Serve(args))) => {
             report(crate::bench::serve::run(&args).map(|table| print!("{table}")))
+        }
+        Some(Command::Bench(BenchCommand::Preempt(args))) => {
+            report(crate::bench::preempt::run(&args).map(|table| print!("{table}")))
         }
         Some(Command::GpuCheck(args)) => gpu_check(&args),
     }
