@@ -145,15 +145,8 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, const
     __shared__ unsigned int max_pos_s;
 
     // This block's sequence: its rows, its block table; blocks past its rows have nothing to do.
-    {
-        const unsigned int row0 = seq_rows[blockIdx.z];
-        rows = (int)(seq_rows[blockIdx.z + 1] - row0);
-        q += (long long)row0 * heads * D;
-        out += (long long)row0 * heads * D;
-        positions += row0;
-        block_table += seq_tables[blockIdx.z];
-        if ((long long)blockIdx.x * MMA_QV >= (long long)rows * (heads / kv_heads)) return;
-    }
+    if (!enter_sequence(seq_rows, seq_tables, q, out, positions, block_table, rows, heads, kv_heads, D, MMA_QV))
+        return;
     const int group = heads / kv_heads;
     const int kvh = blockIdx.y;
     const long long n_qv = (long long)rows * group;

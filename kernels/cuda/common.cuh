@@ -45,3 +45,21 @@ __device__ float block_sum(float v) {
     float t = lane < warps ? partial[lane] : 0.0f;
     return warp_sum(t);
 }
+
+// Batched attention: narrows a thread block's view to its sequence (blockIdx.z), which owns rows
+// seq_rows[z]..seq_rows[z + 1] of q, out and positions and the block table at
+// block_table + seq_tables[z]. Returns false when the block's first query vector (of `per_block`
+// from blockIdx.x) lies past the sequence's rows: that block has nothing to do.
+__device__ __forceinline__ bool enter_sequence(const unsigned int* seq_rows, const unsigned int* seq_tables,
+                                               const float* __restrict__& q, float* __restrict__& out,
+                                               const unsigned int* __restrict__& positions,
+                                               const unsigned int* __restrict__& block_table, int& rows, int heads,
+                                               int kv_heads, int head_dim, int per_block) {
+    const unsigned int row0 = seq_rows[blockIdx.z];
+    rows = (int)(seq_rows[blockIdx.z + 1] - row0);
+    q += (long long)row0 * heads * head_dim;
+    out += (long long)row0 * heads * head_dim;
+    positions += row0;
+    block_table += seq_tables[blockIdx.z];
+    return (long long)blockIdx.x * per_block < (long long)rows * (heads / kv_heads);
+}

@@ -943,15 +943,7 @@ async fn the_simulated_and_the_reference_engine_hit_the_same_tiers_on_a_replay()
     // The same sizes on a simulated node, deciding with the same (unmeasured) cost model.
     let cal = Calibration::h200();
     let prefill = cal.prefill_for("llama-8b").expect("calibrated").clone();
-    let timing = SimTiming {
-        block_bytes: n.tiers.layout.image_bytes() as u64,
-        prefill,
-        decode_s_per_token: 0.005,
-        link_bytes_per_s: cal.link.h2d_pinned_gb_s * 1e9,
-        disk_read_bytes_per_s: cal.disk.seq_read_gb_s * 1e9,
-        disk_write_bytes_per_s: cal.disk.seq_write_gb_s * 1e9,
-        network_bytes_per_s: 50e9,
-    };
+    let timing = SimTiming::from_calibration(&cal, prefill, 0.005, n.tiers.layout.image_bytes() as u64);
     let retention = RetentionSection::default();
     let mut sim = SimNode::new(
         B,

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dynamo_config::{PrefillCalibration, RegionKind, RetentionSection, TierName};
+use dynamo_config::{Calibration, PrefillCalibration, RegionKind, RetentionSection, TierName};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
 use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Refusal, Source, TierLookup, region_of};
@@ -59,7 +59,29 @@ pub struct SimTiming {
     pub block_bytes: u64,
 }
 
+/// Bytes per second of one 400 Gb/s RDMA NIC per GPU, as on an 8 × H200 node (G4).
+pub const NIC_BYTES_PER_S: f64 = 50e9;
+
 impl SimTiming {
+    /// The rates `calibration` measured (its host link and disk, and `prefill` of the model),
+    /// with `decode_s_per_token`, blocks of `block_bytes` and one [`NIC_BYTES_PER_S`] NIC per GPU.
+    pub fn from_calibration(
+        calibration: &Calibration,
+        prefill: PrefillCalibration,
+        decode_s_per_token: f64,
+        block_bytes: u64,
+    ) -> Self {
+        Self {
+            prefill,
+            decode_s_per_token,
+            link_bytes_per_s: calibration.link.h2d_pinned_gb_s * 1e9,
+            disk_read_bytes_per_s: calibration.disk.seq_read_gb_s * 1e9,
+            disk_write_bytes_per_s: calibration.disk.seq_write_gb_s * 1e9,
+            network_bytes_per_s: NIC_BYTES_PER_S,
+            block_bytes,
+        }
+    }
+
     fn prefill_s(&self, tokens: usize) -> f64 {
         self.prefill.prefill_ms(tokens as u64) / 1e3
     }
@@ -595,20 +617,12 @@ impl Engine for SimulatedEngine {
 mod tests {
     use super::*;
     use crate::tiers::NoObserver;
-    use dynamo_config::Calibration;
 
     fn node(write_through: WriteThrough) -> Arc<SimNode> {
         let cal = Calibration::h200();
         let prefill = cal.prefill_for("llama-8b").expect("calibrated").clone();
-        let timing = SimTiming {
-            block_bytes: prefill.kv_bytes_per_token * 512,
-            prefill,
-            decode_s_per_token: 0.005,
-            link_bytes_per_s: cal.link.h2d_pinned_gb_s * 1e9,
-            disk_read_bytes_per_s: cal.disk.seq_read_gb_s * 1e9,
-            disk_write_bytes_per_s: cal.disk.seq_write_gb_s * 1e9,
-            network_bytes_per_s: 50e9,
-        };
+        let block_bytes = prefill.kv_bytes_per_token * 512;
+        let timing = SimTiming::from_calibration(&cal, prefill, 0.005, block_bytes);
         Arc::new(SimNode::new(
             512,
             Salt(7),

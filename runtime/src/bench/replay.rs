@@ -524,16 +524,7 @@ fn shared(args: &ReplayArgs) -> anyhow::Result<Shared> {
         workers: args.workers.max(1),
         nodes: args.nodes.max(1),
         block_tokens: b,
-        timing: SimTiming {
-            prefill,
-            decode_s_per_token: decode_s,
-            link_bytes_per_s: calibration.link.h2d_pinned_gb_s * 1e9,
-            disk_read_bytes_per_s: calibration.disk.seq_read_gb_s * 1e9,
-            disk_write_bytes_per_s: calibration.disk.seq_write_gb_s * 1e9,
-            // One 400 Gb/s RDMA NIC per GPU, as on an 8 × H200 node.
-            network_bytes_per_s: 50e9,
-            block_bytes,
-        },
+        timing: SimTiming::from_calibration(&calibration, prefill, decode_s, block_bytes),
         g1: args.g1,
         g2: args.g2,
         g3: args.g3,
