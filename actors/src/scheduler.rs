@@ -304,7 +304,14 @@ impl SchedulerState {
         }
         let prompt_tokens = req.prompt.len();
         let (events, rx) = mpsc::unbounded_channel();
-        let mut job = Job { req, predicted_cached: None, priority: hints.priority, cost_s: 0.0, events };
+        let mut job = Job {
+            req,
+            predicted_cached: None,
+            priority: hints.priority,
+            cost_s: 0.0,
+            events,
+            queued_at: tokio::time::Instant::now(),
+        };
         for &(i, predicted, cost_s) in &order {
             let Some(handle) = &self.workers[i] else { continue };
             job.predicted_cached = predicted;

@@ -99,7 +99,7 @@ pub struct AttentionSpec {
 ///
 /// Every method checks the lengths of its arguments against the shapes it is given and returns
 /// [`KernelError::Shape`] / [`KernelError::Index`] rather than reading out of bounds.
-pub trait Backend: Send + Sync + std::fmt::Debug {
+pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// An `f32` activation buffer in device memory.
     type Buf: Send + Sync;
     /// A weight tensor (matrix `[rows, cols]` or vector `[cols]` with `rows = 1`).

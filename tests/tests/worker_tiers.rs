@@ -12,7 +12,7 @@ use std::time::Duration;
 use dynamo_actors::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Watermarks};
 use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, NoObserver, NodeTiers, WriteBatch};
-use dynamo_actors::worker::{GenOutcome, GenRequest, JobEvent, Resume, Ticket, Worker, WorkerEvent};
+use dynamo_actors::worker::{Engine, GenOutcome, GenRequest, JobEvent, Resume, Ticket, Worker, WorkerEvent};
 use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::kv_layout::{HostKvPool, PagedLayout};
 use dynamo_kernels::model::{HostWeights, Llama};
@@ -770,16 +770,16 @@ async fn sampling_stays_inside_the_decodable_ids() {
 
 /// Admits every request at once, runs steps until all have ended, and answers each outcome and
 /// the number of steps taken.
-async fn serve_batch<E: Backend>(w: &mut Worker<E>, reqs: &[GenRequest]) -> (Vec<GenOutcome>, usize) {
+async fn serve_batch<E: Engine + ?Sized>(w: &mut E, reqs: &[GenRequest]) -> (Vec<GenOutcome>, usize) {
     let mut answers = Vec::new();
     for req in reqs {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        w.admit(Ticket::local(req.clone(), tx)).await;
+        Engine::admit(w, Ticket::local(req.clone(), tx)).await;
         answers.push(rx);
     }
     let mut steps = 0;
-    while w.running() > 0 {
-        w.step().await;
+    while Engine::running(w) > 0 {
+        Engine::step(w).await;
         steps += 1;
         assert!(steps < 10_000, "the batch makes progress");
     }
@@ -857,6 +857,54 @@ async fn a_burst_that_overflows_g1_preempts_into_g2_and_resumes_by_loading() {
             Resume::Load => assert!(stats.resumed_cached_tokens >= B, "resumed by loading: {stats:?}"),
             Resume::Recompute => assert_eq!(stats.resumed_cached_tokens, 0, "recomputed: {stats:?}"),
         }
+    }
+}
+
+/// The simulated engine runs the reference worker's batch policy, not a model of it: the same
+/// burst over a G1 of the same size, with the same step budget, takes as many steps, preempts as
+/// often and reports the same hits per request (the resumed ones loading their blocks back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulated_engine_batches_and_preempts_as_the_reference_worker_does() {
+    use dynamo_actors::worker::DEFAULT_MAX_RUNNING;
+    use dynamo_actors::worker::simulated::{SimNode, SimTiming, SimulatedEngine, WriteThrough};
+    use dynamo_config::Calibration;
+
+    // 10 G1 pages of 16 tokens, a budget of 3 blocks per step: prompts of 1 to 3 pages computed
+    // in chunks beside the others' decodes, answers long enough to overflow G1.
+    let reqs: Vec<GenRequest> =
+        (0..4u32).map(|i| GenRequest::greedy(turn((i as usize + 1) * B - 3, 80 + i), B + 3)).collect();
+    let n = node(128);
+    let mut w = n.worker_with_pages(CpuBackend::default(), 10).with_prefill_chunk(3 * B);
+    let (reference, reference_steps) = serve_batch(&mut w, &reqs).await;
+
+    let cal = Calibration::h200();
+    let prefill = cal.prefill_for("llama-8b").expect("calibrated").clone();
+    let timing = SimTiming::from_calibration(&cal, prefill, 0.001, n.tiers.layout.image_bytes() as u64);
+    let mut sim = SimNode::new(
+        B,
+        n.tiers.salt,
+        RetentionSection::default(),
+        timing,
+        WriteThrough::G2G3,
+        124,
+        64,
+        PolicyKind::Lru,
+        Arc::new(NoObserver),
+    );
+    sim.cost = n.tiers.cost.clone();
+    let sim = Arc::new(sim);
+    let engine = SimulatedEngine::new(0, sim.clone(), 10, PolicyKind::Lru, tokio::time::Instant::now());
+    let mut engine = engine.with_batch(3 * B, DEFAULT_MAX_RUNNING);
+    let (simulated, simulated_steps) = serve_batch(&mut engine, &reqs).await;
+
+    let preempted = w.preemption_stats().preempted;
+    println!("{reference_steps} steps, {preempted} preempted: {:?}", w.preemption_stats());
+    assert!(preempted >= 1, "the burst overflows G1: {:?}", w.preemption_stats());
+    assert_eq!(sim.stats.preemptions.load(std::sync::atomic::Ordering::Relaxed), preempted as u64);
+    assert_eq!(simulated_steps, reference_steps, "the same plan, step by step");
+    for (i, (r, s)) in reference.iter().zip(&simulated).enumerate() {
+        assert_eq!(r.tokens.len(), s.tokens.len(), "request {i}");
+        assert_eq!((r.hit_tokens, r.cached_tokens), (s.hit_tokens, s.cached_tokens), "request {i}");
     }
 }
 

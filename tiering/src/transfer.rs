@@ -124,6 +124,23 @@ impl SimulatedCopy {
     pub fn transfer_time(&self, link: Link, bytes: u64) -> Duration {
         Duration::from_secs_f64(bytes as f64 / (self.bandwidths.of(link) * 1e9))
     }
+
+    /// Queues `bytes` on `link` now and answers when they are across: what [`CopyEngine::copy`]'s
+    /// future waits for, for a caller that moves no buffer (the simulated engine, whose tiers are
+    /// bookkeeping only).
+    pub fn reserve(&self, link: Link, bytes: u64) -> Instant {
+        let now = Instant::now();
+        let mut lanes = self.busy_until.lock().expect("lanes lock");
+        let lane = match lanes.iter_mut().position(|(l, _)| *l == link) {
+            Some(i) => &mut lanes[i].1,
+            None => {
+                lanes.push((link, now));
+                &mut lanes.last_mut().expect("just pushed").1
+            }
+        };
+        *lane = (*lane).max(now) + self.transfer_time(link, bytes);
+        *lane
+    }
 }
 
 impl CopyEngine for SimulatedCopy {
@@ -134,19 +151,7 @@ impl CopyEngine for SimulatedCopy {
     /// Must be called inside a tokio runtime with the time driver enabled.
     fn copy(&self, link: Link, batch: Vec<HostCopy>) -> CopyFuture {
         let bytes: u64 = batch.iter().map(|c| c.len as u64).sum();
-        let now = Instant::now();
-        let done_at = {
-            let mut lanes = self.busy_until.lock().expect("lanes lock");
-            let lane = match lanes.iter_mut().position(|(l, _)| *l == link) {
-                Some(i) => &mut lanes[i].1,
-                None => {
-                    lanes.push((link, now));
-                    &mut lanes.last_mut().expect("just pushed").1
-                }
-            };
-            *lane = (*lane).max(now) + self.transfer_time(link, bytes);
-            *lane
-        };
+        let done_at = self.reserve(link, bytes);
         Box::pin(async move {
             tokio::time::sleep_until(done_at).await;
             batch

@@ -55,7 +55,7 @@ use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
 use tokio::task::JoinSet;
 
-use super::{JobEvent, Ticket};
+use super::{Ticket, batch};
 
 use crate::telemetry::{
     Tier, record_preemption, record_tier_error, record_transfer, record_write_lag, record_write_skipped,
@@ -284,7 +284,9 @@ pub struct Worker<B: Backend> {
     resume: Resume,
     /// The requests in the batch, in admission order.
     running: Vec<Seq>,
-    /// Requests preempted to free G1, waiting to resume (before any new one is admitted).
+    /// Requests waiting for room in G1, highest priority first: preempted ones, and admitted ones
+    /// whose prompt did not fit beside the batch yet. They come back before any new request is
+    /// admitted.
     preempted: Vec<Seq>,
     /// Admissions so far: each request's order.
     admitted: u64,
@@ -355,6 +357,8 @@ struct Seq {
     prefilled: bool,
     /// When it was preempted and when it resumed, until its next token.
     preempted_at: Option<(Instant, Option<Instant>)>,
+    /// Whether its cached prefix was looked up once (its hits are known).
+    onboarded: bool,
 }
 
 impl Seq {
@@ -374,6 +378,39 @@ impl Seq {
     /// Tokens waiting for their KV.
     fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// What the batch policy plans with.
+    fn member(&self) -> batch::Member {
+        batch::Member {
+            pending: self.pending(),
+            computed: self.computed,
+            priority: self.ticket.priority,
+            order: self.order,
+            closed: self.ticket.is_closed(),
+        }
+    }
+}
+
+/// The running requests' G1 pages during a step's plan.
+struct StepPages<'a, B: Backend> {
+    worker: &'a mut Worker<B>,
+    running: &'a mut [Seq],
+}
+
+impl<B: Backend> batch::Pages for StepPages<'_, B> {
+    fn grow(&mut self, i: usize, blocks: usize) -> bool {
+        while self.running[i].blocks.len() < blocks {
+            match self.worker.alloc_page(unix_millis()) {
+                Ok(page) => self.running[i].blocks.push(SeqBlock { page, registered: None }),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    fn preempt(&mut self, i: usize) {
+        self.worker.preempt(&mut self.running[i]);
     }
 }
 
@@ -538,7 +575,7 @@ impl<B: Backend> Worker<B> {
     /// Whether another request may join the batch now: below the limit, and nobody waits to
     /// resume.
     pub fn has_room(&self) -> bool {
-        self.preempted.is_empty() && self.running.len() < self.max_running
+        batch::has_room(self.running.len(), self.preempted.len(), self.max_running)
     }
 
     /// Fails every request in the batch with [`WorkerError::Panicked`]`(why)` (their pages are
@@ -613,28 +650,7 @@ impl<B: Backend> Worker<B> {
         req: &GenRequest,
         on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
     ) -> Result<GenOutcome, WorkerError> {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        self.admit(Ticket::local(req.clone(), tx)).await;
-        let order = self.admitted;
-        let mut cancelled = false;
-        loop {
-            while let Ok(event) = rx.try_recv() {
-                match event {
-                    JobEvent::Event(e) => {
-                        if !cancelled && !on_event(e) {
-                            cancelled = true;
-                            self.cancel(order);
-                        }
-                    }
-                    JobEvent::Done(outcome) => return Ok(outcome),
-                    JobEvent::Failed(e) => return Err(e),
-                }
-            }
-            if self.running() == 0 {
-                return Err(WorkerError::Restarting);
-            }
-            self.step().await;
-        }
+        super::serve_alone(self, req, on_event).await
     }
 
     /// Takes a request into the batch: checks it, hashes its prompt and brings its cached prefix
@@ -674,8 +690,14 @@ impl<B: Backend> Worker<B> {
             start: Instant::now(),
             prefilled: false,
             preempted_at: None,
+            onboarded: false,
             ticket,
         };
+        // Without room in G1 beside the batch for its prompt, it waits for some (before any later
+        // request), rather than fail for want of a page.
+        if !batch::may_resume(len, self.running.len(), self.available_pages(), b) {
+            return self.wait_for_room(seq);
+        }
         // A panic from here on finds the request in the batch, where the restart fails it.
         let onboarded = AssertUnwindSafe(async {
             #[cfg(feature = "failpoints")]
@@ -687,11 +709,9 @@ impl<B: Backend> Worker<B> {
         .catch_unwind()
         .await;
         match onboarded {
-            Ok(Ok(())) => {
-                seq.outcome.cached_tokens = seq.computed;
-                seq.outcome.prefill_tokens = len - seq.computed;
-                self.running.push(seq);
-            }
+            Ok(Ok(())) => self.running.push(seq),
+            // The batch took the pages meanwhile: wait for some to come back.
+            Ok(Err(WorkerError::Overloaded)) if !self.running.is_empty() => self.wait_for_room(seq),
             Ok(Err(e)) => {
                 self.release(&mut seq);
                 seq.ticket.finish(Err(e));
@@ -703,8 +723,9 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Stops the request admitted `order`-th at the next step (its caller stopped listening).
-    fn cancel(&mut self, order: u64) {
+    /// Ends the request admitted last at once (its caller stopped listening).
+    pub fn cancel_last(&mut self) {
+        let order = self.admitted;
         if let Some(i) = self.running.iter().position(|s| s.order == order) {
             let seq = self.running.remove(i);
             self.end(seq, Ok(Finish::Stop));
@@ -714,7 +735,7 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// One engine step: preempted requests resume when G1 has room for them; requests whose
+    /// One engine step: preempted (or waiting) requests resume when G1 has room for them; requests whose
     /// caller went away end; then one forward pass computes the pending decode token of every
     /// running request and prefill chunks of the others (in priority, then arrival order) within
     /// the step's token budget. A request that needs a G1 page when none is free makes the
@@ -723,64 +744,24 @@ impl<B: Backend> Worker<B> {
     pub async fn step(&mut self) {
         self.resume_preempted().await;
         let mut running = std::mem::take(&mut self.running);
-        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> = Vec::new();
-        for (i, seq) in running.iter().enumerate() {
-            if seq.ticket.is_closed() {
-                ended.push((i, Ok(Finish::Stop)));
-            }
-        }
-        // Decode tokens first, then prefill chunks; higher priority and earlier arrival first.
-        let mut order: Vec<usize> = (0..running.len()).filter(|i| !ended.iter().any(|(e, _)| e == i)).collect();
-        order.sort_by_key(|&i| {
-            let s = &running[i];
-            (s.pending() > 1, std::cmp::Reverse(s.ticket.priority), s.order)
-        });
         let b = self.tiers.block_tokens;
-        let mut budget = self.prefill_chunk;
-        let mut plan: Vec<(usize, usize)> = Vec::new();
-        let mut yielded: Vec<usize> = Vec::new();
-        for (at, &i) in order.iter().enumerate() {
-            if yielded.contains(&i) {
-                continue;
-            }
-            let take = running[i].pending().min(budget);
-            if take == 0 {
-                continue;
-            }
-            let need = (running[i].computed + take).div_ceil(b);
-            let mut fits = true;
-            while running[i].blocks.len() < need {
-                match self.alloc_page(unix_millis()) {
-                    Ok(page) => running[i].blocks.push(SeqBlock { page, registered: None }),
-                    Err(_) => {
-                        // The lowest-priority request not yet in this step yields; if there is
-                        // none, this one does (unless it would be alone: then it cannot fit).
-                        let victim = order[at + 1..].iter().rev().copied().find(|v| !yielded.contains(v));
-                        match victim {
-                            Some(v) => {
-                                self.preempt(&mut running[v]);
-                                yielded.push(v);
-                            }
-                            None if !plan.is_empty() => {
-                                self.preempt(&mut running[i]);
-                                yielded.push(i);
-                                fits = false;
-                                break;
-                            }
-                            None => {
-                                ended.push((i, Err(WorkerError::Overloaded)));
-                                fits = false;
-                                break;
-                            }
-                        }
-                    }
-                }
-            }
-            if fits {
-                plan.push((i, take));
-                budget -= take;
-            }
-        }
+        let members: Vec<batch::Member> = running.iter().map(Seq::member).collect();
+        let plan =
+            batch::plan_step(&members, self.prefill_chunk, b, &mut StepPages { worker: self, running: &mut running });
+        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> = plan
+            .leaving
+            .iter()
+            .map(|&(i, why)| {
+                (
+                    i,
+                    match why {
+                        batch::Leave::Closed => Ok(Finish::Stop),
+                        batch::Leave::Overloaded => Err(WorkerError::Overloaded),
+                    },
+                )
+            })
+            .collect();
+        let (plan, yielded) = (plan.chunks, plan.yielded);
         let tables: Vec<Vec<u32>> =
             plan.iter().map(|&(i, _)| running[i].blocks.iter().map(|s| s.page).collect()).collect();
         let chunks: Vec<Chunk<'_>> = plan
@@ -836,7 +817,7 @@ impl<B: Backend> Worker<B> {
                 None => self.preempted.push(seq),
             }
         }
-        self.preempted.sort_by_key(|s| (std::cmp::Reverse(s.ticket.priority), s.order));
+        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
     }
 
     /// What one step's `take` tokens and the logits after them mean for `seq`; `Some` when it
@@ -921,31 +902,47 @@ impl<B: Backend> Worker<B> {
     async fn resume_preempted(&mut self) {
         let b = self.tiers.block_tokens;
         while let Some(first) = self.preempted.first() {
-            let referenced: usize = self.running.iter().map(|s| s.blocks.len()).sum();
-            let needed = (first.tokens.len() + 1).div_ceil(b) + self.running.len();
-            if !self.running.is_empty() && referenced + needed > self.pages {
+            if !batch::may_resume(first.tokens.len(), self.running.len(), self.available_pages(), b) {
                 return;
             }
             let mut seq = self.preempted.remove(0);
+            // A request that waited for room since its admission is onboarded for the first time.
+            let first = !seq.onboarded;
             if let Some((_, resumed)) = &mut seq.preempted_at {
                 *resumed = Some(Instant::now());
             }
             let loaded = match self.resume {
-                Resume::Load => self.onboard(&mut seq, false).await,
-                Resume::Recompute => Ok(()),
+                Resume::Recompute if !first => Ok(()),
+                _ => self.onboard(&mut seq, first).await,
             };
             match loaded {
                 Ok(()) => {
-                    self.stats.resumed_cached_tokens += seq.computed;
-                    self.stats.resumed_computed_tokens += seq.tokens.len() - seq.computed;
+                    if !first {
+                        self.stats.resumed_cached_tokens += seq.computed;
+                        self.stats.resumed_computed_tokens += seq.tokens.len() - seq.computed;
+                    }
                     self.running.push(seq);
                 }
+                Err(WorkerError::Overloaded) if !self.running.is_empty() => return self.wait_for_room(seq),
                 Err(e) => {
                     self.release(&mut seq);
                     self.end(seq, Err(e));
                 }
             }
         }
+    }
+
+    /// G1 pages a newcomer may take: free ones, and those holding a block nobody references.
+    fn available_pages(&self) -> usize {
+        let blocks = self.registry.stats().total();
+        self.free.len() + blocks.evictable + blocks.held
+    }
+
+    /// Puts `seq`, which holds no page, among the requests waiting for room in G1.
+    fn wait_for_room(&mut self, mut seq: Seq) {
+        self.release(&mut seq);
+        self.preempted.push(seq);
+        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
     }
 
     /// Releases `seq`'s G1 references and frees its private pages.
@@ -1088,7 +1085,8 @@ impl<B: Backend> Worker<B> {
         // Into G1: resident blocks in place, loaded images in one scatter.
         let mut loads: Vec<(u32, SlotRef)> = Vec::new();
         let mut loaded: Vec<usize> = Vec::new();
-        for (i, source) in plan.into_iter().enumerate() {
+        let mut plan = plan.into_iter().enumerate();
+        while let Some((i, source)) = plan.next() {
             match source {
                 Source::G1(page) => {
                     seq.blocks.push(SeqBlock { page, registered: Some(hashes[i]) });
@@ -1101,6 +1099,12 @@ impl<B: Backend> Worker<B> {
                         Err(e) => {
                             self.forget_loaded(&mut seq.blocks, &loaded);
                             self.release(seq);
+                            // The rest of the plan's G1 blocks were acquired by the lookup.
+                            for (j, rest) in plan {
+                                if let Source::G1(_) = rest {
+                                    let _ = self.registry.release(hashes[j]);
+                                }
+                            }
                             return Err(e);
                         }
                     };
@@ -1144,7 +1148,10 @@ impl<B: Backend> Worker<B> {
         }
         seq.computed = seq.blocks.len() * b;
         if first {
+            seq.onboarded = true;
             seq.outcome.hit_tokens = hits;
+            seq.outcome.cached_tokens = seq.computed;
+            seq.outcome.prefill_tokens = seq.tokens.len() - seq.computed;
         }
         Ok(())
     }

@@ -11,6 +11,7 @@
 //! retried), reports the worker's G1 blocks cleared, and then fails the actor so that the
 //! NodeSupervisor restarts it with a fresh engine. The node goes on with its other workers.
 
+pub mod batch;
 mod core;
 pub mod queue;
 pub mod simulated;
@@ -59,6 +60,9 @@ pub trait Engine: 'static {
     fn step(&mut self) -> LocalFuture<'_, ()> {
         Box::pin(async {})
     }
+    /// Ends the request admitted last at once, its caller having stopped listening
+    /// ([`serve_alone`]); a request served through the queue ends at its next step instead.
+    fn cancel_last(&mut self) {}
     /// Drops everything in G1 (after a panic its contents cannot be trusted) and fails the
     /// requests it was serving with `why`; returns how many blocks were dropped.
     fn reset(&mut self, why: &str) -> usize;
@@ -66,7 +70,7 @@ pub trait Engine: 'static {
     fn flush(&mut self) -> LocalFuture<'_, ()>;
 }
 
-impl<B: dynamo_kernels::Backend + 'static> Engine for Worker<B> {
+impl<B: dynamo_kernels::Backend> Engine for Worker<B> {
     fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()> {
         Box::pin(Worker::admit(self, ticket))
     }
@@ -81,6 +85,10 @@ impl<B: dynamo_kernels::Backend + 'static> Engine for Worker<B> {
 
     fn step(&mut self) -> LocalFuture<'_, ()> {
         Box::pin(Worker::step(self))
+    }
+
+    fn cancel_last(&mut self) {
+        Worker::cancel_last(self)
     }
 
     fn reset(&mut self, why: &str) -> usize {
@@ -101,6 +109,8 @@ pub struct Ticket {
     pub req: GenRequest,
     /// Agent-hint priority; higher goes first (and yields last).
     pub priority: i32,
+    /// When it was queued (tokio's clock: virtual under a paused one).
+    pub queued_at: tokio::time::Instant,
     predicted_cached: Option<usize>,
     events: mpsc::UnboundedSender<JobEvent>,
     /// The worker's load it is counted in; `None` for a request served directly
@@ -119,13 +129,23 @@ impl std::fmt::Debug for Ticket {
 impl Ticket {
     /// The ticket of a queued job, counted in `load`.
     pub fn new(job: Job, load: Arc<WorkerLoad>) -> Self {
-        let Job { req, predicted_cached, priority, events, .. } = job;
-        Self { req, priority, predicted_cached, events, load: Some(load), prefilled: false, answered: false }
+        let Job { req, predicted_cached, priority, events, queued_at, .. } = job;
+        Self { req, priority, queued_at, predicted_cached, events, load: Some(load), prefilled: false, answered: false }
     }
 
     /// The ticket of a request served directly, reporting to `events` (prefill passes included).
     pub fn local(req: GenRequest, events: mpsc::UnboundedSender<JobEvent>) -> Self {
-        Self { req, priority: 0, predicted_cached: None, events, load: None, prefilled: false, answered: false }
+        let queued_at = tokio::time::Instant::now();
+        Self {
+            req,
+            priority: 0,
+            queued_at,
+            predicted_cached: None,
+            events,
+            load: None,
+            prefilled: false,
+            answered: false,
+        }
     }
 
     /// Whether nobody waits for the answer any more.
@@ -188,6 +208,38 @@ impl Drop for Ticket {
     }
 }
 
+/// Serves one request on `engine` directly (no queue, no actor): admits it, then runs steps until
+/// it ends; `on_event` sees the prefill passes, the prefill result and each generated token, and
+/// returns false to stop early (the client went away). Requests admitted before it share its
+/// steps.
+pub async fn serve_alone<E: Engine + ?Sized>(
+    engine: &mut E,
+    req: &GenRequest,
+    on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
+) -> Result<GenOutcome, WorkerError> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    engine.admit(Ticket::local(req.clone(), tx)).await;
+    let mut cancelled = false;
+    loop {
+        while let Ok(event) = rx.try_recv() {
+            match event {
+                JobEvent::Event(e) => {
+                    if !cancelled && !on_event(e) {
+                        cancelled = true;
+                        engine.cancel_last();
+                    }
+                }
+                JobEvent::Done(outcome) => return Ok(outcome),
+                JobEvent::Failed(e) => return Err(e),
+            }
+        }
+        if engine.running() == 0 {
+            return Err(WorkerError::Restarting);
+        }
+        engine.step().await;
+    }
+}
+
 /// Builds worker `id`'s engine, on the engine's own thread.
 pub type EngineFactory = Arc<dyn Fn(usize) -> Result<Box<dyn Engine>, WorkerError> + Send + Sync>;
 
@@ -213,6 +265,8 @@ pub struct Job {
     pub priority: i32,
     /// The scheduler's estimate of the job's engine time in seconds (WSPT's processing time).
     pub cost_s: f64,
+    /// When it was queued (tokio's clock: virtual under a paused one).
+    pub queued_at: tokio::time::Instant,
     /// Its events; a closed receiver stops the request at its next token.
     pub events: mpsc::UnboundedSender<JobEvent>,
 }

@@ -1,17 +1,23 @@
-//! The simulated engine (DESIGN.md §7): does no math; its time comes from a calibration, and the
-//! bookkeeping around it is the product's own — G1/G2/G3 [`TierRegistry`]s with their eviction
-//! policies, retention regions and holds, write-through per region, KV events to the index, the
-//! scheduler's cost model. It moves no bytes, so a node of many workers with terabytes of tiers
-//! replays hours of traffic on a laptop, under tokio's paused clock (see [`EngineHost::Local`]).
+//! The simulated engine (DESIGN.md §7): does no math; its time comes from a calibration, and
+//! everything around it is the product's own — the batch policy of the reference worker
+//! ([`super::batch`]: decode tokens and prefill chunks per step within `engine.max_batch_tokens`
+//! and `engine.max_running_requests`, preemption when G1 has no page, resumption by loading), the
+//! tier pipeline ([`Pipeline`]: which cached blocks to reuse, load or recompute, and how far each
+//! completed block is written through), G1/G2/G3 [`TierRegistry`]s with their eviction policies,
+//! retention regions and holds, KV events to the index, the scheduler's cost model. It moves no
+//! bytes, so a node of many workers with terabytes of tiers replays hours of traffic on a
+//! laptop, under tokio's paused clock (see [`EngineHost::Local`]).
 //!
-//! Timing of one request on worker `w`:
-//! - blocks found in `w`'s G1 are free; blocks in the node's G2 cross the host link
-//!   (`link_bytes_per_s`), blocks in G3 are read from disk (`disk_read_bytes_per_s`, the disk
-//!   shared by the node's workers and queued) and then cross the link — each tier used only while
-//!   loading beats recomputing;
-//! - prefill of the rest costs `prefill(len) − prefill(cached)` from the calibrated curve (the
-//!   marginal cost of the suffix given its prefix);
-//! - the first token comes right after prefill; decoding costs `decode_s_per_token` per token;
+//! Time, per worker:
+//! - a step takes the calibrated prefill time of its prefill chunks (the marginal cost of each
+//!   chunk given the KV before it: `prefill(start + len) − prefill(start)`), and at least one
+//!   decode step (`decode_s_per_token`: a pass over the weights) when it carries decode tokens,
+//!   which ride along a prefill for free;
+//! - cached blocks loaded from G2, or from G3 after the disk read them, cross the worker's host
+//!   link ([`SimulatedCopy`]'s lane) while the batch goes on; the step that first computes the
+//!   request waits for them. A peer's G2 (G4) comes over the worker's NIC. Disk reads and writes
+//!   queue on the node's disk ([`SimulatedIo`]'s lanes, one per direction); the reads of an
+//!   admission are awaited, as the reference worker awaits them.
 //! - completed blocks go to G1, then (write-through, per region) to G2 and, after the disk
 //!   wrote them, to G3; each tier's acknowledgment is a KV event.
 //!
@@ -20,9 +26,7 @@
 //!
 //! [`EngineHost::Local`]: super::EngineHost::Local
 
-use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::rc::Rc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -30,11 +34,17 @@ use std::time::Duration;
 use dynamo_config::{Calibration, PrefillCalibration, RegionKind, RetentionSection, TierName};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
 use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill};
+use dynamo_tiering::io::sim::{Direction, SimDisk, SimulatedIo};
 use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Refusal, Source, TierLookup, region_of};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
+use dynamo_tiering::transfer::{Link, LinkBandwidths, SimulatedCopy};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent};
+use super::batch::{self, Leave, Member};
+use super::{
+    DEFAULT_MAX_RUNNING, Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent,
+};
 use crate::tiers::{BlockSite, KvObserver};
 
 /// How far write-through takes completed blocks (a replay compares these).
@@ -134,18 +144,21 @@ pub struct SimStats {
     pub g3_lag_us_max: AtomicU64,
     /// Blocks not written to G3 because the disk was too far behind (they stay in G2).
     pub g3_skipped: AtomicU64,
-    /// Time requests waited for their worker's GPU before their prefill began, summed in µs.
+    /// Time requests waited (queued, or in the batch behind others) before their prefill's first
+    /// step, summed in µs.
     pub queue_us_sum: AtomicU64,
     /// Prefills started.
     pub prefills: AtomicU64,
+    /// Requests preempted out of G1 (they resumed by loading their blocks back).
+    pub preemptions: AtomicU64,
 }
 
 /// Write-through to G3 skips a block (it stays in G2) rather than queue it behind more than this
 /// much disk work: a disk slower than the write stream must not build an unbounded backlog.
 pub const MAX_DISK_BACKLOG: Duration = Duration::from_secs(1);
 
-/// The node-shared part of a simulated node: G2 and G3 as registries, the disk's queue, where
-/// KV events go.
+/// The node-shared part of a simulated node: G2 and G3 as registries, the disk, where KV events
+/// go.
 #[derive(Debug)]
 pub struct SimNode {
     /// Tokens per block.
@@ -162,7 +175,8 @@ pub struct SimNode {
     pub write_through: WriteThrough,
     g2: Option<Mutex<TierRegistry>>,
     g3: Option<Mutex<TierRegistry>>,
-    disk_free_at: Mutex<Instant>,
+    /// The node's disk (G3), shared by its workers.
+    disk: SimulatedIo,
     observer: Arc<dyn KvObserver>,
     /// The other nodes of the cluster, whose G2 this node's workers can load from (G4).
     peers: std::sync::OnceLock<Vec<std::sync::Weak<SimNode>>>,
@@ -185,6 +199,11 @@ impl SimNode {
         observer: Arc<dyn KvObserver>,
     ) -> Self {
         let tier = |blocks: usize| (blocks > 0).then(|| Mutex::new(TierRegistry::new(blocks, policy)));
+        let disk = SimDisk {
+            read_gb_s: timing.disk_read_bytes_per_s / 1e9,
+            write_gb_s: timing.disk_write_bytes_per_s / 1e9,
+            latency: Duration::ZERO,
+        };
         Self {
             block_tokens,
             salt,
@@ -194,7 +213,7 @@ impl SimNode {
             write_through,
             g2: tier(g2_blocks),
             g3: tier(g3_blocks),
-            disk_free_at: Mutex::new(Instant::now()),
+            disk: SimulatedIo::new(disk),
             observer,
             peers: std::sync::OnceLock::new(),
             stats: SimStats::default(),
@@ -282,26 +301,14 @@ impl SimNode {
         }
     }
 
-    /// When a disk write of `bytes` submitted now completes (the disk serves one at a time), or
-    /// `None` when the disk is more than [`MAX_DISK_BACKLOG`] behind.
+    /// When a disk write of `bytes` submitted now completes, or `None` when the disk's writes
+    /// are more than [`MAX_DISK_BACKLOG`] behind.
     fn disk_write_done(&self, bytes: u64) -> Option<Instant> {
-        let mut free = self.disk_free_at.lock().expect("disk");
-        let now = Instant::now();
-        if *free > now + MAX_DISK_BACKLOG {
+        if self.disk.backlog(Direction::Write) > MAX_DISK_BACKLOG {
             self.stats.g3_skipped.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let start = (*free).max(now);
-        *free = start + Duration::from_secs_f64(bytes as f64 / self.timing.disk_write_bytes_per_s.max(1.0));
-        Some(*free)
-    }
-
-    /// When a disk read of `bytes` submitted now completes.
-    fn disk_read_done(&self, bytes: u64) -> Instant {
-        let mut free = self.disk_free_at.lock().expect("disk");
-        let start = (*free).max(Instant::now());
-        *free = start + Duration::from_secs_f64(bytes as f64 / self.timing.disk_read_bytes_per_s.max(1.0));
-        *free
+        Some(self.disk.reserve(Direction::Write, bytes as usize))
     }
 }
 
@@ -310,102 +317,180 @@ fn now_ms(epoch: Instant) -> Millis {
     epoch.elapsed().as_millis() as Millis
 }
 
-/// One simulated worker: its G1 registry and its share of the node. It batches like a serving
-/// engine: prefills take the GPU one at a time, decodes run alongside ([`Engine::fork`] hands
-/// out handles on the same worker).
-#[derive(Debug, Clone)]
-pub struct SimulatedEngine {
-    shared: Rc<SimWorker>,
-}
-
+/// One simulated worker: its G1 (a registry of the blocks in its pages), its host link and NIC,
+/// its share of the node, and the requests in its batch.
 #[derive(Debug)]
-struct SimWorker {
+pub struct SimulatedEngine {
     id: usize,
     node: Arc<SimNode>,
-    g1: RefCell<TierRegistry>,
+    g1: TierRegistry,
     g1_blocks: usize,
+    /// Pages held by requests with no registered block in them (being computed, or a duplicate
+    /// G1 refused).
+    private: usize,
     policy: PolicyKind,
     epoch: Instant,
-    /// Held while a request loads and prefills: the GPU computes one prefill at a time.
-    gpu: tokio::sync::Mutex<()>,
-    writes: RefCell<tokio::task::JoinSet<()>>,
+    /// The host link G2 and G3 loads cross into the GPU.
+    link: SimulatedCopy,
+    /// When the NIC is done with the G4 loads queued on it.
+    nic_free_at: Instant,
+    prefill_chunk: usize,
+    max_running: usize,
+    running: Vec<SimSeq>,
+    preempted: Vec<SimSeq>,
+    admitted: u64,
+    writes: JoinSet<()>,
 }
 
-impl SimulatedEngine {
-    /// Worker `id` of `node`, with a G1 of `g1_blocks` evicted by `policy`; `epoch` is the
-    /// simulation's time zero (shared by the node's workers).
-    pub fn new(id: usize, node: Arc<SimNode>, g1_blocks: usize, policy: PolicyKind, epoch: Instant) -> Self {
-        Self {
-            shared: Rc::new(SimWorker {
-                id,
-                node,
-                g1: RefCell::new(TierRegistry::new(g1_blocks, policy)),
-                g1_blocks,
-                policy,
-                epoch,
-                gpu: tokio::sync::Mutex::new(()),
-                writes: RefCell::new(tokio::task::JoinSet::new()),
-            }),
+/// A request in a simulated worker's batch.
+#[derive(Debug)]
+struct SimSeq {
+    ticket: Ticket,
+    order: u64,
+    /// The hashes of its complete blocks: the prompt's, then the generated ones.
+    chain: Vec<BlockHash>,
+    prompt_blocks: usize,
+    /// The prompt, then the generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens whose KV is in G1.
+    computed: usize,
+    /// One per G1 page it holds: the block registered in it, if any.
+    blocks: Vec<Option<BlockHash>>,
+    outcome: GenOutcome,
+    /// The generator of its tokens.
+    state: u64,
+    start: Instant,
+    prefilled: bool,
+    /// Whether a step has computed for it (its wait ended).
+    started: bool,
+    /// When its loaded blocks are across the link: the step that computes it waits for them.
+    loaded_at: Instant,
+    /// Whether its cached prefix was looked up once (its hits are known).
+    onboarded: bool,
+}
+
+impl SimSeq {
+    fn region(&self, i: usize, block_tokens: usize) -> RegionKind {
+        if i < self.prompt_blocks {
+            region_of(&self.ticket.req.regions, i * block_tokens)
+        } else {
+            RegionKind::Generated
+        }
+    }
+
+    fn member(&self) -> Member {
+        Member {
+            pending: self.tokens.len() - self.computed,
+            computed: self.computed,
+            priority: self.ticket.priority,
+            order: self.order,
+            closed: self.ticket.is_closed(),
         }
     }
 }
 
-/// The simulated executor's answers while the pipeline plans a prefix (each answer counts as an
-/// access in that tier's registry, as a real lookup does).
-struct SimLookup<'w> {
-    worker: &'w SimWorker,
-    now: Millis,
-}
-
-impl TierLookup for SimLookup<'_> {
-    fn in_g1(&mut self, hash: BlockHash) -> bool {
-        self.worker.g1.borrow().contains(hash)
+impl SimulatedEngine {
+    /// Worker `id` of `node`, with a G1 of `g1_blocks` evicted by `policy`; `epoch` is the
+    /// simulation's time zero (shared by the node's workers). Steps take everything pending and
+    /// up to [`DEFAULT_MAX_RUNNING`] requests run at once unless [`Self::with_batch`] says
+    /// otherwise.
+    pub fn new(id: usize, node: Arc<SimNode>, g1_blocks: usize, policy: PolicyKind, epoch: Instant) -> Self {
+        let link_gb_s = node.timing.link_bytes_per_s / 1e9;
+        let link = SimulatedCopy::new(LinkBandwidths {
+            h2d_gb_s: link_gb_s,
+            d2h_gb_s: link_gb_s,
+            d2d_gb_s: link_gb_s,
+            h2h_gb_s: link_gb_s,
+        });
+        Self {
+            id,
+            node,
+            g1: TierRegistry::new(g1_blocks, policy),
+            g1_blocks,
+            private: 0,
+            policy,
+            epoch,
+            link,
+            nic_free_at: Instant::now(),
+            prefill_chunk: usize::MAX,
+            max_running: DEFAULT_MAX_RUNNING,
+            running: Vec::new(),
+            preempted: Vec::new(),
+            admitted: 0,
+            writes: JoinSet::new(),
+        }
     }
 
-    fn in_g2(&mut self, hash: BlockHash) -> bool {
-        SimNode::holds(&self.worker.node.g2, hash, self.now)
+    /// Computes at most `max_batch_tokens` tokens per step and runs at most `max_running`
+    /// requests at once, as `engine.max_batch_tokens` and `engine.max_running_requests` bound
+    /// the reference worker.
+    pub fn with_batch(mut self, max_batch_tokens: usize, max_running: usize) -> Self {
+        self.prefill_chunk = max_batch_tokens.max(1);
+        self.max_running = max_running.max(1);
+        self
     }
 
-    fn in_g3(&mut self, hash: BlockHash) -> bool {
-        SimNode::holds(&self.worker.node.g3, hash, self.now)
+    /// Serves one request: admits it and runs steps until it ends; requests admitted before it
+    /// share its steps.
+    pub async fn generate(
+        &mut self,
+        req: &GenRequest,
+        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
+    ) -> Result<GenOutcome, WorkerError> {
+        super::serve_alone(self, req, on_event).await
     }
 
-    fn in_g4(&mut self, hash: BlockHash) -> bool {
-        self.worker.node.peer_holds(hash, self.now)
-    }
-}
-
-impl SimWorker {
     fn site(&self) -> BlockSite {
         BlockSite::G1 { worker: self.id }
     }
 
-    /// Registers a block in G1 (referenced) and writes it through as the pipeline says; returns
-    /// whether it is referenced (to be released at the end).
-    fn complete(&self, hash: BlockHash, parent: Option<BlockHash>, region: RegionKind, landed: Landed) -> bool {
-        let now = now_ms(self.epoch);
-        let node = self.node.clone();
-        let meta = node.meta(parent, region);
-        let mut g1 = self.g1.borrow_mut();
-        let referenced = match g1.insert(hash, meta, now) {
-            Ok(Admission::Inserted { evicted }) => {
-                node.stats.g1_resident.fetch_add(1 - evicted.len() as i64, Ordering::Relaxed);
-                if !evicted.is_empty() {
-                    let mut by_region = node.stats.g1_evictions.lock().expect("stats");
-                    for e in &evicted {
-                        *by_region.entry(e.region).or_default() += 1;
-                    }
-                    drop(by_region);
-                    let gone: Vec<BlockHash> = evicted.iter().map(|e| e.hash).collect();
-                    node.observer.removed(self.site(), &gone);
+    /// A free G1 page, or one whose unreferenced block is evicted for it.
+    fn alloc_page(&mut self, now: Millis) -> Result<(), WorkerError> {
+        if self.g1.len() + self.private < self.g1_blocks {
+            self.private += 1;
+            return Ok(());
+        }
+        let victim = self.g1.evict(1, now).pop().ok_or(WorkerError::Overloaded)?;
+        let stats = &self.node.stats;
+        stats.g1_resident.fetch_sub(1, Ordering::Relaxed);
+        *stats.g1_evictions.lock().expect("stats").entry(victim.region).or_default() += 1;
+        self.node.observer.removed(self.site(), &[victim.hash]);
+        self.private += 1;
+        Ok(())
+    }
+
+    /// Registers block `i` of `seq`, whose page it holds, in G1 (referenced by it). A block
+    /// present already stays in its private page, as on the reference worker.
+    fn register(&mut self, seq: &mut SimSeq, i: usize, now: Millis) {
+        let hash = seq.chain[i];
+        let parent = i.checked_sub(1).map(|p| seq.chain[p]);
+        let meta = self.node.meta(parent, seq.region(i, self.node.block_tokens));
+        if let Ok(Admission::Inserted { evicted }) = self.g1.insert(hash, meta, now) {
+            self.private -= 1;
+            let stats = &self.node.stats;
+            stats.g1_resident.fetch_add(1 - evicted.len() as i64, Ordering::Relaxed);
+            if !evicted.is_empty() {
+                let mut by_region = stats.g1_evictions.lock().expect("stats");
+                for e in &evicted {
+                    *by_region.entry(e.region).or_default() += 1;
                 }
-                node.observer.stored(self.site(), parent, &[hash]);
-                g1.acquire(hash, now).is_ok()
+                drop(by_region);
+                let gone: Vec<BlockHash> = evicted.iter().map(|e| e.hash).collect();
+                self.node.observer.removed(self.site(), &gone);
             }
-            Ok(Admission::AlreadyPresent) => g1.acquire(hash, now).is_ok(),
-            Err(_) => false,
-        };
-        drop(g1);
+            self.node.observer.stored(self.site(), parent, &[hash]);
+            self.g1.acquire(hash, now).expect("just inserted");
+            seq.blocks[i] = Some(hash);
+        }
+    }
+
+    /// Writes block `i` of `seq` through as the pipeline says for how it `landed` in G1: to G2 at
+    /// once, to G3 once the disk wrote it.
+    fn write_through(&mut self, seq: &SimSeq, i: usize, landed: Landed, now: Millis) {
+        let node = self.node.clone();
+        let hash = seq.chain[i];
+        let region = seq.region(i, node.block_tokens);
+        let meta = node.meta(i.checked_sub(1).map(|p| seq.chain[p]), region);
         let bytes = node.timing.block_bytes;
         let present = Presence { g2: SimNode::contains(&node.g2, hash), g3: SimNode::contains(&node.g3, hash) };
         let targets = node.pipeline().write_targets(region, landed, present);
@@ -416,11 +501,10 @@ impl SimWorker {
             }
             node.admit(TierName::G2, hash, meta, now);
         }
-        // Down to G3 (duplicates are not written again).
         if targets.g3 && node.g3.is_some() {
             let completed = Instant::now();
-            let Some(done) = node.disk_write_done(bytes) else { return referenced };
-            self.writes.borrow_mut().spawn(async move {
+            let Some(done) = node.disk_write_done(bytes) else { return };
+            self.writes.spawn(async move {
                 tokio::time::sleep_until(done).await;
                 let now = now_ms(Instant::now().min(done));
                 node.admit(TierName::G3, hash, meta, now);
@@ -431,135 +515,370 @@ impl SimWorker {
                 node.stats.g3_acks.fetch_add(1, Ordering::Relaxed);
             });
         }
-        referenced
+        while self.writes.try_join_next().is_some() {}
     }
 
-    async fn run(
-        &self,
-        req: &GenRequest,
-        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
-    ) -> Result<GenOutcome, WorkerError> {
-        let start = Instant::now();
+    /// Releases `seq`'s G1 references and frees its private pages.
+    fn release(&mut self, seq: &mut SimSeq) {
+        for block in std::mem::take(&mut seq.blocks) {
+            match block {
+                Some(hash) => drop(self.g1.release(hash)),
+                None => self.private -= 1,
+            }
+        }
+    }
+
+    /// Brings the cached prefix of `seq` into G1 as the pipeline plans it: G1 blocks in place;
+    /// G3 blocks read by the disk (awaited), then with the G2 ones across the host link (the
+    /// first step that computes the request waits for that); a peer's over the NIC. `first`: the
+    /// request's admission (its hits are what it reports), not a resume after preemption.
+    async fn onboard(&mut self, seq: &mut SimSeq, first: bool) -> Result<(), WorkerError> {
+        let node = self.node.clone();
+        let (b, bytes) = (node.block_tokens, node.timing.block_bytes);
+        let now = now_ms(self.epoch);
+        let from = {
+            let mut lookup = SimLookup { engine: self, now };
+            node.pipeline().plan_prefix(&seq.chain, seq.tokens.len(), &node.cost, &mut lookup)
+        };
+        let mut hits = [0usize; 4];
+        for (i, &source) in from.iter().enumerate() {
+            hits[source.index()] += b;
+            if source == Source::G1 {
+                seq.blocks.push(Some(seq.chain[i]));
+                self.write_through(seq, i, Landed::Reused, now);
+                continue;
+            }
+            if let Err(e) = self.alloc_page(now) {
+                self.release(seq);
+                // The rest of the plan's G1 blocks were acquired by the lookup.
+                for (j, _) in from.iter().enumerate().skip(i).filter(|(_, s)| **s == Source::G1) {
+                    let _ = self.g1.release(seq.chain[j]);
+                }
+                return Err(e);
+            }
+            seq.blocks.push(None);
+            self.register(seq, i, now);
+            self.write_through(seq, i, Landed::Loaded(source), now);
+        }
+        let count = |of: Source| from.iter().filter(|&&s| s == of).count() as u64;
+        let (g2_blocks, g3_blocks, g4_blocks) = (count(Source::G2), count(Source::G3), count(Source::G4));
+        let stats = &node.stats;
+        if g3_blocks > 0 {
+            stats.g3_to_g1_bytes.fetch_add(g3_blocks * bytes, Ordering::Relaxed);
+            tokio::time::sleep_until(node.disk.reserve(Direction::Read, (g3_blocks * bytes) as usize)).await;
+        }
+        stats.g2_to_g1_bytes.fetch_add(g2_blocks * bytes, Ordering::Relaxed);
+        stats.g4_to_g1_bytes.fetch_add(g4_blocks * bytes, Ordering::Relaxed);
+        let mut loaded_at = self.link.reserve(Link::HostToDevice, (g2_blocks + g3_blocks) * bytes);
+        if g4_blocks > 0 {
+            let nic_s = node.cost.g4_read.map_or(0.0, |r| r.seconds((g4_blocks * bytes) as usize));
+            self.nic_free_at = self.nic_free_at.max(Instant::now()) + Duration::from_secs_f64(nic_s);
+            loaded_at = loaded_at.max(self.nic_free_at);
+        }
+        seq.loaded_at = loaded_at;
+        seq.computed = seq.blocks.len() * b;
+        if first {
+            seq.onboarded = true;
+            seq.outcome.hit_tokens = hits;
+            seq.outcome.cached_tokens = seq.computed;
+            seq.outcome.prefill_tokens = seq.tokens.len() - seq.computed;
+        }
+        Ok(())
+    }
+
+    async fn admit_ticket(&mut self, ticket: Ticket) {
         let b = self.node.block_tokens;
+        let req = &ticket.req;
         let len = req.prompt.len();
-        let needed = match self.node.pipeline().admit(len, req.max_tokens, self.g1_blocks) {
-            Ok(()) => (len + req.max_tokens).div_ceil(b),
-            Err(Refusal::EmptyPrompt) => return Err(WorkerError::EmptyPrompt),
+        match self.node.pipeline().admit(len, req.max_tokens, self.g1_blocks) {
+            Ok(()) => {}
+            Err(Refusal::EmptyPrompt) => return ticket.finish(Err(WorkerError::EmptyPrompt)),
             Err(Refusal::TooLong { needed }) => {
                 let (max_tokens, capacity) = (req.max_tokens, self.g1_blocks);
-                return Err(WorkerError::TooLong { prompt: len, max_tokens, needed, capacity });
+                return ticket.finish(Err(WorkerError::TooLong { prompt: len, max_tokens, needed, capacity }));
             }
+        }
+        let chain = req.block_hashes(self.node.salt, b);
+        self.admitted += 1;
+        let mut seq = SimSeq {
+            order: self.admitted,
+            prompt_blocks: chain.len(),
+            chain,
+            tokens: req.prompt.clone(),
+            computed: 0,
+            blocks: Vec::with_capacity((len + req.max_tokens).div_ceil(b)),
+            outcome: GenOutcome {
+                tokens: Vec::with_capacity(req.max_tokens),
+                cached_tokens: 0,
+                hit_tokens: [0; 4],
+                prefill_tokens: len,
+                finish: Finish::Length,
+                ttft: Duration::ZERO,
+                corrupt_blocks: 0,
+            },
+            state: req.seed ^ 0x9e37_79b9_7f4a_7c15,
+            start: ticket.queued_at,
+            prefilled: false,
+            started: false,
+            loaded_at: Instant::now(),
+            onboarded: false,
+            ticket,
         };
-        let node = self.node.clone();
-        let timing = &node.timing;
-        let hashes = req.block_hashes(node.salt, b);
-        // The GPU prefills one request at a time; the cached prefix is looked up once it is ours.
-        let gpu = self.gpu.lock().await;
-        node.stats.queue_us_sum.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
-        node.stats.prefills.fetch_add(1, Ordering::Relaxed);
+        // Without room in G1 beside the batch for its prompt, it waits for some.
+        if !batch::may_resume(len, self.running.len(), self.available_pages(), b) {
+            return self.wait_for_room(seq);
+        }
+        match self.onboard(&mut seq, true).await {
+            Ok(()) => self.running.push(seq),
+            Err(WorkerError::Overloaded) if !self.running.is_empty() => self.wait_for_room(seq),
+            Err(e) => seq.ticket.finish(Err(e)),
+        }
+    }
+
+    /// One step, as [`batch::plan_step`] plans it: preempted requests resume first when G1 has
+    /// room; the step takes its calibrated time (and waits for the loads of the requests it
+    /// computes first); then each request advances by what the step computed for it.
+    async fn run_step(&mut self) {
+        self.resume_preempted().await;
+        let mut running = std::mem::take(&mut self.running);
+        let members: Vec<Member> = running.iter().map(SimSeq::member).collect();
+        let b = self.node.block_tokens;
+        let plan =
+            batch::plan_step(&members, self.prefill_chunk, b, &mut SimPages { engine: self, running: &mut running });
+
+        // Its time: the prefill chunks' marginal cost, at least one pass over the weights for the
+        // decodes, and no earlier than the loads of its requests are across.
+        let now = Instant::now();
+        let timing = &self.node.timing;
+        let (mut prefill_s, mut decodes, mut ready) = (0.0, false, now);
+        for &(i, take) in &plan.chunks {
+            let seq = &mut running[i];
+            if seq.prefilled {
+                decodes = true;
+            } else {
+                prefill_s += (timing.prefill_s(seq.computed + take) - timing.prefill_s(seq.computed)).max(0.0);
+            }
+            ready = ready.max(seq.loaded_at);
+            if !seq.started {
+                seq.started = true;
+                let waited = now.saturating_duration_since(seq.start).as_micros() as u64;
+                self.node.stats.queue_us_sum.fetch_add(waited, Ordering::Relaxed);
+                self.node.stats.prefills.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let step_s = if decodes { prefill_s.max(timing.decode_s_per_token) } else { prefill_s };
+        tokio::time::sleep_until(ready.max(now + Duration::from_secs_f64(step_s))).await;
+
+        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> = plan
+            .leaving
+            .iter()
+            .map(|&(i, why)| {
+                (
+                    i,
+                    match why {
+                        Leave::Closed => Ok(Finish::Stop),
+                        Leave::Overloaded => Err(WorkerError::Overloaded),
+                    },
+                )
+            })
+            .collect();
+        for &(i, take) in &plan.chunks {
+            if let Some(end) = self.advance(&mut running[i], take) {
+                ended.push((i, end));
+            }
+        }
+        let mut fate: Vec<Option<Option<Result<Finish, WorkerError>>>> = running.iter().map(|_| None).collect();
+        for (i, end) in ended {
+            fate[i].get_or_insert(Some(end));
+        }
+        for &v in &plan.yielded {
+            fate[v].get_or_insert(None);
+        }
+        for (seq, fate) in running.into_iter().zip(fate) {
+            match fate {
+                None => self.running.push(seq),
+                Some(Some(end)) => self.end(seq, end),
+                Some(None) => self.preempted.push(seq),
+            }
+        }
+        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
+    }
+
+    /// What one step's `take` tokens mean for `seq`: the blocks they complete are registered and
+    /// written through, and once the prompt is in, a token is generated. `Some` when it ends.
+    fn advance(&mut self, seq: &mut SimSeq, take: usize) -> Option<Result<Finish, WorkerError>> {
+        let b = self.node.block_tokens;
         let now = now_ms(self.epoch);
-
-        // The cached prefix, as the pipeline plans it: G1 in place, then G2 over the link, then
-        // G3 from disk, then a peer, each block only while loading it beats recomputing it.
-        let link_s = timing.block_bytes as f64 / timing.link_bytes_per_s.max(1.0);
-        let net_s = node.cost.g4_read.map_or(0.0, |r| r.seconds(timing.block_bytes as usize));
-        let mut lookup = SimLookup { worker: self, now };
-        let from = node.pipeline().plan_prefix(&hashes, len, &node.cost, &mut lookup);
-        let mut hit = [0usize; 4];
-        for source in &from {
-            hit[source.index()] += b;
+        let before = seq.computed;
+        seq.computed += take;
+        for i in before / b..seq.computed / b {
+            if i == seq.chain.len() {
+                let parent = seq.chain.last().copied();
+                let hash = BlockHasher::new(self.node.salt, b).hash_block(parent, &seq.tokens[i * b..(i + 1) * b]);
+                seq.chain.push(hash);
+            }
+            self.register(seq, i, now);
+            self.write_through(seq, i, Landed::Computed, now);
         }
-        let cached = from.len() * b;
-        let count = |of: &[Source]| from.iter().filter(|s| of.contains(s)).count() as u64;
-        let g3_blocks = count(&[Source::G3]);
-        let link_blocks = count(&[Source::G2, Source::G3]);
-        let g4_blocks = count(&[Source::G4]);
-        node.stats.g4_to_g1_bytes.fetch_add(g4_blocks * timing.block_bytes, Ordering::Relaxed);
-        if g3_blocks > 0 {
-            node.stats.g3_to_g1_bytes.fetch_add(g3_blocks * timing.block_bytes, Ordering::Relaxed);
-            tokio::time::sleep_until(node.disk_read_done(g3_blocks * timing.block_bytes)).await;
+        if seq.computed < seq.tokens.len() {
+            if !seq.prefilled && !seq.ticket.event(WorkerEvent::Computed { tokens: seq.computed }) {
+                seq.outcome.prefill_tokens = seq.computed - seq.outcome.cached_tokens;
+                return Some(Ok(Finish::Stop));
+            }
+            return None;
         }
-        node.stats.g2_to_g1_bytes.fetch_add((link_blocks - g3_blocks) * timing.block_bytes, Ordering::Relaxed);
-        let load = Duration::from_secs_f64(link_blocks as f64 * link_s + g4_blocks as f64 * net_s);
-        let compute = Duration::from_secs_f64((timing.prefill_s(len) - timing.prefill_s(cached)).max(0.0));
-        tokio::time::sleep(load + compute).await;
-
-        // The prompt's blocks are in G1 now.
-        let mut referenced = Vec::with_capacity(needed);
-        for (i, &hash) in hashes.iter().enumerate() {
-            let landed = match from.get(i) {
-                None => Landed::Computed,
-                Some(Source::G1) => Landed::Reused,
-                Some(&source) => Landed::Loaded(source),
-            };
-            let region = region_of(&req.regions, i * b);
-            if self.complete(hash, i.checked_sub(1).map(|p| hashes[p]), region, landed) {
-                referenced.push((hash, region));
+        if !seq.prefilled {
+            seq.prefilled = true;
+            let (cached_tokens, hit_tokens) = (seq.outcome.cached_tokens, seq.outcome.hit_tokens);
+            if !seq.ticket.event(WorkerEvent::Prefilled { cached_tokens, hit_tokens }) {
+                return Some(Ok(Finish::Stop));
             }
         }
-        drop(gpu);
-        let ttft = start.elapsed();
-        let mut outcome = GenOutcome {
-            tokens: Vec::with_capacity(req.max_tokens),
-            cached_tokens: cached,
-            hit_tokens: hit,
-            prefill_tokens: len - cached,
-            finish: Finish::Length,
-            ttft,
-            corrupt_blocks: 0,
+        let step = seq.outcome.tokens.len();
+        let max_tokens = seq.ticket.req.max_tokens;
+        if step >= max_tokens {
+            return Some(Ok(Finish::Length));
+        }
+        let token = match seq.ticket.req.forced.as_ref().map(|forced| forced.get(step).copied()) {
+            Some(Some(token)) => token,
+            Some(None) => return Some(Ok(Finish::Stop)),
+            None => {
+                seq.state = splitmix(seq.state);
+                1000 + (seq.state % 100_000) as u32
+            }
         };
-        let mut go_on = on_event(WorkerEvent::Prefilled { cached_tokens: cached, hit_tokens: hit });
-
-        // Decode: the first token comes with the prefill, the rest at the decode rate.
-        if go_on && req.max_tokens > 1 {
-            tokio::time::sleep(Duration::from_secs_f64((req.max_tokens - 1) as f64 * timing.decode_s_per_token)).await;
+        if step == 0 {
+            seq.outcome.ttft = seq.start.elapsed();
         }
-        let mut sequence = req.prompt.clone();
-        let mut chain = hashes;
-        let mut state = req.seed ^ 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..req.max_tokens {
-            if !go_on {
-                outcome.finish = Finish::Stop;
-                break;
+        if seq.ticket.req.stop_tokens.contains(&token) {
+            return Some(Ok(Finish::Stop));
+        }
+        seq.outcome.tokens.push(token);
+        seq.tokens.push(token);
+        if !seq.ticket.event(WorkerEvent::Token(token)) {
+            return Some(Ok(Finish::Stop));
+        }
+        (seq.outcome.tokens.len() == max_tokens).then_some(Ok(Finish::Length))
+    }
+
+    /// Frees `seq`'s G1 pages for others (its blocks are in G2 already, written through as they
+    /// completed); it resumes by loading them back.
+    fn preempt(&mut self, seq: &mut SimSeq) {
+        self.release(seq);
+        seq.computed = 0;
+        self.node.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Resumes preempted requests, and those that waited for room since their admission, while G1
+    /// has room for them ([`batch::may_resume`]).
+    async fn resume_preempted(&mut self) {
+        let b = self.node.block_tokens;
+        while let Some(first) = self.preempted.first() {
+            if !batch::may_resume(first.tokens.len(), self.running.len(), self.available_pages(), b) {
+                return;
             }
-            state = splitmix(state);
-            let token = 1000 + (state % 100_000) as u32;
-            outcome.tokens.push(token);
-            sequence.push(token);
-            go_on = on_event(WorkerEvent::Token(token));
-            if sequence.len().is_multiple_of(b) {
-                let i = sequence.len() / b - 1;
-                let parent = chain.last().copied();
-                let hash = BlockHasher::new(node.salt, b).hash_block(parent, &sequence[i * b..]);
-                chain.push(hash);
-                if self.complete(hash, parent, RegionKind::Generated, Landed::Computed) {
-                    referenced.push((hash, RegionKind::Generated));
-                }
+            let mut seq = self.preempted.remove(0);
+            let first = !seq.onboarded;
+            match self.onboard(&mut seq, first).await {
+                Ok(()) => self.running.push(seq),
+                Err(WorkerError::Overloaded) if !self.running.is_empty() => return self.wait_for_room(seq),
+                Err(e) => self.end(seq, Err(e)),
             }
         }
+    }
 
-        // Release the request's blocks; held regions stay pinned through the tool-call gap. The
-        // turn's answer becomes conversation context for the next turn (which resends it), so
-        // its blocks are promoted to the conversation's priority and hold.
-        let end = now_ms(self.epoch);
-        let mut g1 = self.g1.borrow_mut();
+    /// G1 pages a newcomer may take: free ones, and those holding a block nobody references.
+    fn available_pages(&self) -> usize {
+        let blocks = self.g1.stats().total();
+        self.g1_blocks - self.g1.len() - self.private + blocks.evictable + blocks.held
+    }
+
+    /// Puts `seq`, which holds no page, among the requests waiting for room in G1.
+    fn wait_for_room(&mut self, mut seq: SimSeq) {
+        self.release(&mut seq);
+        self.preempted.push(seq);
+        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
+    }
+
+    /// Ends `seq` and answers its caller: its G1 references are released and its private pages
+    /// freed; held regions stay pinned through the tool-call gap, and the turn's answer becomes
+    /// conversation context for the next turn (which resends it), so its blocks are promoted to
+    /// the conversation's priority and hold.
+    fn end(&mut self, mut seq: SimSeq, end: Result<Finish, WorkerError>) {
+        let b = self.node.block_tokens;
+        let now = now_ms(self.epoch);
+        let node = self.node.clone();
         let pipeline = node.pipeline();
-        for (hash, region) in referenced {
-            let _ = g1.release(hash);
-            let fate = pipeline.turn_end(region, region == RegionKind::Generated, end);
+        for (i, block) in std::mem::take(&mut seq.blocks).into_iter().enumerate() {
+            let Some(hash) = block else {
+                self.private -= 1;
+                continue;
+            };
+            let _ = self.g1.release(hash);
+            let fate = pipeline.turn_end(seq.region(i, b), i >= seq.prompt_blocks, now);
             if let Some(priority) = fate.priority {
-                let _ = g1.set_priority(hash, priority);
+                let _ = self.g1.set_priority(hash, priority);
                 node.promote_g2(hash, priority);
             }
             if let Some(until) = fate.hold_until {
-                let _ = g1.hold(hash, until);
+                let _ = self.g1.hold(hash, until);
                 node.hold_g2(hash, until);
             }
         }
-        drop(g1);
-        let mut writes = self.writes.borrow_mut();
-        while writes.try_join_next().is_some() {}
-        Ok(outcome)
+        let SimSeq { ticket, mut outcome, .. } = seq;
+        ticket.finish(end.map(|finish| {
+            outcome.finish = finish;
+            outcome
+        }));
+    }
+}
+
+/// The running requests' G1 pages while a step is planned.
+struct SimPages<'a> {
+    engine: &'a mut SimulatedEngine,
+    running: &'a mut [SimSeq],
+}
+
+impl batch::Pages for SimPages<'_> {
+    fn grow(&mut self, i: usize, blocks: usize) -> bool {
+        let now = now_ms(self.engine.epoch);
+        while self.running[i].blocks.len() < blocks {
+            if self.engine.alloc_page(now).is_err() {
+                return false;
+            }
+            self.running[i].blocks.push(None);
+        }
+        true
+    }
+
+    fn preempt(&mut self, i: usize) {
+        self.engine.preempt(&mut self.running[i]);
+    }
+}
+
+/// The simulated executor's answers while the pipeline plans a prefix (each answer counts as an
+/// access in that tier's registry, as a real lookup does; a G1 block found is referenced, so
+/// nothing evicts it before it is used).
+struct SimLookup<'e> {
+    engine: &'e mut SimulatedEngine,
+    now: Millis,
+}
+
+impl TierLookup for SimLookup<'_> {
+    fn in_g1(&mut self, hash: BlockHash) -> bool {
+        self.engine.g1.contains(hash) && self.engine.g1.acquire(hash, self.now).is_ok()
+    }
+
+    fn in_g2(&mut self, hash: BlockHash) -> bool {
+        SimNode::holds(&self.engine.node.g2, hash, self.now)
+    }
+
+    fn in_g3(&mut self, hash: BlockHash) -> bool {
+        SimNode::holds(&self.engine.node.g3, hash, self.now)
+    }
+
+    fn in_g4(&mut self, hash: BlockHash) -> bool {
+        self.engine.node.peer_holds(hash, self.now)
     }
 }
 
@@ -571,45 +890,50 @@ pub fn splitmix(state: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-impl SimulatedEngine {
-    /// Serves one request on this worker: prefill when the GPU is free, then decode alongside the
-    /// worker's other requests.
-    pub async fn generate(
-        &mut self,
-        req: &GenRequest,
-        on_event: &mut (dyn FnMut(WorkerEvent) -> bool + Send),
-    ) -> Result<GenOutcome, WorkerError> {
-        self.shared.run(req, on_event).await
-    }
-}
-
-/// Each request runs on a task of its own, concurrently with the worker's others (prefills take
-/// the GPU one at a time; decodes run alongside).
+/// A batching engine in virtual time: requests join at the next step, each step takes its
+/// calibrated time.
 impl Engine for SimulatedEngine {
-    fn admit(&mut self, mut ticket: Ticket) -> LocalFuture<'_, ()> {
-        let shared = self.shared.clone();
-        tokio::task::spawn_local(async move {
-            let req = ticket.req.clone();
-            let result = shared.run(&req, &mut |e| ticket.event(e)).await;
-            ticket.finish(result);
-        });
-        Box::pin(async {})
+    fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()> {
+        Box::pin(self.admit_ticket(ticket))
     }
 
-    fn reset(&mut self, _why: &str) -> usize {
-        let w = &self.shared;
-        let dropped = w.g1.borrow().len();
-        w.node.stats.g1_resident.fetch_sub(dropped as i64, Ordering::Relaxed);
-        *w.g1.borrow_mut() = TierRegistry::new(w.g1_blocks, w.policy);
-        w.node.observer.cleared(w.id);
+    fn has_room(&self) -> bool {
+        batch::has_room(self.running.len(), self.preempted.len(), self.max_running)
+    }
+
+    fn running(&self) -> usize {
+        self.running.len() + self.preempted.len()
+    }
+
+    fn step(&mut self) -> LocalFuture<'_, ()> {
+        Box::pin(self.run_step())
+    }
+
+    fn cancel_last(&mut self) {
+        let order = self.admitted;
+        let seq = match self.running.iter().position(|s| s.order == order) {
+            Some(i) => Some(self.running.remove(i)),
+            None => self.preempted.iter().position(|s| s.order == order).map(|i| self.preempted.remove(i)),
+        };
+        if let Some(seq) = seq {
+            self.end(seq, Ok(Finish::Stop));
+        }
+    }
+
+    fn reset(&mut self, why: &str) -> usize {
+        for seq in self.running.drain(..).chain(self.preempted.drain(..)) {
+            seq.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
+        }
+        let dropped = self.g1.len();
+        self.node.stats.g1_resident.fetch_sub(dropped as i64, Ordering::Relaxed);
+        self.g1 = TierRegistry::new(self.g1_blocks, self.policy);
+        self.private = 0;
+        self.node.observer.cleared(self.id);
         dropped
     }
 
     fn flush(&mut self) -> LocalFuture<'_, ()> {
-        Box::pin(async move {
-            let mut writes = std::mem::take(&mut *self.shared.writes.borrow_mut());
-            while writes.join_next().await.is_some() {}
-        })
+        Box::pin(async move { while self.writes.join_next().await.is_some() {} })
     }
 }
 

@@ -408,8 +408,10 @@ struct Outcome {
     bound_hit_rate: f64,
     bytes: [u64; 5],
     g3_skipped: u64,
-    /// Mean wait for the worker's GPU before prefill, ms.
+    /// Mean wait before a request's prefill began (queued, or in its worker's batch), ms.
     queue_ms: f64,
+    /// Requests preempted out of G1 (resumed by loading their blocks back).
+    preempted: u64,
     evictions: [BTreeMap<RegionKind, u64>; 3],
     lag_ms: (f64, f64),
     timeline: Vec<Occupancy>,
@@ -459,6 +461,7 @@ impl Outcome {
             "prefill_tokens_saved": self.saved_tokens(),
             "ttft_ms": {"p50": self.percentile_ms(0.5), "p90": self.percentile_ms(0.9), "p99": self.percentile_ms(0.99)},
             "queue_ms_mean": self.queue_ms,
+            "preempted": self.preempted,
             "throughput": {
                 "requests_per_s": self.samples.len() as f64 / secs,
                 "output_tokens_per_s": self.samples.iter().map(|s| s.output).sum::<usize>() as f64 / secs,
@@ -666,9 +669,13 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     let g1_blocks = setup.blocks(setup.g1);
     let factory_nodes = nodes.clone();
     let per_node = setup.workers;
+    // Each simulated worker batches as the reference worker does, within the configured
+    // `engine.max_batch_tokens` and `engine.max_running_requests`.
+    let (batch_tokens, max_running) = (setup.config.engine.max_batch_tokens, setup.config.engine.max_running_requests);
     let factory: EngineFactory = Arc::new(move |id| {
         let node = factory_nodes[id / per_node].clone();
-        Ok(Box::new(SimulatedEngine::new(id, node, g1_blocks, PolicyKind::Lru, epoch)) as Box<dyn Engine>)
+        let engine = SimulatedEngine::new(id, node, g1_blocks, PolicyKind::Lru, epoch);
+        Ok(Box::new(engine.with_batch(batch_tokens, max_running)) as Box<dyn Engine>)
     });
     // The router ranks workers with the same cost model the simulated workers decide with.
     let routing = Routing { salt, block_tokens: setup.block_tokens, cost: setup.timing.cost_model(setup.block_tokens) };
@@ -745,6 +752,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             load(&|n| &n.stats.g4_to_g1_bytes),
         ],
         g3_skipped: load(&|n| &n.stats.g3_skipped),
+        preempted: load(&|n| &n.stats.preemptions),
         queue_ms: load(&|n| &n.stats.queue_us_sum) as f64 / load(&|n| &n.stats.prefills).max(1) as f64 / 1e3,
         evictions,
         lag_ms: (load(&|n| &n.stats.g3_lag_us_sum) as f64 / acks / 1e3, lag_max as f64 / 1e3),
@@ -795,6 +803,7 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
         bound_hit_rate: bound_hit_rate(prompts, cfg.blocks.block_size, Salt(0)),
         bytes: [0; 5],
         g3_skipped: 0,
+        preempted: 0,
         queue_ms: 0.0,
         evictions: Default::default(),
         lag_ms: (0.0, 0.0),
@@ -962,14 +971,14 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
     );
     let _ = writeln!(
         out,
-        "\n| policy | capacity | hit rate | G1 | G2 | G3 | G4 | TTFT p50 ms | p90 ms | p99 ms | queue ms (mean) | req/s (virtual) | G2→G1 GB | G3→G1 GB | G1→G2 GB | G2→G3 GB | G1 evictions (sys/conv/gen) | G3 lag ms mean/max | wall s | sim req/s |"
+        "\n| policy | capacity | hit rate | G1 | G2 | G3 | G4 | TTFT p50 ms | p90 ms | p99 ms | queue ms (mean) | preempted | req/s (virtual) | G2→G1 GB | G3→G1 GB | G1→G2 GB | G2→G3 GB | G1 evictions (sys/conv/gen) | G3 lag ms mean/max | wall s | sim req/s |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for o in outcomes {
         let ev = |r: RegionKind| o.evictions[0].get(&r).copied().unwrap_or(0);
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{}/{} | {:.1}/{:.1} | {:.1} | {:.0} |",
+            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{}/{} | {:.1}/{:.1} | {:.1} | {:.0} |",
             o.policy.name(),
             o.capacity.as_ref().map_or_else(|| "-".to_string(), |(t, s)| format!("{t}={s}")),
             o.hit_rate(None) * 100.0,
@@ -981,6 +990,7 @@ fn render(trace: &Trace, args: &ReplayArgs, outcomes: &[Outcome]) -> String {
             o.percentile_ms(0.9),
             o.percentile_ms(0.99),
             o.queue_ms,
+            o.preempted,
             o.samples.len() as f64 / o.virtual_time.as_secs_f64().max(1e-9),
             gb(o.bytes[0]),
             gb(o.bytes[1]),
@@ -1326,9 +1336,10 @@ mod tests {
             assert!(svg.starts_with("<svg") && svg.contains("<polyline"), "{plot}: {}", &svg[..svg.len().min(200)]);
         }
         // Later turns find their session's history: in G1 of the same worker with KV-aware
-        // routing, over the link from G2 otherwise.
+        // routing, over the link from G2 otherwise (loads this small hide behind the step they
+        // join, so the first token comes no later).
         assert!(kv.hit_rate(Some(0)) > rr.hit_rate(Some(0)), "{report}");
-        assert!(kv.percentile_ms(0.5) < rr.percentile_ms(0.5), "{report}");
+        assert!(kv.percentile_ms(0.5) <= rr.percentile_ms(0.5), "{report}");
         assert!(kv.hit_rate(None) <= kv.bound_hit_rate + 1e-9, "never above the infinite cache: {report}");
     }
 

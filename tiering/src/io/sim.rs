@@ -47,6 +47,15 @@ struct Lanes {
     write_busy_until: Instant,
 }
 
+/// The direction of a disk transfer (each has its own lane).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Disk to memory.
+    Read,
+    /// Memory to disk.
+    Write,
+}
+
 /// The simulated engine.
 #[derive(Debug)]
 pub struct SimulatedIo {
@@ -60,6 +69,32 @@ impl SimulatedIo {
     pub fn new(disk: SimDisk) -> Self {
         Self { disk, lanes: Mutex::new(None), inflight: Arc::new(AtomicUsize::new(0)) }
     }
+
+    /// Queues a transfer of `len` bytes in `direction` now and answers when it completes: what
+    /// [`IoEngine::submit`]'s future waits for, for a caller that moves no buffer (tiers kept as
+    /// bookkeeping only, as the simulated engine keeps them).
+    pub fn reserve(&self, direction: Direction, len: usize) -> Instant {
+        let now = Instant::now();
+        let mut lanes = self.lanes.lock().expect("lanes lock");
+        let lanes = lanes.get_or_insert(Lanes { read_busy_until: now, write_busy_until: now });
+        let (busy, gb_s) = match direction {
+            Direction::Read => (&mut lanes.read_busy_until, self.disk.read_gb_s),
+            Direction::Write => (&mut lanes.write_busy_until, self.disk.write_gb_s),
+        };
+        let start = (*busy).max(now);
+        *busy = start + SimDisk::transfer_time(len, gb_s);
+        *busy + self.disk.latency
+    }
+
+    /// How long the work queued in `direction` still takes.
+    pub fn backlog(&self, direction: Direction) -> Duration {
+        let lanes = self.lanes.lock().expect("lanes lock");
+        let busy = lanes.as_ref().map(|l| match direction {
+            Direction::Read => l.read_busy_until,
+            Direction::Write => l.write_busy_until,
+        });
+        busy.map_or(Duration::ZERO, |busy| busy.saturating_duration_since(Instant::now()))
+    }
 }
 
 impl IoEngine for SimulatedIo {
@@ -69,20 +104,8 @@ impl IoEngine for SimulatedIo {
 
     /// Must be called inside a tokio runtime with the time driver enabled.
     fn submit(&self, req: IoRequest) -> IoFuture {
-        let now = Instant::now();
-        let is_read = req.buf.is_read();
-        let done_at = {
-            let mut lanes = self.lanes.lock().expect("lanes lock");
-            let lanes = lanes.get_or_insert(Lanes { read_busy_until: now, write_busy_until: now });
-            let (busy, gb_s) = if is_read {
-                (&mut lanes.read_busy_until, self.disk.read_gb_s)
-            } else {
-                (&mut lanes.write_busy_until, self.disk.write_gb_s)
-            };
-            let start = (*busy).max(now);
-            *busy = start + SimDisk::transfer_time(req.len, gb_s);
-            *busy + self.disk.latency
-        };
+        let direction = if req.buf.is_read() { Direction::Read } else { Direction::Write };
+        let done_at = self.reserve(direction, req.len);
         self.inflight.fetch_add(1, Ordering::Relaxed);
         let inflight = self.inflight.clone();
         Box::pin(async move {
