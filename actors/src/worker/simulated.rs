@@ -569,7 +569,9 @@ impl SimulatedEngine {
         }
         stats.g2_to_g1_bytes.fetch_add(g2_blocks * bytes, Ordering::Relaxed);
         stats.g4_to_g1_bytes.fetch_add(g4_blocks * bytes, Ordering::Relaxed);
-        let mut loaded_at = self.link.reserve(Link::HostToDevice, (g2_blocks + g3_blocks) * bytes);
+        let link_bytes = (g2_blocks + g3_blocks) * bytes;
+        let mut loaded_at =
+            if link_bytes > 0 { self.link.reserve(Link::HostToDevice, link_bytes) } else { Instant::now() };
         if g4_blocks > 0 {
             let nic_s = node.cost.g4_read.map_or(0.0, |r| r.seconds((g4_blocks * bytes) as usize));
             self.nic_free_at = self.nic_free_at.max(Instant::now()) + Duration::from_secs_f64(nic_s);
@@ -653,7 +655,8 @@ impl SimulatedEngine {
         let (mut prefill_s, mut decodes, mut ready) = (0.0, false, now);
         for &(i, take) in &plan.chunks {
             let seq = &mut running[i];
-            if seq.prefilled {
+            // A resumed request recomputing what it did not load pays prefill for it.
+            if seq.prefilled && take == 1 {
                 decodes = true;
             } else {
                 prefill_s += (timing.prefill_s(seq.computed + take) - timing.prefill_s(seq.computed)).max(0.0);
