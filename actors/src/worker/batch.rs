@@ -8,6 +8,8 @@
 
 use std::cmp::Reverse;
 
+use super::{Finish, WorkerError};
+
 /// What a step's plan needs to know of a running request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Member {
@@ -39,6 +41,44 @@ pub enum Leave {
     Closed,
     /// It needs a G1 page and nothing else is left to yield one.
     Overloaded,
+}
+
+impl Leave {
+    /// How the request ends.
+    pub fn end(self) -> Result<Finish, WorkerError> {
+        match self {
+            Leave::Closed => Ok(Finish::Stop),
+            Leave::Overloaded => Err(WorkerError::Overloaded),
+        }
+    }
+}
+
+/// Where a request of a step goes once the step ran.
+#[derive(Debug)]
+pub enum Fate {
+    /// It stays in the batch.
+    Stays,
+    /// It yielded its pages and waits to resume.
+    Waits,
+    /// It leaves, ending so.
+    Leaves(Result<Finish, WorkerError>),
+}
+
+/// The fate of each of a step's `n` requests: those in `ended` leave (the first end recorded for
+/// one counts), those in `yielded` and not ended wait, the rest stay.
+pub fn fates(n: usize, ended: Vec<(usize, Result<Finish, WorkerError>)>, yielded: &[usize]) -> Vec<Fate> {
+    let mut fates: Vec<Fate> = (0..n).map(|_| Fate::Stays).collect();
+    for (i, end) in ended {
+        if matches!(fates[i], Fate::Stays) {
+            fates[i] = Fate::Leaves(end);
+        }
+    }
+    for &i in yielded {
+        if matches!(fates[i], Fate::Stays) {
+            fates[i] = Fate::Waits;
+        }
+    }
+    fates
 }
 
 /// What one step does.

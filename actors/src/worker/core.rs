@@ -55,6 +55,7 @@ use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
 use tokio::task::JoinSet;
 
+use super::run::{After, Run};
 use super::{Ticket, batch};
 
 use crate::telemetry::{
@@ -334,62 +335,14 @@ struct SeqBlock {
     registered: Option<BlockHash>,
 }
 
-/// A request this worker serves, and where it is in its life.
+/// A request this worker serves: its run through the batch, and its G1 pages.
 struct Seq {
-    ticket: Ticket,
-    /// Its admission's order (the latest admitted yields first among equal priorities).
-    order: u64,
-    /// The hashes of its complete blocks: the prompt's, then the generated ones as their KV
-    /// completes.
-    chain: Vec<BlockHash>,
-    /// Complete blocks of the prompt.
-    prompt_blocks: usize,
-    /// The prompt, then the generated tokens.
-    tokens: Vec<u32>,
-    /// Tokens whose KV is in this worker's G1: the next step computes from here.
-    computed: usize,
+    run: Run,
     /// Its G1 pages, one per block.
     blocks: Vec<SeqBlock>,
-    outcome: GenOutcome,
     rng: SeededRng,
-    start: Instant,
-    /// Whether the prompt has been prefilled (and reported).
-    prefilled: bool,
     /// When it was preempted and when it resumed, until its next token.
     preempted_at: Option<(Instant, Option<Instant>)>,
-    /// Whether its cached prefix was looked up once (its hits are known).
-    onboarded: bool,
-}
-
-impl Seq {
-    fn req(&self) -> &GenRequest {
-        &self.ticket.req
-    }
-
-    /// The region of block `i`: the prompt's regions for its blocks, generated after them.
-    fn region(&self, i: usize, block_tokens: usize) -> RegionKind {
-        if i < self.prompt_blocks {
-            pipeline::region_of(&self.req().regions, i * block_tokens)
-        } else {
-            RegionKind::Generated
-        }
-    }
-
-    /// Tokens waiting for their KV.
-    fn pending(&self) -> usize {
-        self.tokens.len() - self.computed
-    }
-
-    /// What the batch policy plans with.
-    fn member(&self) -> batch::Member {
-        batch::Member {
-            pending: self.pending(),
-            computed: self.computed,
-            priority: self.ticket.priority,
-            order: self.order,
-            closed: self.ticket.is_closed(),
-        }
-    }
 }
 
 /// The running requests' G1 pages during a step's plan.
@@ -582,7 +535,7 @@ impl<B: Backend> Worker<B> {
     /// not given back: a [`Self::reset`] follows).
     pub fn abort(&mut self, why: &str) {
         for seq in self.running.drain(..).chain(self.preempted.drain(..)) {
-            seq.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
+            seq.run.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
         }
     }
 
@@ -668,31 +621,11 @@ impl<B: Backend> Worker<B> {
                 return ticket.finish(Err(WorkerError::TooLong { prompt, max_tokens, needed, capacity }));
             }
         }
-        let chain = req.block_hashes(self.tiers.salt, b);
         self.admitted += 1;
-        let mut seq = Seq {
-            order: self.admitted,
-            prompt_blocks: chain.len(),
-            chain,
-            tokens: req.prompt.clone(),
-            computed: 0,
-            blocks: Vec::with_capacity(len.div_ceil(b) + 1),
-            outcome: GenOutcome {
-                tokens: Vec::new(),
-                cached_tokens: 0,
-                hit_tokens: [0; 4],
-                prefill_tokens: 0,
-                finish: Finish::Length,
-                ttft: Duration::ZERO,
-                corrupt_blocks: 0,
-            },
-            rng: SeededRng::new(req.seed),
-            start: Instant::now(),
-            prefilled: false,
-            preempted_at: None,
-            onboarded: false,
-            ticket,
-        };
+        let (blocks, rng) = (Vec::with_capacity(len.div_ceil(b) + 1), SeededRng::new(req.seed));
+        let start = tokio::time::Instant::now();
+        let run = Run::new(ticket, self.admitted, self.tiers.salt, b, start);
+        let mut seq = Seq { run, blocks, rng, preempted_at: None };
         // Without room in G1 beside the batch for its prompt, it waits for some (before any later
         // request), rather than fail for want of a page.
         if !batch::may_resume(len, self.running.len(), self.available_pages(), b) {
@@ -701,7 +634,7 @@ impl<B: Backend> Worker<B> {
         // A panic from here on finds the request in the batch, where the restart fails it.
         let onboarded = AssertUnwindSafe(async {
             #[cfg(feature = "failpoints")]
-            if seq.req().max_tokens == FAILPOINT_PANIC_MAX_TOKENS {
+            if seq.run.req().max_tokens == FAILPOINT_PANIC_MAX_TOKENS {
                 panic!("failpoint: injected worker panic");
             }
             self.onboard(&mut seq, true).await
@@ -714,7 +647,7 @@ impl<B: Backend> Worker<B> {
             Ok(Err(WorkerError::Overloaded)) if !self.running.is_empty() => self.wait_for_room(seq),
             Ok(Err(e)) => {
                 self.release(&mut seq);
-                seq.ticket.finish(Err(e));
+                seq.run.ticket.finish(Err(e));
             }
             Err(panic) => {
                 self.running.push(seq);
@@ -726,10 +659,10 @@ impl<B: Backend> Worker<B> {
     /// Ends the request admitted last at once (its caller stopped listening).
     pub fn cancel_last(&mut self) {
         let order = self.admitted;
-        if let Some(i) = self.running.iter().position(|s| s.order == order) {
+        if let Some(i) = self.running.iter().position(|s| s.run.order == order) {
             let seq = self.running.remove(i);
             self.end(seq, Ok(Finish::Stop));
-        } else if let Some(i) = self.preempted.iter().position(|s| s.order == order) {
+        } else if let Some(i) = self.preempted.iter().position(|s| s.run.order == order) {
             let seq = self.preempted.remove(i);
             self.end(seq, Ok(Finish::Stop));
         }
@@ -745,22 +678,11 @@ impl<B: Backend> Worker<B> {
         self.resume_preempted().await;
         let mut running = std::mem::take(&mut self.running);
         let b = self.tiers.block_tokens;
-        let members: Vec<batch::Member> = running.iter().map(Seq::member).collect();
+        let members: Vec<batch::Member> = running.iter().map(|s| s.run.member()).collect();
         let plan =
             batch::plan_step(&members, self.prefill_chunk, b, &mut StepPages { worker: self, running: &mut running });
-        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> = plan
-            .leaving
-            .iter()
-            .map(|&(i, why)| {
-                (
-                    i,
-                    match why {
-                        batch::Leave::Closed => Ok(Finish::Stop),
-                        batch::Leave::Overloaded => Err(WorkerError::Overloaded),
-                    },
-                )
-            })
-            .collect();
+        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> =
+            plan.leaving.iter().map(|&(i, why)| (i, why.end())).collect();
         let (plan, yielded) = (plan.chunks, plan.yielded);
         let tables: Vec<Vec<u32>> =
             plan.iter().map(|&(i, _)| running[i].blocks.iter().map(|s| s.page).collect()).collect();
@@ -768,7 +690,7 @@ impl<B: Backend> Worker<B> {
             .iter()
             .zip(&tables)
             .map(|(&(i, take), table)| {
-                let s = &running[i];
+                let s = &running[i].run;
                 Chunk { tokens: &s.tokens[s.computed..s.computed + take], start: s.computed, block_table: table }
             })
             .collect();
@@ -779,7 +701,9 @@ impl<B: Backend> Worker<B> {
         match logits {
             Ok(logits) => {
                 for (&(i, take), logits) in plan.iter().zip(&logits) {
-                    if let Some(e) = load_failed.iter().find(|(order, _)| *order == running[i].order).map(|(_, e)| e) {
+                    if let Some(e) =
+                        load_failed.iter().find(|(order, _)| *order == running[i].run.order).map(|(_, e)| e)
+                    {
                         ended.push((i, Err(WorkerError::Step(e.clone()))));
                         continue;
                     }
@@ -796,90 +720,43 @@ impl<B: Backend> Worker<B> {
         self.gather_pending();
         self.maybe_flush_batches();
         // Those that ended leave, and those that yielded wait to resume; the rest stay in order.
-        let mut fate: Vec<Option<Option<Result<Finish, WorkerError>>>> = running.iter().map(|_| None).collect();
-        for (i, end) in ended {
-            fate[i].get_or_insert(Some(end));
-        }
-        for v in yielded {
-            fate[v].get_or_insert(None);
-        }
         let mut leaving = Vec::new();
-        for (seq, fate) in std::mem::take(&mut running).into_iter().zip(fate) {
+        for (seq, fate) in std::mem::take(&mut running).into_iter().zip(batch::fates(members.len(), ended, &yielded)) {
             match fate {
-                None => running.push(seq),
-                Some(end) => leaving.push((seq, end)),
+                batch::Fate::Stays => running.push(seq),
+                fate => leaving.push((seq, fate)),
             }
         }
         self.running = running;
-        for (seq, end) in leaving {
-            match end {
-                Some(end) => self.end(seq, end),
-                None => self.preempted.push(seq),
+        for (seq, fate) in leaving {
+            match fate {
+                batch::Fate::Leaves(end) => self.end(seq, end),
+                _ => self.preempted.push(seq),
             }
         }
-        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
+        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
     }
 
-    /// What one step's `take` tokens and the logits after them mean for `seq`; `Some` when it
-    /// ends.
+    /// What one step's `take` tokens and the logits after them mean for `seq`: the blocks they
+    /// complete are registered and written through, and once the prompt is in, a token is
+    /// sampled. `Some` when it ends.
     fn advance(&mut self, seq: &mut Seq, take: usize, logits: &[f32]) -> Option<Result<Finish, WorkerError>> {
         let b = self.tiers.block_tokens;
-        let before = seq.computed;
-        seq.computed += take;
-        // The blocks this step completed get an identity (generated ones are hashed now) and
-        // are written through.
-        for i in before / b..seq.computed / b {
-            if i == seq.chain.len() {
-                let parent = seq.chain.last().copied();
-                let hash = BlockHasher::new(self.tiers.salt, b).hash_block(parent, &seq.tokens[i * b..(i + 1) * b]);
-                seq.chain.push(hash);
-            }
-            let region = seq.region(i, b);
-            self.register(i, &mut seq.blocks, &seq.chain, region, unix_millis(), true);
+        for i in seq.run.advance_by(take, self.tiers.salt, b) {
+            let region = seq.run.region(i, b);
+            self.register(i, &mut seq.blocks, &seq.run.chain, region, unix_millis(), true);
         }
-        if seq.computed < seq.tokens.len() {
-            // Between two prefill passes: go on only while someone waits for the answer.
-            if !seq.prefilled && !seq.ticket.event(WorkerEvent::Computed { tokens: seq.computed }) {
-                seq.outcome.prefill_tokens = seq.computed - seq.outcome.cached_tokens;
-                return Some(Ok(Finish::Stop));
-            }
-            return None;
-        }
-        if !seq.prefilled {
-            seq.prefilled = true;
-            let (cached_tokens, hit_tokens) = (seq.outcome.cached_tokens, seq.outcome.hit_tokens);
-            if !seq.ticket.event(WorkerEvent::Prefilled { cached_tokens, hit_tokens }) {
-                return Some(Ok(Finish::Stop));
-            }
-        }
+        let n = match seq.run.after_step() {
+            After::Prefilling => return None,
+            After::End(end) => return Some(end),
+            After::Token(n) => n,
+        };
         if let Some((preempted, resumed)) = seq.preempted_at.take() {
             self.stats.preempted_for.push(preempted.elapsed());
             self.stats.resume_latency.push(resumed.unwrap_or(preempted).elapsed());
         }
-        let step = seq.outcome.tokens.len();
-        if step >= seq.req().max_tokens {
-            return Some(Ok(Finish::Length));
-        }
-        let req = &seq.ticket.req;
-        let token = match &req.forced {
-            Some(forced) => match forced.get(step) {
-                Some(&token) => token,
-                None => return Some(Ok(Finish::Stop)),
-            },
-            None => sample_in(logits, req.allowed.as_deref(), req.sampling, &mut seq.rng),
-        };
-        if step == 0 {
-            seq.outcome.ttft = seq.start.elapsed();
-        }
-        if req.stop_tokens.contains(&token) {
-            return Some(Ok(Finish::Stop));
-        }
-        seq.outcome.tokens.push(token);
-        seq.tokens.push(token);
-        if !seq.ticket.event(WorkerEvent::Token(token)) {
-            return Some(Ok(Finish::Stop));
-        }
-        (seq.outcome.tokens.len() == seq.req().max_tokens).then_some(Ok(Finish::Length))
+        let rng = &mut seq.rng;
+        seq.run.emit(n, |req| sample_in(logits, req.allowed.as_deref(), req.sampling, rng))
     }
 
     /// Frees `seq`'s G1 pages for others: its completed blocks are written through first (most
@@ -888,9 +765,9 @@ impl<B: Backend> Worker<B> {
     fn preempt(&mut self, seq: &mut Seq) {
         self.gather_pending();
         self.finish_gathers(true);
-        self.loading.retain(|l| l.order != seq.order);
+        self.loading.retain(|l| l.order != seq.run.order);
         self.release(seq);
-        seq.computed = 0;
+        seq.run.computed = 0;
         seq.preempted_at = Some((Instant::now(), None));
         self.stats.preempted += 1;
         record_preemption();
@@ -902,12 +779,12 @@ impl<B: Backend> Worker<B> {
     async fn resume_preempted(&mut self) {
         let b = self.tiers.block_tokens;
         while let Some(first) = self.preempted.first() {
-            if !batch::may_resume(first.tokens.len(), self.running.len(), self.available_pages(), b) {
+            if !batch::may_resume(first.run.tokens.len(), self.running.len(), self.available_pages(), b) {
                 return;
             }
             let mut seq = self.preempted.remove(0);
             // A request that waited for room since its admission is onboarded for the first time.
-            let first = !seq.onboarded;
+            let first = !seq.run.onboarded;
             if let Some((_, resumed)) = &mut seq.preempted_at {
                 *resumed = Some(Instant::now());
             }
@@ -918,8 +795,8 @@ impl<B: Backend> Worker<B> {
             match loaded {
                 Ok(()) => {
                     if !first {
-                        self.stats.resumed_cached_tokens += seq.computed;
-                        self.stats.resumed_computed_tokens += seq.tokens.len() - seq.computed;
+                        self.stats.resumed_cached_tokens += seq.run.computed;
+                        self.stats.resumed_computed_tokens += seq.run.tokens.len() - seq.run.computed;
                     }
                     self.running.push(seq);
                 }
@@ -942,7 +819,7 @@ impl<B: Backend> Worker<B> {
     fn wait_for_room(&mut self, mut seq: Seq) {
         self.release(&mut seq);
         self.preempted.push(seq);
-        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
+        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
     }
 
     /// Releases `seq`'s G1 references and frees its private pages.
@@ -960,7 +837,7 @@ impl<B: Backend> Worker<B> {
     /// private pages freed. The turn's answer becomes conversation context for the next turn (an
     /// agent resends it), so its blocks are promoted to the conversation's priority and hold.
     fn end(&mut self, mut seq: Seq, end: Result<Finish, WorkerError>) {
-        self.loading.retain(|l| l.order != seq.order);
+        self.loading.retain(|l| l.order != seq.run.order);
         self.gather_pending();
         self.finish_gathers(true);
         self.send_g3_batch();
@@ -974,7 +851,7 @@ impl<B: Backend> Worker<B> {
                 continue;
             };
             let _ = self.registry.release(hash);
-            let fate = pipeline.turn_end(seq.region(i, b), i >= seq.prompt_blocks, now);
+            let fate = pipeline.turn_end(seq.run.region(i, b), i >= seq.run.prompt_blocks, now);
             if let Some(priority) = fate.priority {
                 let _ = self.registry.set_priority(hash, priority);
                 if let Some(g2) = &tiers.g2 {
@@ -988,15 +865,7 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
-        let Seq { ticket, mut outcome, prefilled, computed, .. } = seq;
-        if !prefilled {
-            // Stopped before its prompt was in: only what was computed counts.
-            outcome.prefill_tokens = computed.saturating_sub(outcome.cached_tokens);
-        }
-        ticket.finish(end.map(|finish| {
-            outcome.finish = finish;
-            outcome
-        }));
+        seq.run.finish(end);
     }
 
     /// Finds the cached prefix of `seq`'s tokens and brings it into G1: blocks in this worker's
@@ -1009,7 +878,7 @@ impl<B: Backend> Worker<B> {
     async fn onboard(&mut self, seq: &mut Seq, first: bool) -> Result<(), WorkerError> {
         let now = unix_millis();
         let b = self.tiers.block_tokens;
-        let hashes = seq.chain.clone();
+        let hashes = seq.run.chain.clone();
         let hashes = hashes.as_slice();
         let mut hits = [0usize; 4];
         let tiers = self.tiers.clone();
@@ -1017,7 +886,7 @@ impl<B: Backend> Worker<B> {
         // The plan (the pipeline's): where each block of the prefix comes from. G1 blocks are
         // acquired and G2 images taken as the plan finds them.
         let mut lookup = Lookup { worker: self, now, pages: Vec::new(), images: Vec::new() };
-        let sources = tiers.pipeline().plan_prefix(hashes, seq.tokens.len(), &tiers.cost_now(), &mut lookup);
+        let sources = tiers.pipeline().plan_prefix(hashes, seq.run.tokens.len(), &tiers.cost_now(), &mut lookup);
         let Lookup { mut pages, mut images, .. } = lookup;
         let mut plan: Vec<Source> = Vec::with_capacity(sources.len());
         let (mut pages, mut images) = (pages.drain(..), images.drain(..));
@@ -1059,7 +928,7 @@ impl<B: Backend> Worker<B> {
                     Some(Ok(_)) => {}
                     Some(Err(failure)) => {
                         if failure.error.kind() == "corrupt" {
-                            seq.outcome.corrupt_blocks += 1;
+                            seq.run.outcome.corrupt_blocks += 1;
                         }
                         g3.health.record_error(&failure.error);
                         record_tier_error(Tier::G3, failure.error.kind());
@@ -1091,7 +960,7 @@ impl<B: Backend> Worker<B> {
                 Source::G1(page) => {
                     seq.blocks.push(SeqBlock { page, registered: Some(hashes[i]) });
                     hits[0] += b;
-                    self.write_reused(i, hashes, seq.region(i, b), now);
+                    self.write_reused(i, hashes, seq.run.region(i, b), now);
                 }
                 Source::Image { image, from_g3 } => {
                     let page = match self.alloc_page(now) {
@@ -1110,7 +979,7 @@ impl<B: Backend> Worker<B> {
                     };
                     seq.blocks.push(SeqBlock { page, registered: None });
                     hits[if from_g3 { 2 } else { 1 }] += b;
-                    let region = seq.region(i, b);
+                    let region = seq.run.region(i, b);
                     self.register(i, &mut seq.blocks, hashes, region, now, false);
                     self.write_loaded(i, hashes, region, image.clone(), from_g3, now);
                     loads.push((page, image));
@@ -1136,7 +1005,7 @@ impl<B: Backend> Worker<B> {
                 }
             };
             let images = loads.into_iter().map(|(_, image)| image).collect();
-            let loading = Loading { copies, images, order: seq.order, blocks: loaded };
+            let loading = Loading { copies, images, order: seq.run.order, blocks: loaded };
             // Until the link is measured, a load runs alone and is timed.
             if tiers.g2.is_some() && tiers.measured.wants_load_sample() {
                 if let Err(e) = self.finish_load(loading, &mut seq.blocks, true) {
@@ -1146,12 +1015,9 @@ impl<B: Backend> Worker<B> {
                 self.loading.push(loading);
             }
         }
-        seq.computed = seq.blocks.len() * b;
+        seq.run.computed = seq.blocks.len() * b;
         if first {
-            seq.onboarded = true;
-            seq.outcome.hit_tokens = hits;
-            seq.outcome.cached_tokens = seq.computed;
-            seq.outcome.prefill_tokens = seq.tokens.len() - seq.computed;
+            seq.run.count_hits(hits);
         }
         Ok(())
     }
@@ -1182,7 +1048,7 @@ impl<B: Backend> Worker<B> {
         let mut failed = Vec::new();
         for loading in std::mem::take(&mut self.loading) {
             let order = loading.order;
-            let Some(seq) = running.iter_mut().find(|s| s.order == order) else { continue };
+            let Some(seq) = running.iter_mut().find(|s| s.run.order == order) else { continue };
             if let Err(e) = self.finish_load(loading, &mut seq.blocks, false) {
                 failed.push((order, e));
             }

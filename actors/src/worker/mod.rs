@@ -14,6 +14,7 @@
 pub mod batch;
 mod core;
 pub mod queue;
+mod run;
 pub mod simulated;
 
 use std::future::Future;

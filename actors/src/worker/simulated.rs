@@ -32,16 +32,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dynamo_config::{Calibration, PrefillCalibration, RegionKind, RetentionSection, TierName};
-use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
+use dynamo_tiering::block::{BlockHash, Salt};
 use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_tiering::io::sim::{Direction, SimDisk, SimulatedIo};
-use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Refusal, Source, TierLookup, region_of};
+use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Refusal, Source, TierLookup};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
 use dynamo_tiering::transfer::{Link, LinkBandwidths, SimulatedCopy};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::batch::{self, Leave, Member};
+use super::batch::{self, Fate, Member};
+use super::run::{After, Run};
 use super::{
     DEFAULT_MAX_RUNNING, Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent,
 };
@@ -345,48 +346,15 @@ pub struct SimulatedEngine {
 /// A request in a simulated worker's batch.
 #[derive(Debug)]
 struct SimSeq {
-    ticket: Ticket,
-    order: u64,
-    /// The hashes of its complete blocks: the prompt's, then the generated ones.
-    chain: Vec<BlockHash>,
-    prompt_blocks: usize,
-    /// The prompt, then the generated tokens.
-    tokens: Vec<u32>,
-    /// Tokens whose KV is in G1.
-    computed: usize,
+    run: Run,
     /// One per G1 page it holds: the block registered in it, if any.
     blocks: Vec<Option<BlockHash>>,
-    outcome: GenOutcome,
     /// The generator of its tokens.
-    state: u64,
-    start: Instant,
-    prefilled: bool,
+    rng: u64,
     /// Whether a step has computed for it (its wait ended).
     started: bool,
     /// When its loaded blocks are across the link: the step that computes it waits for them.
     loaded_at: Instant,
-    /// Whether its cached prefix was looked up once (its hits are known).
-    onboarded: bool,
-}
-
-impl SimSeq {
-    fn region(&self, i: usize, block_tokens: usize) -> RegionKind {
-        if i < self.prompt_blocks {
-            region_of(&self.ticket.req.regions, i * block_tokens)
-        } else {
-            RegionKind::Generated
-        }
-    }
-
-    fn member(&self) -> Member {
-        Member {
-            pending: self.tokens.len() - self.computed,
-            computed: self.computed,
-            priority: self.ticket.priority,
-            order: self.order,
-            closed: self.ticket.is_closed(),
-        }
-    }
 }
 
 impl SimulatedEngine {
@@ -462,9 +430,9 @@ impl SimulatedEngine {
     /// Registers block `i` of `seq`, whose page it holds, in G1 (referenced by it). A block
     /// present already stays in its private page, as on the reference worker.
     fn register(&mut self, seq: &mut SimSeq, i: usize, now: Millis) {
-        let hash = seq.chain[i];
-        let parent = i.checked_sub(1).map(|p| seq.chain[p]);
-        let meta = self.node.meta(parent, seq.region(i, self.node.block_tokens));
+        let hash = seq.run.chain[i];
+        let parent = i.checked_sub(1).map(|p| seq.run.chain[p]);
+        let meta = self.node.meta(parent, seq.run.region(i, self.node.block_tokens));
         if let Ok(Admission::Inserted { evicted }) = self.g1.insert(hash, meta, now) {
             self.private -= 1;
             let stats = &self.node.stats;
@@ -488,9 +456,9 @@ impl SimulatedEngine {
     /// once, to G3 once the disk wrote it.
     fn write_through(&mut self, seq: &SimSeq, i: usize, landed: Landed, now: Millis) {
         let node = self.node.clone();
-        let hash = seq.chain[i];
-        let region = seq.region(i, node.block_tokens);
-        let meta = node.meta(i.checked_sub(1).map(|p| seq.chain[p]), region);
+        let hash = seq.run.chain[i];
+        let region = seq.run.region(i, node.block_tokens);
+        let meta = node.meta(i.checked_sub(1).map(|p| seq.run.chain[p]), region);
         let bytes = node.timing.block_bytes;
         let present = Presence { g2: SimNode::contains(&node.g2, hash), g3: SimNode::contains(&node.g3, hash) };
         let targets = node.pipeline().write_targets(region, landed, present);
@@ -538,13 +506,13 @@ impl SimulatedEngine {
         let now = now_ms(self.epoch);
         let from = {
             let mut lookup = SimLookup { engine: self, now };
-            node.pipeline().plan_prefix(&seq.chain, seq.tokens.len(), &node.cost, &mut lookup)
+            node.pipeline().plan_prefix(&seq.run.chain, seq.run.tokens.len(), &node.cost, &mut lookup)
         };
         let mut hits = [0usize; 4];
         for (i, &source) in from.iter().enumerate() {
             hits[source.index()] += b;
             if source == Source::G1 {
-                seq.blocks.push(Some(seq.chain[i]));
+                seq.blocks.push(Some(seq.run.chain[i]));
                 self.write_through(seq, i, Landed::Reused, now);
                 continue;
             }
@@ -552,7 +520,7 @@ impl SimulatedEngine {
                 self.release(seq);
                 // The rest of the plan's G1 blocks were acquired by the lookup.
                 for (j, _) in from.iter().enumerate().skip(i).filter(|(_, s)| **s == Source::G1) {
-                    let _ = self.g1.release(seq.chain[j]);
+                    let _ = self.g1.release(seq.run.chain[j]);
                 }
                 return Err(e);
             }
@@ -578,12 +546,9 @@ impl SimulatedEngine {
             loaded_at = loaded_at.max(self.nic_free_at);
         }
         seq.loaded_at = loaded_at;
-        seq.computed = seq.blocks.len() * b;
+        seq.run.computed = seq.blocks.len() * b;
         if first {
-            seq.onboarded = true;
-            seq.outcome.hit_tokens = hits;
-            seq.outcome.cached_tokens = seq.computed;
-            seq.outcome.prefill_tokens = seq.tokens.len() - seq.computed;
+            seq.run.count_hits(hits);
         }
         Ok(())
     }
@@ -600,32 +565,12 @@ impl SimulatedEngine {
                 return ticket.finish(Err(WorkerError::TooLong { prompt: len, max_tokens, needed, capacity }));
             }
         }
-        let chain = req.block_hashes(self.node.salt, b);
         self.admitted += 1;
-        let mut seq = SimSeq {
-            order: self.admitted,
-            prompt_blocks: chain.len(),
-            chain,
-            tokens: req.prompt.clone(),
-            computed: 0,
-            blocks: Vec::with_capacity((len + req.max_tokens).div_ceil(b)),
-            outcome: GenOutcome {
-                tokens: Vec::with_capacity(req.max_tokens),
-                cached_tokens: 0,
-                hit_tokens: [0; 4],
-                prefill_tokens: len,
-                finish: Finish::Length,
-                ttft: Duration::ZERO,
-                corrupt_blocks: 0,
-            },
-            state: req.seed ^ 0x9e37_79b9_7f4a_7c15,
-            start: ticket.queued_at,
-            prefilled: false,
-            started: false,
-            loaded_at: Instant::now(),
-            onboarded: false,
-            ticket,
-        };
+        let blocks = Vec::with_capacity((len + req.max_tokens).div_ceil(b));
+        let rng = req.seed ^ 0x9e37_79b9_7f4a_7c15;
+        let start = ticket.queued_at;
+        let run = Run::new(ticket, self.admitted, self.node.salt, b, start);
+        let mut seq = SimSeq { run, blocks, rng, started: false, loaded_at: Instant::now() };
         // Without room in G1 beside the batch for its prompt, it waits for some.
         if !batch::may_resume(len, self.running.len(), self.available_pages(), b) {
             return self.wait_for_room(seq);
@@ -633,7 +578,7 @@ impl SimulatedEngine {
         match self.onboard(&mut seq, true).await {
             Ok(()) => self.running.push(seq),
             Err(WorkerError::Overloaded) if !self.running.is_empty() => self.wait_for_room(seq),
-            Err(e) => seq.ticket.finish(Err(e)),
+            Err(e) => seq.run.ticket.finish(Err(e)),
         }
     }
 
@@ -643,7 +588,7 @@ impl SimulatedEngine {
     async fn run_step(&mut self) {
         self.resume_preempted().await;
         let mut running = std::mem::take(&mut self.running);
-        let members: Vec<Member> = running.iter().map(SimSeq::member).collect();
+        let members: Vec<Member> = running.iter().map(|s| s.run.member()).collect();
         let b = self.node.block_tokens;
         let plan =
             batch::plan_step(&members, self.prefill_chunk, b, &mut SimPages { engine: self, running: &mut running });
@@ -656,15 +601,15 @@ impl SimulatedEngine {
         for &(i, take) in &plan.chunks {
             let seq = &mut running[i];
             // A resumed request recomputing what it did not load pays prefill for it.
-            if seq.prefilled && take == 1 {
+            if seq.run.prefilled && take == 1 {
                 decodes = true;
             } else {
-                prefill_s += (timing.prefill_s(seq.computed + take) - timing.prefill_s(seq.computed)).max(0.0);
+                prefill_s += (timing.prefill_s(seq.run.computed + take) - timing.prefill_s(seq.run.computed)).max(0.0);
             }
             ready = ready.max(seq.loaded_at);
             if !seq.started {
                 seq.started = true;
-                let waited = now.saturating_duration_since(seq.start).as_micros() as u64;
+                let waited = now.saturating_duration_since(seq.run.start).as_micros() as u64;
                 self.node.stats.queue_us_sum.fetch_add(waited, Ordering::Relaxed);
                 self.node.stats.prefills.fetch_add(1, Ordering::Relaxed);
             }
@@ -672,39 +617,21 @@ impl SimulatedEngine {
         let step_s = if decodes { prefill_s.max(timing.decode_s_per_token) } else { prefill_s };
         tokio::time::sleep_until(ready.max(now + Duration::from_secs_f64(step_s))).await;
 
-        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> = plan
-            .leaving
-            .iter()
-            .map(|&(i, why)| {
-                (
-                    i,
-                    match why {
-                        Leave::Closed => Ok(Finish::Stop),
-                        Leave::Overloaded => Err(WorkerError::Overloaded),
-                    },
-                )
-            })
-            .collect();
+        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> =
+            plan.leaving.iter().map(|&(i, why)| (i, why.end())).collect();
         for &(i, take) in &plan.chunks {
             if let Some(end) = self.advance(&mut running[i], take) {
                 ended.push((i, end));
             }
         }
-        let mut fate: Vec<Option<Option<Result<Finish, WorkerError>>>> = running.iter().map(|_| None).collect();
-        for (i, end) in ended {
-            fate[i].get_or_insert(Some(end));
-        }
-        for &v in &plan.yielded {
-            fate[v].get_or_insert(None);
-        }
-        for (seq, fate) in running.into_iter().zip(fate) {
+        for (seq, fate) in running.into_iter().zip(batch::fates(members.len(), ended, &plan.yielded)) {
             match fate {
-                None => self.running.push(seq),
-                Some(Some(end)) => self.end(seq, end),
-                Some(None) => self.preempted.push(seq),
+                Fate::Stays => self.running.push(seq),
+                Fate::Waits => self.preempted.push(seq),
+                Fate::Leaves(end) => self.end(seq, end),
             }
         }
-        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
+        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
     }
 
     /// What one step's `take` tokens mean for `seq`: the blocks they complete are registered and
@@ -712,63 +639,27 @@ impl SimulatedEngine {
     fn advance(&mut self, seq: &mut SimSeq, take: usize) -> Option<Result<Finish, WorkerError>> {
         let b = self.node.block_tokens;
         let now = now_ms(self.epoch);
-        let before = seq.computed;
-        seq.computed += take;
-        for i in before / b..seq.computed / b {
-            if i == seq.chain.len() {
-                let parent = seq.chain.last().copied();
-                let hash = BlockHasher::new(self.node.salt, b).hash_block(parent, &seq.tokens[i * b..(i + 1) * b]);
-                seq.chain.push(hash);
-            }
+        for i in seq.run.advance_by(take, self.node.salt, b) {
             self.register(seq, i, now);
             self.write_through(seq, i, Landed::Computed, now);
         }
-        if seq.computed < seq.tokens.len() {
-            if !seq.prefilled && !seq.ticket.event(WorkerEvent::Computed { tokens: seq.computed }) {
-                seq.outcome.prefill_tokens = seq.computed - seq.outcome.cached_tokens;
-                return Some(Ok(Finish::Stop));
-            }
-            return None;
-        }
-        if !seq.prefilled {
-            seq.prefilled = true;
-            let (cached_tokens, hit_tokens) = (seq.outcome.cached_tokens, seq.outcome.hit_tokens);
-            if !seq.ticket.event(WorkerEvent::Prefilled { cached_tokens, hit_tokens }) {
-                return Some(Ok(Finish::Stop));
-            }
-        }
-        let step = seq.outcome.tokens.len();
-        let max_tokens = seq.ticket.req.max_tokens;
-        if step >= max_tokens {
-            return Some(Ok(Finish::Length));
-        }
-        let token = match seq.ticket.req.forced.as_ref().map(|forced| forced.get(step).copied()) {
-            Some(Some(token)) => token,
-            Some(None) => return Some(Ok(Finish::Stop)),
-            None => {
-                seq.state = splitmix(seq.state);
-                1000 + (seq.state % 100_000) as u32
-            }
+        let n = match seq.run.after_step() {
+            After::Prefilling => return None,
+            After::End(end) => return Some(end),
+            After::Token(n) => n,
         };
-        if step == 0 {
-            seq.outcome.ttft = seq.start.elapsed();
-        }
-        if seq.ticket.req.stop_tokens.contains(&token) {
-            return Some(Ok(Finish::Stop));
-        }
-        seq.outcome.tokens.push(token);
-        seq.tokens.push(token);
-        if !seq.ticket.event(WorkerEvent::Token(token)) {
-            return Some(Ok(Finish::Stop));
-        }
-        (seq.outcome.tokens.len() == max_tokens).then_some(Ok(Finish::Length))
+        let rng = &mut seq.rng;
+        seq.run.emit(n, |_| {
+            *rng = splitmix(*rng);
+            1000 + (*rng % 100_000) as u32
+        })
     }
 
     /// Frees `seq`'s G1 pages for others (its blocks are in G2 already, written through as they
     /// completed); it resumes by loading them back.
     fn preempt(&mut self, seq: &mut SimSeq) {
         self.release(seq);
-        seq.computed = 0;
+        seq.run.computed = 0;
         self.node.stats.preemptions.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -777,11 +668,11 @@ impl SimulatedEngine {
     async fn resume_preempted(&mut self) {
         let b = self.node.block_tokens;
         while let Some(first) = self.preempted.first() {
-            if !batch::may_resume(first.tokens.len(), self.running.len(), self.available_pages(), b) {
+            if !batch::may_resume(first.run.tokens.len(), self.running.len(), self.available_pages(), b) {
                 return;
             }
             let mut seq = self.preempted.remove(0);
-            let first = !seq.onboarded;
+            let first = !seq.run.onboarded;
             match self.onboard(&mut seq, first).await {
                 Ok(()) => self.running.push(seq),
                 Err(WorkerError::Overloaded) if !self.running.is_empty() => return self.wait_for_room(seq),
@@ -800,7 +691,7 @@ impl SimulatedEngine {
     fn wait_for_room(&mut self, mut seq: SimSeq) {
         self.release(&mut seq);
         self.preempted.push(seq);
-        self.preempted.sort_by_key(|s| batch::resume_key(s.ticket.priority, s.order));
+        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
     }
 
     /// Ends `seq` and answers its caller: its G1 references are released and its private pages
@@ -818,7 +709,7 @@ impl SimulatedEngine {
                 continue;
             };
             let _ = self.g1.release(hash);
-            let fate = pipeline.turn_end(seq.region(i, b), i >= seq.prompt_blocks, now);
+            let fate = pipeline.turn_end(seq.run.region(i, b), i >= seq.run.prompt_blocks, now);
             if let Some(priority) = fate.priority {
                 let _ = self.g1.set_priority(hash, priority);
                 node.promote_g2(hash, priority);
@@ -828,11 +719,7 @@ impl SimulatedEngine {
                 node.hold_g2(hash, until);
             }
         }
-        let SimSeq { ticket, mut outcome, .. } = seq;
-        ticket.finish(end.map(|finish| {
-            outcome.finish = finish;
-            outcome
-        }));
+        seq.run.finish(end);
     }
 }
 
@@ -914,9 +801,9 @@ impl Engine for SimulatedEngine {
 
     fn cancel_last(&mut self) {
         let order = self.admitted;
-        let seq = match self.running.iter().position(|s| s.order == order) {
+        let seq = match self.running.iter().position(|s| s.run.order == order) {
             Some(i) => Some(self.running.remove(i)),
-            None => self.preempted.iter().position(|s| s.order == order).map(|i| self.preempted.remove(i)),
+            None => self.preempted.iter().position(|s| s.run.order == order).map(|i| self.preempted.remove(i)),
         };
         if let Some(seq) = seq {
             self.end(seq, Ok(Finish::Stop));
@@ -925,7 +812,7 @@ impl Engine for SimulatedEngine {
 
     fn reset(&mut self, why: &str) -> usize {
         for seq in self.running.drain(..).chain(self.preempted.drain(..)) {
-            seq.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
+            seq.run.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
         }
         let dropped = self.g1.len();
         self.node.stats.g1_resident.fetch_sub(dropped as i64, Ordering::Relaxed);
