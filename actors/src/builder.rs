@@ -591,7 +591,7 @@ mod tests {
     use dynamo_tiering::block::{BlockHash, ImageSpec, RetentionMeta, seal};
     use dynamo_tiering::g2::{MlockPolicy, align_up};
     use dynamo_tiering::g3::EngineChoice;
-    use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+    use dynamo_tiering::g3::superblock::file_bytes;
 
     use super::*;
     use crate::scheduler::SchedulerMsg;
@@ -646,7 +646,7 @@ mod tests {
             g3: Some(G3Plan {
                 options: G3Options {
                     paths: vec![dir.join("g3.data")],
-                    capacity_per_path: SUPERBLOCK_LEN + 32 * slot_bytes as u64,
+                    capacity_per_path: file_bytes(32, slot_bytes as u64),
                     slot_bytes,
                     direct_io: false,
                     engine: EngineChoice::Psync { threads: 2 },

@@ -55,7 +55,7 @@ use bytes::Bytes;
 use criterion::{Criterion, SamplingMode, Throughput};
 use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, Salt, payload_mut, seal};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, SlotRef};
-use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::superblock::file_bytes;
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store, WriteOutcome};
 use dynamo_tiering::io::uring::{UringEngine, UringOptions};
 use foyer::{
@@ -194,7 +194,7 @@ impl Ours {
         let options = G3Options {
             format_foreign: false,
             paths: vec![dir.join("g3.dat")],
-            capacity_per_path: SUPERBLOCK_LEN + (count as u64 + 1) * image_bytes as u64,
+            capacity_per_path: file_bytes(count as u64 + 1, image_bytes as u64),
             slot_bytes: image_bytes,
             direct_io: true,
             engine: EngineChoice::Uring(UringOptions {

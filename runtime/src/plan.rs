@@ -264,7 +264,10 @@ impl ResolvedTiers {
             for path in cfg.g3_paths() {
                 dynamo_tiering::g3::preflight(&path, c.capacity_per_path.as_u64(), c.format_foreign)?;
             }
-            let data = c.capacity_per_path.as_u64().saturating_sub(dynamo_tiering::g3::superblock::SUPERBLOCK_LEN);
+            let data = c
+                .capacity_per_path
+                .as_u64()
+                .saturating_sub(dynamo_tiering::g3::superblock::data_offset(slot_bytes as u64));
             Some(G3Plan {
                 paths: cfg.g3_paths(),
                 capacity_per_path: c.capacity_per_path.as_u64(),

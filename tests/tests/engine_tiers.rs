@@ -14,7 +14,7 @@ use dynamo_tiering::block::{
     verify_image,
 };
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, SlotRef};
-use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::superblock::file_bytes;
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
 use dynamo_tiering::io::uring::UringOptions;
 
@@ -139,7 +139,7 @@ async fn prefix_loaded_from_g3_decodes_exactly_like_recompute() {
     let options = G3Options {
         format_foreign: false,
         paths: vec![dir.path().join("store.0")],
-        capacity_per_path: SUPERBLOCK_LEN + 8 * slot_bytes as u64,
+        capacity_per_path: file_bytes(8, slot_bytes as u64),
         slot_bytes,
         direct_io: true,
         engine: EngineChoice::Uring(UringOptions { queue_depth: 4, threads: 1, register_buffers: true }),

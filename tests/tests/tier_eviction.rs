@@ -6,7 +6,7 @@
 use dynamo_config::RegionKind;
 use dynamo_tiering::block::{BlockHash, HEADER_LEN};
 use dynamo_tiering::g2::HostPool;
-use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::superblock::file_bytes;
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
 use dynamo_tiering::io::uring::UringOptions;
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, RegistryError, TierRegistry};
@@ -28,7 +28,7 @@ impl Tier {
         let options = G3Options {
             format_foreign: false,
             paths: vec![dir.join("store.0")],
-            capacity_per_path: SUPERBLOCK_LEN + SLOTS * 16 * 1024,
+            capacity_per_path: file_bytes(SLOTS, 16 * 1024),
             slot_bytes: 16 * 1024,
             direct_io: true,
             engine: EngineChoice::Uring(UringOptions { queue_depth: 4, threads: 1, register_buffers: true }),

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use dynamo_tiering::block::{BlockHash, HEADER_LEN};
 use dynamo_tiering::g2::HostPool;
-use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::superblock::{data_offset, file_bytes};
 use dynamo_tiering::g3::{EngineChoice, G3Error, G3Options, G3Store, WriteOutcome};
 use dynamo_tiering::io::IoEngine;
 use dynamo_tiering::io::faulty::{FaultPlan, FaultyEngine};
@@ -21,7 +21,7 @@ fn options(dir: &std::path::Path, files: usize, slots_per_file: u64, engine: Eng
     G3Options {
         format_foreign: false,
         paths: (0..files).map(|i| dir.join(format!("g3/store.{i}"))).collect(),
-        capacity_per_path: SUPERBLOCK_LEN + slots_per_file * 64 * 1024,
+        capacity_per_path: file_bytes(slots_per_file, 64 * 1024),
         slot_bytes: 64 * 1024,
         direct_io: true,
         engine,
@@ -141,7 +141,7 @@ async fn corrupt_blocks_on_disk_are_dropped_never_served() {
         }
     }
     // Fresh store, files filled front to back: block i sits in slot i.
-    let slot = |i: u64| SUPERBLOCK_LEN + i * 64 * 1024;
+    let slot = |i: u64| data_offset(64 * 1024) + i * 64 * 1024;
     flip_byte(&opts.paths[0], slot(1) + HEADER_LEN as u64 + 1000); // payload of block 1
     flip_byte(&opts.paths[0], slot(2) + 20); // header (hash field) of block 2
     let (store, recovery) = G3Store::open(&opts, &pool).expect("reopen");
@@ -267,7 +267,9 @@ async fn another_slot_size_reformats_the_file() {
     assert_eq!(recovery.formatted_files, 1);
     assert!(recovery.blocks.is_empty());
     assert!(store.is_empty());
-    assert_eq!(store.capacity_slots(), 8);
+    // The file keeps its size: 4 slots of 64 KiB after a 64 KiB head now hold 32 KiB slots after a
+    // 32 KiB head.
+    assert_eq!(store.capacity_slots(), (file_bytes(4, 64 * 1024) - data_offset(32 * 1024)) / (32 * 1024));
 }
 
 /// A path that holds something other than a G3 store is refused and left as it was, unless

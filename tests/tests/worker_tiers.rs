@@ -20,7 +20,7 @@ use dynamo_kernels::{AttentionSpec, Backend, CpuBackend, KernelError, SeqBatch};
 use dynamo_tiering::block::{BlockHash, BlockHasher, BlockLayout, HEADER_LEN, Salt, SaltInputs, verify_image};
 use dynamo_tiering::cost::LINK_SAMPLE_BYTES;
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
-use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::superblock::{data_offset, file_bytes};
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store};
 use dynamo_tiering::io::faulty::{FaultPlan, FaultyEngine};
 use dynamo_tiering::io::uring::UringOptions;
@@ -72,7 +72,7 @@ fn node_sized(sizes: Sizes, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
     let options = G3Options {
         format_foreign: false,
         paths: vec![g3_path.clone()],
-        capacity_per_path: SUPERBLOCK_LEN + g3_slots * slot_bytes as u64,
+        capacity_per_path: file_bytes(g3_slots, slot_bytes as u64),
         slot_bytes,
         direct_io: true,
         engine: EngineChoice::Uring(UringOptions { queue_depth: 8, threads: 1, register_buffers: true }),
@@ -559,15 +559,16 @@ async fn a_corrupted_g3_block_is_detected_and_recomputed() {
     let hash = BlockHasher::new(n.tiers.salt, B).hash_sequence(&first)[0];
     let bytes = std::fs::read(&n.g3_path).expect("read store");
     let slot_bytes = align_up(n.tiers.layout.image_bytes());
-    let slot = (0..(bytes.len() - SUPERBLOCK_LEN as usize) / slot_bytes)
+    let start = data_offset(slot_bytes as u64) as usize;
+    let slot = (0..(bytes.len() - start) / slot_bytes)
         .find(|s| {
-            let at = SUPERBLOCK_LEN as usize + s * slot_bytes;
+            let at = start + s * slot_bytes;
             bytes[at + 16..at + 32] == hash.to_le_bytes()
         })
         .expect("the block is on disk");
     let mut f = std::fs::OpenOptions::new().write(true).open(&n.g3_path).expect("open");
     use std::io::{Seek, SeekFrom, Write};
-    let at = SUPERBLOCK_LEN + (slot * slot_bytes + HEADER_LEN + 999) as u64;
+    let at = (start + slot * slot_bytes + HEADER_LEN + 999) as u64;
     f.seek(SeekFrom::Start(at)).expect("seek");
     f.write_all(&[bytes[at as usize] ^ 0xFF]).expect("flip");
     f.sync_all().expect("sync");

@@ -41,7 +41,7 @@ use dynamo_kernels::backend::Backend;
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_tiering::block::{BlockLayout, Salt, SaltInputs};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
-use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::superblock::file_bytes;
 use dynamo_tiering::g3::{EngineChoice, G3Options};
 use dynamo_tiering::io::uring::UringOptions;
 use dynamo_tiering::registry::PolicyKind;
@@ -235,7 +235,7 @@ pub async fn run<B: Backend, G>(
             options: G3Options {
                 format_foreign: false,
                 paths: vec![g3_path.clone()],
-                capacity_per_path: SUPERBLOCK_LEN + 2 * (held as u64 + 8) * slot_bytes as u64,
+                capacity_per_path: file_bytes(2 * (held as u64 + 8), slot_bytes as u64),
                 slot_bytes,
                 direct_io: true,
                 engine: EngineChoice::Uring(UringOptions { queue_depth: 32, threads: 1, register_buffers: true }),

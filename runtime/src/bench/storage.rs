@@ -21,7 +21,7 @@ use clap::Args;
 use dynamo_config::ByteSize;
 use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, Salt, payload_mut, seal};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, SLOT_ALIGN};
-use dynamo_tiering::g3::superblock::SUPERBLOCK_LEN;
+use dynamo_tiering::g3::superblock::file_bytes;
 use dynamo_tiering::g3::{EngineChoice, G3Options, G3Store, free_bytes};
 use dynamo_tiering::io::uring::UringOptions;
 use futures::StreamExt;
@@ -180,7 +180,7 @@ async fn ours(dir: &Path, block_bytes: usize, qd: u32, total: u64, psync: bool) 
     let options = G3Options {
         format_foreign: false,
         paths: vec![path.clone()],
-        capacity_per_path: SUPERBLOCK_LEN + (n as u64) * block_bytes as u64,
+        capacity_per_path: file_bytes(n as u64, block_bytes as u64),
         slot_bytes: block_bytes,
         direct_io: true,
         engine,

@@ -2,7 +2,8 @@
 //! block devices opened `O_DIRECT`.
 //!
 //! ```text
-//! file:  [superblock 4 KiB][slot 0][slot 1] … [slot n-1]      slot = align_up(header + payload)
+//! file:  [superblock 4 KiB … up to the slot size][slot 0][slot 1] … [slot n-1]
+//!                                                 slot = align_up(header + payload)
 //! ```
 //!
 //! The store moves images between G2 slots and disk slots through an [`IoEngine`] (io_uring with
@@ -332,6 +333,8 @@ pub struct G3Store {
     engine: Arc<dyn IoEngine>,
     paths: Vec<PathBuf>,
     slot_bytes: usize,
+    /// Per file, where its slot 0 starts.
+    data_offsets: Vec<u64>,
     total_slots: u64,
     index: Mutex<Index>,
     stats: G3Stats,
@@ -380,24 +383,28 @@ impl G3Store {
         let mut scan_list = Vec::new();
         for (i, path) in options.paths.iter().enumerate() {
             let (file, bytes) = open_file(path, options, created)?;
-            let slots = bytes.saturating_sub(SUPERBLOCK_LEN) / slot_bytes as u64;
-            let slots = slots.min(u32::MAX as u64);
             let mut sb = AlignedSuper::new();
             let existing = read_superblock(&file, &mut sb, path)?;
-            let wanted = Superblock { slot_bytes: slot_bytes as u64, slots, file_index: i as u32 };
-            match existing {
-                Some(old) if old.slot_bytes == wanted.slot_bytes => {
+            // A file formatted for this slot size keeps its layout (and its blocks).
+            let kept = existing.filter(|old| old.slot_bytes == slot_bytes as u64);
+            let data_offset = kept.map_or(superblock::data_offset(slot_bytes as u64), |old| old.data_offset);
+            let slots = (bytes.saturating_sub(data_offset) / slot_bytes as u64).min(u32::MAX as u64);
+            let wanted = Superblock { slot_bytes: slot_bytes as u64, slots, file_index: i as u32, data_offset };
+            let slot_bytes = slot_bytes as u64;
+            match kept {
+                Some(old) => {
                     scan_list.push(scan::ScanFile {
                         path: path.clone(),
                         slots: old.slots.min(slots),
-                        slot_bytes: slot_bytes as u64,
+                        slot_bytes,
+                        data_offset,
                         direct: options.direct_io,
                     });
                     if old != wanted {
                         write_superblock(&file, &mut sb, &wanted, path)?;
                     }
                 }
-                _ => {
+                None => {
                     if let Some(old) = existing {
                         tracing::warn!(path = %path.display(), old_slot_bytes = old.slot_bytes, new_slot_bytes = slot_bytes, "G3 file was formatted for another slot size; its blocks are dropped");
                     }
@@ -406,7 +413,8 @@ impl G3Store {
                     scan_list.push(scan::ScanFile {
                         path: path.clone(),
                         slots: 0,
-                        slot_bytes: slot_bytes as u64,
+                        slot_bytes,
+                        data_offset,
                         direct: options.direct_io,
                     });
                 }
@@ -428,6 +436,7 @@ impl G3Store {
         mut recovery: Recovery,
     ) -> Result<(Self, Recovery), G3Error> {
         let slot_bytes = align_up(options.slot_bytes.max(SLOT_ALIGN));
+        let data_offsets = scan_list.iter().map(|f| f.data_offset).collect();
         let found = scan::scan(scan_list).map_err(|source| G3Error::Open { path: options.paths[0].clone(), source })?;
         let mut index = Index {
             map: HashMap::new(),
@@ -464,6 +473,7 @@ impl G3Store {
                 engine,
                 paths: options.paths.clone(),
                 slot_bytes,
+                data_offsets,
                 total_slots,
                 index: Mutex::new(index),
                 stats,
@@ -620,7 +630,7 @@ impl G3Store {
     }
 
     fn offset(&self, loc: Loc) -> u64 {
-        SUPERBLOCK_LEN + loc.slot as u64 * self.slot_bytes as u64
+        self.data_offsets[loc.file as usize] + loc.slot as u64 * self.slot_bytes as u64
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Index> {

@@ -69,7 +69,7 @@ mod tests {
     use crate::block::{BlockHash, BlockLayout, ImageSpec, RetentionMeta, Salt, seal};
     use crate::g2::align_up;
     use crate::g3::EngineChoice;
-    use crate::g3::superblock::SUPERBLOCK_LEN;
+    use crate::g3::superblock::file_bytes;
     use crate::test_utils::pool_for;
 
     const PAYLOAD: usize = 3000;
@@ -78,7 +78,7 @@ mod tests {
         let slot_bytes = align_up(BlockLayout::opaque(PAYLOAD).image_bytes());
         G3Options {
             paths: vec![dir.path().join("g3.data")],
-            capacity_per_path: SUPERBLOCK_LEN + 8 * slot_bytes as u64,
+            capacity_per_path: file_bytes(8, slot_bytes as u64),
             slot_bytes,
             direct_io: false,
             engine: EngineChoice::Psync { threads: 2 },
@@ -126,5 +126,68 @@ mod tests {
         let mut registry = again.registry;
         assert_eq!(registry.meta(BlockHash(1)).map(|e| e.resident_children), Some(1));
         assert_eq!(registry.evict(1, 6_000).first().map(|e| e.hash), Some(BlockHash(2)));
+    }
+
+    /// A file formatted by version 1 (slots right after the 4 KiB superblock) keeps its layout and
+    /// its blocks: they are recovered, read back verified, and a block written now lands beside
+    /// them, still found after another reopen.
+    #[tokio::test]
+    async fn a_store_of_the_first_layout_reopens_with_its_blocks() {
+        use crate::g3::superblock::SUPERBLOCK_LEN;
+        use std::os::unix::fs::FileExt;
+
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool_for(PAYLOAD, 8);
+        let layout = BlockLayout::opaque(PAYLOAD);
+        let mut opts = options(&dir);
+        let slot_bytes = opts.slot_bytes as u64;
+        opts.capacity_per_path = SUPERBLOCK_LEN + 8 * slot_bytes;
+        let file = std::fs::File::create(&opts.paths[0]).unwrap();
+        file.set_len(opts.capacity_per_path).unwrap();
+        let mut head = vec![0u8; SUPERBLOCK_LEN as usize];
+        head[0..8].copy_from_slice(b"DYNKVG3S");
+        head[8..12].copy_from_slice(&1u32.to_le_bytes());
+        head[16..24].copy_from_slice(&slot_bytes.to_le_bytes());
+        head[24..32].copy_from_slice(&8u64.to_le_bytes());
+        let sum = xxhash_rust::xxh3::xxh3_64(&head[..32]);
+        head[32..40].copy_from_slice(&sum.to_le_bytes());
+        file.write_all_at(&head, 0).unwrap();
+        for i in 0..2u64 {
+            let mut slot = pool.try_alloc().unwrap();
+            let spec = ImageSpec {
+                hash: BlockHash(10 + i as u128),
+                parent: None,
+                salt: Salt(7),
+                layout,
+                token_count: 1,
+                retention: RetentionMeta::default(),
+            };
+            seal(slot.as_mut_slice(), &spec);
+            file.write_all_at(slot.as_slice(), SUPERBLOCK_LEN + i * slot_bytes).unwrap();
+        }
+        drop(file);
+
+        {
+            let old = G3Store::open_recovered(&opts, &pool, PolicyKind::Lru, 1_000).unwrap();
+            assert_eq!((old.recovery.formatted_files, old.recovery.blocks.len()), (0, 2));
+            assert_eq!(old.store.capacity_slots(), 8, "the first layout's slots, all of them");
+            for hash in [BlockHash(10), BlockHash(11)] {
+                old.store.read(hash, pool.try_alloc().unwrap()).await.expect("verified where version 1 put it");
+            }
+            let mut slot = pool.try_alloc().unwrap();
+            let spec = ImageSpec {
+                hash: BlockHash(12),
+                parent: None,
+                salt: Salt(7),
+                layout,
+                token_count: 1,
+                retention: RetentionMeta::default(),
+            };
+            seal(slot.as_mut_slice(), &spec);
+            old.store.write(slot.freeze()).await.unwrap();
+        }
+        let again = G3Store::open_recovered(&opts, &pool, PolicyKind::Lru, 2_000).unwrap();
+        assert_eq!(again.recovery.blocks.len(), 3);
+        again.store.read(BlockHash(12), pool.try_alloc().unwrap()).await.expect("the new block");
     }
 }

@@ -12,7 +12,6 @@ use std::path::PathBuf;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
-use super::superblock::SUPERBLOCK_LEN;
 use crate::block::ImageHeader;
 use crate::io::aligned::AlignedBuf;
 
@@ -28,6 +27,8 @@ pub struct ScanFile {
     pub slots: u64,
     /// Bytes per slot.
     pub slot_bytes: u64,
+    /// Where slot 0 starts.
+    pub data_offset: u64,
     /// Open with O_DIRECT.
     pub direct: bool,
 }
@@ -88,7 +89,7 @@ async fn scan_file(file_index: u32, f: ScanFile) -> io::Result<ScanResult> {
         while next < f.slots && inflight.len() < SCAN_WINDOW {
             let buf = spare.pop().unwrap_or_else(|| AlignedBuf::new(4096));
             let slot = next;
-            let pos = SUPERBLOCK_LEN + slot * f.slot_bytes;
+            let pos = f.data_offset + slot * f.slot_bytes;
             let file = &file;
             inflight.push(async move {
                 let (res, buf) = file.read_at(buf, pos).await;
