@@ -128,6 +128,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Copies a buffer (its first `out.len()` elements) to the host.
     fn download(&self, buf: &Self::Buf, out: &mut [f32]) -> Result<(), KernelError>;
 
+    /// The first `len` elements of a buffer on the host, the buffer consumed (a host backend
+    /// hands over its memory instead of copying it).
+    fn download_owned(&self, buf: Self::Buf, len: usize) -> Result<Vec<f32>, KernelError> {
+        let mut out = vec![0.0; len];
+        self.download(&buf, &mut out)?;
+        Ok(out)
+    }
+
     /// `out[t] = table[tokens[t]]` for an embedding table `[vocab, dim]`; `out` has `tokens.len() × dim`.
     fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Self::Buf) -> Result<(), KernelError>;
 

@@ -1,23 +1,41 @@
-//! The CPU backend: `f32` everywhere, the KV pool in host memory ([`HostKvPool`]), GEMMs by
-//! `matrixmultiply`, work split across threads by rows or by output columns — never along a
-//! reduction — so that every output value is computed by the same sequence of operations however
-//! many rows a call holds. That is the determinism contract of [`Backend`], and what makes a prefix
+//! The CPU backend: `f32` everywhere, the KV pool in host memory ([`HostKvPool`]), GEMMs over
+//! weights packed once at upload ([`crate::gemm`]), work split across threads by rows or by output
+//! columns — never along a reduction — so that every output value is computed by the same sequence
+//! of operations however many rows a call holds. That is the determinism contract of [`Backend`], and what makes a prefix
 //! loaded from any tier give bitwise the logits of a recomputed one.
 
 use std::time::{Duration, Instant};
 
 use crate::backend::{AttentionSpec, Backend, FinishedCopies, KernelError, SeqBatch};
+use crate::gemm;
 use crate::kv_layout::{HostKvPool, PagedLayout};
 
-/// A weight tensor in host memory, row-major `[rows, cols]`.
+/// A weight tensor in host memory, `[rows, cols]`: a vector (one row) as it is, a matrix packed
+/// in the GEMM's panels ([`crate::gemm::pack`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct CpuWeight {
     /// Rows (output features).
     pub rows: usize,
     /// Columns (input features).
     pub cols: usize,
-    /// `rows × cols` elements.
-    pub data: Vec<f32>,
+    data: Vec<f32>,
+}
+
+impl CpuWeight {
+    /// Row `r`, `cols` values.
+    pub fn row(&self, r: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.cols];
+        self.row_into(r, &mut out);
+        out
+    }
+
+    fn row_into(&self, r: usize, out: &mut [f32]) {
+        if self.rows == 1 {
+            out[..self.cols].copy_from_slice(&self.data[..self.cols]);
+        } else {
+            gemm::unpack_row(&self.data, self.cols, r, out);
+        }
+    }
 }
 
 /// The CPU backend.
@@ -75,34 +93,6 @@ fn check_len(op: &'static str, what: &str, have: usize, need: usize) -> Result<(
     Ok(())
 }
 
-/// One GEMM: `out[rows, n] = x[rows, k] · w[n, k]ᵀ` on the calling thread.
-fn sgemm(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
-    if rows == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: the pointers and strides describe `x` ([rows, k], row-major), `wᵀ` ([k, n], read
-    // from the row-major [n, k] `w` with row stride 1 and column stride k) and `out` ([rows, n]);
-    // the callers check that every slice holds at least that many elements.
-    unsafe {
-        matrixmultiply::sgemm(
-            rows,
-            k,
-            n,
-            1.0,
-            x.as_ptr(),
-            k as isize,
-            1,
-            w.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            out.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
-}
-
 /// A raw pointer that may cross into scoped threads which write disjoint parts of its buffer.
 #[derive(Clone, Copy)]
 struct SharedMut(*mut f32);
@@ -113,6 +103,11 @@ unsafe impl Send for SharedMut {}
 unsafe impl Sync for SharedMut {}
 
 impl SharedMut {
+    /// The pointer to element `offset` (inside the buffer: the callers' ranges are checked).
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+
     /// `len` elements from `offset`, writable.
     ///
     /// # Safety
@@ -144,7 +139,8 @@ impl Backend for CpuBackend {
         if data.len() != rows * cols {
             return Err(KernelError::shape("weight", format!("{} elements for {rows}×{cols}", data.len())));
         }
-        Ok(CpuWeight { rows, cols, data: data.to_vec() })
+        let data = if rows == 1 { data.to_vec() } else { gemm::pack(data, rows, cols) };
+        Ok(CpuWeight { rows, cols, data })
     }
 
     fn zeros(&self, len: usize) -> Result<Vec<f32>, KernelError> {
@@ -161,6 +157,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn download_owned(&self, mut buf: Vec<f32>, len: usize) -> Result<Vec<f32>, KernelError> {
+        check_len("download_owned", "buffer", buf.len(), len)?;
+        buf.truncate(len);
+        Ok(buf)
+    }
+
     fn embed(&self, table: &CpuWeight, tokens: &[u32], out: &mut Vec<f32>) -> Result<(), KernelError> {
         let dim = table.cols;
         check_len("embed", "out", out.len(), tokens.len() * dim)?;
@@ -169,7 +171,7 @@ impl Backend for CpuBackend {
             if tok >= table.rows {
                 return Err(KernelError::index("embed", format!("token {tok} of a {}-token vocabulary", table.rows)));
             }
-            out[t * dim..(t + 1) * dim].copy_from_slice(&table.data[tok * dim..(tok + 1) * dim]);
+            table.row_into(tok, &mut out[t * dim..(t + 1) * dim]);
         }
         Ok(())
     }
@@ -185,8 +187,9 @@ impl Backend for CpuBackend {
     ) -> Result<(), KernelError> {
         check_len("rmsnorm", "x", x.len(), rows * dim)?;
         check_len("rmsnorm", "out", out.len(), rows * dim)?;
-        if w.data.len() != dim {
-            return Err(KernelError::shape("rmsnorm", format!("weight has {} elements for dim {dim}", w.data.len())));
+        if w.rows != 1 || w.data.len() != dim {
+            let elements = w.rows * w.cols;
+            return Err(KernelError::shape("rmsnorm", format!("weight has {elements} elements for dim {dim}")));
         }
         for r in 0..rows {
             let row = &x[r * dim..(r + 1) * dim];
@@ -204,32 +207,33 @@ impl Backend for CpuBackend {
         check_len("matmul", "x", x.len(), rows * k)?;
         check_len("matmul", "out", out.len(), rows * n)?;
         let work = rows * k * n;
+        // A one-row weight is kept as it is; the GEMM wants it packed (it is small).
+        let one_row;
+        let packed = if w.rows == 1 {
+            one_row = gemm::pack(&w.data, 1, k);
+            one_row.as_slice()
+        } else {
+            w.data.as_slice()
+        };
+        let panels = n.div_ceil(gemm::NR);
         let dst = SharedMut(out.as_mut_ptr());
         // Each thread reads its share of what dominates: with more rows than output columns (a
         // prefill through a narrow layer) the rows, otherwise the weights — a decode batch of a
         // few rows through a wide matrix reads every weight once, however many rows it holds.
         if rows >= self.threads && rows > n {
-            // Split by rows.
             self.split(rows, work, |range| {
                 let (r0, r1) = (range.start, range.end);
-                // SAFETY: each range writes only rows r0..r1 of `out`, disjoint across threads,
-                // and `out` holds rows × n elements (checked above).
-                let out = unsafe { dst.slice(r0 * n, (r1 - r0) * n) };
-                sgemm(&x[r0 * k..r1 * k], r1 - r0, k, w.data.as_slice(), n, out);
+                let out = gemm::Out { ptr: dst.at(r0 * n), stride: n };
+                // SAFETY: this range writes rows r0..r1 of `out` (rows × n elements, checked above),
+                // which no other range touches.
+                unsafe { gemm::gemm(&x[r0 * k..r1 * k], r1 - r0, k, packed, n, 0..panels, out) };
             });
         } else {
-            // Few rows (decode): split the output columns, each thread computing whole dot products
-            // over its share of the weights.
-            self.split(n, work, |range| {
-                let (c0, c1) = (range.start, range.end);
-                let cols = c1 - c0;
-                let mut part = vec![0.0f32; rows * cols];
-                sgemm(&x[..rows * k], rows, k, &w.data[c0 * k..c1 * k], cols, &mut part);
-                for r in 0..rows {
-                    // SAFETY: columns c0..c1 of every row are written by this range only.
-                    let out = unsafe { dst.slice(r * n + c0, cols) };
-                    out.copy_from_slice(&part[r * cols..(r + 1) * cols]);
-                }
+            self.split(panels, work, |range| {
+                let out = gemm::Out { ptr: dst.at(0), stride: n };
+                // SAFETY: this range writes the columns of its panels in every row of `out`, which
+                // no other range touches.
+                unsafe { gemm::gemm(&x[..rows * k], rows, k, packed, n, range, out) };
             });
         }
         Ok(())
@@ -481,7 +485,8 @@ mod tests {
         cpu.matmul(&x, rows, &w, &mut out).expect("matmul");
         for r in 0..rows {
             for c in 0..n {
-                let want: f32 = (0..k).map(|i| x[r * k + i] * w.data[c * k + i]).sum();
+                let row = w.row(c);
+                let want: f32 = (0..k).map(|i| x[r * k + i] * row[i]).sum();
                 assert!((out[r * n + c] - want).abs() < 1e-4, "({r},{c}): {} vs {want}", out[r * n + c]);
             }
         }

@@ -8,8 +8,9 @@
 //! Layout of the crate:
 //! - [`backend`] — the [`Backend`] trait (activations, weights and the paged KV pool of a device,
 //!   and every operation the model needs), with its determinism contract.
-//! - [`cpu`] — [`CpuBackend`]: `f32` everywhere, `matrixmultiply` GEMMs split across threads by
-//!   rows or output columns (never along a reduction), paged attention, RoPE, RMSNorm, SwiGLU.
+//! - [`cpu`] — [`CpuBackend`]: `f32` everywhere, GEMMs over weights packed once at upload, split
+//!   across threads by rows or output columns (never along a reduction), paged attention, RoPE,
+//!   RMSNorm, SwiGLU.
 //! - [`model`] — the Llama reference model written once against [`Backend`] ([`model::Llama`]),
 //!   and its weights ([`model::weights`]): seeded random weights for a named shape, or a
 //!   Llama-format safetensors checkpoint (bf16/f16/f32 → f32) validated against its `config.json`.
@@ -27,6 +28,7 @@
 pub mod backend;
 pub mod cpu;
 pub mod cuda;
+mod gemm;
 pub mod kv_layout;
 pub mod model;
 pub mod sampling;

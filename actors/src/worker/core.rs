@@ -695,12 +695,12 @@ impl<B: Backend> Worker<B> {
             })
             .collect();
         let logits =
-            if chunks.is_empty() { Ok(Vec::new()) } else { self.model.forward_batch(&mut self.kv, &chunks, b) };
+            if chunks.is_empty() { Ok(None) } else { self.model.forward_batch(&mut self.kv, &chunks, b).map(Some) };
         drop(chunks);
         let load_failed = self.finish_loads(&mut running);
         match logits {
             Ok(logits) => {
-                for (&(i, take), logits) in plan.iter().zip(&logits) {
+                for (&(i, take), logits) in plan.iter().zip(logits.iter().flat_map(|l| l.rows())) {
                     if let Some(e) =
                         load_failed.iter().find(|(order, _)| *order == running[i].run.order).map(|(_, e)| e)
                     {

@@ -230,13 +230,13 @@ impl<B: Backend> Llama<B> {
         block_tokens: usize,
     ) -> Result<Vec<f32>, ModelError> {
         let chunk = Chunk { tokens, start, block_table };
-        Ok(self.forward_batch(kv, &[chunk], block_tokens)?.pop().expect("one chunk, one row of logits"))
+        Ok(self.forward_batch(kv, &[chunk], block_tokens)?.data)
     }
 
     /// One engine step over several sequences: each [`Chunk`] (a prefill chunk or a decode
     /// token of its own sequence) is computed in the same pass over the weights — every matrix
     /// multiply takes all the chunks' rows at once — and attends through its own block table.
-    /// Returns the logits of each chunk's last token, in the chunks' order.
+    /// Returns the logits of each chunk's last token, one row per chunk in the chunks' order.
     ///
     /// The determinism contract holds across the batch: a chunk's logits do not depend on the
     /// chunks it was computed with (bitwise on the CPU).
@@ -245,7 +245,7 @@ impl<B: Backend> Llama<B> {
         kv: &mut B::Kv,
         chunks: &[Chunk<'_>],
         block_tokens: usize,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    ) -> Result<Logits, ModelError> {
         if chunks.is_empty() || chunks.iter().any(|c| c.tokens.is_empty()) {
             return Err(ModelError::Empty);
         }
@@ -320,9 +320,36 @@ impl<B: Backend> Llama<B> {
         be.rmsnorm(&last, &self.norm, n, h, self.rms_eps, &mut last_normed)?;
         let mut logits = be.zeros(n * s.vocab)?;
         be.matmul(&last_normed, n, &self.lm_head, &mut logits)?;
-        let mut out = vec![0.0f32; n * s.vocab];
-        be.download(&logits, &mut out)?;
-        Ok(out.chunks_exact(s.vocab).map(<[f32]>::to_vec).collect())
+        Ok(Logits { data: be.download_owned(logits, n * s.vocab)?, vocab: s.vocab })
+    }
+}
+
+/// The logits of a batched forward: one row of `vocab` per chunk, in one buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logits {
+    data: Vec<f32>,
+    vocab: usize,
+}
+
+impl Logits {
+    /// The rows, in the chunks' order.
+    pub fn rows(&self) -> std::slice::ChunksExact<'_, f32> {
+        self.data.chunks_exact(self.vocab)
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    /// Rows.
+    pub fn len(&self) -> usize {
+        self.data.len() / self.vocab.max(1)
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
     }
 }
 
@@ -464,8 +491,8 @@ mod tests {
         ];
         let got = model.forward_batch(&mut pool, &second, b).expect("step 2");
         assert_eq!(got.len(), 2);
-        assert_eq!(bits(&got[0]), bits(&want_a));
-        assert_eq!(bits(&got[1]), bits(&want_c));
+        assert_eq!(bits(got.row(0)), bits(&want_a));
+        assert_eq!(bits(got.row(1)), bits(&want_c));
         assert_eq!(model.forward_batch(&mut pool, &[], b).unwrap_err().kind(), "empty");
     }
 

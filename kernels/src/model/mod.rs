@@ -3,5 +3,5 @@
 pub mod llama;
 pub mod weights;
 
-pub use llama::{Chunk, Llama, ModelError, WeightSource, forward_bytes, weight_bytes};
+pub use llama::{Chunk, Llama, Logits, ModelError, WeightSource, forward_bytes, weight_bytes};
 pub use weights::{HostTensor, HostWeights, WeightsError};

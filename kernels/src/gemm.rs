@@ -1,0 +1,386 @@
+//! The CPU backend's GEMM, `out[rows, n] = x[rows, k] · w[n, k]ᵀ`, over weights packed once when
+//! they are uploaded: panels of [`NR`] output features, interleaved along `k`, so that a decode
+//! step streams every weight once and repacks nothing (a general GEMM library packs its operands
+//! on every call, which costs a decode step more than the multiply itself).
+//!
+//! Every output is one chain of fused multiply-adds over `k` in order, from zero, whatever the
+//! number of rows, the blocking or the thread that computes it: a row's result does not depend on
+//! its batch mates, bitwise (the determinism contract of [`crate::Backend`]). Blocking along `k`
+//! stores the partial sums and resumes from them, which changes nothing either: an `f32` in
+//! memory is the `f32` that was in the register.
+//!
+//! The loops are plain Rust that the compiler vectorises; they are compiled three times — for
+//! AVX-512, for AVX2 with FMA, and portable — and the best the CPU supports is picked once. All
+//! three compute the same bits (`mul_add` is exactly rounded on every path).
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+/// Output features per panel.
+pub(crate) const NR: usize = 16;
+/// Rows per register tile.
+const MR: usize = 6;
+/// `k` per block: a panel's block (16 KiB) stays in L1.
+const KC: usize = 256;
+/// Rows per block: their `k` block (up to 128 KiB) stays in L2 while the panels stream by.
+const MC: usize = 128;
+
+/// Packs row-major `w[n, k]` into panels: element `(c, kk)` at `(c / NR) * NR * k + kk * NR + c % NR`,
+/// the last panel padded with zeros.
+pub(crate) fn pack(w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut packed = vec![0.0; n.div_ceil(NR) * NR * k];
+    for (c, row) in w.chunks_exact(k.max(1)).take(n).enumerate() {
+        let panel = &mut packed[(c / NR) * NR * k..];
+        for (kk, &v) in row.iter().enumerate() {
+            panel[kk * NR + c % NR] = v;
+        }
+    }
+    packed
+}
+
+/// Row `c` of a packed `[n, k]` matrix into `out[..k]`.
+pub(crate) fn unpack_row(packed: &[f32], k: usize, c: usize, out: &mut [f32]) {
+    let panel = &packed[(c / NR) * NR * k..];
+    for (kk, o) in out[..k].iter_mut().enumerate() {
+        *o = panel[kk * NR + c % NR];
+    }
+}
+
+/// Where a GEMM writes: row `r`, column `c` of the call's output at `ptr + r * stride + c`.
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    pub ptr: *mut f32,
+    pub stride: usize,
+}
+
+/// Computes the output columns of `panels` for `rows` rows of `x` (`[rows, k]`, row-major) against
+/// the packed `[n, k]` weights.
+///
+/// # Safety
+/// `out` must be valid for writes of every `(r, c)` with `r < rows` and `c` a column of `panels`
+/// below `n`, and nothing else may access those elements during the call.
+pub(crate) unsafe fn gemm(x: &[f32], rows: usize, k: usize, packed: &[f32], n: usize, panels: Range<usize>, out: Out) {
+    assert!(x.len() >= rows * k && packed.len() >= n.div_ceil(NR) * NR * k && panels.end <= n.div_ceil(NR));
+    match *level() {
+        // SAFETY: the CPU has AVX-512F (checked once in `level`); the caller's guarantee is passed on.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { gemm_avx512(x, rows, k, packed, n, panels, out) },
+        // SAFETY: the CPU has AVX2 and FMA (checked once in `level`); as above.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { gemm_avx2(x, rows, k, packed, n, panels, out) },
+        // SAFETY: the caller's guarantee is passed on; the portable tiles run anywhere.
+        Level::Portable => unsafe { gemm_body(x, rows, k, packed, n, panels, out, Portable) },
+    }
+}
+
+enum Level {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Portable,
+}
+
+fn level() -> &'static Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Level::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                return Level::Avx2;
+            }
+        }
+        Level::Portable
+    })
+}
+
+/// # Safety
+/// As [`gemm`], on a CPU with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gemm_avx512(x: &[f32], rows: usize, k: usize, packed: &[f32], n: usize, panels: Range<usize>, out: Out) {
+    // SAFETY: as this function's; the tiles run on AVX-512F, which the CPU has.
+    unsafe { gemm_body(x, rows, k, packed, n, panels, out, simd::Avx512) }
+}
+
+/// # Safety
+/// As [`gemm`], on a CPU with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_avx2(x: &[f32], rows: usize, k: usize, packed: &[f32], n: usize, panels: Range<usize>, out: Out) {
+    // SAFETY: as this function's; the tiles run on AVX2 and FMA, which the CPU has.
+    unsafe { gemm_body(x, rows, k, packed, n, panels, out, simd::Avx2) }
+}
+
+/// Runs tile `t` with `m` rows (at most [`MR`]) through `kernel`, answering `m`.
+#[inline(always)]
+fn tiles(t: Tile<'_>, m: usize, kernel: impl Kernel) -> usize {
+    match m {
+        6 => t.run::<6>(kernel),
+        5 => t.run::<5>(kernel),
+        4 => t.run::<4>(kernel),
+        3 => t.run::<3>(kernel),
+        2 => t.run::<2>(kernel),
+        _ => t.run::<1>(kernel),
+    }
+}
+
+/// # Safety
+/// As [`gemm`]; `kernel` must be able to run on this CPU.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_body(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    packed: &[f32],
+    n: usize,
+    panels: Range<usize>,
+    out: Out,
+    kernel: impl Kernel,
+) {
+    for k0 in (0..k).step_by(KC) {
+        let kc = KC.min(k - k0);
+        for r0 in (0..rows).step_by(MC) {
+            let mc = MC.min(rows - r0);
+            for p in panels.clone() {
+                let panel = &packed[p * NR * k + k0 * NR..p * NR * k + (k0 + kc) * NR];
+                let (col, cols) = (p * NR, NR.min(n - p * NR));
+                let mut m = r0;
+                while m < r0 + mc {
+                    let t = Tile { x, k, k0, kc, panel, row: m, col, cols, first: k0 == 0, out };
+                    m += tiles(t, (r0 + mc - m).min(MR), kernel);
+                }
+            }
+        }
+    }
+}
+
+/// One register tile: rows `row..row + M` and the panel's `cols` columns from `col`, over the
+/// `k` block `k0..k0 + kc`.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    x: &'a [f32],
+    k: usize,
+    k0: usize,
+    kc: usize,
+    panel: &'a [f32],
+    row: usize,
+    col: usize,
+    cols: usize,
+    /// The first `k` block: the sums start from zero, not from what the output holds.
+    first: bool,
+    out: Out,
+}
+
+/// The inner loop of a tile: `acc[r][j] += x[row + r][k0 + kk] · panel[kk][j]` for every `kk` of
+/// the block, in order, one fused multiply-add at a time.
+trait Kernel: Copy {
+    fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]);
+}
+
+/// The portable inner loop.
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl Kernel for Portable {
+    #[inline(always)]
+    fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let x = t.x_row(r);
+            for (kk, w) in t.panel.chunks_exact(NR).enumerate() {
+                let v = x[kk];
+                for (a, &w) in acc.iter_mut().zip(w) {
+                    *a = v.mul_add(w, *a);
+                }
+            }
+        }
+    }
+}
+
+impl Tile<'_> {
+    /// Row `r` of the tile's `x`, over the `k` block.
+    #[inline(always)]
+    fn x_row(&self, r: usize) -> &[f32] {
+        let start = (self.row + r) * self.k + self.k0;
+        &self.x[start..start + self.kc]
+    }
+
+    /// Runs the tile with `kernel`; answers its rows.
+    #[inline(always)]
+    fn run<const M: usize>(self, kernel: impl Kernel) -> usize {
+        let mut acc = [[0.0f32; NR]; M];
+        let at = |r: usize, j: usize| (self.row + r) * self.out.stride + self.col + j;
+        if !self.first {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (j, a) in acc.iter_mut().enumerate().take(self.cols) {
+                    // SAFETY: the element is the tile's: inside the call's rows and columns, which
+                    // `gemm`'s caller vouches for.
+                    *a = unsafe { *self.out.ptr.wrapping_add(at(r, j)) };
+                }
+            }
+        }
+        kernel.run::<M>(&self, &mut acc);
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, &a) in acc.iter().enumerate().take(self.cols) {
+                // SAFETY: as above.
+                unsafe { *self.out.ptr.wrapping_add(at(r, j)) = a };
+            }
+        }
+        M
+    }
+}
+
+/// The inner loops in explicit vector instructions (the compiler does not keep a tile of several
+/// rows in registers on its own).
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{Kernel, NR, Tile};
+
+    /// 16 lanes in one AVX-512 register per row.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512;
+
+    impl Kernel for Avx512 {
+        #[inline(always)]
+        fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
+            // SAFETY: `Avx512` is only handed to the tiles by `gemm_avx512`, which runs only on a
+            // CPU with AVX-512F.
+            unsafe { avx512(t, acc) }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn avx512<const M: usize>(t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
+        const { assert!(NR == 16) };
+        let rows: [&[f32]; M] = std::array::from_fn(|r| t.x_row(r));
+        // SAFETY: each row of `acc` holds 16 floats.
+        let mut regs: [__m512; M] = std::array::from_fn(|r| unsafe { _mm512_loadu_ps(acc[r].as_ptr()) });
+        for (kk, w) in t.panel.chunks_exact(NR).enumerate() {
+            // SAFETY: a panel row holds 16 floats.
+            let w = unsafe { _mm512_loadu_ps(w.as_ptr()) };
+            for (reg, x) in regs.iter_mut().zip(&rows) {
+                *reg = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]), w, *reg);
+            }
+        }
+        for (reg, acc) in regs.iter().zip(acc.iter_mut()) {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr(), *reg) };
+        }
+    }
+
+    /// 16 lanes in two AVX2 registers per row.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2;
+
+    impl Kernel for Avx2 {
+        #[inline(always)]
+        fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
+            // SAFETY: `Avx2` is only handed to the tiles by `gemm_avx2`, which runs only on a CPU
+            // with AVX2 and FMA.
+            unsafe { avx2(t, acc) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn avx2<const M: usize>(t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
+        const { assert!(NR == 16) };
+        let rows: [&[f32]; M] = std::array::from_fn(|r| t.x_row(r));
+        // SAFETY: each row of `acc` holds 16 floats: two loads of 8.
+        let mut lo: [__m256; M] = std::array::from_fn(|r| unsafe { _mm256_loadu_ps(acc[r].as_ptr()) });
+        // SAFETY: as above.
+        let mut hi: [__m256; M] = std::array::from_fn(|r| unsafe { _mm256_loadu_ps(acc[r][8..].as_ptr()) });
+        for (kk, w) in t.panel.chunks_exact(NR).enumerate() {
+            // SAFETY: a panel row holds 16 floats: two loads of 8.
+            let wl = unsafe { _mm256_loadu_ps(w.as_ptr()) };
+            // SAFETY: as above.
+            let wh = unsafe { _mm256_loadu_ps(w[8..].as_ptr()) };
+            for ((l, h), x) in lo.iter_mut().zip(hi.iter_mut()).zip(&rows) {
+                let v = _mm256_set1_ps(x[kk]);
+                *l = _mm256_fmadd_ps(v, wl, *l);
+                *h = _mm256_fmadd_ps(v, wh, *h);
+            }
+        }
+        for ((l, h), acc) in lo.iter().zip(&hi).zip(acc.iter_mut()) {
+            // SAFETY: as above.
+            unsafe { _mm256_storeu_ps(acc.as_mut_ptr(), *l) };
+            // SAFETY: as above.
+            unsafe { _mm256_storeu_ps(acc[8..].as_mut_ptr(), *h) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(seed: u64, n: usize) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Every instruction set the CPU has computes the bits of the portable loop, across `k`
+    /// blocks, row tiles and a padded last panel.
+    #[test]
+    fn every_instruction_set_computes_the_same_bits() {
+        let (rows, k, n) = (13, 2 * KC + 37, 3 * NR + 5);
+        let (x, w) = (rand(1, rows * k), rand(2, n * k));
+        let packed = pack(&w, n, k);
+        let panels = 0..n.div_ceil(NR);
+        let run = |level: &dyn Fn(Out)| {
+            let mut out = vec![f32::NAN; rows * n];
+            level(Out { ptr: out.as_mut_ptr(), stride: n });
+            out
+        };
+        // SAFETY: `out` holds rows × n elements, all of them this call's.
+        let want = run(&|out| unsafe { gemm_body(&x, rows, k, &packed, n, panels.clone(), out, Portable) });
+        for r in 0..rows {
+            for c in 0..n {
+                let naive: f32 = (0..k).map(|i| x[r * k + i] * w[c * k + i]).sum();
+                assert!((want[r * n + c] - naive).abs() < 1e-3, "({r},{c})");
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has AVX2 and FMA; `out` as above.
+                let got = run(&|out| unsafe { gemm_avx2(&x, rows, k, &packed, n, panels.clone(), out) });
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "avx2");
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F; `out` as above.
+                let got = run(&|out| unsafe { gemm_avx512(&x, rows, k, &packed, n, panels.clone(), out) });
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "avx512");
+            }
+        }
+    }
+
+    #[test]
+    fn packing_round_trips_and_pads_the_last_panel() {
+        let (n, k) = (19, 5);
+        let w: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
+        let packed = pack(&w, n, k);
+        assert_eq!(packed.len(), 2 * NR * k);
+        let mut row = vec![0.0; k];
+        for c in 0..n {
+            unpack_row(&packed, k, c, &mut row);
+            assert_eq!(row, w[c * k..(c + 1) * k]);
+        }
+        unpack_row(&packed, k, 20, &mut row);
+        assert_eq!(row, vec![0.0; k], "padding");
+    }
+}
