@@ -26,14 +26,40 @@ fn kernels(c: &mut Criterion) {
     let cpu = CpuBackend::default();
     let (hidden, ffn) = (2048usize, 8192usize);
 
+    // Ours (weights packed once at upload) against `matrixmultiply` (which packs both operands on
+    // every call), both on one thread.
     let mut g = c.benchmark_group("matmul");
-    let w = cpu.weight(&rand_vec(1, ffn * hidden), ffn, hidden).expect("weight");
-    for rows in [1usize, 64] {
+    let one = CpuBackend::new(1);
+    let raw = rand_vec(1, ffn * hidden);
+    let w = one.weight(&raw, ffn, hidden).expect("weight");
+    for rows in [1usize, 16, 256] {
         let x = rand_vec(2, rows * hidden);
         let mut out = vec![0.0; rows * ffn];
         g.throughput(Throughput::Elements((2 * rows * hidden * ffn) as u64));
         g.bench_function(format!("{rows}x{hidden}x{ffn} (flop)"), |b| {
-            b.iter(|| cpu.matmul(&x, rows, &w, &mut out).expect("matmul"))
+            b.iter(|| one.matmul(&x, rows, &w, &mut out).expect("matmul"))
+        });
+        g.bench_function(format!("{rows}x{hidden}x{ffn} matrixmultiply (flop)"), |b| {
+            // SAFETY: `x` is [rows, hidden], `raw` is [ffn, hidden] read as its transpose (row
+            // stride 1, column stride hidden), `out` is [rows, ffn]; all hold that many elements.
+            b.iter(|| unsafe {
+                matrixmultiply::sgemm(
+                    rows,
+                    hidden,
+                    ffn,
+                    1.0,
+                    x.as_ptr(),
+                    hidden as isize,
+                    1,
+                    raw.as_ptr(),
+                    1,
+                    hidden as isize,
+                    0.0,
+                    out.as_mut_ptr(),
+                    ffn as isize,
+                    1,
+                )
+            })
         });
     }
     g.finish();

@@ -17,10 +17,10 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Output features per panel.
-pub(crate) const NR: usize = 16;
-/// Rows per register tile.
+pub(crate) const NR: usize = 32;
+/// Rows per register tile at most (each kernel says how many it keeps in registers).
 const MR: usize = 6;
-/// `k` per block: a panel's block (16 KiB) stays in L1.
+/// `k` per block: a panel's block (32 KiB) stays in L1.
 const KC: usize = 256;
 /// Rows per block: their `k` block (up to 128 KiB) stays in L2 while the panels stream by.
 const MC: usize = 128;
@@ -115,10 +115,11 @@ unsafe fn gemm_avx2(x: &[f32], rows: usize, k: usize, packed: &[f32], n: usize, 
     unsafe { gemm_body(x, rows, k, packed, n, panels, out, simd::Avx2) }
 }
 
-/// Runs tile `t` with `m` rows (at most [`MR`]) through `kernel`, answering `m`.
+/// Runs tile `t` with `m` rows, at most the kernel's [`Kernel::ROWS`], through `kernel`; answers
+/// the rows it ran.
 #[inline(always)]
-fn tiles(t: Tile<'_>, m: usize, kernel: impl Kernel) -> usize {
-    match m {
+fn tiles<K: Kernel>(t: Tile<'_>, m: usize, kernel: K) -> usize {
+    match m.min(K::ROWS) {
         6 => t.run::<6>(kernel),
         5 => t.run::<5>(kernel),
         4 => t.run::<4>(kernel),
@@ -152,7 +153,7 @@ unsafe fn gemm_body(
                 let mut m = r0;
                 while m < r0 + mc {
                     let t = Tile { x, k, k0, kc, panel, row: m, col, cols, first: k0 == 0, out };
-                    m += tiles(t, (r0 + mc - m).min(MR), kernel);
+                    m += tiles(t, r0 + mc - m, kernel);
                 }
             }
         }
@@ -179,6 +180,8 @@ struct Tile<'a> {
 /// The inner loop of a tile: `acc[r][j] += x[row + r][k0 + kk] · panel[kk][j]` for every `kk` of
 /// the block, in order, one fused multiply-add at a time.
 trait Kernel: Copy {
+    /// Rows of a tile it keeps in registers (at most [`MR`]).
+    const ROWS: usize;
     fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]);
 }
 
@@ -187,6 +190,8 @@ trait Kernel: Copy {
 struct Portable;
 
 impl Kernel for Portable {
+    const ROWS: usize = MR;
+
     #[inline(always)]
     fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -242,11 +247,13 @@ mod simd {
 
     use super::{Kernel, NR, Tile};
 
-    /// 16 lanes in one AVX-512 register per row.
+    /// A panel row's 32 lanes in two AVX-512 registers per row: 6 rows keep 12 accumulators.
     #[derive(Clone, Copy)]
     pub(super) struct Avx512;
 
     impl Kernel for Avx512 {
+        const ROWS: usize = 6;
+
         #[inline(always)]
         fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
             // SAFETY: `Avx512` is only handed to the tiles by `gemm_avx512`, which runs only on a
@@ -258,28 +265,39 @@ mod simd {
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn avx512<const M: usize>(t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
-        const { assert!(NR == 16) };
+        const { assert!(NR == 32) };
         let rows: [&[f32]; M] = std::array::from_fn(|r| t.x_row(r));
-        // SAFETY: each row of `acc` holds 16 floats.
-        let mut regs: [__m512; M] = std::array::from_fn(|r| unsafe { _mm512_loadu_ps(acc[r].as_ptr()) });
+        // SAFETY: each row of `acc` holds 32 floats: two loads of 16.
+        let mut lo: [__m512; M] = std::array::from_fn(|r| unsafe { _mm512_loadu_ps(acc[r].as_ptr()) });
+        // SAFETY: as above.
+        let mut hi: [__m512; M] = std::array::from_fn(|r| unsafe { _mm512_loadu_ps(acc[r][16..].as_ptr()) });
         for (kk, w) in t.panel.chunks_exact(NR).enumerate() {
-            // SAFETY: a panel row holds 16 floats.
-            let w = unsafe { _mm512_loadu_ps(w.as_ptr()) };
-            for (reg, x) in regs.iter_mut().zip(&rows) {
-                *reg = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]), w, *reg);
+            // SAFETY: a panel row holds 32 floats: two loads of 16.
+            let wl = unsafe { _mm512_loadu_ps(w.as_ptr()) };
+            // SAFETY: as above.
+            let wh = unsafe { _mm512_loadu_ps(w[16..].as_ptr()) };
+            for ((l, h), x) in lo.iter_mut().zip(hi.iter_mut()).zip(&rows) {
+                let v = _mm512_set1_ps(x[kk]);
+                *l = _mm512_fmadd_ps(v, wl, *l);
+                *h = _mm512_fmadd_ps(v, wh, *h);
             }
         }
-        for (reg, acc) in regs.iter().zip(acc.iter_mut()) {
+        for ((l, h), acc) in lo.iter().zip(&hi).zip(acc.iter_mut()) {
             // SAFETY: as above.
-            unsafe { _mm512_storeu_ps(acc.as_mut_ptr(), *reg) };
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr(), *l) };
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(acc[16..].as_mut_ptr(), *h) };
         }
     }
 
-    /// 16 lanes in two AVX2 registers per row.
+    /// A panel row's 32 lanes in four AVX2 registers per row: 3 rows keep 12 accumulators (of
+    /// the 16 registers).
     #[derive(Clone, Copy)]
     pub(super) struct Avx2;
 
     impl Kernel for Avx2 {
+        const ROWS: usize = 3;
+
         #[inline(always)]
         fn run<const M: usize>(self, t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
             // SAFETY: `Avx2` is only handed to the tiles by `gemm_avx2`, which runs only on a CPU
@@ -291,28 +309,26 @@ mod simd {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     fn avx2<const M: usize>(t: &Tile<'_>, acc: &mut [[f32; NR]; M]) {
-        const { assert!(NR == 16) };
+        const { assert!(NR == 32) };
         let rows: [&[f32]; M] = std::array::from_fn(|r| t.x_row(r));
-        // SAFETY: each row of `acc` holds 16 floats: two loads of 8.
-        let mut lo: [__m256; M] = std::array::from_fn(|r| unsafe { _mm256_loadu_ps(acc[r].as_ptr()) });
-        // SAFETY: as above.
-        let mut hi: [__m256; M] = std::array::from_fn(|r| unsafe { _mm256_loadu_ps(acc[r][8..].as_ptr()) });
+        // SAFETY: each row of `acc` holds 32 floats: four loads of 8.
+        let mut regs: [[__m256; 4]; M] =
+            std::array::from_fn(|r| std::array::from_fn(|q| unsafe { _mm256_loadu_ps(acc[r][8 * q..].as_ptr()) }));
         for (kk, w) in t.panel.chunks_exact(NR).enumerate() {
-            // SAFETY: a panel row holds 16 floats: two loads of 8.
-            let wl = unsafe { _mm256_loadu_ps(w.as_ptr()) };
-            // SAFETY: as above.
-            let wh = unsafe { _mm256_loadu_ps(w[8..].as_ptr()) };
-            for ((l, h), x) in lo.iter_mut().zip(hi.iter_mut()).zip(&rows) {
+            // SAFETY: a panel row holds 32 floats: four loads of 8.
+            let w: [__m256; 4] = std::array::from_fn(|q| unsafe { _mm256_loadu_ps(w[8 * q..].as_ptr()) });
+            for (regs, x) in regs.iter_mut().zip(&rows) {
                 let v = _mm256_set1_ps(x[kk]);
-                *l = _mm256_fmadd_ps(v, wl, *l);
-                *h = _mm256_fmadd_ps(v, wh, *h);
+                for (reg, w) in regs.iter_mut().zip(&w) {
+                    *reg = _mm256_fmadd_ps(v, *w, *reg);
+                }
             }
         }
-        for ((l, h), acc) in lo.iter().zip(&hi).zip(acc.iter_mut()) {
-            // SAFETY: as above.
-            unsafe { _mm256_storeu_ps(acc.as_mut_ptr(), *l) };
-            // SAFETY: as above.
-            unsafe { _mm256_storeu_ps(acc[8..].as_mut_ptr(), *h) };
+        for (regs, acc) in regs.iter().zip(acc.iter_mut()) {
+            for (q, reg) in regs.iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(acc[8 * q..].as_mut_ptr(), *reg) };
+            }
         }
     }
 }
@@ -371,7 +387,7 @@ mod tests {
 
     #[test]
     fn packing_round_trips_and_pads_the_last_panel() {
-        let (n, k) = (19, 5);
+        let (n, k) = (NR + 3, 5);
         let w: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
         let packed = pack(&w, n, k);
         assert_eq!(packed.len(), 2 * NR * k);
@@ -380,7 +396,7 @@ mod tests {
             unpack_row(&packed, k, c, &mut row);
             assert_eq!(row, w[c * k..(c + 1) * k]);
         }
-        unpack_row(&packed, k, 20, &mut row);
+        unpack_row(&packed, k, n + 1, &mut row);
         assert_eq!(row, vec![0.0; k], "padding");
     }
 }
