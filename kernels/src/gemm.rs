@@ -337,17 +337,7 @@ mod simd {
 mod tests {
     use super::*;
 
-    fn rand(seed: u64, n: usize) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_data::rand_vec as rand;
 
     /// Every instruction set the CPU has computes the bits of the portable loop, across `k`
     /// blocks, row tiles and a padded last panel.

@@ -32,6 +32,8 @@ mod gemm;
 pub mod kv_layout;
 pub mod model;
 pub mod sampling;
+#[cfg(test)]
+mod test_data;
 
 pub use backend::{AttentionSpec, Backend, FinishedCopies, KernelError, SeqBatch};
 pub use cpu::CpuBackend;

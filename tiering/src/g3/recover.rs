@@ -134,11 +134,11 @@ mod tests {
     #[tokio::test]
     async fn a_store_of_the_first_layout_reopens_with_its_blocks() {
         use crate::g3::superblock::SUPERBLOCK_LEN;
+        use crate::test_utils::image;
         use std::os::unix::fs::FileExt;
 
         let dir = tempfile::tempdir().unwrap();
         let pool = pool_for(PAYLOAD, 8);
-        let layout = BlockLayout::opaque(PAYLOAD);
         let mut opts = options(&dir);
         let slot_bytes = opts.slot_bytes as u64;
         opts.capacity_per_path = SUPERBLOCK_LEN + 8 * slot_bytes;
@@ -153,16 +153,7 @@ mod tests {
         head[32..40].copy_from_slice(&sum.to_le_bytes());
         file.write_all_at(&head, 0).unwrap();
         for i in 0..2u64 {
-            let mut slot = pool.try_alloc().unwrap();
-            let spec = ImageSpec {
-                hash: BlockHash(10 + i as u128),
-                parent: None,
-                salt: Salt(7),
-                layout,
-                token_count: 1,
-                retention: RetentionMeta::default(),
-            };
-            seal(slot.as_mut_slice(), &spec);
+            let slot = image(&pool, BlockHash(10 + i as u128), None, PAYLOAD);
             file.write_all_at(slot.as_slice(), SUPERBLOCK_LEN + i * slot_bytes).unwrap();
         }
         drop(file);
@@ -174,17 +165,7 @@ mod tests {
             for hash in [BlockHash(10), BlockHash(11)] {
                 old.store.read(hash, pool.try_alloc().unwrap()).await.expect("verified where version 1 put it");
             }
-            let mut slot = pool.try_alloc().unwrap();
-            let spec = ImageSpec {
-                hash: BlockHash(12),
-                parent: None,
-                salt: Salt(7),
-                layout,
-                token_count: 1,
-                retention: RetentionMeta::default(),
-            };
-            seal(slot.as_mut_slice(), &spec);
-            old.store.write(slot.freeze()).await.unwrap();
+            old.store.write(image(&pool, BlockHash(12), None, PAYLOAD)).await.unwrap();
         }
         let again = G3Store::open_recovered(&opts, &pool, PolicyKind::Lru, 2_000).unwrap();
         assert_eq!(again.recovery.blocks.len(), 3);
