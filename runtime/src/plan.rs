@@ -264,10 +264,18 @@ impl ResolvedTiers {
             for path in cfg.g3_paths() {
                 dynamo_tiering::g3::preflight(&path, c.capacity_per_path.as_u64(), c.format_foreign)?;
             }
-            let data = c
-                .capacity_per_path
-                .as_u64()
-                .saturating_sub(dynamo_tiering::g3::superblock::data_offset(slot_bytes as u64));
+            let head = dynamo_tiering::g3::superblock::data_offset(slot_bytes as u64);
+            let data = c.capacity_per_path.as_u64().saturating_sub(head);
+            if data < slot_bytes as u64 {
+                bail!(
+                    "tiers.g3.capacity_per_path = {} holds no block: a G3 file keeps its first {} for its \
+                     header, then slots of {}; raise it to at least {}",
+                    c.capacity_per_path,
+                    ByteSize(head),
+                    ByteSize(slot_bytes as u64),
+                    ByteSize(head + slot_bytes as u64),
+                );
+            }
             Some(G3Plan {
                 paths: cfg.g3_paths(),
                 capacity_per_path: c.capacity_per_path.as_u64(),
@@ -501,6 +509,18 @@ mod tests {
         // An explicit size that fits is taken as it is.
         let tiers = ResolvedTiers::resolve_with(&gpu_config(1, 8 * GIB), &|| Ok(h200(140 * GIB))).unwrap();
         assert_eq!(tiers.g1.capacity, 8 * GIB);
+    }
+
+    #[test]
+    fn a_g3_without_room_for_one_slot_after_its_header_is_refused_with_the_size_it_needs() {
+        let mut cfg = NodeConfig::default();
+        let slot = ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap().slot_bytes as u64;
+        // One block and the 4 KiB superblock: what the first file format needed.
+        cfg.tiers.g3.capacity_per_path = ByteSize(slot + 4096);
+        let err = format!("{:#}", ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap_err());
+        assert!(err.contains("holds no block") && err.contains(&ByteSize(2 * slot).to_string()), "{err}");
+        cfg.tiers.g3.capacity_per_path = ByteSize(2 * slot);
+        assert_eq!(ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap().g3.expect("g3").slots_per_path, 1);
     }
 
     #[test]
