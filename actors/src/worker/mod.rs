@@ -43,9 +43,9 @@ pub type LocalFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 
 /// What a WorkerActor drives: one engine and its G1 pool.
 ///
-/// A batching engine (the reference worker) keeps the requests it admits in a batch that each
-/// [`Engine::step`] advances; an engine that serves each request on a task of its own (the
-/// simulated one, whose time is virtual) starts that task in [`Engine::admit`] and runs no steps.
+/// Both serving engines, the reference worker and the simulated one, keep the requests they admit
+/// in a batch that each [`Engine::step`] advances, as [`batch`] plans it. An engine that answers
+/// each request within [`Engine::admit`] (the test engines) runs no steps: the defaults say so.
 pub trait Engine: 'static {
     /// Takes a request; what it reports and how it ends go to `ticket`.
     fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()>;
@@ -491,8 +491,7 @@ fn engine_thread(
             return;
         }
     };
-    // A LocalSet, so that an engine that forks (serves requests concurrently) can spawn them.
-    tokio::task::LocalSet::new().block_on(&runtime, serve(id, factory, rx, ready, actor, load));
+    runtime.block_on(serve(id, factory, rx, ready, actor, load));
 }
 
 /// The engine loop: builds the engine, then serves the queue until it closes. New requests join
