@@ -702,8 +702,10 @@ mod tests {
 
     async fn answer(scheduler: &SchedulerRef, prompt: Vec<u32>) -> GenOutcome {
         let req = GenRequest::greedy(prompt, 1);
-        let reply =
-            scheduler.call(|reply| SchedulerMsg::Submit { req, session: None, hints: Default::default(), reply }, None);
+        let reply = scheduler.call(
+            |reply| SchedulerMsg::Submit { req: Box::new(req), session: None, hints: Default::default(), reply },
+            None,
+        );
         let CallResult::Success(Ok(mut submitted)) = reply.await.expect("the scheduler answers") else {
             panic!("refused")
         };

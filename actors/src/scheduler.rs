@@ -127,8 +127,8 @@ pub enum SchedulerMsg {
     /// Reply: the request was queued on a worker (its events follow on the receiver), or why not.
     /// Always answered, without waiting for the request to run.
     Submit {
-        /// The request.
-        req: GenRequest,
+        /// The request (boxed: it is most of the message).
+        req: Box<GenRequest>,
         /// Its conversation.
         session: Option<String>,
         /// Agent hints.
@@ -195,13 +195,13 @@ impl SchedulerState {
     /// The prompt's block hashes are computed here, once, and go to the worker with the request.
     fn kv_order(&mut self, kv: &KvRouting, req: &mut GenRequest, sticky: Option<usize>) -> Vec<(usize, usize, f64)> {
         let started = Instant::now();
-        let hashes = BlockHasher::new(kv.salt, kv.block_tokens).hash_sequence(&req.prompt);
+        let salt = req.salt(kv.salt);
+        let hashes = BlockHasher::new(salt, kv.block_tokens).hash_sequence(&req.prompt);
         if let Some(writer) = &kv.writer {
             writer.flush();
         }
         kv.index.find_matches(&hashes, &mut self.matches);
-        req.hashes =
-            Some(Arc::new(PromptHashes { salt: kv.salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
+        req.hashes = Some(Arc::new(PromptHashes { salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
         self.matches.views(&mut self.views);
         let cost = match &kv.tiers {
             Some(tiers) => kv.cost.measured(&tiers.measured),
@@ -411,7 +411,7 @@ impl Actor for SchedulerActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             SchedulerMsg::Submit { req, session, hints, reply } => {
-                let result = state.submit(&myself, req, session, hints).await;
+                let result = state.submit(&myself, *req, session, hints).await;
                 let _ = reply.send(result);
             }
             SchedulerMsg::WorkerUp(handle) => {

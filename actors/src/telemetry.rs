@@ -53,6 +53,7 @@
 //! | `dynamo_node_http_connections_refused_total` | counter | `reason` | connections the node closed: `limit`, `accept_error`, `header_timeout` |
 //! | `dynamo_node_anthropic_preambles_stripped_total` | counter | | Claude Code billing headers dropped from system text |
 //! | `dynamo_node_replayed_turns_total` | counter | | echoed assistant turns whose generated tokens were spliced into the prompt |
+//! | `dynamo_node_auth_failures_total` | counter | `endpoint` | requests refused 401 for a missing or unknown key: `api`, `metrics` |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -148,6 +149,9 @@ pub mod names {
     /// Counter: echoed assistant turns whose generated token ids were spliced into the prompt
     /// instead of the template's re-rendering (`frontend.replay_tokens`).
     pub const REPLAYED_TURNS: &str = "dynamo_node_replayed_turns_total";
+    /// Counter: requests refused with 401 (missing or unknown API key or metrics token), by
+    /// `endpoint` (`api`, `metrics`).
+    pub const AUTH_FAILURES: &str = "dynamo_node_auth_failures_total";
 
     /// Every histogram: each gets the configured buckets.
     pub const HISTOGRAMS: [&str; 5] = [
@@ -178,6 +182,7 @@ pub fn describe() {
     describe_gauge!(HTTP_CONNECTIONS, Unit::Count, "HTTP connections open.");
     describe_counter!(PREAMBLES_STRIPPED, Unit::Count, "Claude Code billing headers dropped from system text.");
     describe_counter!(REPLAYED_TURNS, Unit::Count, "Echoed assistant turns replayed from their generated tokens.");
+    describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
     describe_counter!(
@@ -248,6 +253,9 @@ pub fn register_known_series() {
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     counter!(KV_PROMPT_TOKENS).increment(0);
     counter!(PREFILL_TOKENS).increment(0);
+    for endpoint in ["api", "metrics"] {
+        counter!(AUTH_FAILURES, "endpoint" => endpoint).increment(0);
+    }
     for &tier in Tier::ALL {
         counter!(KV_HIT_TOKENS, "tier" => tier.as_str()).increment(0);
     }
@@ -386,6 +394,11 @@ pub fn record_preemption() {
 /// Marks the tier degraded (the node runs without it) or healthy.
 pub fn set_tier_degraded(tier: Tier, degraded: bool) {
     gauge!(names::TIER_DEGRADED, "tier" => tier.as_str()).set(if degraded { 1.0 } else { 0.0 });
+}
+
+/// Counts a request refused 401 at `endpoint` (`api` or `metrics`).
+pub fn record_auth_failure(endpoint: &'static str) {
+    counter!(names::AUTH_FAILURES, "endpoint" => endpoint).increment(1);
 }
 
 /// Counts one answered request of the API labelled `api` (the frontend's routes name theirs),

@@ -103,7 +103,10 @@ async fn node_with(
 
 async fn submit(s: &SchedulerRef, req: GenRequest, session: Option<&str>) -> Result<Submitted, SubmitError> {
     let session = session.map(str::to_string);
-    match s.call(|reply| SchedulerMsg::Submit { req, session, hints: Default::default(), reply }, None).await {
+    match s
+        .call(|reply| SchedulerMsg::Submit { req: Box::new(req), session, hints: Default::default(), reply }, None)
+        .await
+    {
         Ok(CallResult::Success(r)) => r,
         other => panic!("scheduler did not answer: {other:?}"),
     }

@@ -7,6 +7,9 @@ use std::net::SocketAddr;
 use crate::error::{ConfigError, Problem};
 use crate::{ByteSize, DeviceKind, ModelShape, NodeConfig, RegionKind};
 
+/// Shortest API key or bearer token accepted.
+const MIN_KEY_BYTES: usize = 16;
+
 /// Collects problems.
 #[derive(Debug, Default)]
 struct Checks {
@@ -283,8 +286,35 @@ impl NodeConfig {
             }
         }
 
+        let mut keys = HashSet::new();
+        for (i, k) in self.frontend.auth.keys.iter().enumerate() {
+            let at = format!("frontend.auth.keys[{i}]");
+            if k.key.len() < MIN_KEY_BYTES {
+                c.fail(
+                    format!("{at}.key"),
+                    format!("must be at least {MIN_KEY_BYTES} bytes long; a short key can be guessed"),
+                );
+            } else if !k.key.bytes().all(|b| b.is_ascii_graphic()) {
+                c.fail(format!("{at}.key"), "must be printable ASCII without spaces (it travels in an HTTP header)");
+            }
+            if k.tenant.is_empty() {
+                c.fail(format!("{at}.tenant"), "must name a tenant");
+            }
+            if !keys.insert(k.key.as_str()) {
+                c.fail(format!("{at}.key"), "is listed twice; a key names exactly one tenant");
+            }
+        }
+
         // [metrics]
         c.socket_addr("metrics.listen", &self.metrics.listen);
+        if let Some(token) = &self.metrics.bearer_token
+            && (token.len() < MIN_KEY_BYTES || !token.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            c.fail(
+                "metrics.bearer_token",
+                format!("must be at least {MIN_KEY_BYTES} bytes of printable ASCII without spaces"),
+            );
+        }
         let buckets = &self.metrics.latency_buckets_seconds;
         if buckets.is_empty() {
             c.fail("metrics.latency_buckets_seconds", "must list at least one bucket");

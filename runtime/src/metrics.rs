@@ -102,13 +102,13 @@ pub fn install(cfg: &MetricsSection, apis: &[&'static str]) -> anyhow::Result<Me
             tokio::net::TcpListener::from_std(listener)?
         };
         let served = handle.clone();
+        let token: Option<Arc<[u8]>> = cfg.bearer_token.as_deref().map(|t| t.as_bytes().into());
         let app = axum::Router::new().route(
             "/metrics",
-            axum::routing::get(move || {
+            axum::routing::get(move |headers: axum::http::HeaderMap| {
                 let handle = served.clone();
-                async move {
-                    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], handle.render())
-                }
+                let token = token.clone();
+                async move { exposition(&handle, token.as_deref(), &headers) }
             }),
         );
         runtime.spawn(async move {
@@ -137,6 +137,34 @@ pub fn install(cfg: &MetricsSection, apis: &[&'static str]) -> anyhow::Result<Me
     register_known_series();
     register_request_series(apis);
     Ok(MetricsHandle { exporter: Some((addr, handle)) })
+}
+
+/// A scrape's answer: the exposition, or 401 when `token` is set and the request does not carry it
+/// as `Authorization: Bearer TOKEN` (compared in constant time).
+fn exposition(
+    handle: &PrometheusHandle,
+    token: Option<&[u8]>,
+    headers: &axum::http::HeaderMap,
+) -> axum::response::Response {
+    use axum::http::{StatusCode, header};
+    use axum::response::IntoResponse;
+    if let Some(token) = token {
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().split_at_checked(7))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case(b"bearer "))
+            .map(|(_, credentials)| credentials);
+        if !presented.is_some_and(|p| crate::frontend::constant_time_eq(token, p)) {
+            record_auth_failure("metrics");
+            return (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                "metrics need `Authorization: Bearer TOKEN` (metrics.bearer_token)\n",
+            )
+                .into_response();
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], handle.render()).into_response()
 }
 
 /// What the tier poller reads: shared handles to the node's tiers.

@@ -185,8 +185,23 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         Some(hook) => hook(state),
         None => state,
     };
+    let keys = cfg.frontend.auth.keys.len();
+    if keys == 0 && !crate::frontend::server::is_loopback(addr) {
+        tracing::warn!(
+            %addr,
+            "the API listens beyond loopback without [frontend.auth] keys: anyone who reaches it is served, \
+             and every client shares one cache namespace"
+        );
+    }
+    if cfg.metrics.bearer_token.is_none() && metrics.listen().is_some_and(|a| !crate::frontend::server::is_loopback(a))
+    {
+        tracing::warn!("metrics listen beyond loopback without metrics.bearer_token");
+    }
     if announce {
         println!("{}", metrics.line());
+        if keys > 0 {
+            println!("API keys: {keys} ([frontend.auth]); requests without one get 401");
+        }
         println!("serving the OpenAI API on http://{addr}/v1");
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

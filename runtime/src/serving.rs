@@ -32,7 +32,7 @@ use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::{Sampling, TokenSet};
 use dynamo_kernels::{Backend, CpuBackend};
-use dynamo_tiering::block::{Salt, SaltInputs};
+use dynamo_tiering::block::{Namespace, Salt, SaltInputs};
 use dynamo_tiering::registry::PolicyKind;
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -311,7 +311,8 @@ impl NodeGenerator {
             let scheduler = self.scheduler.lock().unwrap_or_else(PoisonError::into_inner).clone();
             let job = job.clone();
             let session = session.clone();
-            match scheduler.call(|reply| SchedulerMsg::Submit { req: job, session, hints, reply }, None).await {
+            match scheduler.call(|reply| SchedulerMsg::Submit { req: Box::new(job), session, hints, reply }, None).await
+            {
                 Ok(CallResult::Success(Ok(submitted))) => return Ok(submitted),
                 Ok(CallResult::Success(Err(SubmitError::Overloaded { retry_after, .. }))) => {
                     return Err(GenerateError::Overloaded { retry_after: retry_after.unwrap_or(RETRY_AFTER) });
@@ -371,6 +372,7 @@ impl Generator for NodeGenerator {
             forced: req.forced.map(Arc::from),
             // The router hashes the prompt (once) when it looks it up.
             hashes: None,
+            namespace: Namespace::new(req.tenant.name().unwrap_or(""), req.cache_salt.as_deref().unwrap_or("")),
         };
         let this = self.clone();
         let session = req.session_id;

@@ -48,7 +48,9 @@ use dynamo_config::RegionKind;
 use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
-use dynamo_tiering::block::{BlockHash, BlockHasher, HEADER_LEN, ImageSpec, RetentionMeta, Salt, payload_mut, seal};
+use dynamo_tiering::block::{
+    BlockHash, BlockHasher, HEADER_LEN, ImageSpec, Namespace, RetentionMeta, Salt, payload_mut, seal,
+};
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::pipeline::{self, Landed, Presence, Refusal};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
@@ -87,6 +89,9 @@ pub struct GenRequest {
     /// The prompt's block hashes, when the router computed them already (the worker computes
     /// them otherwise).
     pub hashes: Option<Arc<PromptHashes>>,
+    /// The cache namespace of its tenant (and `cache_salt`): its blocks hash under the node's
+    /// salt [`within`](Salt::within) it. `None`: the shared namespace.
+    pub namespace: Option<Namespace>,
 }
 
 /// The hashes of a prompt's complete blocks, computed once per request (by the router, which
@@ -116,7 +121,13 @@ impl GenRequest {
             allowed: None,
             forced: None,
             hashes: None,
+            namespace: None,
         }
+    }
+
+    /// The salt its blocks hash under on a node whose blocks hash under `node`.
+    pub fn salt(&self, node: Salt) -> Salt {
+        node.within(self.namespace)
     }
 
     /// The prompt's block hashes under `salt` at `block_tokens` per block: the ones it carries
@@ -742,7 +753,7 @@ impl<B: Backend> Worker<B> {
     /// sampled. `Some` when it ends.
     fn advance(&mut self, seq: &mut Seq, take: usize, logits: &[f32]) -> Option<Result<Finish, WorkerError>> {
         let b = self.tiers.block_tokens;
-        for i in seq.run.advance_by(take, self.tiers.salt, b) {
+        for i in seq.run.advance_by(take, b) {
             let region = seq.run.region(i, b);
             self.register(i, &mut seq.blocks, &seq.run.chain, region, unix_millis(), true);
         }

@@ -35,6 +35,8 @@ pub(super) struct Run {
     pub(super) prefilled: bool,
     /// Whether its cached prefix was looked up once (its hits are known).
     pub(super) onboarded: bool,
+    /// What its blocks hash under: the node's salt within the request's namespace.
+    salt: Salt,
 }
 
 /// What a run does after a step computed for it.
@@ -49,8 +51,10 @@ pub(super) enum After {
 
 impl Run {
     /// The run of `ticket`, admitted `order`-th, its prompt hashed in blocks of `block_tokens`
-    /// under `salt` (or as the router hashed it already).
-    pub(super) fn new(ticket: Ticket, order: u64, salt: Salt, block_tokens: usize, start: Instant) -> Self {
+    /// under the node's salt `node` within the request's namespace (or as the router hashed it
+    /// already).
+    pub(super) fn new(ticket: Ticket, order: u64, node: Salt, block_tokens: usize, start: Instant) -> Self {
+        let salt = ticket.req.salt(node);
         let chain = ticket.req.block_hashes(salt, block_tokens);
         let req = &ticket.req;
         let len = req.prompt.len();
@@ -72,6 +76,7 @@ impl Run {
             start,
             prefilled: false,
             onboarded: false,
+            salt,
             ticket,
         }
     }
@@ -120,14 +125,14 @@ impl Run {
 
     /// Counts `take` more tokens computed and answers the blocks that completed with them; a
     /// generated block gets its hash now.
-    pub(super) fn advance_by(&mut self, take: usize, salt: Salt, block_tokens: usize) -> Range<usize> {
+    pub(super) fn advance_by(&mut self, take: usize, block_tokens: usize) -> Range<usize> {
         let b = block_tokens;
         let before = self.computed;
         self.computed += take;
         for i in before / b..self.computed / b {
             if i == self.chain.len() {
                 let parent = self.chain.last().copied();
-                let hash = BlockHasher::new(salt, b).hash_block(parent, &self.tokens[i * b..(i + 1) * b]);
+                let hash = BlockHasher::new(self.salt, b).hash_block(parent, &self.tokens[i * b..(i + 1) * b]);
                 self.chain.push(hash);
             }
         }

@@ -639,7 +639,7 @@ impl SimulatedEngine {
     fn advance(&mut self, seq: &mut SimSeq, take: usize) -> Option<Result<Finish, WorkerError>> {
         let b = self.node.block_tokens;
         let now = now_ms(self.epoch);
-        for i in seq.run.advance_by(take, self.node.salt, b) {
+        for i in seq.run.advance_by(take, b) {
             self.register(seq, i, now);
             self.write_through(seq, i, Landed::Computed, now);
         }

@@ -61,6 +61,34 @@ pub struct FrontendSection {
     pub responses_store: usize,
     /// A stored response is forgotten after this long. Default `"24h"`.
     pub responses_ttl: HumanDuration,
+    /// `[frontend.auth]`: API keys and the tenants they name. Default: none (every request is
+    /// served, in one shared cache namespace).
+    pub auth: AuthSection,
+}
+
+/// `[frontend.auth]`: who may call the API, and whose cache a request uses.
+///
+/// With no keys every request is served and all of them share one cache namespace; the node warns
+/// at start when it listens beyond loopback like that. With keys, every API route needs one
+/// (`Authorization: Bearer KEY`, as the OpenAI SDK sends it, or `x-api-key: KEY`, as the Anthropic
+/// SDK does), and each tenant's blocks are hashed under a salt of its own, so no tenant can reuse,
+/// or probe, another's cached prefix.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthSection {
+    /// The accepted keys, each naming its tenant: `[[frontend.auth.keys]]` tables of `key` and
+    /// `tenant`. Several keys may name one tenant (key rotation). Default: none.
+    pub keys: Vec<ApiKey>,
+}
+
+/// One accepted API key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKey {
+    /// The key as clients send it.
+    pub key: String,
+    /// The tenant it names: requests with this key share one cache namespace.
+    pub tenant: String,
 }
 
 impl Default for FrontendSection {
@@ -85,6 +113,7 @@ impl Default for FrontendSection {
             replay_ttl: HumanDuration::mins(60),
             responses_store: 1024,
             responses_ttl: HumanDuration::mins(24 * 60),
+            auth: AuthSection::default(),
         }
     }
 }

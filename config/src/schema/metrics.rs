@@ -17,6 +17,9 @@ pub struct MetricsSection {
     /// Upper bounds (seconds) of latency histogram buckets, positive and strictly increasing.
     /// Default: 100 µs to 60 s in 1-2.5-5 steps.
     pub latency_buckets_seconds: Vec<f64>,
+    /// When set, `/metrics` answers only requests with `Authorization: Bearer TOKEN` (Prometheus:
+    /// `authorization: {credentials: TOKEN}` in the scrape config); others get 401. Default: unset.
+    pub bearer_token: Option<String>,
 }
 
 impl Default for MetricsSection {
@@ -25,6 +28,7 @@ impl Default for MetricsSection {
             enabled: true,
             listen: "127.0.0.1:9090".to_owned(),
             latency_buckets_seconds: DEFAULT_BUCKETS.to_vec(),
+            bearer_token: None,
         }
     }
 }

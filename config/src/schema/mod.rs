@@ -15,7 +15,7 @@ mod tiers;
 
 pub use blocks::{BlocksSection, ChecksumKind};
 pub use engine::{DeviceKind, EngineKind, EngineSection};
-pub use frontend::FrontendSection;
+pub use frontend::{ApiKey, AuthSection, FrontendSection};
 pub use metrics::MetricsSection;
 pub use model::ModelSection;
 pub use node::{LogFormat, NodeSection};

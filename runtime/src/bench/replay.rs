@@ -911,7 +911,12 @@ async fn run_session(
         let submitted_at = Instant::now();
         let submitted = match scheduler
             .call(
-                |reply| SchedulerMsg::Submit { req, session: Some(id.clone()), hints: Default::default(), reply },
+                |reply| SchedulerMsg::Submit {
+                    req: Box::new(req),
+                    session: Some(id.clone()),
+                    hints: Default::default(),
+                    reply,
+                },
                 None,
             )
             .await?

@@ -102,7 +102,7 @@ impl Answer {
         let replay = tail
             .generation_prompt
             .filter(|_| inner.replay.enabled())
-            .map(|prompt| (request.session_id.clone().unwrap_or_default(), prompt));
+            .map(|prompt| (request.session_id.clone().unwrap_or_else(|| request.tenant.unnamed_session()), prompt));
         let stop_token_ids = request.stop_token_ids.clone();
         let suffix = request.request_id.split_once('-').map_or(request.request_id.as_str(), |(_, s)| s).to_owned();
         Answer {

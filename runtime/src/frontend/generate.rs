@@ -53,8 +53,13 @@ pub struct GenerateRequest {
     pub seed: Option<u64>,
     /// Generation finishes with [`FinishReason::Stop`] after emitting one of these.
     pub stop_token_ids: Vec<u32>,
-    /// The conversation this request continues: the `x-session-id` header, else the `user` field.
+    /// The conversation this request continues, as its tenant's session key (the session headers
+    /// agents send, else the body's `metadata.user_id`, `prompt_cache_key` or `user`).
     pub session_id: Option<String>,
+    /// Whose request it is: its blocks are cached under the tenant's own namespace.
+    pub tenant: super::Tenant,
+    /// The request's `cache_salt` (vLLM's field): narrows the tenant's namespace further.
+    pub cache_salt: Option<String>,
     /// Agent hints (`nvext`).
     pub hints: AgentHints,
     /// The answer's tokens when the engine is scripted (`engine.kind = "scripted"`): computed,

@@ -13,6 +13,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::FrontendState;
+use super::auth::Caller;
 use super::error::ApiError;
 
 pub(super) async fn health() -> impl IntoResponse {
@@ -64,19 +65,19 @@ pub(super) fn counted(route: super::Route, response: Response) -> Response {
 /// at a time: rendering and tokenizing a long conversation never holds an async thread.
 pub(super) async fn prepare_off_thread<T, P, F>(
     state: &FrontendState,
-    headers: HeaderMap,
+    caller: Caller,
     body: Body,
     prepare: F,
 ) -> Result<P, ApiError>
 where
     T: serde::de::DeserializeOwned + Send + 'static,
     P: Send + 'static,
-    F: FnOnce(&FrontendState, &HeaderMap, T) -> Result<P, ApiError> + Send + 'static,
+    F: FnOnce(&FrontendState, &Caller, T) -> Result<P, ApiError> + Send + 'static,
 {
-    let bytes = read_body(state, &headers, body).await?;
+    let bytes = read_body(state, &caller.headers, body).await?;
     let _permit = state.inner.preparing.clone().acquire_owned().await.map_err(|_| ApiError::internal("closed"))?;
     let state = state.clone();
-    tokio::task::spawn_blocking(move || parse::<T>(&bytes).and_then(|req| prepare(&state, &headers, req)))
+    tokio::task::spawn_blocking(move || parse::<T>(&bytes).and_then(|req| prepare(&state, &caller, req)))
         .await
         .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
 }
@@ -151,17 +152,61 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
-/// The conversation of a request: the `x-session-id` header, else the `user` field, as its
-/// [`session_key`].
-pub(super) fn session_id(headers: &HeaderMap, user: Option<String>) -> Option<String> {
-    match headers.get("x-session-id").map(|v| v.as_bytes()).filter(|v| !v.is_empty()) {
-        Some(header) => Some(session_key(header)),
-        None => user.filter(|u| !u.is_empty()).map(|u| session_key(u.as_bytes())),
+/// The headers that name a request's conversation, in the order they are looked at: Claude Code's,
+/// Codex's, the generic one, and NVIDIA Dynamo's.
+const SESSION_HEADERS: [&str; 4] = ["x-claude-code-session-id", "session-id", "x-session-id", "x-dynamo-session-id"];
+
+/// What a request's body says about its conversation, looked at after [`SESSION_HEADERS`].
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SessionFields<'a> {
+    /// Anthropic's `metadata.user_id`: Claude Code puts its session id in it
+    /// ([`claude_code_session`]).
+    pub(super) metadata_user_id: Option<&'a str>,
+    /// OpenAI's `prompt_cache_key` (Codex sends its thread id).
+    pub(super) prompt_cache_key: Option<&'a str>,
+    /// OpenAI's `user`.
+    pub(super) user: Option<&'a str>,
+}
+
+/// The conversation of a request, as its tenant's [`session_key`]: the first of
+/// [`SESSION_HEADERS`] it sends, else `metadata.user_id`, else `prompt_cache_key`, else `user`.
+pub(super) fn session_id<'a>(caller: &Caller, fields: SessionFields<'a>) -> Option<String> {
+    let header = SESSION_HEADERS
+        .iter()
+        .find_map(|name| caller.headers.get(*name).map(|v| v.as_bytes()).filter(|v| !v.is_empty()));
+    let raw: std::borrow::Cow<'_, [u8]> = match header {
+        Some(h) => h.into(),
+        None => {
+            let nonempty = |f: Option<&'a str>| f.filter(|v| !v.is_empty());
+            match nonempty(fields.metadata_user_id) {
+                Some(user_id) => claude_code_session(user_id).into_bytes().into(),
+                None => nonempty(fields.prompt_cache_key).or(nonempty(fields.user))?.as_bytes().into(),
+            }
+        }
+    };
+    Some(caller.tenant.session_key(&raw))
+}
+
+/// The session part of Claude Code's `metadata.user_id`: the `session_id` of its JSON form
+/// (`{"device_id":…,"account_uuid":…,"session_id":…}`), or what follows `_session_` in the older
+/// `user_…_account_…_session_…` form; any other id is the session as it is.
+pub(super) fn claude_code_session(user_id: &str) -> String {
+    if user_id.starts_with('{')
+        && let Ok(Value::Object(o)) = serde_json::from_str::<Value>(user_id)
+        && let Some(Value::String(id)) = o.get("session_id")
+        && !id.is_empty()
+    {
+        return id.clone();
+    }
+    match user_id.rsplit_once("_session_") {
+        Some((_, id)) if !id.is_empty() => id.to_owned(),
+        _ => user_id.to_owned(),
     }
 }
 
 /// The key a client's session id is kept under: a fixed-size digest (32 hex digits of xxh3-128),
-/// since the id is the client's choice and may be megabytes long.
+/// since the id is the client's choice and may be megabytes long. (A named tenant's sessions are
+/// keyed by [`Tenant::session_key`](super::Tenant::session_key), which folds the tenant in.)
 pub fn session_key(raw: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(raw))
 }
@@ -204,4 +249,61 @@ pub(super) fn event_stream(rx: futures::channel::mpsc::Receiver<Result<Bytes, st
         Body::from_stream(rx),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::HeaderValue;
+
+    use super::*;
+    use crate::frontend::Tenant;
+
+    fn caller(headers: &[(&'static str, &str)], tenant: Tenant) -> Caller {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.insert(*name, HeaderValue::from_str(value).unwrap());
+        }
+        Caller { headers: map, tenant }
+    }
+
+    #[test]
+    fn the_session_is_the_first_header_then_the_body_fields_in_order() {
+        let shared = Tenant::default();
+        let key = |raw: &str| Some(session_key(raw.as_bytes()));
+        let fields = SessionFields { metadata_user_id: Some("m"), prompt_cache_key: Some("p"), user: Some("u") };
+        let all = [
+            ("x-claude-code-session-id", "cc"),
+            ("session-id", "codex"),
+            ("x-session-id", "generic"),
+            ("x-dynamo-session-id", "dynamo"),
+        ];
+        for skip in 0..all.len() {
+            let c = caller(&all[skip..], shared.clone());
+            assert_eq!(session_id(&c, fields), key(all[skip].1), "{:?} comes first", all[skip].0);
+        }
+        let none = caller(&[("x-session-id", "")], shared.clone());
+        assert_eq!(session_id(&none, fields), key("m"), "an empty header names nothing");
+        assert_eq!(session_id(&none, SessionFields { metadata_user_id: None, ..fields }), key("p"));
+        assert_eq!(session_id(&none, SessionFields { user: Some("u"), ..Default::default() }), key("u"));
+        assert_eq!(session_id(&none, SessionFields::default()), None);
+
+        let named = caller(&[("x-session-id", "generic")], Tenant::named("a"));
+        let other = caller(&[("x-session-id", "generic")], Tenant::named("b"));
+        assert_ne!(session_id(&named, fields), session_id(&other, fields), "tenants never share a session");
+        assert_ne!(session_id(&named, fields), key("generic"));
+    }
+
+    #[test]
+    fn claude_codes_user_id_names_its_session_in_both_forms() {
+        let json = r#"{"device_id":"d1","account_uuid":"","session_id":"5f0c-uuid"}"#;
+        assert_eq!(claude_code_session(json), "5f0c-uuid");
+        let old = "user_abc123_account_acc-uuid_session_9d2e-uuid";
+        assert_eq!(claude_code_session(old), "9d2e-uuid");
+        assert_eq!(claude_code_session("plain-user"), "plain-user");
+        assert_eq!(
+            claude_code_session(r#"{"device_id":"d1"}"#),
+            r#"{"device_id":"d1"}"#,
+            "no session_id: the whole id"
+        );
+    }
 }

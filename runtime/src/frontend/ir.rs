@@ -192,8 +192,13 @@ pub struct Conversation {
     pub max_tokens: Option<usize>,
     /// Agent hints (`nvext`).
     pub hints: AgentHints,
-    /// The session, as its [`session_key`](super::session_key).
+    /// The session, as its tenant's [`session_key`](super::Tenant::session_key).
     pub session: Option<String>,
+    /// Whose request it is.
+    pub tenant: super::Tenant,
+    /// The request's `cache_salt`: its blocks are shared only with requests of the same tenant
+    /// and the same salt.
+    pub cache_salt: Option<String>,
     /// Stream the answer.
     pub stream: bool,
 }

@@ -116,6 +116,8 @@ pub(super) fn generate_request(
         seed: conversation.seed,
         stop_token_ids: state.inner.stop_token_ids.clone(),
         session_id: conversation.session.clone(),
+        tenant: conversation.tenant.clone(),
+        cache_salt: conversation.cache_salt.clone(),
         hints: conversation.hints.clone(),
         forced: scripted(state, conversation.assistant_turns())?,
     };
@@ -190,7 +192,8 @@ fn template_messages(
 ) -> Result<(Vec<TemplateMessage>, Vec<Option<Kept>>), ApiError> {
     let inner = &state.inner;
     let escape = |text: &str| escape_special_tokens(text, &inner.specials).into_owned();
-    let session = conversation.session.as_deref().unwrap_or("");
+    let unnamed = conversation.tenant.unnamed_session();
+    let session = conversation.session.as_deref().unwrap_or(&unnamed);
     let mut out = Vec::with_capacity(conversation.turns.len() + 1);
     let mut kept = Vec::with_capacity(conversation.turns.len() + 1);
     let system = texts(&conversation.system);

@@ -44,12 +44,17 @@
 //! escaped before rendering ([`template::escape_special_tokens`]), so a message cannot forge the
 //! template's structure; a legacy completion's prompt is the client's own and is not escaped.
 //!
-//! The session of a request is the `x-session-id` header, else the `user` field (Anthropic:
-//! `x-claude-code-session-id`, else `metadata.user_id`), kept as a digest ([`session_key`]). The
+//! With `[frontend.auth]` keys, every route but `/health` needs an API key ([`auth`]); the key
+//! names the request's [`Tenant`], whose blocks, sessions, replay handles and stored responses no
+//! other tenant sees. The session of a request is the first session header it sends
+//! (`x-claude-code-session-id`, Codex's `session-id`, `x-session-id`, `x-dynamo-session-id`), else
+//! the session in Anthropic's `metadata.user_id`, else `prompt_cache_key`, else `user`, kept as a
+//! digest under its tenant ([`Tenant::session_key`]). The
 //! `nvext` object (agent hints) is parsed into [`AgentHints`].
 
 mod answer;
 mod anthropic;
+pub mod auth;
 pub mod detok;
 pub mod error;
 pub mod generate;
@@ -73,6 +78,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use dynamo_config::FrontendSection;
 
+pub use auth::{Tenant, constant_time_eq};
 pub use error::ApiError;
 pub use generate::{AgentHints, FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator, RegionRanges};
 pub use http::session_key;
@@ -108,6 +114,8 @@ struct Inner {
     preparing: Arc<tokio::sync::Semaphore>,
     limits: server::ServerLimits,
     allowed_hosts: Vec<String>,
+    /// `[frontend.auth]`: the API keys and their tenants.
+    keys: Arc<auth::Keys>,
     /// `frontend.reasoning_parser` (checked at start: [`check_parsers`]).
     reasoning: Option<parsers::ReasoningKind>,
     /// `frontend.tool_call_parser`.
@@ -184,6 +192,7 @@ impl FrontendState {
                     max_connections: config.max_connections,
                 },
                 allowed_hosts: config.allowed_hosts.clone(),
+                keys: Arc::new(auth::Keys::new(&config.auth)),
                 reasoning: config.reasoning_parser.as_deref().and_then(parsers::ReasoningKind::from_name),
                 tools: config.tool_call_parser.as_deref().and_then(parsers::ToolFormat::from_name),
                 strip_anthropic_preamble: config.strip_anthropic_preamble,
@@ -295,6 +304,7 @@ pub fn check_parsers(config: &FrontendSection) -> Result<(), String> {
 pub fn router(state: FrontendState, loopback_only: bool) -> Router {
     let max_body = state.inner.max_body;
     let hosts = Arc::new(guard::HostGuard::new(loopback_only, &state.inner.allowed_hosts));
+    let keys = state.inner.keys.clone();
     Router::new()
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
         .route("/v1/completions", post(openai::chat::completions))
@@ -308,6 +318,7 @@ pub fn router(state: FrontendState, loopback_only: bool) -> Router {
         .fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(keys, auth::check_key))
         .layer(axum::middleware::from_fn_with_state(hosts, guard::check_host))
         .with_state(state)
 }

@@ -55,6 +55,35 @@ impl fmt::Debug for Salt {
     }
 }
 
+/// A private cache namespace within a model's salt: a tenant, narrowed further by a request's
+/// `cache_salt`. Blocks hashed [`within`](Salt::within) two different namespaces (or one and the
+/// shared namespace) never have the same hash, so neither can hit, or probe, the other's.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Namespace(u128);
+
+impl fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Namespace({:032x})", self.0)
+    }
+}
+
+impl Namespace {
+    /// The namespace of `tenant` (empty for the shared tenant) narrowed by `cache_salt` (empty
+    /// for none); `None` when both are empty: the shared namespace, whose salt is the model's.
+    pub fn new(tenant: &str, cache_salt: &str) -> Option<Namespace> {
+        if tenant.is_empty() && cache_salt.is_empty() {
+            return None;
+        }
+        let mut buf = Vec::with_capacity(40 + tenant.len() + cache_salt.len());
+        buf.extend_from_slice(b"dynamo-node/namespace");
+        for field in [tenant, cache_salt] {
+            buf.extend_from_slice(&(field.len() as u64).to_le_bytes());
+            buf.extend_from_slice(field.as_bytes());
+        }
+        Some(Namespace(xxh3_128(&buf)))
+    }
+}
+
 /// What a salt is made of. Every field is length-prefixed before hashing, so no two different
 /// inputs encode to the same bytes (`("ab", "c")` and `("a", "bc")` give different salts).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -82,6 +111,21 @@ impl Salt {
             buf.extend_from_slice(field.as_bytes());
         }
         Self(xxh3_128(&buf))
+    }
+}
+
+impl Salt {
+    /// The salt of `namespace` within this one (`self` itself for the shared namespace).
+    pub fn within(self, namespace: Option<Namespace>) -> Salt {
+        match namespace {
+            None => self,
+            Some(ns) => {
+                let mut buf = [0u8; 32];
+                buf[..16].copy_from_slice(&self.0.to_le_bytes());
+                buf[16..].copy_from_slice(&ns.0.to_le_bytes());
+                Salt(xxh3_128(&buf))
+            }
+        }
     }
 }
 
@@ -195,6 +239,29 @@ mod tests {
         bytes.extend_from_slice(&first.0.to_le_bytes());
         bytes.extend_from_slice(&[5, 0, 0, 0, 6, 0, 0, 0]);
         assert_eq!(second, BlockHash(xxh3_128(&bytes)), "the documented scheme, byte for byte");
+    }
+
+    #[test]
+    fn namespaces_share_no_block_with_each_other_or_the_shared_one() {
+        let model = salt("");
+        assert_eq!(Namespace::new("", ""), None, "no tenant and no cache_salt: the shared namespace");
+        assert_eq!(model.within(None), model);
+        let spaces = [
+            Namespace::new("a", ""),
+            Namespace::new("b", ""),
+            Namespace::new("a", "x"),
+            Namespace::new("", "x"),
+            Namespace::new("ax", ""),
+            Namespace::new("a", "x"),
+        ];
+        assert_eq!(spaces[2], spaces[5], "the same tenant and salt: the same namespace");
+        let tokens: Vec<u32> = (0..8).collect();
+        let mut seen = HashSet::new();
+        seen.insert(BlockHasher::new(model, 4).hash_sequence(&tokens)[0]);
+        for ns in &spaces[..5] {
+            let first = BlockHasher::new(model.within(*ns), 4).hash_sequence(&tokens)[0];
+            assert!(seen.insert(first), "{ns:?} shares a block hash");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 pub mod hash;
 pub mod image;
 
-pub use hash::{BlockHash, BlockHasher, HASH_SCHEME_VERSION, Salt, SaltInputs, TokenId};
+pub use hash::{BlockHash, BlockHasher, HASH_SCHEME_VERSION, Namespace, Salt, SaltInputs, TokenId};
 pub use image::{
     BlockLayout, HEADER_LEN, ImageError, ImageHeader, ImageSpec, KvDtype, RetentionMeta, payload_mut, seal,
     verify_image,

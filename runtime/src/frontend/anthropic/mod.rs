@@ -12,22 +12,23 @@
 //! non-empty `signature` (the turn's replay handle; with `thinking.display: "omitted"` the text
 //! is left out), `tool_use` blocks with the parsed input, and usage as Anthropic defines it.
 //!
-//! The session is Claude Code's `x-claude-code-session-id` header, else `x-session-id`, else
-//! `metadata.user_id`.
+//! The session is the first session header sent (Claude Code's `x-claude-code-session-id` among
+//! them), else the session id in `metadata.user_id` (Claude Code's JSON form or its older
+//! `user_…_session_…` form), as [`session_id`] reads them.
 
 mod render;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::FrontendState;
+use super::auth::Caller;
 use super::error::ApiError;
-use super::http::{prepare_off_thread, request_id, session_key};
+use super::http::{SessionFields, prepare_off_thread, request_id, session_id};
 use super::ir::{Block, CacheMark, Conversation, Role, Thinking, ToolChoice, ToolDef, Turn};
 use super::lower;
 use crate::metrics;
@@ -57,6 +58,10 @@ pub(super) struct MessagesRequest {
     stream: bool,
     #[serde(default)]
     metadata: Option<Metadata>,
+    /// vLLM's `cache_salt`, taken here too: the request's blocks are shared only with requests
+    /// of the same salt.
+    #[serde(default)]
+    cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -211,7 +216,7 @@ fn tool_choice(choice: Option<&Value>, tools: &[ToolDef]) -> Result<ToolChoice, 
 /// The request as a [`Conversation`].
 fn conversation(
     state: &FrontendState,
-    headers: &HeaderMap,
+    caller: &Caller,
     req: MessagesRequest,
     count_only: bool,
 ) -> Result<Conversation, ApiError> {
@@ -258,14 +263,8 @@ fn conversation(
         },
         None => Thinking::default(),
     };
-    let session = headers
-        .get("x-claude-code-session-id")
-        .or_else(|| headers.get("x-session-id"))
-        .filter(|v| !v.is_empty())
-        .map(|v| v.as_bytes().to_vec())
-        .or_else(|| req.metadata.as_ref().and_then(|m| m.user_id.clone()).map(String::into_bytes))
-        .filter(|k| !k.is_empty())
-        .map(|k| session_key(&k));
+    let user_id = req.metadata.as_ref().and_then(|m| m.user_id.as_deref());
+    let session = session_id(caller, SessionFields { metadata_user_id: user_id, ..Default::default() });
     Ok(Conversation {
         model: req.model,
         system,
@@ -281,14 +280,16 @@ fn conversation(
         max_tokens,
         hints: Default::default(),
         session,
+        tenant: caller.tenant.clone(),
+        cache_salt: req.cache_salt,
         stream: req.stream,
     })
 }
 
-pub(super) async fn count_tokens(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
-    let counted = prepare_off_thread(&state, headers, body, |state, headers, req: MessagesRequest| {
+pub(super) async fn count_tokens(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {
+    let counted = prepare_off_thread(&state, caller, body, |state, caller, req: MessagesRequest| {
         lower::check_model(state, &req.model)?;
-        let conversation = conversation(state, headers, req, true)?;
+        let conversation = conversation(state, caller, req, true)?;
         Ok(lower::lower(state, &conversation)?.prompt.len())
     })
     .await;
@@ -300,11 +301,11 @@ pub(super) async fn count_tokens(State(state): State<FrontendState>, headers: He
     response
 }
 
-pub(super) async fn messages(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
+pub(super) async fn messages(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {
     let arrived = Instant::now();
-    let prepared = prepare_off_thread(&state, headers, body, |state, headers, req: MessagesRequest| {
+    let prepared = prepare_off_thread(&state, caller, body, |state, caller, req: MessagesRequest| {
         lower::check_model(state, &req.model)?;
-        let conversation = conversation(state, headers, req, false)?;
+        let conversation = conversation(state, caller, req, false)?;
         let lowered = lower::lower(state, &conversation)?;
         let (request, tail) = lower::generate_request(state, &conversation, lowered, request_id("msg"))?;
         Ok(render::Prepared { request, tail, conversation })

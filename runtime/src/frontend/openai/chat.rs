@@ -13,7 +13,6 @@
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use dynamo_config::RegionKind;
 use futures::SinkExt;
@@ -23,9 +22,12 @@ use tokio::time::Instant;
 use super::wire::{ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, StopStrings, ToolChoiceWire};
 use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
+use crate::frontend::auth::Caller;
 use crate::frontend::error::ApiError;
 use crate::frontend::generate::{FinishReason, GenerateRequest};
-use crate::frontend::http::{counted, event_stream, prepare_off_thread, request_id, send_all, session_id};
+use crate::frontend::http::{
+    SessionFields, counted, event_stream, prepare_off_thread, request_id, send_all, session_id,
+};
 use crate::frontend::ir::{Block, BlockKind, Conversation, Output, Role, ToolChoice, ToolDef, Turn, Usage};
 use crate::frontend::lower::{self, Tail};
 
@@ -46,18 +48,18 @@ struct Prepared {
     include_usage: bool,
 }
 
-pub(crate) async fn chat_completions(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn chat_completions(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {
     let arrived = Instant::now();
-    let response = match prepare_off_thread(&state, headers, body, prepare_chat).await {
+    let response = match prepare_off_thread(&state, caller, body, prepare_chat).await {
         Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
     };
     counted(crate::frontend::Route::ChatCompletions, response)
 }
 
-pub(crate) async fn completions(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn completions(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {
     let arrived = Instant::now();
-    let response = match prepare_off_thread(&state, headers, body, prepare_completion).await {
+    let response = match prepare_off_thread(&state, caller, body, prepare_completion).await {
         Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
     };
@@ -139,7 +141,7 @@ pub(super) fn function_tools(tools: Option<Vec<Value>>) -> Vec<ToolDef> {
 }
 
 /// The chat request as a [`Conversation`].
-fn conversation(headers: &HeaderMap, req: ChatCompletionRequest) -> Result<Conversation, ApiError> {
+fn conversation(caller: &Caller, req: ChatCompletionRequest) -> Result<Conversation, ApiError> {
     let temperature = check_sampling(req.temperature, req.n)?;
     let stop = check_stop(req.stop)?;
     let tools = function_tools(req.tools);
@@ -238,25 +240,30 @@ fn conversation(headers: &HeaderMap, req: ChatCompletionRequest) -> Result<Conve
         stop,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
         hints: req.nvext.unwrap_or_default(),
-        session: session_id(headers, req.user),
+        session: session_id(
+            caller,
+            SessionFields {
+                prompt_cache_key: req.prompt_cache_key.as_deref(),
+                user: req.user.as_deref(),
+                ..Default::default()
+            },
+        ),
+        tenant: caller.tenant.clone(),
+        cache_salt: req.cache_salt,
         stream: req.stream,
     })
 }
 
-fn prepare_chat(state: &FrontendState, headers: &HeaderMap, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
+fn prepare_chat(state: &FrontendState, caller: &Caller, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
     lower::check_model(state, &req.model)?;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let conversation = conversation(headers, req)?;
+    let conversation = conversation(caller, req)?;
     let lowered = lower::lower(state, &conversation)?;
     let (request, tail) = lower::generate_request(state, &conversation, lowered, request_id("chatcmpl"))?;
     Ok(Prepared { api: Api::Chat, request, tail, stop: conversation.stop, stream: conversation.stream, include_usage })
 }
 
-fn prepare_completion(
-    state: &FrontendState,
-    headers: &HeaderMap,
-    req: CompletionRequest,
-) -> Result<Prepared, ApiError> {
+fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionRequest) -> Result<Prepared, ApiError> {
     lower::check_model(state, &req.model)?;
     let temperature = check_sampling(req.temperature, req.n)?;
     let stop = check_stop(req.stop)?;
@@ -310,7 +317,9 @@ fn prepare_completion(
             temperature,
             seed: req.seed,
             stop_token_ids: inner.stop_token_ids.clone(),
-            session_id: session_id(headers, req.user),
+            session_id: session_id(caller, SessionFields { user: req.user.as_deref(), ..Default::default() }),
+            tenant: caller.tenant.clone(),
+            cache_salt: req.cache_salt,
             hints: req.nvext.unwrap_or_default(),
             forced: lower::scripted(state, 0)?,
         },

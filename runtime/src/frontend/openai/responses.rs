@@ -25,7 +25,6 @@
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use futures::SinkExt;
 use serde::Deserialize;
@@ -37,10 +36,11 @@ use super::store::Stored;
 use super::wire::ToolChoiceWire;
 use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
+use crate::frontend::auth::Caller;
 use crate::frontend::error::{ApiError, clip};
 use crate::frontend::generate::{AgentHints, FinishReason, GenerateRequest};
 use crate::frontend::http::{
-    counted, event_stream, named_event, prepare_off_thread, request_id, send_all, session_id, session_key,
+    SessionFields, counted, event_stream, named_event, prepare_off_thread, request_id, send_all, session_id,
 };
 use crate::frontend::ir::{Block, BlockKind, Conversation, Finish, Output, Role, Turn, Usage};
 use crate::frontend::lower::{self, Tail};
@@ -279,7 +279,7 @@ fn listed_items(input: &Option<Input>, response_id: &str) -> Vec<Value> {
         .collect()
 }
 
-fn prepare(state: &FrontendState, headers: &HeaderMap, req: ResponsesRequest) -> Result<Prepared, ApiError> {
+fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Result<Prepared, ApiError> {
     lower::check_model(state, &req.model)?;
     if req.background == Some(true) {
         return Err(ApiError::Unsupported {
@@ -303,7 +303,7 @@ fn prepare(state: &FrontendState, headers: &HeaderMap, req: ResponsesRequest) ->
                 Some("previous_response_id"),
             ));
         }
-        Some(id) => Some(state.inner.responses.get(id).ok_or_else(|| ApiError::NotFound {
+        Some(id) => Some(state.inner.responses.get(&caller.tenant, id).ok_or_else(|| ApiError::NotFound {
             code: "previous_response_not_found",
             message: format!("Previous response with id '{}' not found.", clip(id, 128)),
             param: Some("previous_response_id".into()),
@@ -329,14 +329,12 @@ fn prepare(state: &FrontendState, headers: &HeaderMap, req: ResponsesRequest) ->
         Some(Input::Text(text)) => vec![Turn::new(Role::User, vec![Block::text(text.clone())])],
         Some(Input::Items(items)) => turns(items)?,
     });
-    let session = req
-        .prompt_cache_key
-        .as_deref()
-        .filter(|k| !k.is_empty())
-        .map(|k| session_key(k.as_bytes()))
-        .or_else(|| headers.get("session-id").filter(|v| !v.is_empty()).map(|v| session_key(v.as_bytes())))
-        .or_else(|| session_id(headers, req.user.clone()))
-        .or_else(|| previous.as_ref().and_then(|p| p.session.clone()));
+    let fields = SessionFields {
+        prompt_cache_key: req.prompt_cache_key.as_deref(),
+        user: req.user.as_deref(),
+        ..Default::default()
+    };
+    let session = session_id(caller, fields).or_else(|| previous.as_ref().and_then(|p| p.session.clone()));
     let conversation = Conversation {
         model: req.model.clone(),
         system: req.instructions.iter().map(|i| Block::text(i.clone())).collect(),
@@ -357,6 +355,8 @@ fn prepare(state: &FrontendState, headers: &HeaderMap, req: ResponsesRequest) ->
         max_tokens: req.max_output_tokens,
         hints: req.nvext.unwrap_or_default(),
         session,
+        tenant: caller.tenant.clone(),
+        cache_salt: None,
         stream: req.stream,
     };
     if conversation.turns.is_empty() {
@@ -391,9 +391,9 @@ fn prepare(state: &FrontendState, headers: &HeaderMap, req: ResponsesRequest) ->
     Ok(Prepared { request, tail, conversation, echo, input_items: items })
 }
 
-pub(crate) async fn create(State(state): State<FrontendState>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn create(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {
     let arrived = Instant::now();
-    let response = match prepare_off_thread(&state, headers, body, prepare).await {
+    let response = match prepare_off_thread(&state, caller, body, prepare).await {
         Ok(prepared) => run(state, prepared, arrived).await,
         Err(e) => e.into_response(),
     };
@@ -408,16 +408,16 @@ fn not_found(id: &str) -> ApiError {
     }
 }
 
-pub(crate) async fn retrieve(State(state): State<FrontendState>, Path(id): Path<String>) -> Response {
-    let response = match state.inner.responses.get(&id) {
+pub(crate) async fn retrieve(State(state): State<FrontendState>, caller: Caller, Path(id): Path<String>) -> Response {
+    let response = match state.inner.responses.get(&caller.tenant, &id) {
         Some(stored) => axum::Json(stored.response.clone()).into_response(),
         None => not_found(&id).into_response(),
     };
     counted(crate::frontend::Route::Responses, response)
 }
 
-pub(crate) async fn delete(State(state): State<FrontendState>, Path(id): Path<String>) -> Response {
-    let response = if state.inner.responses.remove(&id) {
+pub(crate) async fn delete(State(state): State<FrontendState>, caller: Caller, Path(id): Path<String>) -> Response {
+    let response = if state.inner.responses.remove(&caller.tenant, &id) {
         axum::Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
     } else {
         not_found(&id).into_response()
@@ -438,10 +438,11 @@ pub(crate) struct ListQuery {
 
 pub(crate) async fn input_items(
     State(state): State<FrontendState>,
+    caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<ListQuery>,
 ) -> Response {
-    let response = match state.inner.responses.get(&id) {
+    let response = match state.inner.responses.get(&caller.tenant, &id) {
         None => not_found(&id).into_response(),
         Some(stored) => {
             let mut items: Vec<&Value> = stored.input_items.iter().collect();
@@ -555,7 +556,13 @@ fn finish_response(state: &FrontendState, prepared: Finished, answer: &Answer, f
         turns.push(output_turn(answer.blocks()));
         state.inner.responses.insert(
             echo.id.clone(),
-            Stored { response: object.clone(), input_items, turns, session: conversation.session },
+            Stored {
+                response: object.clone(),
+                input_items,
+                turns,
+                session: conversation.session,
+                tenant: conversation.tenant,
+            },
         );
     }
     object

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde_json::Value;
 
+use crate::frontend::Tenant;
 use crate::frontend::ir::Turn;
 
 /// One stored response.
@@ -22,6 +23,8 @@ pub(crate) struct Stored {
     pub(crate) turns: Vec<Turn>,
     /// The session it belongs to.
     pub(crate) session: Option<String>,
+    /// Whose it is: no other tenant can read, continue or delete it.
+    pub(crate) tenant: Tenant,
 }
 
 /// Stored responses by id.
@@ -66,17 +69,22 @@ impl ResponseStore {
         entries.evict(self.max, self.ttl, now);
     }
 
-    /// The response `id`, unless it expired.
-    pub(crate) fn get(&self, id: &str) -> Option<Arc<Stored>> {
+    /// `tenant`'s response `id`, unless it expired (another tenant's is not found).
+    pub(crate) fn get(&self, tenant: &Tenant, id: &str) -> Option<Arc<Stored>> {
         let now = Instant::now();
         let mut entries = self.inner.lock();
         entries.evict(self.max, self.ttl, now);
-        entries.by_id.get(id).map(|(stored, _)| stored.clone())
+        entries.by_id.get(id).filter(|(stored, _)| stored.tenant == *tenant).map(|(stored, _)| stored.clone())
     }
 
-    /// Forgets `id`; whether it was stored.
-    pub(crate) fn remove(&self, id: &str) -> bool {
-        self.inner.lock().by_id.remove(id).is_some()
+    /// Forgets `tenant`'s response `id`; whether it was stored.
+    pub(crate) fn remove(&self, tenant: &Tenant, id: &str) -> bool {
+        let mut entries = self.inner.lock();
+        if entries.by_id.get(id).is_some_and(|(stored, _)| stored.tenant == *tenant) {
+            entries.by_id.remove(id);
+            return true;
+        }
+        false
     }
 }
 
@@ -100,30 +108,49 @@ mod tests {
     use super::*;
 
     fn stored(n: u64) -> Stored {
-        Stored { response: Value::from(n), input_items: Vec::new(), turns: Vec::new(), session: None }
+        Stored {
+            response: Value::from(n),
+            input_items: Vec::new(),
+            turns: Vec::new(),
+            session: None,
+            tenant: Tenant::default(),
+        }
     }
 
     #[test]
     fn bounded_by_count_and_age() {
+        let shared = Tenant::default();
         let store = ResponseStore::new(2, Duration::from_secs(60));
         store.insert("a".into(), stored(1));
         store.insert("b".into(), stored(2));
         store.insert("c".into(), stored(3));
-        assert!(store.get("a").is_none(), "the oldest went first");
-        assert_eq!(store.get("c").unwrap().response, 3);
-        assert!(store.remove("b"));
-        assert!(!store.remove("b"));
+        assert!(store.get(&shared, "a").is_none(), "the oldest went first");
+        assert_eq!(store.get(&shared, "c").unwrap().response, 3);
+        assert!(store.remove(&shared, "b"));
+        assert!(!store.remove(&shared, "b"));
         store.insert("d".into(), stored(4));
-        assert!(store.get("c").is_some() && store.get("d").is_some());
+        assert!(store.get(&shared, "c").is_some() && store.get(&shared, "d").is_some());
 
         let short = ResponseStore::new(8, Duration::from_millis(20));
         short.insert("a".into(), stored(1));
-        assert!(short.get("a").is_some());
+        assert!(short.get(&shared, "a").is_some());
         std::thread::sleep(Duration::from_millis(30));
-        assert!(short.get("a").is_none());
+        assert!(short.get(&shared, "a").is_none());
 
         let off = ResponseStore::new(0, Duration::from_secs(60));
         off.insert("a".into(), stored(1));
-        assert!(!off.enabled() && off.get("a").is_none());
+        assert!(!off.enabled() && off.get(&shared, "a").is_none());
+    }
+
+    #[test]
+    fn a_tenant_sees_only_its_own_responses() {
+        let store = ResponseStore::new(8, Duration::from_secs(60));
+        let (a, b) = (Tenant::named("a"), Tenant::named("b"));
+        store.insert("r".into(), Stored { tenant: a.clone(), ..stored(1) });
+        assert!(store.get(&b, "r").is_none(), "another tenant's response is not found");
+        assert!(!store.remove(&b, "r"), "nor deleted");
+        assert!(store.get(&Tenant::default(), "r").is_none());
+        assert_eq!(store.get(&a, "r").unwrap().response, 1);
+        assert!(store.remove(&a, "r"));
     }
 }

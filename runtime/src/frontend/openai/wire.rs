@@ -45,9 +45,15 @@ pub struct ChatCompletionRequest {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    /// End-user id; the session id when no `x-session-id` header is sent.
+    /// End-user id; the session id when no session header is sent.
     #[serde(default)]
     pub user: Option<String>,
+    /// OpenAI's `prompt_cache_key`: names the session when no session header is sent.
+    #[serde(default)]
+    pub prompt_cache_key: Option<String>,
+    /// vLLM's `cache_salt`: the request's blocks are shared only with requests of the same salt.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
     /// Agent hints.
     #[serde(default)]
     pub nvext: Option<AgentHints>,
@@ -88,9 +94,12 @@ pub struct CompletionRequest {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    /// End-user id; the session id when no `x-session-id` header is sent.
+    /// End-user id; the session id when no session header is sent.
     #[serde(default)]
     pub user: Option<String>,
+    /// vLLM's `cache_salt`: the request's blocks are shared only with requests of the same salt.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
     /// Agent hints.
     #[serde(default)]
     pub nvext: Option<AgentHints>,
