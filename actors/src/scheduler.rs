@@ -29,7 +29,7 @@ use crate::session::{SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::queue::PushError;
-use crate::worker::{GenRequest, Job, JobEvent, PromptHashes, WorkerHandle};
+use crate::worker::{Charge, GenRequest, Job, JobEvent, PromptHashes, WorkerHandle};
 
 /// The SchedulerActor.
 #[derive(Debug)]
@@ -59,8 +59,8 @@ pub struct KvRouting {
     /// The global prefix index, fed by the node's KV events.
     pub index: Arc<PrefixIndex>,
     /// The writer applying those events, if they are not applied where they are published: each
-    /// decision first waits for what was sent to it (microseconds), so it sees every event
-    /// published before it.
+    /// decision first waits, yielding, for what was sent to it (microseconds; at most 2 ms), so
+    /// it sees every event published before it.
     pub writer: Option<Arc<IndexWriter>>,
     /// This node's id in the index (the first node's, with `workers_per_node`).
     pub node: u16,
@@ -191,15 +191,18 @@ impl SchedulerState {
     }
 
     /// KV-aware order: workers by estimated time to first token, with the session's worker and
-    /// temperature sampling applied; also the predicted cached tokens per worker.
+    /// temperature sampling applied; also the predicted cached tokens per worker, the request's
+    /// prefill estimate there, and the prefix blocks it finds in that worker's G1.
     /// The prompt's block hashes are computed here, once, and go to the worker with the request.
-    fn kv_order(&mut self, kv: &KvRouting, req: &mut GenRequest, sticky: Option<usize>) -> Vec<(usize, usize, f64)> {
+    fn kv_order(
+        &mut self,
+        kv: &KvRouting,
+        req: &mut GenRequest,
+        sticky: Option<usize>,
+    ) -> Vec<(usize, usize, f64, usize)> {
         let started = Instant::now();
         let salt = req.salt(kv.salt);
         let hashes = BlockHasher::new(salt, kv.block_tokens).hash_sequence(&req.prompt);
-        if let Some(writer) = &kv.writer {
-            writer.flush();
-        }
         kv.index.find_matches(&hashes, &mut self.matches);
         req.hashes = Some(Arc::new(PromptHashes { salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
         self.matches.views(&mut self.views);
@@ -207,7 +210,7 @@ impl SchedulerState {
             Some(tiers) => kv.cost.measured(&tiers.measured),
             None => kv.cost.clone(),
         };
-        let mut ranked: Vec<(usize, f64, usize, f64)> = Vec::with_capacity(self.workers.len());
+        let mut ranked: Vec<(usize, f64, usize, f64, usize)> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {
             let Some(w) = w else { continue };
             let node = match kv.workers_per_node {
@@ -215,10 +218,9 @@ impl SchedulerState {
                 per => kv.node + (i / per) as u16,
             };
             let prefix = self.views.for_worker(SourceId::worker(node, i as u16));
-            let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
-            let e = cost.estimate(req.prompt.len(), prefix.into(), queued);
+            let e = cost.estimate(req.prompt.len(), prefix.into(), w.load.queued());
             let alone = cost.estimate(req.prompt.len(), prefix.into(), Queued::default()).ttft_s;
-            ranked.push((i, e.ttft_s, e.cached_blocks * kv.block_tokens, alone));
+            ranked.push((i, e.ttft_s, e.cached_blocks * kv.block_tokens, alone, prefix.g1.max(prefix.g1_approximate)));
         }
         ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
         if let (Some(s), Some(best)) = (sticky, ranked.first().map(|r| r.1))
@@ -244,7 +246,7 @@ impl SchedulerState {
             ranked.insert(0, first);
         }
         telemetry::record_router_decision(started.elapsed());
-        ranked.into_iter().map(|(i, _, cached, alone)| (i, cached, alone)).collect()
+        ranked.into_iter().map(|(i, _, cached, alone, g1)| (i, cached, alone, g1)).collect()
     }
 
     /// Workers in the order the policy would try them.
@@ -286,17 +288,30 @@ impl SchedulerState {
         let decode_s = |kv: &KvRouting| {
             hints.expected_output_tokens.unwrap_or(req.max_tokens) as f64 * kv.cost.decode_s_per_token.unwrap_or(0.0)
         };
-        let order: Vec<(usize, Option<usize>, f64)> = match (&self.args.kv, self.args.policy) {
+        // Its blocks: prompt and expected answer (G1 holds both until it ends).
+        let b = self.args.kv.as_ref().map_or(1, |kv| kv.block_tokens.max(1));
+        let blocks = (req.prompt.len() + hints.expected_output_tokens.unwrap_or(req.max_tokens)).div_ceil(b);
+        // (worker, predicted cached tokens, its charge there, engine seconds there)
+        let order: Vec<(usize, Option<usize>, Charge, f64)> = match (&self.args.kv, self.args.policy) {
             (Some(kv), RoutingPolicy::KvAware) => {
                 let kv = kv.clone();
                 let decode = decode_s(&kv);
-                self.kv_order(&kv, &mut req, sticky).into_iter().map(|(i, c, s)| (i, Some(c), s + decode)).collect()
+                if let Some(writer) = &kv.writer {
+                    caught_up(writer).await;
+                }
+                self.kv_order(&kv, &mut req, sticky)
+                    .into_iter()
+                    .map(|(i, c, s, g1)| {
+                        (i, Some(c), Charge { prefill_s: s, blocks: blocks.saturating_sub(g1) }, s + decode)
+                    })
+                    .collect()
             }
             (kv, _) => {
-                let cost = kv.as_ref().map_or(req.prompt.len() as f64, |kv| {
-                    kv.cost.estimate(req.prompt.len(), Default::default(), Queued::default()).ttft_s + decode_s(kv)
+                let (prefill, decode) = kv.as_ref().map_or((0.0, req.prompt.len() as f64), |kv| {
+                    (kv.cost.estimate(req.prompt.len(), Default::default(), Queued::default()).ttft_s, decode_s(kv))
                 });
-                self.order(sticky).into_iter().map(|i| (i, None, cost)).collect()
+                let charge = Charge { prefill_s: prefill, blocks };
+                self.order(sticky).into_iter().map(|i| (i, None, charge, prefill + decode)).collect()
             }
         };
         if order.is_empty() {
@@ -309,14 +324,16 @@ impl SchedulerState {
             predicted_cached: None,
             priority: hints.priority,
             cost_s: 0.0,
+            charge: Charge::default(),
             events,
             queued_at: tokio::time::Instant::now(),
         };
-        for &(i, predicted, cost_s) in &order {
+        for &(i, predicted, charge, cost_s) in &order {
             let Some(handle) = &self.workers[i] else { continue };
             job.predicted_cached = predicted;
             job.cost_s = cost_s;
-            handle.load.add(&job.req);
+            job.charge = charge;
+            handle.load.add(&job.req, charge);
             match handle.queue.try_push(job) {
                 Ok(()) => {
                     if let Some(id) = session {
@@ -325,7 +342,7 @@ impl SchedulerState {
                     return Ok(Submitted { events: rx, worker: i });
                 }
                 Err(PushError::Full(j) | PushError::Closed(j)) => {
-                    handle.load.remove(&j.req, false);
+                    handle.load.remove(&j.req, false, j.charge);
                     job = *j;
                 }
             }
@@ -343,7 +360,7 @@ impl SchedulerState {
             .flatten()
             .filter(|w| w.load.requests() > 0)
             .map(|w| {
-                let queued = Queued { prompt_tokens: w.load.prompt_tokens(), decode_tokens: w.load.decode_tokens() };
+                let queued = w.load.queued();
                 let busy = kv.cost.estimate(1, Default::default(), queued).ttft_s
                     - kv.cost.estimate(1, Default::default(), Queued::default()).ttft_s;
                 busy / w.load.requests() as f64
@@ -381,6 +398,22 @@ impl SchedulerState {
         let _ = actor.cast(SessionMsg::Turn { worker, prompt_tokens });
         self.session_of.insert(actor.get_id(), id.clone());
         self.sessions.insert(id, SessionEntry { actor, last_worker: Some(worker), last_turn: Instant::now() });
+    }
+}
+
+/// Longest a decision waits for the index writer to apply the KV events sent before it.
+const INDEX_CATCH_UP: Duration = Duration::from_millis(2);
+
+/// Waits (yielding the actor's thread, never blocking it) until `writer` has applied what was sent
+/// to it, or [`INDEX_CATCH_UP`] passed: a decision then routes on a view a few events behind,
+/// which costs at most a missed hit, never a wrong answer.
+async fn caught_up(writer: &IndexWriter) {
+    if writer.caught_up() {
+        return;
+    }
+    let deadline = Instant::now() + INDEX_CATCH_UP;
+    while !writer.caught_up() && Instant::now() < deadline {
+        tokio::task::yield_now().await;
     }
 }
 

@@ -5,9 +5,11 @@
 //! ttft(w) = queue(w) + load(G2 run) + load(G3 run) + load(G4 run) + prefill(uncached tokens)
 //! ```
 //!
-//! - `queue(w)`: the work ahead on `w` — the prompt tokens not prefilled yet at the prefill rate,
-//!   plus its tokens to generate at the decode rate times `decode_weight` (1 for an engine that
-//!   serves one request at a time, 0 for one that batches decodes alongside prefills);
+//! - `queue(w)`: the work ahead on `w` — the estimated prefill (and load) time of every request
+//!   queued or prefilling there, each as it was estimated on `w` when it was routed (its cached
+//!   prefix excluded: a queue of mostly cached prompts is short), plus its tokens to generate at
+//!   the decode rate times `decode_weight` (1 for an engine that serves one request at a time, 0
+//!   for one that batches decodes alongside prefills);
 //! - the cached prefix comes from the worker's own G1 (free), then its node's G2, then G3, then
 //!   another node's (G4), each run loaded only if that beats recomputing it (otherwise it is
 //!   counted as prefill);
@@ -126,12 +128,33 @@ pub struct PrefixBlocks {
 }
 
 /// A worker's queued work.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Queued {
-    /// Prompt tokens of the requests queued or running and not prefilled yet.
-    pub prompt_tokens: usize,
-    /// Tokens those requests may generate.
+    /// Engine seconds of the prefills (and loads) of the requests queued or running there and
+    /// not prefilled yet, as each was estimated for this worker.
+    pub prefill_s: f64,
+    /// Tokens the requests queued or running there may generate.
     pub decode_tokens: usize,
+    /// Requests queued or running there.
+    pub requests: usize,
+    /// G1 blocks those requests need of their own (beyond the prefix they share in G1).
+    pub private_blocks: usize,
+    /// The worker's G1 in blocks; 0 when unbounded or unknown (no room term).
+    pub g1_blocks: usize,
+}
+
+impl Queued {
+    /// Seconds until G1 has room for `need` more blocks of a new request's own: none while the
+    /// requests there leave room; otherwise as long as it takes them to free the overflow,
+    /// finishing evenly over twice their mean decode (`decode_s` per token).
+    pub fn room_wait_s(&self, need: usize, decode_s: f64) -> f64 {
+        let overflow = (self.private_blocks + need).saturating_sub(self.g1_blocks);
+        if self.g1_blocks == 0 || overflow == 0 || self.private_blocks == 0 || self.requests == 0 {
+            return 0.0;
+        }
+        let span_s = 2.0 * self.decode_tokens as f64 / self.requests as f64 * decode_s;
+        (overflow as f64 / self.private_blocks as f64).min(1.0) * span_s
+    }
 }
 
 /// The estimate for one worker.
@@ -221,7 +244,10 @@ impl CostModel {
                 cached = held;
             }
         }
-        let queue_s = self.prefill_s(0, queued.prompt_tokens)
+        let decode_s = self.decode_s_per_token.unwrap_or(0.0);
+        let need = prompt_tokens.div_ceil(b).saturating_sub(prefix.g1.min(cap));
+        let queue_s = queued.prefill_s.max(0.0)
+            + queued.room_wait_s(need, decode_s)
             + queued.decode_tokens as f64 * self.decode_s_per_token.unwrap_or(0.0) * self.decode_weight;
         let ttft_s = queue_s + load_s + self.prefill_s(cached * b, prompt_tokens);
         Estimate { ttft_s, cached_blocks: cached }
@@ -315,9 +341,31 @@ mod tests {
         let busy = m.estimate(
             3200,
             PrefixBlocks { g1: 99, ..Default::default() },
-            Queued { prompt_tokens: 3200, decode_tokens: 10 },
+            Queued { prefill_s: 0.1, decode_tokens: 10, ..Queued::default() },
         );
         assert!((busy.ttft_s - warm.ttft_s - 0.2).abs() < 1e-9, "{busy:?}");
+    }
+
+    #[test]
+    fn a_full_g1_makes_a_new_request_wait_for_the_running_ones() {
+        let m = model();
+        // 10 requests decoding 100 tokens each on average, holding 900 of 1000 blocks.
+        let running =
+            Queued { decode_tokens: 1000, requests: 10, private_blocks: 900, g1_blocks: 1000, ..Queued::default() };
+        assert_eq!(running.room_wait_s(100, 0.01), 0.0, "it fits: no wait");
+        // 50 blocks too many: 50/900 of the running requests' span of 2 × 100 × 10 ms.
+        let wait = running.room_wait_s(150, 0.01);
+        assert!((wait - 50.0 / 900.0 * 2.0).abs() < 1e-9, "{wait}");
+        assert_eq!(Queued { g1_blocks: 0, ..running }.room_wait_s(5000, 0.01), 0.0, "unknown G1: no room term");
+        // The estimate counts it, and only for the blocks the prompt does not find in G1.
+        // A prompt of 200 blocks: cold, all 200 are its own; warm, 199 are in G1 already.
+        let cold = m.estimate(6400, PrefixBlocks::default(), running);
+        let none = m.estimate(6400, PrefixBlocks::default(), Queued { g1_blocks: 0, ..running });
+        assert!((cold.ttft_s - none.ttft_s - 100.0 / 900.0 * 2.0).abs() < 1e-9, "{cold:?} vs {none:?}");
+        let warm = m.estimate(6400, PrefixBlocks { g1: 199, ..Default::default() }, running);
+        let warm_alone = m.estimate(6400, PrefixBlocks { g1: 199, ..Default::default() }, Queued::default());
+        let decode_queue = 1000.0 * 0.01;
+        assert!((warm.ttft_s - warm_alone.ttft_s - decode_queue).abs() < 1e-9, "its one block fits: no room wait");
     }
 
     #[test]

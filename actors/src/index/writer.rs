@@ -91,8 +91,16 @@ impl IndexWriter {
         }
     }
 
+    /// Whether every event sent so far has been applied (or its writer thread is gone).
+    pub fn caught_up(&self) -> bool {
+        self.lanes.iter().zip(&self.threads).all(|(lane, thread)| {
+            lane.applied.load(Ordering::Acquire) >= lane.sent.load(Ordering::Relaxed) || thread.is_finished()
+        })
+    }
+
     /// Waits until every event sent before this call is applied (or its writer thread is gone:
-    /// a thread that panicked applies nothing more, and waiting for it would never end).
+    /// a thread that panicked applies nothing more, and waiting for it would never end). Blocks
+    /// the calling thread: not for an actor's handler (the scheduler waits with [`Self::caught_up`]).
     pub fn flush(&self) {
         for (lane, thread) in self.lanes.iter().zip(&self.threads) {
             let target = lane.sent.load(Ordering::Relaxed);

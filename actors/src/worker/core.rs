@@ -516,6 +516,11 @@ impl<B: Backend> Worker<B> {
         self.by_hash.len()
     }
 
+    /// Its G1 in blocks.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
     /// Whether `hash` is resident in this worker's G1.
     pub fn holds(&self, hash: BlockHash) -> bool {
         self.by_hash.contains_key(&hash)

@@ -21,7 +21,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use dynamo_config::QueuePolicy;
 use futures::FutureExt;
@@ -69,6 +69,10 @@ pub trait Engine: 'static {
     fn reset(&mut self, why: &str) -> usize;
     /// Waits until every write-through started so far is acknowledged or failed.
     fn flush(&mut self) -> LocalFuture<'_, ()>;
+    /// Its G1 in blocks, when it has a bounded one (the router's room estimate).
+    fn g1_blocks(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl<B: dynamo_kernels::Backend> Engine for Worker<B> {
@@ -100,6 +104,10 @@ impl<B: dynamo_kernels::Backend> Engine for Worker<B> {
     fn flush(&mut self) -> LocalFuture<'_, ()> {
         Box::pin(Worker::flush(self))
     }
+
+    fn g1_blocks(&self) -> Option<usize> {
+        Some(Worker::pages(self))
+    }
 }
 
 /// A request as an engine serves it: the request, where its events go, and the accounting of its
@@ -113,6 +121,8 @@ pub struct Ticket {
     /// When it was queued (tokio's clock: virtual under a paused one).
     pub queued_at: tokio::time::Instant,
     predicted_cached: Option<usize>,
+    /// What its worker's load counts for it.
+    charge: Charge,
     events: mpsc::UnboundedSender<JobEvent>,
     /// The worker's load it is counted in; `None` for a request served directly
     /// ([`Worker::generate`]), which reports its prefill passes too and no metrics.
@@ -130,8 +140,18 @@ impl std::fmt::Debug for Ticket {
 impl Ticket {
     /// The ticket of a queued job, counted in `load`.
     pub fn new(job: Job, load: Arc<WorkerLoad>) -> Self {
-        let Job { req, predicted_cached, priority, events, queued_at, .. } = job;
-        Self { req, priority, queued_at, predicted_cached, events, load: Some(load), prefilled: false, answered: false }
+        let Job { req, predicted_cached, priority, events, queued_at, charge, .. } = job;
+        Self {
+            req,
+            priority,
+            queued_at,
+            predicted_cached,
+            charge,
+            events,
+            load: Some(load),
+            prefilled: false,
+            answered: false,
+        }
     }
 
     /// The ticket of a request served directly, reporting to `events` (prefill passes included).
@@ -142,6 +162,7 @@ impl Ticket {
             priority: 0,
             queued_at,
             predicted_cached: None,
+            charge: Charge::default(),
             events,
             load: None,
             prefilled: false,
@@ -162,7 +183,7 @@ impl Ticket {
             WorkerEvent::Prefilled { .. } if !self.prefilled => {
                 self.prefilled = true;
                 if let Some(load) = &self.load {
-                    load.prefilled(&self.req);
+                    load.prefilled(&self.req, self.charge);
                 }
             }
             _ => {}
@@ -175,7 +196,7 @@ impl Ticket {
     pub fn finish(mut self, result: Result<GenOutcome, WorkerError>) {
         self.answered = true;
         if let Some(load) = &self.load {
-            load.remove(&self.req, self.prefilled);
+            load.remove(&self.req, self.prefilled, self.charge);
             if self.events.is_closed() && matches!(result, Ok(GenOutcome { finish: Finish::Stop, .. })) {
                 telemetry::record_cancelled(if self.prefilled { "decode" } else { "prefill" });
             }
@@ -202,7 +223,7 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         if !self.answered {
             if let Some(load) = &self.load {
-                load.remove(&self.req, self.prefilled);
+                load.remove(&self.req, self.prefilled, self.charge);
             }
             let _ = self.events.send(JobEvent::Failed(WorkerError::Restarting));
         }
@@ -266,6 +287,8 @@ pub struct Job {
     pub priority: i32,
     /// The scheduler's estimate of the job's engine time in seconds (WSPT's processing time).
     pub cost_s: f64,
+    /// What it adds to the worker's load while it is there, as the scheduler estimated it.
+    pub charge: Charge,
     /// When it was queued (tokio's clock: virtual under a paused one).
     pub queued_at: tokio::time::Instant,
     /// Its events; a closed receiver stops the request at its next token.
@@ -278,6 +301,13 @@ pub struct WorkerLoad {
     requests: AtomicUsize,
     prompt_tokens: AtomicUsize,
     decode_tokens: AtomicUsize,
+    /// Nanoseconds of estimated prefill of the requests not prefilled yet.
+    prefill_ns: AtomicU64,
+    /// G1 blocks the requests queued or running need of their own (beyond the prefix they
+    /// found in G1), as estimated when they were routed.
+    private_blocks: AtomicUsize,
+    /// The engine's G1 in blocks; 0 when unbounded or unknown.
+    g1_blocks: AtomicUsize,
 }
 
 impl WorkerLoad {
@@ -296,27 +326,65 @@ impl WorkerLoad {
         self.decode_tokens.load(Ordering::Relaxed)
     }
 
-    /// `req` was queued.
-    pub fn add(&self, req: &GenRequest) {
+    /// Estimated engine seconds of the prefills (and loads) not done yet: the work ahead of a
+    /// new request's first token here.
+    pub fn prefill_s(&self) -> f64 {
+        self.prefill_ns.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    /// The queued work, as the cost model takes it.
+    pub fn queued(&self) -> crate::cost::Queued {
+        crate::cost::Queued {
+            prefill_s: self.prefill_s(),
+            decode_tokens: self.decode_tokens(),
+            requests: self.requests(),
+            private_blocks: self.private_blocks.load(Ordering::Relaxed),
+            g1_blocks: self.g1_blocks.load(Ordering::Relaxed),
+        }
+    }
+
+    /// `req` was queued, charging this worker `charge`.
+    pub fn add(&self, req: &GenRequest, charge: Charge) {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
         self.decode_tokens.fetch_add(req.max_tokens, Ordering::Relaxed);
+        self.prefill_ns.fetch_add(nanos(charge.prefill_s), Ordering::Relaxed);
+        self.private_blocks.fetch_add(charge.blocks, Ordering::Relaxed);
     }
 
-    /// `req`'s prompt is prefilled: its prompt tokens no longer wait.
-    pub fn prefilled(&self, req: &GenRequest) {
+    /// `req`'s prompt is prefilled: its prompt tokens and its prefill no longer wait.
+    pub fn prefilled(&self, req: &GenRequest, charge: Charge) {
         self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
+        self.prefill_ns.fetch_sub(nanos(charge.prefill_s), Ordering::Relaxed);
     }
 
     /// `req` left (finished, failed, or was never queued); `prefilled` if [`Self::prefilled`]
-    /// was called for it.
-    pub fn remove(&self, req: &GenRequest, prefilled: bool) {
+    /// was called for it; `charge` as it was [added](Self::add).
+    pub fn remove(&self, req: &GenRequest, prefilled: bool, charge: Charge) {
         self.requests.fetch_sub(1, Ordering::Relaxed);
         if !prefilled {
             self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
+            self.prefill_ns.fetch_sub(nanos(charge.prefill_s), Ordering::Relaxed);
         }
         self.decode_tokens.fetch_sub(req.max_tokens, Ordering::Relaxed);
+        self.private_blocks.fetch_sub(charge.blocks, Ordering::Relaxed);
     }
+}
+
+/// What a request adds to its worker's load while it is there, as the router estimated it on
+/// that worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Charge {
+    /// Seconds of its prefill and loads: the worker's queue until its prompt is in.
+    pub prefill_s: f64,
+    /// G1 blocks of its own (prompt and answer beyond the prefix it finds in G1) until it ends.
+    pub blocks: usize,
+}
+
+/// Whole nanoseconds of `seconds` (0 for a negative or unknown estimate), so that what is added
+/// is exactly what is taken away.
+fn nanos(seconds: f64) -> u64 {
+    if seconds.is_finite() && seconds > 0.0 { (seconds * 1e9) as u64 } else { 0 }
 }
 
 /// How the scheduler reaches a worker: its bounded queue and its load.
@@ -516,6 +584,7 @@ async fn serve(
             return;
         }
     };
+    load.g1_blocks.store(engine.g1_blocks().unwrap_or(0), Ordering::Relaxed);
     let _ = ready.send(Ok(()));
     let mut open = true;
     loop {
@@ -534,7 +603,7 @@ async fn serve(
             };
             // Nobody waits for it any more (the client went away or timed out while it was queued).
             if job.events.is_closed() {
-                load.remove(&job.req, false);
+                load.remove(&job.req, false, job.charge);
                 telemetry::record_cancelled("queued");
                 continue;
             }
@@ -575,7 +644,7 @@ async fn restart(
     tracing::error!(worker = id, panic = %what, g1_blocks_removed = dropped, "worker panicked; restarting it");
     telemetry::record_worker_restart(dropped as u64);
     while let Some(queued) = rx.pop().await {
-        load.remove(&queued.req, false);
+        load.remove(&queued.req, false, queued.charge);
         let _ = queued.events.send(JobEvent::Failed(WorkerError::Restarting));
     }
     engine.flush().await;

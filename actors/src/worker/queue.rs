@@ -164,7 +164,15 @@ mod tests {
     fn job(tag: usize, priority: i32, cost_s: f64) -> Job {
         let (events, _) = tokio::sync::mpsc::unbounded_channel();
         let req = GenRequest::greedy(vec![0; tag + 1], 1);
-        Job { req, predicted_cached: None, priority, cost_s, events, queued_at: tokio::time::Instant::now() }
+        Job {
+            req,
+            predicted_cached: None,
+            priority,
+            cost_s,
+            charge: crate::worker::Charge { prefill_s: cost_s, blocks: 0 },
+            events,
+            queued_at: tokio::time::Instant::now(),
+        }
     }
 
     async fn order(q: &JobQueue) -> Vec<usize> {

@@ -787,6 +787,10 @@ impl Engine for SimulatedEngine {
         Box::pin(self.admit_ticket(ticket))
     }
 
+    fn g1_blocks(&self) -> Option<usize> {
+        Some(self.g1_blocks)
+    }
+
     fn has_room(&self) -> bool {
         batch::has_room(self.running.len(), self.preempted.len(), self.max_running)
     }

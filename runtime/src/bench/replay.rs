@@ -51,7 +51,7 @@ pub enum TraceFormat {
 }
 
 /// `bench replay` arguments.
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args)]
 pub struct ReplayArgs {
     /// The trace file (JSON lines).
     #[arg(long, value_name = "FILE")]
@@ -92,6 +92,11 @@ pub struct ReplayArgs {
     /// Replay only the first N requests (Mooncake) or sessions (aiperf).
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Arrival rate against the trace's: `2` sends requests twice as fast (timestamps and
+    /// think-time delays halved), `0.5` half as fast. Several values (`0.25,0.5,1,2`) run the
+    /// comparison once per rate: the load sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub load: Vec<f64>,
     /// `simulated` (virtual time, calibrated H200 timing) or `reference` (the real reference
     /// engine on this machine's CPU, its real G1/G2/G3, in real time; use `--limit`).
     #[arg(long, value_enum, default_value = "simulated")]
@@ -551,6 +556,9 @@ fn parse_sweep(spec: &str) -> anyhow::Result<(String, Vec<ByteSize>)> {
 
 /// Runs the replay and returns the report; writes JSON and plots when asked.
 pub fn run(args: &ReplayArgs) -> anyhow::Result<String> {
+    if args.load.len() > 1 {
+        return sweep_load(args);
+    }
     let (trace, outcomes) = replay(args)?;
     let report = render(&trace, args, &outcomes);
     if let Some(path) = &args.json {
@@ -564,8 +572,92 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<String> {
     Ok(report)
 }
 
+/// `--load 0.25,0.5,…`: the comparison once per arrival rate, then one table of TTFT percentiles
+/// per policy and rate, each KV-aware percentile against the best of the other policies.
+fn sweep_load(args: &ReplayArgs) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let mut table = String::new();
+    let _ = writeln!(table, "\nload sweep ({}):", args.trace.display());
+    let _ = writeln!(
+        table,
+        "{:>6}  {:<12} {:>9} {:>9} {:>9} {:>7}   KV-aware ÷ best other (p50 / p90 / p99)",
+        "load", "routing", "p50 s", "p90 s", "p99 s", "hit %"
+    );
+    let mut json = Vec::new();
+    for &load in &args.load {
+        let one = ReplayArgs { load: vec![load], json: None, plots: None, ..args.clone() };
+        let (trace, outcomes) = replay(&one)?;
+        out.push_str(&render(&trace, &one, &outcomes));
+        json.push(serde_json::json!({"load": load, "report": report_json(&trace, &one, &outcomes)}));
+        // The best configuration under each routing policy, and the baseline.
+        let rows: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| {
+                Policy { routing: RoutingPolicy::KvAware, ..o.policy } == Policy::BEST || o.policy == Policy::BASELINE
+            })
+            .collect();
+        let pct = |o: &Outcome, q: f64| o.percentile_ms(q) / 1e3;
+        let kv = rows.iter().find(|o| o.policy == Policy::BEST);
+        let others: Vec<&&Outcome> =
+            rows.iter().filter(|o| o.policy != Policy::BEST && o.policy != Policy::BASELINE).collect();
+        let best_other = |q: f64| others.iter().map(|o| pct(o, q)).fold(f64::INFINITY, f64::min);
+        let baseline = rows.iter().find(|o| o.policy == Policy::BASELINE);
+        for o in &rows {
+            let ratio = match (kv, o.policy == Policy::BEST) {
+                (Some(kv), true) => {
+                    let mut r = format!(
+                        "{:.2} / {:.2} / {:.2}",
+                        pct(kv, 0.5) / best_other(0.5),
+                        pct(kv, 0.9) / best_other(0.9),
+                        pct(kv, 0.99) / best_other(0.99)
+                    );
+                    if let Some(b) = baseline {
+                        let _ =
+                            write!(r, "; baseline p50 ÷ KV-aware p50 = {:.1}×", pct(b, 0.5) / pct(kv, 0.5).max(1e-9));
+                    }
+                    r
+                }
+                _ => String::new(),
+            };
+            let name = if o.policy == Policy::BASELINE {
+                "baseline".to_owned()
+            } else {
+                policy_name(o.policy.routing).to_owned()
+            };
+            let _ = writeln!(
+                table,
+                "{:>5}×  {:<12} {:>9.2} {:>9.2} {:>9.2} {:>7.1}   {ratio}",
+                load,
+                name,
+                pct(o, 0.5),
+                pct(o, 0.9),
+                pct(o, 0.99),
+                o.hit_rate(None) * 100.0
+            );
+        }
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    out.push_str(&table);
+    Ok(out)
+}
+
 fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
-    let trace = load_trace(&args.trace, args.format, args.limit)?;
+    let mut trace = load_trace(&args.trace, args.format, args.limit)?;
+    let load = match args.load[..] {
+        [one] => one,
+        _ => bail!("--load takes one rate here; bench replay runs a sweep of several itself"),
+    };
+    if !(load.is_finite() && load > 0.0) {
+        bail!("--load {load}: the arrival rate must be a positive factor");
+    }
+    for turn in trace.sessions.iter_mut().flatten() {
+        turn.at_ms /= load;
+        turn.delay_ms /= load;
+    }
     let base = shared(args)?;
     let mut runs: Vec<(Policy, Shared, Capacity)> = Vec::new();
     match &args.sweep {
@@ -1242,6 +1334,7 @@ mod tests {
             compare: vec![Axis::Routing],
             sweep: None,
             limit: None,
+            load: vec![1.0],
             calibration: None,
             engine: ReplayEngine::Simulated,
             config: None,
@@ -1346,6 +1439,50 @@ mod tests {
         assert!(kv.hit_rate(Some(0)) > rr.hit_rate(Some(0)), "{report}");
         assert!(kv.percentile_ms(0.5) <= rr.percentile_ms(0.5), "{report}");
         assert!(kv.hit_rate(None) <= kv.bound_hit_rate + 1e-9, "never above the infinite cache: {report}");
+    }
+
+    #[test]
+    fn a_load_sweep_scales_arrivals_and_tabulates_every_rate() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.jsonl");
+        let mut lines = String::new();
+        for s in 0..4u64 {
+            let first: Vec<u64> = (0..6).chain((100 * (s + 1))..(100 * (s + 1) + 2)).collect();
+            lines.push_str(&format!(
+                "{{\"session_id\":\"s{s}\",\"timestamp\":{},\"input_length\":{},\"output_length\":20,\"hash_ids\":{first:?}}}\n",
+                s * 4000,
+                first.len() * 512
+            ));
+            lines.push_str(&format!(
+                "{{\"session_id\":\"s{s}\",\"input_length\":200,\"output_length\":20,\"hash_ids\":[{}],\"delay\":8000}}\n",
+                9000 + s
+            ));
+        }
+        std::fs::write(&path, lines).unwrap();
+        let slow = ReplayArgs { load: vec![0.5], compare: vec![], ..args(path.clone()) };
+        let fast = ReplayArgs { load: vec![4.0], ..slow.clone() };
+        let (_, slow) = replay(&slow).unwrap();
+        let (_, fast) = replay(&fast).unwrap();
+        // 8 s of think time and 12 s of arrivals: at 8× the rate the trace is over far sooner.
+        assert!(
+            fast[0].virtual_time * 3 < slow[0].virtual_time,
+            "{:?} vs {:?}",
+            fast[0].virtual_time,
+            slow[0].virtual_time
+        );
+
+        let sweep = ReplayArgs { load: vec![0.5, 2.0], json: Some(dir.path().join("sweep.json")), ..args(path) };
+        let report = run(&sweep).unwrap();
+        for row in ["0.5×  kv_aware", "0.5×  round_robin", "0.5×  random", "0.5×  baseline", "2×  kv_aware"] {
+            assert!(report.contains(row), "no `{row}` row:\n{report}");
+        }
+        assert!(report.contains("baseline p50 ÷ KV-aware p50"), "{report}");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join("sweep.json")).unwrap()).unwrap();
+        assert_eq!(json.as_array().map(Vec::len), Some(2), "one report per rate");
+        assert_eq!(json[1]["load"], 2.0);
+        let bad = ReplayArgs { load: vec![0.0], ..sweep };
+        assert!(replay(&bad).is_err(), "a rate of 0 is refused");
     }
 
     #[test]
