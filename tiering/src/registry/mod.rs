@@ -13,8 +13,17 @@
 //! |---|---|---|
 //! | referenced | `refs > 0` | never |
 //! | interior | `refs == 0`, at least one child resident in this tier | never (leaf-first) |
+//! | leased | `refs == 0`, no resident child, `clock < lease_until` | never while the lease lives |
 //! | held | `refs == 0`, no resident child, `clock < retain_until` | only when nothing is evictable: earliest deadline first |
 //! | evictable | otherwise | yes, in policy order |
+//!
+//! Leases ([`lease`](TierRegistry::lease): a client's `cache_control`, held by its session) are
+//! hard where holds are soft: a tier full of leased blocks refuses new ones. The tier that owns the
+//! registry decides which it wants: the lowest tier that keeps a leased block leases it here (so
+//! it is never dropped), the tiers above only hold it (under pressure it is demoted to the tier
+//! below, not lost). A budget ([`with_lease_budget`](TierRegistry::with_lease_budget)) keeps leases
+//! from starving everything else: past it, the lease that ends soonest falls back to plain
+//! retention, and that is counted.
 //!
 //! Holds are soft: they keep a session's context through a tool-call gap against everything
 //! evictable, but a tier full of held blocks still admits new ones by breaking the hold that ends
@@ -143,6 +152,17 @@ impl RegistryError {
     }
 }
 
+/// What the registry's leases have done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeaseStats {
+    /// Blocks whose lease lives (as of the registry's clock), in any state.
+    pub live: usize,
+    /// Leases that ran out.
+    pub expiries_total: u64,
+    /// Leases dropped to plain retention because the budget was exceeded.
+    pub degradations_total: u64,
+}
+
 /// A read-only view of one resident block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EntryView {
@@ -156,6 +176,8 @@ pub struct EntryView {
     pub refs: u32,
     /// Hold deadline (0 for none).
     pub retain_until: Millis,
+    /// Lease deadline (0 for none).
+    pub lease_until: Millis,
     /// Number of this block's children resident in the tier.
     pub resident_children: u32,
     /// Accesses since the block became resident (insert counts as the first).
@@ -173,6 +195,8 @@ pub enum Slot {
     Referenced,
     /// Unreferenced, with resident children.
     Interior,
+    /// Unreferenced leaf whose lease has not expired.
+    Leased,
     /// Unreferenced leaf whose hold has not expired.
     Held,
     /// In the policy's evictable set.
@@ -186,11 +210,12 @@ impl Slot {
             Slot::Interior => 1,
             Slot::Held => 2,
             Slot::Evictable => 3,
+            Slot::Leased => 4,
         }
     }
 }
 
-/// Counts for one region. `referenced + interior + held + evictable == resident`.
+/// Counts for one region. `referenced + interior + leased + held + evictable == resident`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegionStats {
     /// Resident blocks.
@@ -199,6 +224,8 @@ pub struct RegionStats {
     pub referenced: usize,
     /// Unreferenced blocks kept because a child is resident.
     pub interior: usize,
+    /// Unreferenced leaves kept by a live lease.
+    pub leased: usize,
     /// Unreferenced leaves kept by an active hold (as of the registry's clock).
     pub held: usize,
     /// Blocks the policy may evict.
@@ -216,6 +243,8 @@ pub struct RegistryStats {
     pub capacity: usize,
     /// Per region, indexed like [`RegionKind::ALL`].
     pub regions: [(RegionKind, RegionStats); 6],
+    /// Leases.
+    pub leases: LeaseStats,
 }
 
 impl RegistryStats {
@@ -230,6 +259,7 @@ impl RegistryStats {
             acc.resident += s.resident;
             acc.referenced += s.referenced;
             acc.interior += s.interior;
+            acc.leased += s.leased;
             acc.held += s.held;
             acc.evictable += s.evictable;
             acc.evictions_total += s.evictions_total;
@@ -250,6 +280,7 @@ struct Entry {
     priority: u8,
     refs: u32,
     retain_until: Millis,
+    lease_until: Millis,
     last_access: Millis,
     access_count: u32,
     seq: u64,
@@ -280,11 +311,17 @@ pub struct TierRegistry<P: EvictionPolicy = Policy> {
     children: HashMap<BlockHash, u32>,
     /// Unreferenced leaves whose hold had not expired at `clock`, by deadline.
     holds: BTreeSet<(Millis, BlockHash)>,
+    /// Every block whose lease had not expired at `clock` (in any state), by deadline.
+    leases: BTreeSet<(Millis, BlockHash)>,
+    /// Live leases allowed at once.
+    lease_budget: usize,
+    lease_expiries: u64,
+    lease_degradations: u64,
     policy: P,
     clock: Millis,
     seq: u64,
     /// `[region][slot]` counts.
-    counts: [[usize; 4]; 6],
+    counts: [[usize; 5]; 6],
     evictions: [u64; 6],
     removals: [u64; 6],
 }
@@ -305,13 +342,24 @@ impl<P: EvictionPolicy> TierRegistry<P> {
             entries: HashMap::new(),
             children: HashMap::new(),
             holds: BTreeSet::new(),
+            leases: BTreeSet::new(),
+            lease_budget: usize::MAX,
+            lease_expiries: 0,
+            lease_degradations: 0,
             policy,
             clock: 0,
             seq: 0,
-            counts: [[0; 4]; 6],
+            counts: [[0; 5]; 6],
             evictions: [0; 6],
             removals: [0; 6],
         }
+    }
+
+    /// This registry with at most `blocks` live leases: a lease past it makes the one that ends
+    /// soonest fall back to plain retention.
+    pub fn with_lease_budget(mut self, blocks: usize) -> Self {
+        self.lease_budget = blocks;
+        self
     }
 
     /// Capacity in blocks.
@@ -359,6 +407,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
             priority: e.priority,
             refs: e.refs,
             retain_until: e.retain_until,
+            lease_until: e.lease_until,
             resident_children: self.resident_children(h),
             access_count: e.access_count,
             last_access: e.last_access,
@@ -408,6 +457,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
                 priority,
                 refs: 0,
                 retain_until: meta.retain_until,
+                lease_until: 0,
                 last_access: self.clock,
                 access_count: 1,
                 seq,
@@ -476,6 +526,45 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         Ok(())
     }
 
+    /// Leases `h` until `until` (`lease_until = max(old, until)`, judged at the registry's
+    /// clock): while it lives the block is never evicted. Past the lease budget, the lease that
+    /// ends soonest (perhaps this one) falls back to plain retention.
+    pub fn lease(&mut self, h: BlockHash, until: Millis) -> Result<(), RegistryError> {
+        self.check_resident(h)?;
+        let old = self.entries[&h].lease_until;
+        if until <= old || until <= self.clock {
+            return Ok(());
+        }
+        self.detach(h);
+        if old > self.clock {
+            self.leases.remove(&(old, h));
+        }
+        self.entry_mut(h).lease_until = until;
+        self.leases.insert((until, h));
+        self.attach(h);
+        while self.leases.len() > self.lease_budget {
+            let (_, oldest) = self.leases.pop_first().expect("over budget, so not empty");
+            self.detach(oldest);
+            self.entry_mut(oldest).lease_until = 0;
+            self.attach(oldest);
+            self.lease_degradations += 1;
+        }
+        Ok(())
+    }
+
+    /// Ends `h`'s lease now (its session ended): plain retention again. Not counted as an expiry.
+    pub fn unlease(&mut self, h: BlockHash) -> Result<(), RegistryError> {
+        self.check_resident(h)?;
+        let old = self.entries[&h].lease_until;
+        if old > self.clock {
+            self.detach(h);
+            self.leases.remove(&(old, h));
+            self.entry_mut(h).lease_until = 0;
+            self.attach(h);
+        }
+        Ok(())
+    }
+
     /// Sets the priority (clamped to 100), up or down — e.g. generated → conversation when a turn
     /// completes.
     pub fn set_priority(&mut self, h: BlockHash, priority: u8) -> Result<(), RegistryError> {
@@ -528,6 +617,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
                 resident: c.iter().sum(),
                 referenced: c[Slot::Referenced.index()],
                 interior: c[Slot::Interior.index()],
+                leased: c[Slot::Leased.index()],
                 held: c[Slot::Held.index()],
                 evictable: c[Slot::Evictable.index()],
                 evictions_total: self.evictions[i],
@@ -535,7 +625,12 @@ impl<P: EvictionPolicy> TierRegistry<P> {
             };
             (RegionKind::ALL[i], s)
         });
-        RegistryStats { capacity: self.capacity, regions }
+        let leases = LeaseStats {
+            live: self.leases.len(),
+            expiries_total: self.lease_expiries,
+            degradations_total: self.lease_degradations,
+        };
+        RegistryStats { capacity: self.capacity, regions, leases }
     }
 
     // --- internals -------------------------------------------------------------------------
@@ -557,9 +652,20 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         self.children.get(&h).copied().unwrap_or(0)
     }
 
-    /// Advances the clock to `now` (never backwards) and moves expired holds into the policy.
+    /// Advances the clock to `now` (never backwards), ends the leases that ran out and moves
+    /// expired holds into the policy.
     fn advance(&mut self, now: Millis) {
         self.clock = self.clock.max(now);
+        while let Some(&(deadline, h)) = self.leases.first() {
+            if deadline > self.clock {
+                break;
+            }
+            self.leases.pop_first();
+            self.lease_expiries += 1;
+            // Its state follows from its fields at the new clock (held, or evictable).
+            self.detach(h);
+            self.attach(h);
+        }
         while let Some(&(deadline, h)) = self.holds.first() {
             if deadline > self.clock {
                 break;
@@ -581,6 +687,8 @@ impl<P: EvictionPolicy> TierRegistry<P> {
             Slot::Referenced
         } else if self.resident_children(h) > 0 {
             Slot::Interior
+        } else if self.clock < e.lease_until {
+            Slot::Leased
         } else if self.clock < e.retain_until {
             Slot::Held
         } else {
@@ -599,7 +707,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
                 debug_assert!(removed);
             }
             Slot::Evictable => self.policy.remove(h),
-            Slot::Referenced | Slot::Interior => {}
+            Slot::Referenced | Slot::Interior | Slot::Leased => {}
         }
     }
 
@@ -614,7 +722,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
                 self.holds.insert((deadline, h));
             }
             Slot::Evictable => self.policy.insert(h, candidate),
-            Slot::Referenced | Slot::Interior => {}
+            Slot::Referenced | Slot::Interior | Slot::Leased => {}
         }
         self.counts[region][slot.index()] += 1;
         self.entry_mut(h).slot = Some(slot);
@@ -647,6 +755,9 @@ impl<P: EvictionPolicy> TierRegistry<P> {
     fn drop_entry(&mut self, h: BlockHash) -> Evicted {
         let e = self.entries.remove(&h).expect("drop of a resident block");
         debug_assert!(e.slot.is_none());
+        if e.lease_until > self.clock {
+            self.leases.remove(&(e.lease_until, h));
+        }
         if let Some(parent) = e.parent {
             self.remove_child(parent);
         }

@@ -32,6 +32,7 @@ struct MEntry {
     priority: u8,
     refs: u32,
     retain_until: Millis,
+    lease_until: Millis,
     last_access: Millis,
     access_count: u32,
     seq: u64,
@@ -46,6 +47,9 @@ struct Model {
     seq: u64,
     evictions: [u64; 6],
     removals: [u64; 6],
+    lease_budget: usize,
+    lease_expiries: u64,
+    lease_degradations: u64,
 }
 
 fn ri(region: RegionKind) -> usize {
@@ -53,12 +57,60 @@ fn ri(region: RegionKind) -> usize {
 }
 
 impl Model {
-    fn new(capacity: usize, policy: ModelPolicy) -> Self {
-        Self { capacity, policy, entries: HashMap::new(), clock: 0, seq: 0, evictions: [0; 6], removals: [0; 6] }
+    fn new(capacity: usize, policy: ModelPolicy, lease_budget: usize) -> Self {
+        Self {
+            capacity,
+            policy,
+            entries: HashMap::new(),
+            clock: 0,
+            seq: 0,
+            evictions: [0; 6],
+            removals: [0; 6],
+            lease_budget,
+            lease_expiries: 0,
+            lease_degradations: 0,
+        }
     }
 
     fn advance(&mut self, now: Millis) {
-        self.clock = self.clock.max(now);
+        let new = self.clock.max(now);
+        let clock = self.clock;
+        self.lease_expiries += self.entries.values().filter(|e| e.lease_until > clock && e.lease_until <= new).count() as u64;
+        self.clock = new;
+    }
+
+    fn live_leases(&self) -> usize {
+        self.entries.values().filter(|e| e.lease_until > self.clock).count()
+    }
+
+    fn lease(&mut self, h: BlockHash, until: Millis) -> Result<(), RegistryError> {
+        let old = self.resident(h)?.lease_until;
+        if until <= old || until <= self.clock {
+            return Ok(());
+        }
+        self.entries.get_mut(&h).unwrap().lease_until = until;
+        while self.live_leases() > self.lease_budget {
+            let clock = self.clock;
+            let (&oldest, _) = self
+                .entries
+                .iter()
+                .filter(|(_, e)| e.lease_until > clock)
+                .min_by_key(|&(&k, e)| (e.lease_until, k))
+                .unwrap();
+            self.entries.get_mut(&oldest).unwrap().lease_until = 0;
+            self.lease_degradations += 1;
+        }
+        Ok(())
+    }
+
+    fn unlease(&mut self, h: BlockHash) -> Result<(), RegistryError> {
+        self.resident(h)?;
+        let clock = self.clock;
+        let e = self.entries.get_mut(&h).unwrap();
+        if e.lease_until > clock {
+            e.lease_until = 0;
+        }
+        Ok(())
     }
 
     fn next_seq(&mut self) -> u64 {
@@ -76,6 +128,8 @@ impl Model {
             Slot::Referenced
         } else if self.children(h) > 0 {
             Slot::Interior
+        } else if self.clock < e.lease_until {
+            Slot::Leased
         } else if self.clock < e.retain_until {
             Slot::Held
         } else {
@@ -119,6 +173,7 @@ impl Model {
             "victim {h:?} is held while another block was evictable"
         );
         assert_eq!(self.children(h), 0, "victim {h:?} has resident children");
+        assert!(self.clock >= e.lease_until, "victim {h:?} is leased");
         let e = self.entries.remove(&h).unwrap();
         self.evictions[ri(e.region)] += 1;
         Some(Evicted { hash: h, region: e.region, priority: e.priority })
@@ -163,6 +218,7 @@ impl Model {
                 priority,
                 refs: 0,
                 retain_until: meta.retain_until,
+                lease_until: 0,
                 last_access: self.clock,
                 access_count: 1,
                 seq,
@@ -246,6 +302,7 @@ impl Model {
             priority: e.priority,
             refs: e.refs,
             retain_until: e.retain_until,
+            lease_until: e.lease_until,
             resident_children: self.children(h),
             access_count: e.access_count,
             last_access: e.last_access,
@@ -265,11 +322,17 @@ impl Model {
             match self.slot(h) {
                 Slot::Referenced => s.referenced += 1,
                 Slot::Interior => s.interior += 1,
+                Slot::Leased => s.leased += 1,
                 Slot::Held => s.held += 1,
                 Slot::Evictable => s.evictable += 1,
             }
         }
-        RegistryStats { capacity: self.capacity, regions }
+        let leases = LeaseStats {
+            live: self.live_leases(),
+            expiries_total: self.lease_expiries,
+            degradations_total: self.lease_degradations,
+        };
+        RegistryStats { capacity: self.capacity, regions, leases }
     }
 }
 
@@ -280,6 +343,8 @@ enum Op {
     Release { block: usize },
     Touch { block: usize, back: Millis },
     Hold { block: usize, until: Millis },
+    Lease { block: usize, until: Millis },
+    Unlease { block: usize },
     SetPriority { block: usize, priority: u8 },
     Remove { block: usize },
     Evict { max: usize, back: Millis },
@@ -307,6 +372,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => block.clone().prop_map(|block| Op::Release { block }),
         2 => (block.clone(), back()).prop_map(|(block, back)| Op::Touch { block, back }),
         1 => (block.clone(), 0..400u64).prop_map(|(block, until)| Op::Hold { block, until }),
+        1 => (block.clone(), 0..400u64).prop_map(|(block, until)| Op::Lease { block, until }),
+        1 => block.clone().prop_map(|block| Op::Unlease { block }),
         1 => (block.clone(), priority()).prop_map(|(block, priority)| Op::SetPriority { block, priority }),
         1 => block.prop_map(|block| Op::Remove { block }),
         1 => (0..5usize, back()).prop_map(|(max, back)| Op::Evict { max, back }),
@@ -332,6 +399,10 @@ fn parents() -> impl Strategy<Value = Vec<Option<usize>>> {
     })
 }
 
+fn lease_budget() -> impl Strategy<Value = usize> {
+    prop_oneof![2 => Just(usize::MAX), 1 => 0..6usize]
+}
+
 fn capacity() -> impl Strategy<Value = usize> {
     prop_oneof![3 => 0..=8usize, 1 => 0..=UNIVERSE + 2]
 }
@@ -355,15 +426,19 @@ fn check_state(reg: &TierRegistry, model: &Model, step: usize, op: &Op) {
     assert_eq!(reg.next_victim(), model.victim(), "step {step} {op:?}: next victim");
 }
 
-fn run(capacity: usize, kind: ModelPolicy, parents: &[Option<usize>], ops: &[Op]) {
+fn run(capacity: usize, kind: ModelPolicy, lease_budget: usize, parents: &[Option<usize>], ops: &[Op]) {
     let policy = match kind {
         ModelPolicy::Lru => Policy::Lru(LruPolicy::new()),
         ModelPolicy::Lfu(half_life) => Policy::Lfu(LfuPolicy::with_half_life(half_life)),
     };
-    let mut reg = TierRegistry::with_policy(capacity, policy);
-    let mut model = Model::new(capacity, kind);
+    let mut reg = TierRegistry::with_policy(capacity, policy).with_lease_budget(lease_budget);
+    let mut model = Model::new(capacity, kind, lease_budget);
     let mut t: Millis = 0;
     for (step, op) in ops.iter().enumerate() {
+        // A block leased before an operation is still resident after it, unless the operation
+        // removed it by name (a block that failed verification) or its lease ran out first.
+        let leased: Vec<BlockHash> =
+            model.entries.iter().filter(|(_, e)| e.lease_until > t.max(model.clock)).map(|(&h, _)| h).collect();
         match *op {
             Op::Insert { block, region, priority, retain_until, back } => {
                 let meta = BlockMeta {
@@ -398,6 +473,12 @@ fn run(capacity: usize, kind: ModelPolicy, parents: &[Option<usize>], ops: &[Op]
             Op::Hold { block, until } => {
                 assert_eq!(reg.hold(hash(block), until), model.hold(hash(block), until), "step {step} {op:?}");
             }
+            Op::Lease { block, until } => {
+                assert_eq!(reg.lease(hash(block), until), model.lease(hash(block), until), "step {step} {op:?}");
+            }
+            Op::Unlease { block } => {
+                assert_eq!(reg.unlease(hash(block)), model.unlease(hash(block)), "step {step} {op:?}");
+            }
             Op::SetPriority { block, priority } => {
                 assert_eq!(
                     reg.set_priority(hash(block), priority),
@@ -419,6 +500,10 @@ fn run(capacity: usize, kind: ModelPolicy, parents: &[Option<usize>], ops: &[Op]
             Op::Advance { dt } => t += dt,
         }
         check_state(&reg, &model, step, op);
+        for h in leased {
+            let kept = reg.contains(h) || matches!(op, Op::Remove { block } if hash(*block) == h);
+            assert!(kept, "step {step} {op:?}: leased block {h:?} was dropped");
+        }
     }
 }
 
@@ -428,27 +513,30 @@ proptest! {
     #[test]
     fn lru_matches_reference_model(
         capacity in capacity(),
+        budget in lease_budget(),
         parents in parents(),
         ops in proptest::collection::vec(op(), 1..200),
     ) {
-        run(capacity, ModelPolicy::Lru, &parents, &ops);
+        run(capacity, ModelPolicy::Lru, budget, &parents, &ops);
     }
 
     #[test]
     fn lfu_matches_reference_model(
         capacity in capacity(),
+        budget in lease_budget(),
         parents in parents(),
         ops in proptest::collection::vec(op(), 1..200),
     ) {
-        run(capacity, ModelPolicy::Lfu(TEST_HALF_LIFE), &parents, &ops);
+        run(capacity, ModelPolicy::Lfu(TEST_HALF_LIFE), budget, &parents, &ops);
     }
 
     #[test]
     fn lfu_default_half_life_matches_reference_model(
         capacity in capacity(),
+        budget in lease_budget(),
         parents in parents(),
         ops in proptest::collection::vec(op(), 1..200),
     ) {
-        run(capacity, ModelPolicy::Lfu(DEFAULT_HALF_LIFE_MS), &parents, &ops);
+        run(capacity, ModelPolicy::Lfu(DEFAULT_HALF_LIFE_MS), budget, &parents, &ops);
     }
 }
