@@ -104,6 +104,14 @@ pub struct StorePlan {
     pub g2: Option<G2Plan>,
     /// The NVMe store, when G3 is enabled (needs G2).
     pub g3: Option<G3Plan>,
+    /// Fraction of each tier's blocks that leases may pin (`tiers.lease_budget`); past it
+    /// the lease that ends soonest falls back to plain retention.
+    pub lease_budget: f64,
+}
+
+/// Blocks of a registry of `blocks` that leases may pin at `fraction`.
+fn lease_budget(blocks: usize, fraction: f64) -> usize {
+    (blocks as f64 * fraction.clamp(0.0, 1.0)) as usize
 }
 
 /// G2: the pool and its registry.
@@ -222,7 +230,9 @@ impl NodeBuilder {
         let g2 = match &plan.g2 {
             Some(g2) => {
                 let pool = HostPool::new(g2.pool).map_err(BuildError::G2)?;
-                let registry = Arc::new(Mutex::new(TierRegistry::new(g2.resident, g2.policy)));
+                let budget = lease_budget(g2.resident, plan.lease_budget);
+                let registry =
+                    Arc::new(Mutex::new(TierRegistry::new(g2.resident, g2.policy).with_lease_budget(budget)));
                 Some((pool, registry))
             }
             None => None,
@@ -233,7 +243,8 @@ impl NodeBuilder {
                 let found =
                     G3Store::open_recovered(&g3.options, pool, g3.policy, unix_millis()).map_err(BuildError::G3)?;
                 recovery = found.recovery;
-                Some((Arc::new(found.store), Arc::new(Mutex::new(found.registry))))
+                let budget = lease_budget(found.registry.capacity(), plan.lease_budget);
+                Some((Arc::new(found.store), Arc::new(Mutex::new(found.registry.with_lease_budget(budget)))))
             }
             (Some(_), None) => return Err(BuildError::G3WithoutG2),
             (None, _) => None,
@@ -327,6 +338,7 @@ impl NodeStores {
             cost: settings.cost,
             measured: Default::default(),
             observer,
+            leases: Default::default(),
         });
         let store = |watermarks: Watermarks| StoreArgs {
             tiers: tiers.clone(),
@@ -655,6 +667,7 @@ mod tests {
                 policy: PolicyKind::Lru,
                 watermarks: marks(),
             }),
+            lease_budget: 0.5,
         }
     }
 

@@ -36,6 +36,7 @@
 pub mod builder;
 pub mod cost;
 pub mod index;
+pub mod leases;
 pub mod publisher;
 pub mod scheduler;
 pub mod session;

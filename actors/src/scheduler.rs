@@ -18,18 +18,21 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dynamo_config::RegionKind;
 use dynamo_config::RoutingPolicy;
-use dynamo_tiering::block::{BlockHasher, Salt};
+use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
+use dynamo_tiering::pipeline::region_of;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 
 use crate::cost::{CostModel, Queued};
 use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId, WorkerViews};
-use crate::session::{SessionActor, SessionArgs, SessionMsg, SessionRef};
+use crate::leases::LeaseOwner;
+use crate::session::{LeasedChain, SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::queue::PushError;
-use crate::worker::{Charge, GenRequest, Job, JobEvent, PromptHashes, WorkerHandle};
+use crate::worker::{Charge, GenRequest, Job, JobEvent, PromptHashes, WorkerHandle, unix_millis};
 
 /// The SchedulerActor.
 #[derive(Debug)]
@@ -119,18 +122,54 @@ pub struct Submitted {
     pub events: mpsc::UnboundedReceiver<JobEvent>,
     /// The worker.
     pub worker: usize,
+    /// Prompt tokens its leases newly cover (no live lease had them before), for leases of up to
+    /// an hour and for longer ones: Anthropic's `cache_creation` by TTL.
+    pub leased_tokens: LeasedTokens,
+}
+
+/// Prompt tokens newly leased by a request, by TTL.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeasedTokens {
+    /// Under leases shorter than an hour (`ttl: "5m"`).
+    pub short: usize,
+    /// Under leases of an hour or more (`ttl: "1h"`, `prompt_cache_retention: "24h"`).
+    pub long: usize,
+}
+
+/// What a session adds to its request on the way to the scheduler.
+#[derive(Debug)]
+pub struct SessionTurn {
+    /// The session, told where the turn went ([`SessionMsg::Routed`]).
+    pub actor: SessionRef,
+    /// Who its leases belong to.
+    pub owner: LeaseOwner,
+    /// The worker of its last turn.
+    pub sticky: Option<usize>,
 }
 
 /// Messages of the SchedulerActor.
 #[derive(Debug)]
 pub enum SchedulerMsg {
     /// Reply: the request was queued on a worker (its events follow on the receiver), or why not.
-    /// Always answered, without waiting for the request to run.
+    /// Always answered, without waiting for the request to run. A request of a session goes
+    /// through that session's actor first ([`SessionMsg::Submit`]), which sends it back as a
+    /// [`SchedulerMsg::Route`].
     Submit {
         /// The request (boxed: it is most of the message).
         req: Box<GenRequest>,
         /// Its conversation.
         session: Option<String>,
+        /// Agent hints.
+        hints: Hints,
+        /// Where the answer goes.
+        reply: RpcReplyPort<Result<Submitted, SubmitError>>,
+    },
+    /// Reply as for `Submit`: route a request its session has seen.
+    Route {
+        /// The request.
+        req: Box<GenRequest>,
+        /// Its session.
+        session: Option<SessionTurn>,
         /// Agent hints.
         hints: Hints,
         /// Where the answer goes.
@@ -155,8 +194,7 @@ pub struct SchedulerStatus {
 
 struct SessionEntry {
     actor: SessionRef,
-    last_worker: Option<usize>,
-    last_turn: Instant,
+    last_request: Instant,
 }
 
 /// The scheduler's state.
@@ -275,14 +313,13 @@ impl SchedulerState {
         order
     }
 
-    async fn submit(
+    async fn route(
         &mut self,
-        myself: &SchedulerRef,
         mut req: GenRequest,
-        session: Option<String>,
+        session: Option<&SessionTurn>,
         hints: Hints,
-    ) -> Result<Submitted, SubmitError> {
-        let sticky = session.as_ref().and_then(|s| self.sessions.get(s)).and_then(|e| e.last_worker);
+    ) -> Result<(Submitted, Vec<LeasedChain>), SubmitError> {
+        let sticky = session.and_then(|s| s.sticky);
         // Each candidate with the cached tokens expected there and the request's engine time
         // there (WSPT's processing time: its prefill alone plus its expected decode).
         let decode_s = |kv: &KvRouting| {
@@ -317,7 +354,7 @@ impl SchedulerState {
         if order.is_empty() {
             return Err(SubmitError::NoWorkers);
         }
-        let prompt_tokens = req.prompt.len();
+        let leases = self.lease_plan(&mut req);
         let (events, rx) = mpsc::unbounded_channel();
         let mut job = Job {
             req,
@@ -336,10 +373,9 @@ impl SchedulerState {
             handle.load.add(&job.req, charge);
             match handle.queue.try_push(job) {
                 Ok(()) => {
-                    if let Some(id) = session {
-                        self.note_turn(myself, id, i, prompt_tokens).await;
-                    }
-                    return Ok(Submitted { events: rx, worker: i });
+                    let owner = session.map_or(0, |s| s.owner);
+                    let (leased_tokens, chains) = self.grant(owner, leases);
+                    return Ok((Submitted { events: rx, worker: i, leased_tokens }, chains));
                 }
                 Err(PushError::Full(j) | PushError::Closed(j)) => {
                     handle.load.remove(&j.req, false, j.charge);
@@ -369,16 +405,63 @@ impl SchedulerState {
         Some(Duration::from_secs_f64(per_request.clamp(1.0, 600.0)))
     }
 
-    async fn note_turn(&mut self, myself: &SchedulerRef, id: String, worker: usize, prompt_tokens: usize) {
-        if let Some(entry) = self.sessions.get_mut(&id) {
-            entry.last_worker = Some(worker);
-            entry.last_turn = Instant::now();
-            let _ = entry.actor.cast(SessionMsg::Turn { worker, prompt_tokens });
-            return;
+    /// The chains `req`'s leases cover (complete blocks, with their regions), and the hashes
+    /// of its prompt (computed once here if routing did not). Empty without leases, or without
+    /// the node's tiers to lease in. A hit of a leased prefix also refreshes its leases here.
+    fn lease_plan(&self, req: &mut GenRequest) -> Vec<(Vec<(BlockHash, RegionKind)>, Duration)> {
+        let Some(kv) = &self.args.kv else { return Vec::new() };
+        let Some(tiers) = &kv.tiers else { return Vec::new() };
+        let b = kv.block_tokens.max(1);
+        let salt = req.salt(kv.salt);
+        let hashes = req.block_hashes(salt, b);
+        if req.hashes.is_none() {
+            req.hashes = Some(Arc::new(PromptHashes { salt, block_tokens: b, hashes: hashes.clone().into() }));
         }
-        // At the cap, the idlest conversation is forgotten (its holds expire on their own).
+        let with_regions = |n: usize| -> Vec<(BlockHash, RegionKind)> {
+            (0..n).map(|i| (hashes[i], region_of(&req.regions, i * b))).collect()
+        };
+        tiers.refresh(&with_regions(hashes.len()), unix_millis());
+        req.leases
+            .iter()
+            .take(MAX_LEASES_PER_REQUEST)
+            .map(|l| (with_regions((l.tokens / b).min(hashes.len())), l.ttl))
+            .filter(|(chain, _)| !chain.is_empty())
+            .collect()
+    }
+
+    /// Leases `plan` to `owner` in the node's tiers; the tokens newly leased by TTL and the chains.
+    fn grant(
+        &self,
+        owner: LeaseOwner,
+        plan: Vec<(Vec<(BlockHash, RegionKind)>, Duration)>,
+    ) -> (LeasedTokens, Vec<LeasedChain>) {
+        let mut tokens = LeasedTokens::default();
+        let Some((kv, tiers)) = self.args.kv.as_ref().and_then(|kv| Some((kv, kv.tiers.as_ref()?))) else {
+            return (tokens, Vec::new());
+        };
+        let now = unix_millis();
+        let mut chains = Vec::with_capacity(plan.len());
+        for (blocks, ttl) in plan {
+            let new = tiers.lease(owner, &blocks, ttl.as_millis() as u64, now) * kv.block_tokens;
+            if ttl >= Duration::from_secs(3600) {
+                tokens.long += new;
+            } else {
+                tokens.short += new;
+            }
+            chains.push(LeasedChain { blocks });
+        }
+        (tokens, chains)
+    }
+
+    /// The actor of session `id`, started (supervised by the scheduler) if it has none; at the
+    /// cap the idlest conversation ends first (its leases end with it).
+    async fn session_actor(&mut self, myself: &SchedulerRef, id: String) -> Option<SessionRef> {
+        if let Some(entry) = self.sessions.get_mut(&id) {
+            entry.last_request = Instant::now();
+            return Some(entry.actor.clone());
+        }
         while self.sessions.len() >= self.args.max_sessions.max(1) {
-            let Some(idlest) = self.sessions.iter().min_by_key(|(_, e)| e.last_turn).map(|(k, _)| k.clone()) else {
+            let Some(idlest) = self.sessions.iter().min_by_key(|(_, e)| e.last_request).map(|(k, _)| k.clone()) else {
                 break;
             };
             if let Some(entry) = self.sessions.remove(&idlest) {
@@ -386,20 +469,27 @@ impl SchedulerState {
                 entry.actor.stop(Some("session cap".into()));
             }
         }
-        // A new conversation: its actor is supervised by the scheduler.
-        let args = SessionArgs { id: id.clone(), idle_timeout: self.args.session_idle_timeout };
+        let args = SessionArgs {
+            id: id.clone(),
+            idle_timeout: self.args.session_idle_timeout,
+            scheduler: myself.clone(),
+            tiers: self.args.kv.as_ref().and_then(|kv| kv.tiers.clone()),
+        };
         let (actor, _) = match Actor::spawn_linked(None, SessionActor, args, myself.get_cell()).await {
             Ok(spawned) => spawned,
             Err(e) => {
                 tracing::warn!(session = %id, error = %e, "could not start a session actor");
-                return;
+                return None;
             }
         };
-        let _ = actor.cast(SessionMsg::Turn { worker, prompt_tokens });
         self.session_of.insert(actor.get_id(), id.clone());
-        self.sessions.insert(id, SessionEntry { actor, last_worker: Some(worker), last_turn: Instant::now() });
+        self.sessions.insert(id, SessionEntry { actor: actor.clone(), last_request: Instant::now() });
+        Some(actor)
     }
 }
+
+/// Breakpoints a request may lease (Anthropic's limit).
+pub const MAX_LEASES_PER_REQUEST: usize = 4;
 
 /// Longest a decision waits for the index writer to apply the KV events sent before it.
 const INDEX_CATCH_UP: Duration = Duration::from_millis(2);
@@ -444,8 +534,39 @@ impl Actor for SchedulerActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             SchedulerMsg::Submit { req, session, hints, reply } => {
-                let result = state.submit(&myself, *req, session, hints).await;
-                let _ = reply.send(result);
+                // A session's request goes through its actor, which sends it back to be routed.
+                let actor = match session {
+                    Some(id) => state.session_actor(&myself, id).await,
+                    None => None,
+                };
+                match actor {
+                    Some(actor) => {
+                        if let Err(ractor::MessagingErr::SendErr(SessionMsg::Submit { req, hints, reply })) =
+                            actor.cast(SessionMsg::Submit { req, hints, reply })
+                        {
+                            // The session just ended: route without it.
+                            let _ = reply.send(state.route(*req, None, hints).await.map(|(s, _)| s));
+                        }
+                    }
+                    None => {
+                        let _ = reply.send(state.route(*req, None, hints).await.map(|(s, _)| s));
+                    }
+                }
+            }
+            SchedulerMsg::Route { req, session, hints, reply } => {
+                let prompt_tokens = req.prompt.len();
+                match state.route(*req, session.as_ref(), hints).await {
+                    Ok((submitted, leased)) => {
+                        if let Some(turn) = &session {
+                            let _ =
+                                turn.actor.cast(SessionMsg::Routed { worker: submitted.worker, prompt_tokens, leased });
+                        }
+                        let _ = reply.send(Ok(submitted));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
             }
             SchedulerMsg::WorkerUp(handle) => {
                 let id = handle.id;
@@ -457,11 +578,6 @@ impl Actor for SchedulerActor {
             SchedulerMsg::WorkerDown(id) => {
                 if let Some(slot) = state.workers.get_mut(id) {
                     *slot = None;
-                }
-                for entry in state.sessions.values_mut() {
-                    if entry.last_worker == Some(id) {
-                        entry.last_worker = None;
-                    }
                 }
             }
             SchedulerMsg::Status(reply) => {

@@ -18,6 +18,10 @@
 //! |---|---|---|---|
 //! | `dynamo_node_build_info` | gauge | `version` | always 1 |
 //! | `dynamo_node_kv_blocks` | gauge | `tier` | blocks resident in the tier |
+//! | `dynamo_node_kv_leased_blocks` | gauge | `tier` | blocks under a live lease (`cache_control`) |
+//! | `dynamo_node_kv_held_blocks` | gauge | `tier` | unreferenced blocks kept by an active hold |
+//! | `dynamo_node_kv_lease_expiries_total` | counter | `tier` | leases that ran out |
+//! | `dynamo_node_kv_lease_degradations_total` | counter | `tier` | leases dropped to plain retention by the lease budget |
 //! | `dynamo_node_kv_capacity_blocks` | gauge | `tier` | blocks the tier can hold (G1: all workers) |
 //! | `dynamo_node_kv_prompt_tokens_total` | counter | | prompt tokens of admitted requests |
 //! | `dynamo_node_kv_hit_tokens_total` | counter | `tier` | prompt tokens whose KV came from the tier instead of being computed |
@@ -71,6 +75,15 @@ pub mod names {
     pub const BUILD_INFO: &str = "dynamo_node_build_info";
     /// Gauge `{tier}`.
     pub const KV_BLOCKS: &str = "dynamo_node_kv_blocks";
+    /// Gauge: blocks under a live lease (`cache_control`), per tier (any state).
+    pub const KV_LEASED_BLOCKS: &str = "dynamo_node_kv_leased_blocks";
+    /// Gauge: unreferenced blocks kept by an active hold (a turn's context across a tool-call
+    /// gap), per tier.
+    pub const KV_HELD_BLOCKS: &str = "dynamo_node_kv_held_blocks";
+    /// Counter: leases that ran out, per tier.
+    pub const KV_LEASE_EXPIRIES: &str = "dynamo_node_kv_lease_expiries_total";
+    /// Counter: leases dropped to plain retention by the tier's lease budget, per tier.
+    pub const KV_LEASE_DEGRADATIONS: &str = "dynamo_node_kv_lease_degradations_total";
     /// Gauge `{tier}`.
     pub const KV_CAPACITY_BLOCKS: &str = "dynamo_node_kv_capacity_blocks";
     /// Counter.
@@ -191,6 +204,10 @@ pub fn describe() {
         "Running requests that yielded their G1 pages to others (they resume by loading their blocks back)."
     );
     describe_gauge!(KV_BLOCKS, Unit::Count, "KV blocks resident in the tier.");
+    describe_gauge!(KV_LEASED_BLOCKS, Unit::Count, "KV blocks under a live lease (cache_control), per tier.");
+    describe_gauge!(KV_HELD_BLOCKS, Unit::Count, "Unreferenced KV blocks kept by an active hold, per tier.");
+    describe_counter!(KV_LEASE_EXPIRIES, Unit::Count, "Leases that ran out, per tier.");
+    describe_counter!(KV_LEASE_DEGRADATIONS, Unit::Count, "Leases dropped to plain retention by the lease budget.");
     describe_gauge!(KV_CAPACITY_BLOCKS, Unit::Count, "KV blocks the tier can hold (G1: summed over workers).");
     describe_counter!(KV_PROMPT_TOKENS, Unit::Count, "Prompt tokens of admitted requests.");
     describe_counter!(
@@ -434,6 +451,11 @@ pub fn publish_registry(tier: Tier, stats: &RegistryStats) {
     for (region, s) in &stats.regions {
         publish_evictions(tier, *region, s.evictions_total);
     }
+    let t = tier.as_str();
+    gauge!(names::KV_LEASED_BLOCKS, "tier" => t).set(stats.leases.live as f64);
+    gauge!(names::KV_HELD_BLOCKS, "tier" => t).set(stats.total().held as f64);
+    counter!(names::KV_LEASE_EXPIRIES, "tier" => t).absolute(stats.leases.expiries_total);
+    counter!(names::KV_LEASE_DEGRADATIONS, "tier" => t).absolute(stats.leases.degradations_total);
 }
 
 fn publish_evictions(tier: Tier, region: RegionKind, total: u64) {

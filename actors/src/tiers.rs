@@ -17,6 +17,8 @@ use dynamo_tiering::g3::{G3Error, G3Store};
 use dynamo_tiering::pipeline::{Pipeline, WriteThrough};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
 
+use crate::leases::{LeaseBook, LeaseOwner};
+
 /// Where a block is: one worker's G1, or one of the node's shared tiers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BlockSite {
@@ -49,6 +51,18 @@ impl KvObserver for NoObserver {
     fn stored(&self, _: BlockSite, _: Option<BlockHash>, _: &[BlockHash]) {}
     fn removed(&self, _: BlockSite, _: &[BlockHash]) {}
     fn cleared(&self, _: usize) {}
+}
+
+/// Sets `hash`'s lease in `registry` to `until` (0 ends it), as a lease or, without `pin`, a hold.
+fn lease_in(registry: &mut TierRegistry, hash: BlockHash, until: Millis, pin: bool) {
+    if !pin {
+        let _ = registry.hold(hash, until);
+        return;
+    }
+    let _ = registry.unlease(hash);
+    if until > 0 {
+        let _ = registry.lease(hash, until);
+    }
 }
 
 fn victims(evicted: &[dynamo_tiering::registry::Evicted]) -> Vec<BlockHash> {
@@ -162,6 +176,13 @@ impl G2Tier {
     /// Raises a resident block's priority (a turn's answer becoming conversation context).
     pub fn promote(&self, hash: BlockHash, priority: u8) {
         let _ = self.registry.lock().expect("G2 registry lock").set_priority(hash, priority);
+    }
+
+    /// Leases a resident block until `until` (0: ends its lease): `pin` (the lowest tier that
+    /// keeps it) never evicts it meanwhile, otherwise it is held (demoted under pressure).
+    pub fn lease(&self, hash: BlockHash, until: Millis, pin: bool) {
+        let mut registry = self.registry.lock().expect("G2 registry lock");
+        lease_in(&mut registry, hash, until, pin);
     }
 
     /// Extends the hold of a resident block.
@@ -318,6 +339,13 @@ impl G3Tier {
         }
     }
 
+    /// Leases a resident block until `until` (0: ends its lease); G3 is the lowest tier, so
+    /// the block is never evicted meanwhile.
+    pub fn lease(&self, hash: BlockHash, until: Millis) {
+        let mut registry = self.registry.lock().expect("G3 lock");
+        lease_in(&mut registry, hash, until, true);
+    }
+
     /// Forgets `hash` (its write failed, or it failed verification).
     pub fn forget(&self, hash: BlockHash) {
         let _ = self.registry.lock().expect("G3 lock").remove(hash);
@@ -351,6 +379,8 @@ pub struct NodeTiers {
     pub measured: Measurements,
     /// Where G1 changes are reported (G2 and G3 report through their own observer).
     pub observer: Arc<dyn KvObserver>,
+    /// Who leases which blocks until when.
+    pub leases: LeaseBook,
 }
 
 /// Write-through batch bounds: a batch leaves when it has this many blocks or its oldest block
@@ -400,5 +430,68 @@ impl NodeTiers {
     /// Registry metadata for a block of `region`.
     pub fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
         self.pipeline().meta(parent, region)
+    }
+
+    /// Whether G2 is the lowest tier that keeps blocks of `region` (so it pins their leases):
+    /// without G3, or for a region that stops at G2.
+    fn g2_pins(&self, region: RegionKind) -> bool {
+        self.g3.is_none() || self.retention.policy(region).lowest_tier <= TierName::G2
+    }
+
+    /// Leases `chain` (its blocks with their regions, in prefix order) to `owner` for `ttl`, in
+    /// the book and in every tier below G1 that holds its blocks now; returns how many blocks
+    /// were newly leased. Blocks that reach G2 or G3 later are leased on arrival ([`Self::arrived`]).
+    pub fn lease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], ttl: Millis, now: Millis) -> usize {
+        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        let new = self.leases.grant(owner, &hashes, ttl, now);
+        for &(h, region) in chain {
+            self.apply_lease(h, region, self.leases.until(h, now).unwrap_or(0));
+        }
+        new
+    }
+
+    /// Ends `owner`'s leases on `chain`: blocks nobody else leases fall back to plain retention.
+    pub fn unlease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], now: Millis) {
+        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        let left = self.leases.release(owner, &hashes, now);
+        for (&(h, region), until) in chain.iter().zip(left) {
+            self.apply_lease(h, region, until);
+        }
+    }
+
+    /// A request hit `chain`: the leases on its leased prefix run their TTL again, in the book
+    /// and in the tiers.
+    pub fn refresh(&self, chain: &[(BlockHash, RegionKind)], now: Millis) {
+        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        for (&(h, region), until) in chain.iter().zip(self.leases.refresh(&hashes, now)) {
+            self.apply_lease(h, region, until);
+        }
+    }
+
+    /// A block of `region` arrived in `tier` (G2 or G3): it is leased there if the book says so.
+    pub fn arrived(&self, tier: TierName, hash: BlockHash, region: RegionKind, now: Millis) {
+        let Some(until) = self.leases.until(hash, now) else { return };
+        match tier {
+            TierName::G2 => {
+                if let Some(g2) = &self.g2 {
+                    g2.lease(hash, until, self.g2_pins(region));
+                }
+            }
+            TierName::G3 => {
+                if let Some(g3) = &self.g3 {
+                    g3.lease(hash, until);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn apply_lease(&self, hash: BlockHash, region: RegionKind, until: Millis) {
+        if let Some(g2) = &self.g2 {
+            g2.lease(hash, until, self.g2_pins(region));
+        }
+        if let Some(g3) = &self.g3 {
+            g3.lease(hash, until);
+        }
     }
 }

@@ -264,6 +264,11 @@ impl NodeConfig {
         }
         c.at_least_one("router.index_max_blocks", self.router.index_max_blocks);
 
+        let budget = self.tiers.lease_budget;
+        if !(0.0..=1.0).contains(&budget) {
+            c.fail("tiers.lease_budget", format!("{budget} is outside [0, 1]; it is a fraction of each tier's blocks"));
+        }
+
         // [frontend]
         c.socket_addr("frontend.http", &self.frontend.http);
         if self.frontend.max_body.as_u64() == 0 {

@@ -334,7 +334,7 @@ impl ResolvedTiers {
             policy: plan.policy,
             watermarks: Watermarks { high: tiers.g3.high_watermark, low: tiers.g3.low_watermark },
         });
-        Ok(StorePlan { g2, g3 })
+        Ok(StorePlan { g2, g3, lease_budget: tiers.lease_budget })
     }
 
     /// A table for operators: one line per tier.
@@ -579,7 +579,8 @@ mod tests {
         cfg.tiers.g3.enabled = false;
         cfg.tiers.g2.enabled = false;
         let none = ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap().store_plan(&cfg.tiers).unwrap();
-        assert_eq!(none, StorePlan::default());
+        assert_eq!(none, StorePlan { lease_budget: cfg.tiers.lease_budget, ..StorePlan::default() });
+        assert_eq!(plan.lease_budget, 0.5);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use dynamo_actors::scheduler::{Hints, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::supervisor::NodeRef;
 use dynamo_actors::tiers::{NodeTiers, WriteBatch};
 use dynamo_actors::worker::{
-    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, Worker, WorkerError, WorkerEvent,
+    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, LeaseRequest, Worker, WorkerError, WorkerEvent,
 };
 use dynamo_config::NodeConfig;
 use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
@@ -373,13 +373,17 @@ impl Generator for NodeGenerator {
             // The router hashes the prompt (once) when it looks it up.
             hashes: None,
             namespace: Namespace::new(req.tenant.name().unwrap_or(""), req.cache_salt.as_deref().unwrap_or("")),
+            leases: req.cache_leases.iter().map(|&(tokens, ttl)| LeaseRequest { tokens, ttl }).collect(),
         };
         let this = self.clone();
         let session = req.session_id;
         futures::stream::once(async move { this.submit(job, session, hints).await })
             .flat_map(|submitted| match submitted {
                 Err(e) => futures::stream::once(std::future::ready(Err(e))).boxed(),
-                Ok(submitted) => events(submitted.events).boxed(),
+                Ok(submitted) => {
+                    let leased = (submitted.leased_tokens.short, submitted.leased_tokens.long);
+                    events(submitted.events, leased).boxed()
+                }
             })
             .boxed()
     }
@@ -394,6 +398,7 @@ fn queue_priority(hint: Option<i32>, speculative: bool) -> i32 {
 
 fn events(
     rx: tokio::sync::mpsc::UnboundedReceiver<JobEvent>,
+    leased_tokens: (usize, usize),
 ) -> impl futures::Stream<Item = Result<GenerateEvent, GenerateError>> + Send {
     futures::stream::unfold(Some(rx), move |rx| async move {
         let mut rx = rx?;
@@ -404,7 +409,7 @@ fn events(
         }
         let item = match event {
             JobEvent::Event(WorkerEvent::Prefilled { cached_tokens, .. }) => {
-                Ok(GenerateEvent::Started { cached_tokens })
+                Ok(GenerateEvent::Started { cached_tokens, leased_tokens })
             }
             JobEvent::Event(WorkerEvent::Token(id)) => Ok(GenerateEvent::Token { id }),
             JobEvent::Event(WorkerEvent::Computed { .. }) => unreachable!("skipped above"),

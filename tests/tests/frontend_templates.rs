@@ -429,7 +429,7 @@ impl Generator for ScriptedModel {
             answer: answer.clone(),
             stop_ids: req.stop_token_ids.clone(),
         });
-        let mut events = vec![GenerateEvent::Started { cached_tokens: 0 }];
+        let mut events = vec![GenerateEvent::Started { cached_tokens: 0, leased_tokens: (0, 0) }];
         events.extend(answer.into_iter().map(|id| GenerateEvent::Token { id }));
         events.push(GenerateEvent::Finished { reason: FinishReason::Stop });
         futures::stream::iter(events.into_iter().map(Ok)).boxed()

@@ -101,6 +101,7 @@ fn node_sized(sizes: Sizes, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
         cost: CostModel::unknown(B, layout.image_bytes()),
         measured: Default::default(),
         observer,
+        leases: Default::default(),
     };
     Node { tiers: Arc::new(tiers), weights: Arc::new(HostWeights::random(shape, 9)), g3_path, faults, _dir: dir }
 }

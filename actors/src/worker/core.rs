@@ -44,7 +44,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dynamo_config::RegionKind;
+use dynamo_config::{RegionKind, TierName};
 use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
@@ -92,6 +92,18 @@ pub struct GenRequest {
     /// The cache namespace of its tenant (and `cache_salt`): its blocks hash under the node's
     /// salt [`within`](Salt::within) it. `None`: the shared namespace.
     pub namespace: Option<Namespace>,
+    /// Prefixes of the prompt the client asked to keep (`cache_control` breakpoints), at most
+    /// four; the scheduler leases their complete blocks to the request's session.
+    pub leases: Vec<LeaseRequest>,
+}
+
+/// One prefix of a prompt to keep: its first `tokens` tokens, for `ttl` after each use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseRequest {
+    /// Prompt tokens the lease covers (its complete blocks are leased).
+    pub tokens: usize,
+    /// How long it lives after its last use.
+    pub ttl: std::time::Duration,
 }
 
 /// The hashes of a prompt's complete blocks, computed once per request (by the router, which
@@ -122,6 +134,7 @@ impl GenRequest {
             forced: None,
             hashes: None,
             namespace: None,
+            leases: Vec::new(),
         }
     }
 
@@ -880,6 +893,10 @@ impl<B: Backend> Worker<B> {
                     g2.hold(hash, until);
                 }
             }
+            // A leased block is held in G1 too: soft there, it is demoted to G2 under pressure.
+            if let Some(until) = tiers.leases.until(hash, now) {
+                let _ = self.registry.hold(hash, until);
+            }
         }
         seq.run.finish(end);
     }
@@ -1169,8 +1186,10 @@ impl<B: Backend> Worker<B> {
         let parent = i.checked_sub(1).map(|p| hashes[p]);
         let from = if from_g3 { pipeline::Source::G3 } else { pipeline::Source::G2 };
         let targets = tiers.pipeline().write_targets(region, Landed::Loaded(from), self.presence(hashes[i]));
-        if let Some(g2) = tiers.g2.as_ref().filter(|_| targets.g2) {
-            g2.admit(hashes[i], tiers.meta(parent, region), image.clone(), now);
+        if let Some(g2) = tiers.g2.as_ref().filter(|_| targets.g2)
+            && g2.admit(hashes[i], tiers.meta(parent, region), image.clone(), now)
+        {
+            tiers.arrived(TierName::G2, hashes[i], region, now);
         }
         if targets.g3 {
             self.queue_g3(hashes[i], parent, region, image, Instant::now(), now);
@@ -1279,7 +1298,9 @@ impl<B: Backend> Worker<B> {
             };
             seal(slot.as_mut_slice(), &spec);
             let image = slot.freeze();
-            g2.admit(p.hash, tiers.meta(p.parent, p.region), image.clone(), now);
+            if g2.admit(p.hash, tiers.meta(p.parent, p.region), image.clone(), now) {
+                tiers.arrived(TierName::G2, p.hash, p.region, now);
+            }
             record_write_lag(Tier::G2, p.completed.elapsed());
             self.queue_g3(p.hash, p.parent, p.region, image, p.completed, now);
         }
@@ -1315,6 +1336,7 @@ impl<B: Backend> Worker<B> {
         if !g3.reserve(hash, tiers.meta(parent, region), now) {
             return;
         }
+        tiers.arrived(TierName::G3, hash, region, now);
         self.g3_batch.push(PendingWrite { hash, parent, image, completed });
         if self.g3_batch.len() >= tiers.write_batch.g3_blocks {
             self.send_g3_batch();

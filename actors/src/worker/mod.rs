@@ -33,8 +33,8 @@ use self::queue::JobQueue;
 #[cfg(feature = "failpoints")]
 pub use self::core::FAILPOINT_PANIC_MAX_TOKENS;
 pub use self::core::{
-    DEFAULT_MAX_RUNNING, Finish, GenOutcome, GenRequest, MAX_G3_BATCHES_IN_FLIGHT, PreemptionStats, PromptHashes,
-    Resume, Worker, WorkerError, WorkerEvent, unix_millis,
+    DEFAULT_MAX_RUNNING, Finish, GenOutcome, GenRequest, LeaseRequest, MAX_G3_BATCHES_IN_FLIGHT, PreemptionStats,
+    PromptHashes, Resume, Worker, WorkerError, WorkerEvent, unix_millis,
 };
 use crate::telemetry::{self, Tier};
 

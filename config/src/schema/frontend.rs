@@ -61,6 +61,10 @@ pub struct FrontendSection {
     pub responses_store: usize,
     /// A stored response is forgotten after this long. Default `"24h"`.
     pub responses_ttl: HumanDuration,
+    /// A cache breakpoint (`cache_control`, `prompt_cache_retention`) covering fewer prompt tokens
+    /// than this is ignored: the prefix is kept by plain retention, not leased (Anthropic's
+    /// minimum cacheable prompt). Default `1024`.
+    pub cache_min_tokens: usize,
     /// `[frontend.auth]`: API keys and the tenants they name. Default: none (every request is
     /// served, in one shared cache namespace).
     pub auth: AuthSection,
@@ -113,6 +117,7 @@ impl Default for FrontendSection {
             replay_ttl: HumanDuration::mins(60),
             responses_store: 1024,
             responses_ttl: HumanDuration::mins(24 * 60),
+            cache_min_tokens: 1024,
             auth: AuthSection::default(),
         }
     }

@@ -73,9 +73,13 @@ config_enum! {
 }
 
 /// `[tiers]`: one table per tier.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TiersSection {
+    /// Fraction of G2's and G3's blocks that leases (`cache_control`) may pin, in `[0, 1]`; past
+    /// it the lease that ends soonest falls back to plain retention (counted in
+    /// `dynamo_node_kv_lease_degradations_total`). Default `0.5`.
+    pub lease_budget: f64,
     /// `[tiers.g1]`: the paged KV pool each worker's engine reads.
     pub g1: G1Config,
     /// `[tiers.g2]`: the node's pinned host memory pool.
@@ -84,6 +88,18 @@ pub struct TiersSection {
     pub g3: G3Config,
     /// `[tiers.g4]`: blocks served to and loaded from other nodes.
     pub g4: G4Config,
+}
+
+impl Default for TiersSection {
+    fn default() -> Self {
+        TiersSection {
+            lease_budget: 0.5,
+            g1: G1Config::default(),
+            g2: G2Config::default(),
+            g3: G3Config::default(),
+            g4: G4Config::default(),
+        }
+    }
 }
 
 /// `[tiers.g1]`: the paged KV pool each worker's engine reads.

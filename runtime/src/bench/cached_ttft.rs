@@ -243,6 +243,7 @@ pub async fn run<B: Backend, G>(
             policy: PolicyKind::Lru,
             watermarks: NO_RECLAIM,
         }),
+        lease_budget: 0.5,
     };
     let stores = scratch_node().open(&plan).context("opening the scratch node's G2 and G3")?;
     let weights = HostWeights::random(opts.shape, opts.seed);

@@ -198,6 +198,7 @@ async fn burst(
             watermarks: NO_RECLAIM,
         }),
         g3: None,
+        lease_budget: 0.5,
     };
     // A node of the builder's up to its tiers, whose one worker the bench drives itself.
     let stores = NodeBuilder::new(IndexConfig::default()).without_kv_events().open(&plan).context("the G2 pool")?;

@@ -130,8 +130,14 @@ impl Answer {
     /// Waits for admission (the prompt is in the cache or computed) and notes its cached tokens.
     pub(super) async fn admit(&mut self) -> Result<(), ApiError> {
         match self.next_event().await? {
-            GenerateEvent::Started { cached_tokens } => {
-                self.usage.cached_tokens = cached_tokens.min(self.usage.prompt_tokens);
+            GenerateEvent::Started { cached_tokens, leased_tokens: (short, long) } => {
+                let u = &mut self.usage;
+                u.cached_tokens = cached_tokens.min(u.prompt_tokens);
+                // What the cache wrote for this request: newly leased tokens it computed (a block
+                // it found cached was read, not written), so the three parts add up to the prompt.
+                let computed = u.prompt_tokens - u.cached_tokens;
+                u.cache_creation_5m = short.min(computed);
+                u.cache_creation_1h = long.min(computed - u.cache_creation_5m);
             }
             other => self.pending = Some(other),
         }

@@ -60,6 +60,9 @@ pub struct GenerateRequest {
     pub tenant: super::Tenant,
     /// The request's `cache_salt` (vLLM's field): narrows the tenant's namespace further.
     pub cache_salt: Option<String>,
+    /// Prefixes of the prompt to keep (`cache_control` breakpoints), at most four, each its
+    /// length in tokens and how long it lives after each use.
+    pub cache_leases: Vec<(usize, Duration)>,
     /// Agent hints (`nvext`).
     pub hints: AgentHints,
     /// The answer's tokens when the engine is scripted (`engine.kind = "scripted"`): computed,
@@ -74,6 +77,8 @@ pub enum GenerateEvent {
     Started {
         /// Prompt tokens whose KV was loaded instead of computed.
         cached_tokens: usize,
+        /// Prompt tokens its leases newly cover, for leases under an hour and of an hour or more.
+        leased_tokens: (usize, usize),
     },
     /// One generated token.
     Token {

@@ -37,14 +37,28 @@ impl Role {
     }
 }
 
-/// A cache breakpoint a client set on a block (Anthropic `cache_control`): kept with the block
-/// for the lease layer; rendering ignores it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A cache breakpoint a client set on a block (Anthropic `cache_control`) or on the whole
+/// request (Anthropic's top-level `cache_control`, OpenAI's `prompt_cache_retention`): the
+/// prompt up to it is leased for the mark's TTL after each use. Rendering ignores it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum CacheMark {
     /// `{"type": "ephemeral"}` or `"ttl": "5m"`.
     FiveMinutes,
     /// `"ttl": "1h"`.
     OneHour,
+    /// OpenAI's `prompt_cache_retention: "24h"`.
+    OneDay,
+}
+
+impl CacheMark {
+    /// How long the lease lives after each use.
+    pub fn ttl(self) -> std::time::Duration {
+        std::time::Duration::from_secs(match self {
+            CacheMark::FiveMinutes => 300,
+            CacheMark::OneHour => 3600,
+            CacheMark::OneDay => 86_400,
+        })
+    }
 }
 
 /// One typed content block.
@@ -94,6 +108,14 @@ impl Block {
     /// A text block without a cache mark.
     pub fn text(text: impl Into<String>) -> Block {
         Block::Text { text: text.into(), cache: None }
+    }
+
+    /// Its cache breakpoint, if it can carry one.
+    pub fn cache_mark(&self) -> Option<CacheMark> {
+        match self {
+            Block::Text { cache, .. } | Block::ToolResult { cache, .. } => *cache,
+            _ => None,
+        }
     }
 
     /// Bytes of text it holds (for the pre-tokenizing length check).
@@ -196,6 +218,9 @@ pub struct Conversation {
     pub session: Option<String>,
     /// Whose request it is.
     pub tenant: super::Tenant,
+    /// A breakpoint on the whole prompt (Anthropic's top-level `cache_control`, OpenAI's
+    /// `prompt_cache_retention: "24h"`), besides the blocks' own.
+    pub cache: Option<CacheMark>,
     /// The request's `cache_salt`: its blocks are shared only with requests of the same tenant
     /// and the same salt.
     pub cache_salt: Option<String>,
@@ -240,6 +265,10 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Of them, found cached.
     pub cached_tokens: usize,
+    /// Of the others, newly leased for up to an hour (written to the cache, as Anthropic says).
+    pub cache_creation_5m: usize,
+    /// Of the others, newly leased for an hour or more.
+    pub cache_creation_1h: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
     /// Of them, reasoning.

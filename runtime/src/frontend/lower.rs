@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use super::FrontendState;
 use super::error::ApiError;
 use super::generate::{GenerateRequest, RegionRanges};
-use super::ir::{Block, Conversation, Role, ToolChoice};
+use super::ir::{Block, CacheMark, Conversation, Role, ToolChoice};
 use super::parsers::AnswerParser;
 use super::replay::{Kept, turn_key};
 use super::template::{Owner, Piece, TemplateError, TemplateMessage, escape_special_tokens};
@@ -30,6 +30,8 @@ pub(super) struct Lowered {
     pub(super) prompt: Vec<u32>,
     /// The region of every token range.
     pub(super) regions: RegionRanges,
+    /// The cache breakpoints: each the prompt's length up to it, and its mark.
+    pub(super) breakpoints: Vec<(usize, CacheMark)>,
     /// What the answer needs of the lowering.
     pub(super) tail: Tail,
 }
@@ -118,6 +120,12 @@ pub(super) fn generate_request(
         session_id: conversation.session.clone(),
         tenant: conversation.tenant.clone(),
         cache_salt: conversation.cache_salt.clone(),
+        cache_leases: lowered
+            .breakpoints
+            .iter()
+            .filter(|(tokens, _)| *tokens >= state.inner.cache_min_tokens)
+            .map(|&(tokens, mark)| (tokens, mark.ttl()))
+            .collect(),
         hints: conversation.hints.clone(),
         forced: scripted(state, conversation.assistant_turns())?,
     };
@@ -131,7 +139,7 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
         return Err(ApiError::invalid("'messages' must contain at least one message.", Some("messages")));
     }
     precheck(state, conversation.turns.len(), conversation.text_bytes(), "messages")?;
-    let (messages, kept) = template_messages(state, conversation)?;
+    let TemplateMessages { messages, kept, marks } = template_messages(state, conversation)?;
     let tools = template_tools(conversation);
     let mut kwargs = conversation.template_kwargs.clone();
     if let Some(enabled) = conversation.thinking.enabled {
@@ -141,7 +149,8 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
         TemplateError::Render(message) => ApiError::invalid(message, Some("messages")),
         other => ApiError::internal(other.to_string()),
     })?;
-    let (prompt, regions, spliced) = tokenize(state, &pieces, &kept)?;
+    let Tokenized { ids: prompt, regions, spliced, ends } = tokenize(state, &pieces, &kept)?;
+    let breakpoints = breakpoints(&marks, &ends, conversation.cache);
     if spliced > 0 {
         crate::metrics::record_replayed_turns(spliced);
     }
@@ -156,6 +165,7 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
     Ok(Lowered {
         prompt,
         regions,
+        breakpoints,
         tail: Tail {
             parser,
             generation_prompt: Some(generation_prompt),
@@ -184,18 +194,39 @@ fn template_tools(conversation: &Conversation) -> Option<Vec<Value>> {
     (!tools.is_empty()).then_some(tools)
 }
 
+/// Where the prompt's cache breakpoints end: each marked message's end (a message past the
+/// template's exact cuts ends its lease at the last earlier message that has an end of its own),
+/// and the whole conversation's end for a mark on the request; the strongest mark per position.
+fn breakpoints(
+    marks: &[Option<CacheMark>],
+    ends: &[Option<usize>],
+    whole: Option<CacheMark>,
+) -> Vec<(usize, CacheMark)> {
+    let end_of = |m: usize| ends.iter().take(m + 1).rev().find_map(|e| *e);
+    let mut out: Vec<(usize, CacheMark)> = Vec::new();
+    let marked = marks.iter().enumerate().filter_map(|(m, mark)| Some((end_of(m)?, (*mark)?)));
+    let last = marks.len().checked_sub(1).and_then(end_of);
+    for (end, mark) in marked.chain(whole.and_then(|mark| Some((last?, mark)))) {
+        match out.iter_mut().find(|(e, _)| *e == end) {
+            Some((_, strongest)) => *strongest = (*strongest).max(mark),
+            None => out.push((end, mark)),
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
 /// The conversation as template messages, with the kept turn of each assistant message that
-/// has one (its reasoning restored when the client sent none back).
-fn template_messages(
-    state: &FrontendState,
-    conversation: &Conversation,
-) -> Result<(Vec<TemplateMessage>, Vec<Option<Kept>>), ApiError> {
+/// has one (its reasoning restored when the client sent none back), and the cache mark of each:
+/// a turn's strongest block mark goes on the last message it rendered into.
+fn template_messages(state: &FrontendState, conversation: &Conversation) -> Result<TemplateMessages, ApiError> {
     let inner = &state.inner;
     let escape = |text: &str| escape_special_tokens(text, &inner.specials).into_owned();
     let unnamed = conversation.tenant.unnamed_session();
     let session = conversation.session.as_deref().unwrap_or(&unnamed);
     let mut out = Vec::with_capacity(conversation.turns.len() + 1);
     let mut kept = Vec::with_capacity(conversation.turns.len() + 1);
+    let mut marks: Vec<Option<CacheMark>> = Vec::with_capacity(conversation.turns.len() + 1);
     let system = texts(&conversation.system);
     if !system.is_empty() {
         out.push(TemplateMessage {
@@ -204,8 +235,11 @@ fn template_messages(
             ..Default::default()
         });
         kept.push(None);
+        marks.push(strongest_mark(&conversation.system));
     }
     for (i, turn) in conversation.turns.iter().enumerate() {
+        let rendered = out.len();
+        let mark = strongest_mark(&turn.blocks);
         let name = turn.name.as_deref().map(escape);
         match turn.role {
             Role::System | Role::Developer => {
@@ -245,10 +279,9 @@ fn template_messages(
                         Block::Thinking { .. } | Block::ToolUse { .. } => {}
                     }
                 }
-                if results && text.is_empty() {
-                    continue;
-                }
                 match out.last_mut() {
+                    // Only tool results: they are the turn's messages.
+                    _ if results && text.is_empty() => {}
                     // Text beside tool results (Claude Code's reminders) belongs to the last of them.
                     Some(last) if results && last.role == "tool" => {
                         let content = last.content.get_or_insert_with(String::new);
@@ -319,8 +352,40 @@ fn template_messages(
                 kept.push(found);
             }
         }
+        marks.resize(out.len(), None);
+        if let Some(mark) = mark
+            && out.len() > rendered
+        {
+            marks[out.len() - 1] = Some(marks[out.len() - 1].map_or(mark, |m| m.max(mark)));
+        }
     }
-    Ok((out, kept))
+    marks.resize(out.len(), None);
+    Ok(TemplateMessages { messages: out, kept, marks })
+}
+
+/// A conversation as the template's messages.
+struct TemplateMessages {
+    messages: Vec<TemplateMessage>,
+    /// Each message's kept turn (assistant messages the node generated).
+    kept: Vec<Option<Kept>>,
+    /// Each message's cache mark.
+    marks: Vec<Option<CacheMark>>,
+}
+
+/// A rendered prompt as tokens.
+struct Tokenized {
+    ids: Vec<u32>,
+    /// The token range of every region, adjacent ranges of one region merged.
+    regions: RegionRanges,
+    /// Kept turns spliced in.
+    spliced: usize,
+    /// Where each message rendered on its own ends in `ids`.
+    ends: Vec<Option<usize>>,
+}
+
+/// The strongest cache mark among `blocks`.
+fn strongest_mark(blocks: &[Block]) -> Option<CacheMark> {
+    blocks.iter().filter_map(Block::cache_mark).max()
 }
 
 fn texts(blocks: &[Block]) -> Vec<&str> {
@@ -334,17 +399,15 @@ fn texts(blocks: &[Block]) -> Vec<&str> {
 }
 
 /// Tokenizes each piece on its own and concatenates the ids, except that the pieces of an
-/// assistant message with a kept turn become that turn's ids ([`splice`]). Returns the ids, the token range of every region (adjacent ranges of one region
-/// merged) and how many turns were spliced.
-fn tokenize(
-    state: &FrontendState,
-    pieces: &[Piece],
-    kept: &[Option<Kept>],
-) -> Result<(Vec<u32>, RegionRanges, usize), ApiError> {
+/// assistant message with a kept turn become that turn's ids ([`splice`]). Returns the ids, the
+/// token range of every region (adjacent ranges of one region merged), how many turns were
+/// spliced, and where each message rendered on its own ends in the ids.
+fn tokenize(state: &FrontendState, pieces: &[Piece], kept: &[Option<Kept>]) -> Result<Tokenized, ApiError> {
     let tokenizer = &state.inner.tokenizer;
     let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
     let mut ids = Vec::new();
     let mut regions: RegionRanges = Vec::new();
+    let mut ends: Vec<Option<usize>> = Vec::new();
     let mut spliced = 0;
     let mut i = 0;
     while i < pieces.len() {
@@ -379,6 +442,12 @@ fn tokenize(
             }
         }
         let end = ids.len();
+        if let Owner::Message(m) = piece.owner {
+            if ends.len() <= m {
+                ends.resize(m + 1, None);
+            }
+            ends[m] = Some(end);
+        }
         if end == start {
             continue;
         }
@@ -387,7 +456,7 @@ fn tokenize(
             _ => regions.push((start..end, piece.region)),
         }
     }
-    Ok((ids, regions, spliced))
+    Ok(Tokenized { ids, regions, spliced, ends })
 }
 
 /// The ids of an assistant message rendered as `rendered`, from its kept turn: the generation

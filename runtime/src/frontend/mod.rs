@@ -116,6 +116,8 @@ struct Inner {
     allowed_hosts: Vec<String>,
     /// `[frontend.auth]`: the API keys and their tenants.
     keys: Arc<auth::Keys>,
+    /// `frontend.cache_min_tokens`.
+    cache_min_tokens: usize,
     /// `frontend.reasoning_parser` (checked at start: [`check_parsers`]).
     reasoning: Option<parsers::ReasoningKind>,
     /// `frontend.tool_call_parser`.
@@ -193,6 +195,7 @@ impl FrontendState {
                 },
                 allowed_hosts: config.allowed_hosts.clone(),
                 keys: Arc::new(auth::Keys::new(&config.auth)),
+                cache_min_tokens: config.cache_min_tokens,
                 reasoning: config.reasoning_parser.as_deref().and_then(parsers::ReasoningKind::from_name),
                 tools: config.tool_call_parser.as_deref().and_then(parsers::ToolFormat::from_name),
                 strip_anthropic_preamble: config.strip_anthropic_preamble,

@@ -70,7 +70,8 @@ impl Generator for FakeGenerator {
             "broken" => return fail(GenerateError::Internal("the worker crashed".into())),
             _ => {}
         }
-        let mut events = vec![Ok(GenerateEvent::Started { cached_tokens: req.prompt.len() / 2 })];
+        let mut events =
+            vec![Ok(GenerateEvent::Started { cached_tokens: req.prompt.len() / 2, leased_tokens: (0, 0) })];
         let answer = if req.model == "agent" { &self.agent } else { &self.answer };
         let n = answer.len().min(req.max_tokens);
         events.extend(answer[..n].iter().map(|&id| Ok(GenerateEvent::Token { id })));

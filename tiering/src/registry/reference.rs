@@ -75,7 +75,8 @@ impl Model {
     fn advance(&mut self, now: Millis) {
         let new = self.clock.max(now);
         let clock = self.clock;
-        self.lease_expiries += self.entries.values().filter(|e| e.lease_until > clock && e.lease_until <= new).count() as u64;
+        self.lease_expiries +=
+            self.entries.values().filter(|e| e.lease_until > clock && e.lease_until <= new).count() as u64;
         self.clock = new;
     }
 

@@ -62,6 +62,9 @@ pub(super) struct MessagesRequest {
     /// of the same salt.
     #[serde(default)]
     cache_salt: Option<String>,
+    /// The automatic breakpoint: the whole prompt is cached.
+    #[serde(default)]
+    cache_control: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -89,12 +92,19 @@ fn block_text(block: &Value) -> Option<&str> {
     (block["type"] == "text").then(|| block["text"].as_str()).flatten()
 }
 
+/// Blocks a request may mark with `cache_control` (Anthropic's limit).
+const MAX_CACHE_BREAKPOINTS: usize = 4;
+
 /// A block's `cache_control`.
 fn cache_mark(block: &Value) -> Option<CacheMark> {
-    let control = block.get("cache_control")?;
-    match control["ttl"].as_str() {
-        Some("1h") => Some(CacheMark::OneHour),
-        _ => Some(CacheMark::FiveMinutes),
+    block.get("cache_control").filter(|c| !c.is_null()).map(mark_of)
+}
+
+/// The mark of a `cache_control` object: `ttl: "1h"`, else five minutes.
+fn mark_of(control: &Value) -> CacheMark {
+    match control.get("ttl").and_then(Value::as_str) {
+        Some("1h") => CacheMark::OneHour,
+        _ => CacheMark::FiveMinutes,
     }
 }
 
@@ -263,6 +273,14 @@ fn conversation(
         },
         None => Thinking::default(),
     };
+    let marked =
+        system.iter().chain(turns.iter().flat_map(|t| t.blocks.iter())).filter(|b| b.cache_mark().is_some()).count();
+    if marked > MAX_CACHE_BREAKPOINTS {
+        return Err(ApiError::invalid(
+            format!("A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {marked}."),
+            Some("messages"),
+        ));
+    }
     let user_id = req.metadata.as_ref().and_then(|m| m.user_id.as_deref());
     let session = session_id(caller, SessionFields { metadata_user_id: user_id, ..Default::default() });
     Ok(Conversation {
@@ -281,6 +299,7 @@ fn conversation(
         hints: Default::default(),
         session,
         tenant: caller.tenant.clone(),
+        cache: req.cache_control.as_ref().map(mark_of),
         cache_salt: req.cache_salt,
         stream: req.stream,
     })

@@ -38,13 +38,19 @@ fn stop_reason(finish: &Finish) -> (&'static str, Value) {
     }
 }
 
-/// Usage as Anthropic defines it: `input_tokens` are the prompt tokens not read from the cache.
+/// Usage as Anthropic defines it: `input_tokens` are the prompt tokens neither read from the
+/// cache nor newly written to it (leased by this request's `cache_control`), so
+/// `input + cache_creation + cache_read` is the prompt.
 fn usage(usage: Usage) -> Value {
+    let creation = usage.cache_creation_5m + usage.cache_creation_1h;
     json!({
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens - creation,
+        "cache_creation_input_tokens": creation,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": usage.cache_creation_5m,
+            "ephemeral_1h_input_tokens": usage.cache_creation_1h,
+        },
         "output_tokens": usage.completion_tokens,
     })
 }

@@ -249,6 +249,7 @@ fn conversation(caller: &Caller, req: ChatCompletionRequest) -> Result<Conversat
             },
         ),
         tenant: caller.tenant.clone(),
+        cache: super::wire::retention_mark(req.prompt_cache_retention.as_deref())?,
         cache_salt: req.cache_salt,
         stream: req.stream,
     })
@@ -320,6 +321,7 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
             session_id: session_id(caller, SessionFields { user: req.user.as_deref(), ..Default::default() }),
             tenant: caller.tenant.clone(),
             cache_salt: req.cache_salt,
+            cache_leases: Vec::new(),
             hints: req.nvext.unwrap_or_default(),
             forced: lower::scripted(state, 0)?,
         },

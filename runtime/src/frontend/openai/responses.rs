@@ -77,6 +77,8 @@ pub(crate) struct ResponsesRequest {
     #[serde(default)]
     prompt_cache_key: Option<String>,
     #[serde(default)]
+    prompt_cache_retention: Option<String>,
+    #[serde(default)]
     user: Option<String>,
     #[serde(default)]
     reasoning: Option<Value>,
@@ -356,6 +358,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
         hints: req.nvext.unwrap_or_default(),
         session,
         tenant: caller.tenant.clone(),
+        cache: super::wire::retention_mark(req.prompt_cache_retention.as_deref())?,
         cache_salt: None,
         stream: req.stream,
     };

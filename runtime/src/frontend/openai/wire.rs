@@ -51,6 +51,10 @@ pub struct ChatCompletionRequest {
     /// OpenAI's `prompt_cache_key`: names the session when no session header is sent.
     #[serde(default)]
     pub prompt_cache_key: Option<String>,
+    /// OpenAI's `prompt_cache_retention`: `"24h"` leases the prompt for a day after each use;
+    /// `"in_memory"` is the node's plain retention.
+    #[serde(default)]
+    pub prompt_cache_retention: Option<String>,
     /// vLLM's `cache_salt`: the request's blocks are shared only with requests of the same salt.
     #[serde(default)]
     pub cache_salt: Option<String>,
@@ -229,4 +233,22 @@ pub struct ContentPart {
     /// The text of a `text` part.
     #[serde(default)]
     pub text: Option<String>,
+}
+
+/// The lease `prompt_cache_retention` asks for: `"24h"` a day; `"in_memory"` (or nothing) none
+/// beyond plain retention; anything else is refused.
+pub(crate) fn retention_mark(
+    value: Option<&str>,
+) -> Result<Option<crate::frontend::ir::CacheMark>, crate::frontend::ApiError> {
+    match value {
+        None | Some("in_memory") => Ok(None),
+        Some("24h") => Ok(Some(crate::frontend::ir::CacheMark::OneDay)),
+        Some(other) => Err(crate::frontend::ApiError::invalid(
+            format!(
+                "Invalid 'prompt_cache_retention': `{}` is not one of in_memory, 24h.",
+                crate::frontend::error::clip(other, 64)
+            ),
+            Some("prompt_cache_retention"),
+        )),
+    }
 }

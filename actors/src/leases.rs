@@ -1,0 +1,157 @@
+//! Leases: block chains that clients asked to keep (`cache_control` breakpoints,
+//! `prompt_cache_retention`), each held by its session until it expires or the session ends.
+//!
+//! The [`LeaseBook`] is the node's record of who leases which block until when. The tiers
+//! consult it as blocks arrive (a block written through to G2 or G3 after its lease was granted
+//! is leased there on arrival), and every grant or release is applied at once to the blocks
+//! already resident. In the lowest tier that keeps a block (G3, or G2 for a node without G3 or a
+//! region that stops at G2) a lease is a registry lease: the block is never evicted while it
+//! lives. In the tiers above it is a hold: under pressure the block is demoted to the tier below
+//! instead of dropped, and loaded back from there on the next hit.
+//!
+//! Several sessions may lease one block (a shared system prompt): it stays leased until the last
+//! of their leases ends.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::registry::Millis;
+
+/// Who holds a lease: a session (its key's digest), or 0 for a request without one.
+pub type LeaseOwner = u64;
+
+/// The node's leases, by block.
+#[derive(Debug, Default)]
+pub struct LeaseBook {
+    inner: Mutex<Book>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Holder {
+    owner: LeaseOwner,
+    until: Millis,
+    ttl: Millis,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    /// Each leased block's holders.
+    by_block: HashMap<BlockHash, Vec<Holder>>,
+    /// Blocks at the last sweep of expired leases: the next one runs when twice as many are kept.
+    swept_at: usize,
+}
+
+impl LeaseBook {
+    /// Leases `chain` to `owner` for `ttl` from `now` (a later deadline of the same owner's
+    /// extends it). Returns how many of its blocks had no live lease before: the tokens newly
+    /// cached, as Anthropic's `cache_creation_input_tokens` counts them.
+    pub fn grant(&self, owner: LeaseOwner, chain: &[BlockHash], ttl: Millis, now: Millis) -> usize {
+        let mut book = self.lock();
+        let until = now.saturating_add(ttl);
+        let mut new = 0;
+        for &h in chain {
+            let holders = book.by_block.entry(h).or_default();
+            holders.retain(|l| l.until > now);
+            if holders.is_empty() {
+                new += 1;
+            }
+            match holders.iter_mut().find(|l| l.owner == owner) {
+                Some(l) => {
+                    l.until = l.until.max(until);
+                    l.ttl = l.ttl.max(ttl);
+                }
+                None => holders.push(Holder { owner, until, ttl }),
+            }
+        }
+        if book.by_block.len() > 2 * book.swept_at.max(1024) {
+            book.by_block.retain(|_, holders| {
+                holders.retain(|l| l.until > now);
+                !holders.is_empty()
+            });
+            book.swept_at = book.by_block.len();
+        }
+        new
+    }
+
+    /// A request hit `chain`: every live lease on its leading leased blocks runs its TTL again
+    /// from `now`. Returns the new deadline of each refreshed block (leases are prefixes, so the
+    /// walk stops at the first block without one).
+    pub fn refresh(&self, chain: &[BlockHash], now: Millis) -> Vec<Millis> {
+        let mut book = self.lock();
+        let mut out = Vec::new();
+        for h in chain {
+            let Some(holders) = book.by_block.get_mut(h) else { break };
+            holders.retain(|l| l.until > now);
+            if holders.is_empty() {
+                break;
+            }
+            for l in holders.iter_mut() {
+                l.until = l.until.max(now.saturating_add(l.ttl));
+            }
+            out.push(holders.iter().map(|l| l.until).max().unwrap_or(0));
+        }
+        out
+    }
+
+    /// Ends `owner`'s leases on `chain`; returns, for each block, the deadline of the leases
+    /// that remain on it (0 for none).
+    pub fn release(&self, owner: LeaseOwner, chain: &[BlockHash], now: Millis) -> Vec<Millis> {
+        let mut book = self.lock();
+        chain
+            .iter()
+            .map(|h| {
+                let Some(holders) = book.by_block.get_mut(h) else { return 0 };
+                holders.retain(|l| l.owner != owner && l.until > now);
+                let left = holders.iter().map(|l| l.until).max().unwrap_or(0);
+                if holders.is_empty() {
+                    book.by_block.remove(h);
+                }
+                left
+            })
+            .collect()
+    }
+
+    /// The deadline of `h`'s live leases, if it has any.
+    pub fn until(&self, h: BlockHash, now: Millis) -> Option<Millis> {
+        self.lock().by_block.get(&h)?.iter().map(|l| l.until).filter(|&d| d > now).max()
+    }
+
+    /// Blocks with a live lease.
+    pub fn live(&self, now: Millis) -> usize {
+        self.lock().by_block.values().filter(|holders| holders.iter().any(|l| l.until > now)).count()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(n: u128) -> Vec<BlockHash> {
+        (1..=n).map(BlockHash).collect()
+    }
+
+    #[test]
+    fn a_block_stays_leased_until_its_last_holder_lets_go() {
+        let book = LeaseBook::default();
+        assert_eq!(book.grant(1, &chain(3), 1000, 0), 3, "all new");
+        assert_eq!(book.grant(2, &chain(4), 1990, 10), 1, "only the fourth block is new");
+        assert_eq!(book.grant(1, &chain(3), 1480, 20), 0, "a refresh creates nothing");
+        assert_eq!(book.until(BlockHash(1), 30), Some(2000));
+        assert_eq!(book.release(2, &chain(4), 40), vec![1500, 1500, 1500, 0], "owner 1 still leases three");
+        assert_eq!(book.until(BlockHash(4), 40), None);
+        // A hit runs the TTL again, on the leased prefix only.
+        assert_eq!(book.refresh(&chain(4), 900), vec![2380, 2380, 2380], "900 + its longest TTL, 1480");
+        assert_eq!(book.release(1, &chain(3), 950), vec![0, 0, 0]);
+        assert_eq!(book.live(950), 0);
+        // An expired lease is no lease: granting again creates the blocks anew.
+        book.grant(3, &chain(2), 40, 960);
+        assert_eq!(book.until(BlockHash(1), 1000), None, "expired at its deadline");
+        assert_eq!(book.refresh(&chain(2), 1000), Vec::<Millis>::new());
+        assert_eq!(book.grant(3, &chain(2), 300, 1000), 2);
+    }
+}
