@@ -1,9 +1,16 @@
 //! The SchedulerActor: routes every request to a worker and queues it there.
 //!
 //! It knows every worker's bounded queue and load ([`WorkerHandle`]) and every live session
-//! (a [`SessionActor`] per conversation, which it supervises). A request goes to the first worker
-//! in the routing policy's order whose queue has room; when none has, the answer is
-//! [`SubmitError::Overloaded`] at once: the node never builds an unbounded backlog.
+//! (a [`SessionActor`] per conversation, which it starts and supervises). A request of a session
+//! goes through that session's actor and comes back as [`SchedulerMsg::Route`] with the session's
+//! sticky worker and lease owner. A request goes to the first worker in the routing policy's
+//! order whose queue has room; when none has, the answer is [`SubmitError::Overloaded`] at once:
+//! the node never builds an unbounded backlog. A queued request's `cache_control` breakpoints are
+//! then leased in the node's tiers ([`NodeTiers::lease`]) to its session.
+//!
+//! A worker's queue, as the cost model prices it, is the estimated prefill of what is queued
+//! there (each request's uncached part as it was routed), the wait for room when its G1 is full,
+//! and its queued decode work times `decode_weight`.
 //!
 //! Routing policies (`router.policy`): `round_robin`, `random`, and `kv_aware`. With `kv_aware`
 //! the scheduler hashes the prompt's blocks, asks the global prefix index how much of that prefix

@@ -944,3 +944,77 @@ async fn null_fields_are_unset_fields() {
     let (status, _, value) = post(&server, "/v1/messages", &messages).await;
     assert_eq!(status, 200, "{value}");
 }
+
+/// `cache_control` breakpoints become lease requests at the end of their messages (the strongest
+/// TTL where two meet), the top-level mark covers the whole conversation, short prefixes are
+/// ignored, and more than four marked blocks is Anthropic's 400; OpenAI's
+/// `prompt_cache_retention: "24h"` leases the whole prompt for a day.
+#[tokio::test]
+async fn cache_breakpoints_become_leases_at_message_ends() {
+    let server = Server::start(FrontendSection { cache_min_tokens: 8, ..FrontendSection::default() }).await;
+    let long = |tag: &str| (0..40).map(|i| format!("{tag}{i} ")).collect::<String>();
+    let marked = |text: String, ttl: Option<&str>| {
+        let mut control = json!({"type": "ephemeral"});
+        if let Some(ttl) = ttl {
+            control["ttl"] = json!(ttl);
+        }
+        json!({"type": "text", "text": text, "cache_control": control})
+    };
+    let body = json!({
+        "model": "fake", "max_tokens": 4,
+        "system": [marked(long("sys"), Some("1h"))],
+        "messages": [
+            {"role": "user", "content": [marked(long("u"), None)]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "text", "text": "next"}, marked("tiny".into(), None)]},
+        ],
+    });
+    let (status, _, answer) = post(&server, "/v1/messages", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let req = server.fake.last();
+    let leases: Vec<(usize, u64)> = req.cache_leases.iter().map(|(t, ttl)| (*t, ttl.as_secs())).collect();
+    assert_eq!(leases.len(), 3, "{leases:?}");
+    assert_eq!(leases.iter().map(|l| l.1).collect::<Vec<_>>(), [3600, 300, 300]);
+    assert!(leases.windows(2).all(|w| w[0].0 < w[1].0), "in prompt order: {leases:?}");
+    let system_end = req.regions.iter().find(|(_, r)| *r == RegionKind::System).map(|(r, _)| r.end).expect("system");
+    assert!(leases[0].0 >= system_end - 8 && leases[0].0 <= system_end + 8, "at the system message's end: {leases:?}");
+    assert!(leases[2].0 < req.prompt.len(), "the last breakpoint ends before the generation prompt");
+
+    // The top-level mark: the whole conversation, as a short-lived lease.
+    let mut whole = body.clone();
+    whole["system"] = json!(long("sys"));
+    whole["messages"] = json!([{"role": "user", "content": long("q")}]);
+    whole["cache_control"] = json!({"type": "ephemeral"});
+    let (status, _, _) = post(&server, "/v1/messages", &whole).await;
+    assert_eq!(status, 200);
+    assert_eq!(server.fake.last().cache_leases.len(), 1);
+
+    // Five marked blocks: refused in Anthropic's shape.
+    let mut five = body.clone();
+    five["messages"][0]["content"] =
+        json!([marked(long("a"), None), marked(long("b"), None), marked(long("c"), None), marked(long("d"), None)]);
+    let (status, _, err) = post(&server, "/v1/messages", &five).await;
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["type"], "invalid_request_error");
+    assert!(err["error"]["message"].as_str().unwrap().contains("maximum of 4"), "{err}");
+
+    // OpenAI's 24h retention, and a value it does not define.
+    let mut retained = chat("fake");
+    retained["messages"][0]["content"] = json!(long("sys"));
+    retained["prompt_cache_retention"] = json!("24h");
+    let (status, _, _) = post(&server, "/v1/chat/completions", &retained).await;
+    assert_eq!(status, 200);
+    let day: Vec<u64> = server.fake.last().cache_leases.iter().map(|(_, ttl)| ttl.as_secs()).collect();
+    assert_eq!(day, [86_400]);
+    retained["prompt_cache_retention"] = json!("forever");
+    let (status, _, err) = post(&server, "/v1/chat/completions", &retained).await;
+    assert_error(status, &err, 400, "invalid_request_error", None);
+    retained["prompt_cache_retention"] = json!("in_memory");
+    post(&server, "/v1/chat/completions", &retained).await;
+    assert!(server.fake.last().cache_leases.is_empty(), "in_memory is plain retention");
+
+    // Below frontend.cache_min_tokens a breakpoint is ignored.
+    let small = Server::start(FrontendSection::default()).await;
+    post(&small, "/v1/messages", &body).await;
+    assert!(small.fake.last().cache_leases.is_empty(), "the default minimum is 1024 tokens");
+}
