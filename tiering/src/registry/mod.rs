@@ -14,7 +14,7 @@
 //! | referenced | `refs > 0` | never |
 //! | interior | `refs == 0`, at least one child resident in this tier | never (leaf-first) |
 //! | leased | `refs == 0`, no resident child, `clock < lease_until` | never while the lease lives |
-//! | held | `refs == 0`, no resident child, `clock < retain_until` | only when nothing is evictable: earliest deadline first |
+//! | held | `refs == 0`, no resident child, `clock < retain_until` | only before evictable blocks of higher priority, or when nothing is evictable: lowest priority, then earliest deadline, first |
 //! | evictable | otherwise | yes, in policy order |
 //!
 //! Leases ([`lease`](TierRegistry::lease): a client's `cache_control`, held by its session) are
@@ -25,10 +25,14 @@
 //! from starving everything else: past it, the lease that ends soonest falls back to plain
 //! retention, and that is counted.
 //!
-//! Holds are soft: they keep a session's context through a tool-call gap against everything
-//! evictable, but a tier full of held blocks still admits new ones by breaking the hold that ends
-//! soonest. Refusing the blocks of the request running now (certain to be reused by its next
-//! turn) to honour a hold on a session that may not come back would be the worse trade.
+//! Holds are soft: they keep a session's context through a tool-call gap against every block of
+//! its priority or lower, but not against more valuable ones: a held conversation block
+//! (priority 60) goes before an unheld system prompt (90), which every session shares. (The other
+//! order, holds above priorities, cost 0.7 points of hit rate against plain LRU on an agentic
+//! trace.) A tier full of held blocks still admits new ones by breaking the hold of the lowest
+//! priority that ends soonest. Refusing the blocks of the request running now (certain to be
+//! reused by its next turn) to honour a hold on a session that may not come back would be the
+//! worse trade.
 //!
 //! Children are tracked by parent hash for every resident block, whether or not the parent is
 //! resident, so a parent that arrives after its children (after a demotion, say) is interior from
@@ -309,8 +313,10 @@ pub struct TierRegistry<P: EvictionPolicy = Policy> {
     entries: HashMap<BlockHash, Entry>,
     /// Number of resident blocks per parent hash (the parent need not be resident).
     children: HashMap<BlockHash, u32>,
-    /// Unreferenced leaves whose hold had not expired at `clock`, by deadline.
+    /// Unreferenced leaves whose hold had not expired at `clock`, by deadline (for expiry).
     holds: BTreeSet<(Millis, BlockHash)>,
+    /// The same, by priority and then deadline (for eviction).
+    held: BTreeSet<(u8, Millis, BlockHash)>,
     /// Every block whose lease had not expired at `clock` (in any state), by deadline.
     leases: BTreeSet<(Millis, BlockHash)>,
     /// Live leases allowed at once.
@@ -342,6 +348,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
             entries: HashMap::new(),
             children: HashMap::new(),
             holds: BTreeSet::new(),
+            held: BTreeSet::new(),
             leases: BTreeSet::new(),
             lease_budget: usize::MAX,
             lease_expiries: 0,
@@ -395,7 +402,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
     /// The block the next eviction would pick, judged at the registry's clock (holds that expired
     /// since then are not yet considered).
     pub fn next_victim(&self) -> Option<BlockHash> {
-        self.policy.victim().or_else(|| self.holds.first().map(|&(_, h)| h))
+        self.victim().map(|(h, _)| h)
     }
 
     /// A view of a resident block.
@@ -672,6 +679,7 @@ impl<P: EvictionPolicy> TierRegistry<P> {
             }
             self.holds.pop_first();
             let e = self.entries.get_mut(&h).expect("held block is resident");
+            self.held.remove(&(e.priority, deadline, h));
             debug_assert_eq!(e.slot, Some(Slot::Held));
             e.slot = Some(Slot::Evictable);
             let (region, candidate) = (region_index(e.region), e.candidate());
@@ -704,7 +712,8 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         match slot {
             Slot::Held => {
                 let removed = self.holds.remove(&(e.retain_until, h));
-                debug_assert!(removed);
+                let also = self.held.remove(&(e.priority, e.retain_until, h));
+                debug_assert!(removed && also);
             }
             Slot::Evictable => self.policy.remove(h),
             Slot::Referenced | Slot::Interior | Slot::Leased => {}
@@ -720,6 +729,8 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         match slot {
             Slot::Held => {
                 self.holds.insert((deadline, h));
+                let priority = self.entries[&h].priority;
+                self.held.insert((priority, deadline, h));
             }
             Slot::Evictable => self.policy.insert(h, candidate),
             Slot::Referenced | Slot::Interior | Slot::Leased => {}
@@ -764,13 +775,35 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         Evicted { hash: h, region: e.region, priority: e.priority }
     }
 
-    /// Pops the policy's victim and drops it. The clock must already be advanced.
+    /// The next victim and its state: the policy's, unless a held block has a lower priority
+    /// (or nothing is evictable): a hold protects a block against blocks of its own priority and
+    /// below, never against more valuable ones, and among held blocks the lowest priority, then
+    /// the soonest deadline, goes first.
+    fn victim(&self) -> Option<(BlockHash, Slot)> {
+        let evictable = self.policy.victim().map(|h| (h, self.entries[&h].priority));
+        let held = self.held.first().map(|&(priority, _, h)| (h, priority));
+        match (evictable, held) {
+            (Some((e, pe)), Some((h, ph))) => Some(if ph < pe { (h, Slot::Held) } else { (e, Slot::Evictable) }),
+            (Some((e, _)), None) => Some((e, Slot::Evictable)),
+            (None, Some((h, _))) => Some((h, Slot::Held)),
+            (None, None) => None,
+        }
+    }
+
+    /// Drops the next victim. The clock must already be advanced.
     fn evict_one(&mut self) -> Option<Evicted> {
-        let (h, slot) = match self.policy.pop() {
-            Some(h) => (h, Slot::Evictable),
-            // Nothing evictable: the hold that ends soonest gives way (holds are soft).
-            None => (self.holds.pop_first()?.1, Slot::Held),
-        };
+        let (h, slot) = self.victim()?;
+        match slot {
+            Slot::Evictable => {
+                let popped = self.policy.pop();
+                debug_assert_eq!(popped, Some(h));
+            }
+            _ => {
+                let e = &self.entries[&h];
+                self.holds.remove(&(e.retain_until, h));
+                self.held.remove(&(e.priority, e.retain_until, h));
+            }
+        }
         let e = self.entries.get_mut(&h).expect("victim is resident");
         debug_assert_eq!(e.slot, Some(slot));
         e.slot = None;

@@ -153,14 +153,19 @@ impl Model {
             .filter(|&(&h, _)| self.slot(h) == Slot::Evictable)
             .min_by_key(|&(_, e)| self.key(e))
             .map(|(&h, _)| h);
-        // Holds are soft: with nothing evictable, the one that ends soonest goes.
-        evictable.or_else(|| {
-            self.entries
-                .iter()
-                .filter(|&(&h, _)| self.slot(h) == Slot::Held)
-                .min_by_key(|&(&h, e)| (e.retain_until, h))
-                .map(|(&h, _)| h)
-        })
+        // Holds are soft: a held block of lower priority than every evictable one goes first
+        // (and with nothing evictable, the held block of lowest priority that ends soonest).
+        let held = self
+            .entries
+            .iter()
+            .filter(|&(&h, _)| self.slot(h) == Slot::Held)
+            .min_by_key(|&(&h, e)| (e.priority, e.retain_until, h))
+            .map(|(&h, e)| (h, e.priority));
+        match (evictable, held) {
+            (Some(e), Some((h, ph))) if ph < self.entries[&e].priority => Some(h),
+            (Some(e), _) => Some(e),
+            (None, held) => held.map(|(h, _)| h),
+        }
     }
 
     fn evict_one(&mut self) -> Option<Evicted> {
@@ -170,8 +175,9 @@ impl Model {
         // when nothing was evictable.
         assert_eq!(e.refs, 0, "victim {h:?} is referenced");
         assert!(
-            self.clock >= e.retain_until || self.entries.keys().all(|&k| self.slot(k) != Slot::Evictable),
-            "victim {h:?} is held while another block was evictable"
+            self.clock >= e.retain_until
+                || self.entries.iter().all(|(&k, o)| self.slot(k) != Slot::Evictable || o.priority > e.priority),
+            "victim {h:?} is held while an evictable block of its priority or lower was there"
         );
         assert_eq!(self.children(h), 0, "victim {h:?} has resident children");
         assert!(self.clock >= e.lease_until, "victim {h:?} is leased");

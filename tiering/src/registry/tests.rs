@@ -61,12 +61,12 @@ fn referenced_block_is_never_evicted() {
 #[test]
 fn hold_is_respected_until_expiry_then_evicted() {
     for mut r in both() {
-        let mut m = meta(None, 0);
+        let mut m = meta(None, 50);
         m.retain_until = 100;
         r.insert(h(1), m, 0).unwrap();
-        r.insert(h(2), meta(None, 90), 1).unwrap();
+        r.insert(h(2), meta(None, 50), 1).unwrap();
         assert_eq!(r.stats().total().held, 1);
-        // While held, the higher-priority block goes first.
+        // While held, the unheld block of its priority goes first, though it is newer.
         assert_eq!(hashes(&r.evict(1, 99)), vec![2]);
         // With nothing else evictable the hold gives way (holds are soft), still counted held.
         assert_eq!(r.stats().total().held, 1);
@@ -97,11 +97,26 @@ fn hold_extends_and_release_into_hold() {
     assert_eq!(r.meta(h(1)).unwrap().retain_until, 50);
     r.release(h(1)).unwrap();
     assert_eq!(r.meta(h(1)).unwrap().slot, Slot::Held);
-    // Another block is evictable at 49: the hold keeps block 1; at 50 it has expired.
-    r.insert(h(2), meta(None, 90), 2).unwrap();
+    // Another block of its priority is evictable at 49: the hold keeps block 1; at 50 it has
+    // expired.
+    r.insert(h(2), meta(None, 10), 2).unwrap();
     assert_eq!(hashes(&r.evict(1, 49)), vec![2]);
     assert_eq!(r.meta(h(1)).unwrap().slot, Slot::Held);
     assert_eq!(hashes(&r.evict(1, 50)), vec![1]);
+}
+
+#[test]
+fn a_hold_never_outranks_a_higher_priority() {
+    let mut r = TierRegistry::new(4, PolicyKind::Lru);
+    let mut held = meta(None, 60);
+    held.retain_until = 1000;
+    r.insert(h(1), held, 0).unwrap();
+    r.insert(h(2), meta(None, 90), 1).unwrap();
+    r.insert(h(3), meta(None, 60), 2).unwrap();
+    // The unheld block of the held one's priority goes first, then the held one (below 90).
+    assert_eq!(hashes(&r.evict(1, 10)), vec![3]);
+    assert_eq!(r.next_victim(), Some(h(1)));
+    assert_eq!(hashes(&r.evict(2, 10)), vec![1, 2]);
 }
 
 #[test]
