@@ -102,7 +102,8 @@ pub struct ReplayArgs {
     #[arg(long, value_enum, default_value = "simulated")]
     pub engine: ReplayEngine,
     /// A node configuration whose `[retention]` the retention-aware runs use (priorities, holds,
-    /// lowest tiers per region) and whose `[router]` sets the sticky bonus and temperature.
+    /// lowest tiers per region) and whose `[router]` sets the sticky bonus, temperature and
+    /// queue policy.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A calibration file to time the simulated engine with (the format of
@@ -780,7 +781,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         factory,
         host: EngineHost::Local(spawner),
         queue_bound: 1 << 16,
-        queue_policy: dynamo_config::QueuePolicy::Fcfs,
+        queue_policy: setup.config.router.queue_policy,
     };
     let scheduling = Scheduling {
         policy: policy.routing,
