@@ -25,7 +25,7 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use dynamo_actors::builder::{EngineSet, NodeBuilder, Routing, Scheduling};
 use dynamo_actors::index::IndexConfig;
-use dynamo_actors::scheduler::{SchedulerMsg, SchedulerRef};
+use dynamo_actors::scheduler::{Hints, SchedulerMsg, SchedulerRef};
 use dynamo_actors::tiers::KvObserver;
 use dynamo_actors::worker::simulated::{SimNode, SimTiming, SimulatedEngine, WriteThrough, splitmix};
 use dynamo_actors::worker::{Engine, EngineFactory, EngineHost, GenRequest, JobEvent, WorkerEvent, local_spawner};
@@ -82,7 +82,9 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "4TiB")]
     pub g3: ByteSize,
     /// Axes to compare, each against the best configuration (KV-aware routing, retention-aware
-    /// eviction, write-through to G2+G3), plus the baseline with all three at their simplest.
+    /// eviction, write-through to G2+G3), plus the baseline with all three at their simplest:
+    /// `routing`, `eviction`, `write-through`, `preamble`, `priority` (a fifth of the sessions
+    /// at a high agent-hint priority, honoured vs ignored).
     #[arg(long, value_delimiter = ',', default_value = "routing,eviction,write-through", value_parser = parse_axis)]
     pub compare: Vec<Axis>,
     /// Run the best configuration once per capacity instead: `g1=40GiB,80GiB` or
@@ -145,6 +147,17 @@ pub enum Axis {
     /// request starts with a block of its own, as a `cch=` that changes on every request makes
     /// it, and shares no prefix with any other.
     Preamble,
+    /// Agent-hint priorities honoured vs ignored: every fifth session asks for priority
+    /// [`HIGH_PRIORITY`] (`nvext.priority`), the others for none.
+    Priority,
+}
+
+/// The `nvext.priority` of the high-priority class of `--compare priority`.
+const HIGH_PRIORITY: i32 = 10;
+
+/// Whether session `s` is of the high-priority class (every fifth).
+fn high_priority(s: usize) -> bool {
+    s % 5 == 0
 }
 
 fn parse_axis(s: &str) -> Result<Axis, String> {
@@ -153,7 +166,8 @@ fn parse_axis(s: &str) -> Result<Axis, String> {
         "eviction" => Ok(Axis::Eviction),
         "write-through" | "write_through" => Ok(Axis::WriteThrough),
         "preamble" => Ok(Axis::Preamble),
-        other => Err(format!("unknown axis `{other}` (routing, eviction, write-through, preamble)")),
+        "priority" => Ok(Axis::Priority),
+        other => Err(format!("unknown axis `{other}` (routing, eviction, write-through, preamble, priority)")),
     }
 }
 
@@ -172,6 +186,8 @@ struct Policy {
     write_through: WriteThrough,
     /// Every request starts with a block of its own (a billing header left in).
     preamble_kept: bool,
+    /// The high-priority class's hints are sent (otherwise every request has priority 0).
+    priorities: bool,
 }
 
 impl Policy {
@@ -180,17 +196,25 @@ impl Policy {
         eviction: Eviction::Retention,
         write_through: WriteThrough::G2G3,
         preamble_kept: false,
+        priorities: false,
     };
     const BASELINE: Policy = Policy {
         routing: RoutingPolicy::RoundRobin,
         eviction: Eviction::PlainLru,
         write_through: WriteThrough::Off,
         preamble_kept: false,
+        priorities: false,
     };
 
     fn name(&self) -> String {
         let preamble = if self.preamble_kept { "+preamble-kept" } else { "" };
-        format!("{}+{}+{}{preamble}", policy_name(self.routing), self.eviction_name(), self.write_through_name())
+        let priorities = if self.priorities { "+priorities" } else { "" };
+        format!(
+            "{}+{}+{}{preamble}{priorities}",
+            policy_name(self.routing),
+            self.eviction_name(),
+            self.write_through_name()
+        )
     }
 
     fn eviction_name(&self) -> &'static str {
@@ -230,6 +254,7 @@ impl Policy {
                     }
                 }
                 Axis::Preamble => push(Policy { preamble_kept: true, ..Policy::BEST }),
+                Axis::Priority => push(Policy { priorities: true, ..Policy::BEST }),
             }
         }
         if !axes.is_empty() {
@@ -390,6 +415,8 @@ struct Sample {
     prompt: usize,
     hit: [usize; 4],
     output: usize,
+    /// Of a session of the high-priority class (whether or not its hints were sent).
+    high: bool,
 }
 
 /// Tier occupancy at one moment of virtual time.
@@ -460,6 +487,7 @@ impl Outcome {
             "eviction": self.policy.eviction_name(),
             "write_through": self.policy.write_through_name(),
             "preamble_kept": self.policy.preamble_kept,
+            "priorities": self.policy.priorities,
             "capacity": self.capacity.as_ref().map(|(tier, size)| serde_json::json!({"tier": tier, "bytes": size.0})),
             "requests": self.samples.len(),
             "hit_rate": self.hit_rate(None),
@@ -814,7 +842,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             samples_out.borrow_mut().push(sample);
         }
     });
-    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy.preamble_kept).await?;
+    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy).await?;
     let virtual_time = start.elapsed();
     sampler.abort();
     node.shutdown().await;
@@ -888,7 +916,7 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
     let serving = Serving::start(&cfg, &plan, stores).await?;
     let scheduler = serving.node.current_scheduler().await?;
     let start = Instant::now();
-    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy.preamble_kept).await?;
+    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy).await?;
     let elapsed = start.elapsed();
     serving.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -939,7 +967,7 @@ async fn run_sessions(
     scheduler: &SchedulerRef,
     start: Instant,
     label: &str,
-    preamble_kept: bool,
+    policy: Policy,
 ) -> SessionResult {
     let progress = Rc::new(Progress {
         label: label.to_string(),
@@ -950,7 +978,7 @@ async fn run_sessions(
     });
     let mut tasks = tokio::task::JoinSet::new();
     for (s, turns) in trace.sessions.iter().enumerate() {
-        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone(), preamble_kept));
+        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone(), policy));
     }
     let mut samples = Vec::with_capacity(trace.requests);
     let mut prompts = Vec::with_capacity(trace.requests);
@@ -968,8 +996,13 @@ async fn run_session(
     scheduler: SchedulerRef,
     start: Instant,
     progress: Rc<Progress>,
-    preamble_kept: bool,
+    policy: Policy,
 ) -> SessionResult {
+    let preamble_kept = policy.preamble_kept;
+    let hints = Hints {
+        priority: if policy.priorities && high_priority(session) { HIGH_PRIORITY } else { 0 },
+        ..Hints::default()
+    };
     let mut samples = Vec::with_capacity(turns.len());
     let mut prompts = Vec::with_capacity(turns.len());
     let mut history: Vec<u32> = Vec::new();
@@ -1007,15 +1040,7 @@ async fn run_session(
         };
         let submitted_at = Instant::now();
         let submitted = match scheduler
-            .call(
-                |reply| SchedulerMsg::Submit {
-                    req: Box::new(req),
-                    session: Some(id.clone()),
-                    hints: Default::default(),
-                    reply,
-                },
-                None,
-            )
+            .call(|reply| SchedulerMsg::Submit { req: Box::new(req), session: Some(id.clone()), hints, reply }, None)
             .await?
         {
             CallResult::Success(Ok(s)) => s,
@@ -1023,7 +1048,7 @@ async fn run_session(
             _ => bail!("the scheduler did not answer"),
         };
         let mut events = submitted.events;
-        let mut sample = Sample { prompt: prompt_len, ..Sample::default() };
+        let mut sample = Sample { prompt: prompt_len, high: high_priority(session), ..Sample::default() };
         while let Some(event) = events.recv().await {
             match event {
                 JobEvent::Event(WorkerEvent::Prefilled { hit_tokens, .. }) => {
@@ -1165,6 +1190,28 @@ fn comparisons(outcomes: &[Outcome]) -> Vec<String> {
             best.percentile_ms(0.5),
             kept.hit_rate(None) * 100.0,
             best.hit_rate(None) * 100.0
+        ));
+    }
+    if let (Some(ignored), Some(honoured)) = (best, find(outcomes, Policy { priorities: true, ..Policy::BEST })) {
+        let class = |o: &Outcome, high: bool, q: f64| {
+            let mut v: Vec<f64> =
+                o.samples.iter().filter(|s| s.high == high).map(|s| s.ttft.as_secs_f64() * 1e3).collect();
+            v.sort_by(f64::total_cmp);
+            v.get(((v.len().max(1) - 1) as f64 * q).round() as usize).copied().unwrap_or(0.0)
+        };
+        let lower = |q: f64| 1.0 - class(honoured, true, q) / class(ignored, true, q).max(1e-9);
+        lines.push(format!(
+            "priority (a fifth of the sessions at nvext.priority {HIGH_PRIORITY}), honoured vs ignored: high class p50 \
+             {:.1} vs {:.1} ms ({:.0}% lower), p90 {:.1} vs {:.1} ms ({:.0}% lower); the rest p50 {:.2}x, p90 {:.2}x \
+             (NVIDIA's NeMo Agent Toolkit router: up to 63% lower)",
+            class(honoured, true, 0.5),
+            class(ignored, true, 0.5),
+            lower(0.5) * 100.0,
+            class(honoured, true, 0.9),
+            class(ignored, true, 0.9),
+            lower(0.9) * 100.0,
+            class(honoured, false, 0.5) / class(ignored, false, 0.5).max(1e-9),
+            class(honoured, false, 0.9) / class(ignored, false, 0.9).max(1e-9),
         ));
     }
     if let Some(best) = best {
@@ -1486,8 +1533,17 @@ mod tests {
             serde_json::from_str(&std::fs::read_to_string(dir.path().join("sweep.json")).unwrap()).unwrap();
         assert_eq!(json.as_array().map(Vec::len), Some(2), "one report per rate");
         assert_eq!(json[1]["load"], 2.0);
-        let bad = ReplayArgs { load: vec![0.0], ..sweep };
+        let bad = ReplayArgs { load: vec![0.0], ..sweep.clone() };
         assert!(replay(&bad).is_err(), "a rate of 0 is refused");
+
+        // The priority axis: the same trace with a fifth of the sessions' hints honoured.
+        let priority = ReplayArgs { load: vec![1.0], json: None, compare: vec![Axis::Priority], ..sweep };
+        let (_, outcomes) = replay(&priority).unwrap();
+        let names: Vec<String> = outcomes.iter().map(|o| o.policy.name()).collect();
+        assert_eq!(names[1], "kv_aware+retention+wt-g2g3+priorities", "{names:?}");
+        assert_eq!(outcomes[1].samples.iter().filter(|s| s.high).count(), 2, "session 0 of 4, both its turns");
+        let lines = comparisons(&outcomes);
+        assert!(lines.iter().any(|l| l.starts_with("priority (a fifth")), "{lines:?}");
     }
 
     #[test]
