@@ -157,7 +157,7 @@ const HIGH_PRIORITY: i32 = 10;
 
 /// Whether session `s` is of the high-priority class (every fifth).
 fn high_priority(s: usize) -> bool {
-    s % 5 == 0
+    s.is_multiple_of(5)
 }
 
 fn parse_axis(s: &str) -> Result<Axis, String> {
