@@ -564,9 +564,17 @@ impl Actor for SchedulerActor {
                 let prompt_tokens = req.prompt.len();
                 match state.route(*req, session.as_ref(), hints).await {
                     Ok((submitted, leased)) => {
-                        if let Some(turn) = &session {
-                            let _ =
-                                turn.actor.cast(SessionMsg::Routed { worker: submitted.worker, prompt_tokens, leased });
+                        if let Some(turn) = &session
+                            && let Err(ractor::MessagingErr::SendErr(SessionMsg::Routed { leased, .. })) =
+                                turn.actor.cast(SessionMsg::Routed { worker: submitted.worker, prompt_tokens, leased })
+                        {
+                            // The session ended while its request was being routed: nobody would
+                            // release these leases.
+                            if let Some(tiers) = state.args.kv.as_ref().and_then(|kv| kv.tiers.as_ref()) {
+                                for chain in leased {
+                                    tiers.unlease(turn.owner, &chain.blocks, unix_millis());
+                                }
+                            }
                         }
                         let _ = reply.send(Ok(submitted));
                     }

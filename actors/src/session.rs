@@ -112,12 +112,12 @@ pub enum SessionMsg {
     Tick,
 }
 
-/// The lease owner of session `id`: a digest of its key (0 is for requests without a session).
-pub fn lease_owner(id: &str) -> LeaseOwner {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    id.hash(&mut h);
-    h.finish().max(1)
+/// A lease owner of its own for every session actor started (0 is for requests without a
+/// session): a conversation whose actor ended and started again never shares, or releases, the
+/// leases of its earlier incarnation.
+fn next_lease_owner() -> LeaseOwner {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Actor for SessionActor {
@@ -130,7 +130,7 @@ impl Actor for SessionActor {
         let period = (args.idle_timeout / 4).max(Duration::from_millis(10));
         myself.send_interval(period, || SessionMsg::Tick);
         Ok(SessionState {
-            owner: lease_owner(&args.id),
+            owner: next_lease_owner(),
             id: args.id,
             idle_timeout: args.idle_timeout,
             scheduler: args.scheduler,
@@ -213,8 +213,13 @@ impl SessionState {
         self.leases.push(chain);
         if self.leases.len() > MAX_CHAINS {
             let oldest = self.leases.remove(0);
+            // Only the blocks no kept chain shares (they all may start with one system prompt).
+            let kept: std::collections::HashSet<BlockHash> =
+                self.leases.iter().flat_map(|c| c.blocks.iter().map(|&(h, _)| h)).collect();
+            let only: Vec<(BlockHash, RegionKind)> =
+                oldest.blocks.into_iter().filter(|(h, _)| !kept.contains(h)).collect();
             if let Some(tiers) = &self.tiers {
-                tiers.unlease(self.owner, &oldest.blocks, unix_millis());
+                tiers.unlease(self.owner, &only, unix_millis());
             }
         }
     }

@@ -185,6 +185,11 @@ impl G2Tier {
         lease_in(&mut registry, hash, until, pin);
     }
 
+    /// Ends the hold of a resident block that runs until `until` (a lease this tier only held).
+    pub fn end_hold(&self, hash: BlockHash, until: Millis) {
+        let _ = self.registry.lock().expect("G2 registry lock").end_hold(hash, until);
+    }
+
     /// Extends the hold of a resident block.
     pub fn hold(&self, hash: BlockHash, until: Millis) {
         let _ = self.registry.lock().expect("G2 registry lock").hold(hash, until);
@@ -453,8 +458,16 @@ impl NodeTiers {
     /// Ends `owner`'s leases on `chain`: blocks nobody else leases fall back to plain retention.
     pub fn unlease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], now: Millis) {
         let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        let before: Vec<Millis> = hashes.iter().map(|&h| self.leases.until(h, now).unwrap_or(0)).collect();
         let left = self.leases.release(owner, &hashes, now);
-        for (&(h, region), until) in chain.iter().zip(left) {
+        for ((&(h, region), until), was) in chain.iter().zip(left).zip(before) {
+            if let Some(g2) = &self.g2
+                && !self.g2_pins(region)
+                && until < was
+            {
+                // G2 only held it: that hold ends with the lease (down to what other leases need).
+                g2.end_hold(h, was);
+            }
             self.apply_lease(h, region, until);
         }
     }

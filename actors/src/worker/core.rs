@@ -1327,9 +1327,12 @@ impl<B: Backend> Worker<B> {
             return;
         }
         // A disk slower than the write stream must not build an unbounded backlog: with this many
-        // batches still in flight the block stays in G2 only (and is counted).
+        // batches still in flight the block stays in G2 only (and is counted). A leased block
+        // goes anyway: G3 is where its lease pins it.
         while self.writes.try_join_next().is_some() {}
-        if self.writes.len() + usize::from(!self.g3_batch.is_empty()) >= MAX_G3_BATCHES_IN_FLIGHT {
+        if self.writes.len() + usize::from(!self.g3_batch.is_empty()) >= MAX_G3_BATCHES_IN_FLIGHT
+            && tiers.leases.until(hash, now).is_none()
+        {
             record_write_skipped(Tier::G3);
             return;
         }

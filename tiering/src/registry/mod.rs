@@ -572,6 +572,18 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         Ok(())
     }
 
+    /// Ends the hold that runs until `until` (a lease's, in a tier that only holds leased blocks):
+    /// `retain_until` goes back to 0 if it is exactly `until`; any other hold stays.
+    pub fn end_hold(&mut self, h: BlockHash, until: Millis) -> Result<(), RegistryError> {
+        self.check_resident(h)?;
+        if until > 0 && self.entries[&h].retain_until == until {
+            self.detach(h);
+            self.entry_mut(h).retain_until = 0;
+            self.attach(h);
+        }
+        Ok(())
+    }
+
     /// Sets the priority (clamped to 100), up or down — e.g. generated → conversation when a turn
     /// completes.
     pub fn set_priority(&mut self, h: BlockHash, priority: u8) -> Result<(), RegistryError> {

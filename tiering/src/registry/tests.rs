@@ -106,6 +106,18 @@ fn hold_extends_and_release_into_hold() {
 }
 
 #[test]
+fn a_lease_held_in_an_upper_tier_ends_with_it() {
+    let mut r = TierRegistry::new(4, PolicyKind::Lru);
+    r.insert(h(1), meta(None, 60), 0).unwrap();
+    r.hold(h(1), 500).unwrap();
+    r.end_hold(h(1), 400).unwrap();
+    assert_eq!(r.meta(h(1)).unwrap().retain_until, 500, "another hold stays");
+    r.end_hold(h(1), 500).unwrap();
+    assert_eq!(r.meta(h(1)).unwrap().slot, Slot::Evictable);
+    assert_eq!(r.stats().total().held, 0);
+}
+
+#[test]
 fn a_hold_never_outranks_a_higher_priority() {
     let mut r = TierRegistry::new(4, PolicyKind::Lru);
     let mut held = meta(None, 60);
