@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::registry::Millis;
@@ -25,6 +26,9 @@ pub type LeaseOwner = u64;
 #[derive(Debug, Default)]
 pub struct LeaseBook {
     inner: Mutex<Book>,
+    /// Blocks in the book (live or not yet swept), so that a node nobody leases on answers
+    /// without taking the lock.
+    blocks: AtomicUsize,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -71,6 +75,7 @@ impl LeaseBook {
             });
             book.swept_at = book.by_block.len();
         }
+        self.blocks.store(book.by_block.len(), Ordering::Relaxed);
         new
     }
 
@@ -78,6 +83,9 @@ impl LeaseBook {
     /// from `now`. Returns the new deadline of each refreshed block (leases are prefixes, so the
     /// walk stops at the first block without one).
     pub fn refresh(&self, chain: &[BlockHash], now: Millis) -> Vec<Millis> {
+        if self.is_empty() {
+            return Vec::new();
+        }
         let mut book = self.lock();
         let mut out = Vec::new();
         for h in chain {
@@ -98,7 +106,7 @@ impl LeaseBook {
     /// that remain on it (0 for none).
     pub fn release(&self, owner: LeaseOwner, chain: &[BlockHash], now: Millis) -> Vec<Millis> {
         let mut book = self.lock();
-        chain
+        let left = chain
             .iter()
             .map(|h| {
                 let Some(holders) = book.by_block.get_mut(h) else { return 0 };
@@ -109,11 +117,21 @@ impl LeaseBook {
                 }
                 left
             })
-            .collect()
+            .collect();
+        self.blocks.store(book.by_block.len(), Ordering::Relaxed);
+        left
+    }
+
+    /// Whether the book holds no block (then nothing is leased).
+    pub fn is_empty(&self) -> bool {
+        self.blocks.load(Ordering::Relaxed) == 0
     }
 
     /// The deadline of `h`'s live leases, if it has any.
     pub fn until(&self, h: BlockHash, now: Millis) -> Option<Millis> {
+        if self.is_empty() {
+            return None;
+        }
         self.lock().by_block.get(&h)?.iter().map(|l| l.until).filter(|&d| d > now).max()
     }
 
@@ -148,6 +166,7 @@ mod tests {
         assert_eq!(book.refresh(&chain(4), 900), vec![2380, 2380, 2380], "900 + its longest TTL, 1480");
         assert_eq!(book.release(1, &chain(3), 950), vec![0, 0, 0]);
         assert_eq!(book.live(950), 0);
+        assert!(book.is_empty(), "released blocks leave the book");
         // An expired lease is no lease: granting again creates the blocks anew.
         book.grant(3, &chain(2), 40, 960);
         assert_eq!(book.until(BlockHash(1), 1000), None, "expired at its deadline");

@@ -418,16 +418,20 @@ impl SchedulerState {
     fn lease_plan(&self, req: &mut GenRequest) -> Vec<(Vec<(BlockHash, RegionKind)>, Duration)> {
         let Some(kv) = &self.args.kv else { return Vec::new() };
         let Some(tiers) = &kv.tiers else { return Vec::new() };
+        // Nothing asked and nothing leased anywhere (the common case): no hashing, no lock.
+        if req.leases.is_empty() && tiers.leases.is_empty() {
+            return Vec::new();
+        }
         let b = kv.block_tokens.max(1);
         let salt = req.salt(kv.salt);
         let hashes = req.block_hashes(salt, b);
         if req.hashes.is_none() {
             req.hashes = Some(Arc::new(PromptHashes { salt, block_tokens: b, hashes: hashes.clone().into() }));
         }
-        let with_regions = |n: usize| -> Vec<(BlockHash, RegionKind)> {
-            (0..n).map(|i| (hashes[i], region_of(&req.regions, i * b))).collect()
-        };
-        tiers.refresh(&with_regions(hashes.len()), unix_millis());
+        let region = |i: usize| region_of(&req.regions, i * b);
+        let with_regions =
+            |n: usize| -> Vec<(BlockHash, RegionKind)> { (0..n).map(|i| (hashes[i], region(i))).collect() };
+        tiers.refresh(&hashes, region, unix_millis());
         req.leases
             .iter()
             .take(MAX_LEASES_PER_REQUEST)

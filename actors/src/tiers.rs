@@ -472,12 +472,11 @@ impl NodeTiers {
         }
     }
 
-    /// A request hit `chain`: the leases on its leased prefix run their TTL again, in the book
-    /// and in the tiers.
-    pub fn refresh(&self, chain: &[(BlockHash, RegionKind)], now: Millis) {
-        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
-        for (&(h, region), until) in chain.iter().zip(self.leases.refresh(&hashes, now)) {
-            self.apply_lease(h, region, until);
+    /// A request hit `chain` (block `i` of region `region(i)`): the leases on its leased prefix
+    /// run their TTL again, in the book and in the tiers.
+    pub fn refresh(&self, chain: &[BlockHash], region: impl Fn(usize) -> RegionKind, now: Millis) {
+        for (i, until) in self.leases.refresh(chain, now).into_iter().enumerate() {
+            self.apply_lease(chain[i], region(i), until);
         }
     }
 
