@@ -190,6 +190,14 @@ impl G2Tier {
         let _ = self.registry.lock().expect("G2 registry lock").end_hold(hash, until);
     }
 
+    /// Counts a use of each resident block of `hashes` (one lock for all).
+    pub fn touch(&self, hashes: &[BlockHash], now: Millis) {
+        let mut registry = self.registry.lock().expect("G2 registry lock");
+        for &hash in hashes {
+            let _ = registry.touch(hash, now);
+        }
+    }
+
     /// Extends the hold of a resident block.
     pub fn hold(&self, hash: BlockHash, until: Millis) {
         let _ = self.registry.lock().expect("G2 registry lock").hold(hash, until);
@@ -351,6 +359,14 @@ impl G3Tier {
         lease_in(&mut registry, hash, until, true);
     }
 
+    /// Counts a use of each resident block of `hashes` (one lock for all).
+    pub fn touch(&self, hashes: &[BlockHash], now: Millis) {
+        let mut registry = self.registry.lock().expect("G3 lock");
+        for &hash in hashes {
+            let _ = registry.touch(hash, now);
+        }
+    }
+
     /// Forgets `hash` (its write failed, or it failed verification).
     pub fn forget(&self, hash: BlockHash) {
         let _ = self.registry.lock().expect("G3 lock").remove(hash);
@@ -477,6 +493,22 @@ impl NodeTiers {
     pub fn refresh(&self, chain: &[BlockHash], region: impl Fn(usize) -> RegionKind, now: Millis) {
         for (i, until) in self.leases.refresh(chain, now).into_iter().enumerate() {
             self.apply_lease(chain[i], region(i), until);
+        }
+    }
+
+    /// Blocks reused in place from a worker's G1: a use of their images below too. The tiers
+    /// below are inclusive, and without this their recency would see only the blocks that hop
+    /// workers: a conversation that stays on its worker would lose its G2 copies just before
+    /// G1 evicts it.
+    pub fn reused(&self, hashes: &[BlockHash], now: Millis) {
+        if hashes.is_empty() {
+            return;
+        }
+        if let Some(g2) = &self.g2 {
+            g2.touch(hashes, now);
+        }
+        if let Some(g3) = &self.g3 {
+            g3.touch(hashes, now);
         }
     }
 

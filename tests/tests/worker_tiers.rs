@@ -1021,3 +1021,43 @@ async fn the_simulated_and_the_reference_engine_hit_the_same_tiers_on_a_replay()
     let total = |tier: usize| reference.iter().map(|h| h[tier]).sum::<usize>();
     assert!(total(0) > 0 && total(1) > 0 && total(2) > 0, "the trace exercises G1, G2 and G3: {reference:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_reused_in_g1_stays_recent_in_g2() {
+    // G2 keeps 6 blocks: two prompts of 3.
+    let sizes = Sizes { g2_slots: 10, g2_blocks: 6, g3_slots: 64, g3_policy: PolicyKind::Lru };
+    let n = node_sized(sizes, Arc::new(NoObserver), false);
+    let (mut a, mut b) = (n.worker(), n.worker());
+    // System blocks: no hold at the turn's end, so recency alone decides.
+    let prompt = |seed| GenRequest {
+        regions: vec![(0..4 * B, RegionKind::System)],
+        ..GenRequest::greedy(turn(3 * B + 9, seed), 6)
+    };
+    let blocks =
+        |req: &GenRequest| BlockHasher::new(req.salt(n.tiers.salt), B).hash_sequence(&req.prompt)[..3].to_vec();
+    let in_g2 = |hashes: &[BlockHash]| hashes.iter().filter(|h| n.tiers.g2.as_ref().unwrap().contains(**h)).count();
+    let (first, second, third) = (prompt(1), prompt(2), prompt(3));
+    run(&mut a, &first).await;
+    a.flush().await;
+    // Recency is kept in milliseconds: each phase in a later one.
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    run(&mut b, &second).await;
+    b.flush().await;
+    // Recency is kept in milliseconds: each phase in a later one.
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    assert_eq!((in_g2(&blocks(&first)), in_g2(&blocks(&second))), (3, 3), "both written through");
+    // The first prompt again on its worker: reused in place, which is a use of its G2 copies.
+    let again = run(&mut a, &first).await;
+    a.flush().await;
+    // Recency is kept in milliseconds: each phase in a later one.
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    assert_eq!(again.hit_tokens[0], 3 * B, "reused from G1");
+    // A third prompt needs room in G2: the least recently used blocks go, the second's.
+    run(&mut b, &third).await;
+    b.flush().await;
+    // Recency is kept in milliseconds: each phase in a later one.
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    assert_eq!(in_g2(&blocks(&first)), 3, "the reused prefix kept its G2 copies");
+    assert_eq!(in_g2(&blocks(&second)), 0, "the prompt used longest ago made room");
+    assert_eq!(in_g2(&blocks(&third)), 3);
+}

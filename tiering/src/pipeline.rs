@@ -199,18 +199,19 @@ impl Pipeline<'_> {
     }
 
     /// Where a block of `region` goes once its KV is in G1: a computed block to G2 and to G3; one
-    /// loaded from G3 or a peer to G2 (G2 keeps what was just read); one loaded from G2, or reused
-    /// in G1 with its image still in G2, to G3 — each tier only if write-through and the region's
-    /// retention reach it and it lacks the block.
+    /// loaded from G3 or a peer to G2 (G2 keeps what was just read); one loaded from G2 to G3; one
+    /// reused in G1 to whichever lacks it (G2 is inclusive of G1: a copy G2 dropped while G1 kept
+    /// the block comes back) — each tier only if write-through and the region's retention reach
+    /// it and it lacks the block.
     pub fn write_targets(&self, region: RegionKind, landed: Landed, present: Presence) -> Targets {
         let to_g2 = self.write_through != WriteThrough::Off && self.reaches(region, TierName::G2) && !present.g2;
         let to_g3 = self.write_through == WriteThrough::G2G3 && self.reaches(region, TierName::G3) && !present.g3;
         match landed {
             Landed::Computed => Targets { g2: to_g2, g3: to_g3 },
             Landed::Loaded(Source::G3 | Source::G4) => Targets { g2: to_g2, g3: false },
-            Landed::Loaded(Source::G2) | Landed::Reused | Landed::Loaded(Source::G1) => {
-                Targets { g2: false, g3: to_g3 && present.g2 }
-            }
+            Landed::Loaded(Source::G2) => Targets { g2: false, g3: to_g3 && present.g2 },
+            // G2 is inclusive of G1: a block reused in place that G2 has lost goes back to it.
+            Landed::Reused | Landed::Loaded(Source::G1) => Targets { g2: to_g2, g3: to_g3 && (present.g2 || to_g2) },
         }
     }
 
@@ -320,7 +321,13 @@ mod tests {
             p.write_targets(RegionKind::System, Landed::Loaded(Source::G2), g2_only),
             Targets { g2: false, g3: true }
         );
-        assert_eq!(p.write_targets(RegionKind::System, Landed::Reused, none), Targets::default(), "no image to write");
+        assert_eq!(
+            p.write_targets(RegionKind::System, Landed::Reused, none),
+            Targets { g2: true, g3: true },
+            "G2 lost it while G1 kept it: back to G2, and on to G3"
+        );
+        let both = Presence { g2: true, g3: true };
+        assert_eq!(p.write_targets(RegionKind::System, Landed::Reused, both), Targets::default(), "nothing to write");
         assert_eq!(p.write_targets(RegionKind::System, Landed::Reused, g2_only), Targets { g2: false, g3: true });
         // Reasoning tokens stay in G1 by default.
         let lowest = RetentionSection::default().policy(RegionKind::Reasoning).lowest_tier;

@@ -6,6 +6,8 @@
 //! answers for their G1 pages through [`Pages`], and carries out the [`StepPlan`] it gets back
 //! (a forward pass on the reference worker, calibrated time on the simulated one).
 
+use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::registry::TierRegistry;
 use std::cmp::Reverse;
 
 use super::{Finish, WorkerError};
@@ -157,10 +159,17 @@ pub fn plan_step(members: &[Member], budget: usize, block_tokens: usize, pages: 
 
 /// Whether a waiting request of `tokens` tokens (preempted, or admitted with no room yet) may
 /// come in now: always when nothing runs; otherwise when the `available` G1 pages (free, or
-/// holding a block nobody references) take all of its blocks and one more page per running
-/// request to grow by.
-pub fn may_resume(tokens: usize, running: usize, available: usize, block_tokens: usize) -> bool {
-    running == 0 || (tokens + 1).div_ceil(block_tokens) + running <= available
+/// holding a block nobody references, interior blocks of cached chains included: they are freed
+/// tail first) take the pages it needs — its blocks, less the `shared` leading ones it finds in G1
+/// under another request's reference — and one more page per running request to grow by.
+pub fn may_resume(tokens: usize, shared: usize, running: usize, available: usize, block_tokens: usize) -> bool {
+    running == 0 || (tokens + 1).div_ceil(block_tokens).saturating_sub(shared) + running <= available
+}
+
+/// The leading blocks of `chain` resident in a G1 `registry` and referenced by a running
+/// request: a newcomer shares their pages instead of taking its own.
+pub fn shared_prefix(registry: &TierRegistry, chain: &[BlockHash]) -> usize {
+    chain.iter().take_while(|&&h| registry.meta(h).is_some_and(|m| m.refs > 0)).count()
 }
 
 /// Whether a new request may join: below `max_running`, and nobody waits to resume.
@@ -241,9 +250,10 @@ mod tests {
 
     #[test]
     fn resumption_waits_for_room_unless_nothing_runs() {
-        assert!(may_resume(10_000, 0, 0, 16), "alone it always comes back");
-        assert!(may_resume(63, 2, 6, 16), "4 blocks + 2 to grow fit 6 available pages");
-        assert!(!may_resume(64, 2, 6, 16));
+        assert!(may_resume(10_000, 0, 0, 0, 16), "alone it always comes back");
+        assert!(may_resume(63, 0, 2, 6, 16), "4 blocks + 2 to grow fit 6 available pages");
+        assert!(!may_resume(64, 0, 2, 6, 16));
+        assert!(may_resume(64, 1, 2, 6, 16), "a block shared with a running request takes no page");
         assert!(has_room(3, 0, 4) && !has_room(4, 0, 4) && !has_room(0, 1, 4));
         assert!(resume_key(2, 9) < resume_key(1, 1) && resume_key(1, 1) < resume_key(1, 2));
     }

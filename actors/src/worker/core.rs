@@ -657,7 +657,8 @@ impl<B: Backend> Worker<B> {
         let mut seq = Seq { run, blocks, rng, preempted_at: None };
         // Without room in G1 beside the batch for its prompt, it waits for some (before any later
         // request), rather than fail for want of a page.
-        if !batch::may_resume(len, self.running.len(), self.available_pages(), b) {
+        let shared = batch::shared_prefix(&self.registry, &seq.run.chain);
+        if !batch::may_resume(len, shared, self.running.len(), self.available_pages(), b) {
             return self.wait_for_room(seq);
         }
         // A panic from here on finds the request in the batch, where the restart fails it.
@@ -808,7 +809,8 @@ impl<B: Backend> Worker<B> {
     async fn resume_preempted(&mut self) {
         let b = self.tiers.block_tokens;
         while let Some(first) = self.preempted.first() {
-            if !batch::may_resume(first.run.tokens.len(), self.running.len(), self.available_pages(), b) {
+            let shared = batch::shared_prefix(&self.registry, &first.run.chain);
+            if !batch::may_resume(first.run.tokens.len(), shared, self.running.len(), self.available_pages(), b) {
                 return;
             }
             let mut seq = self.preempted.remove(0);
@@ -838,10 +840,11 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// G1 pages a newcomer may take: free ones, and those holding a block nobody references.
+    /// G1 pages a newcomer may take: free ones, and those holding a block nobody references
+    /// (interior ones too: their chains are evicted tail first).
     fn available_pages(&self) -> usize {
         let blocks = self.registry.stats().total();
-        self.free.len() + blocks.evictable + blocks.held
+        self.free.len() + blocks.evictable + blocks.held + blocks.interior
     }
 
     /// Puts `seq`, which holds no page, among the requests waiting for room in G1.
@@ -987,13 +990,16 @@ impl<B: Backend> Worker<B> {
         // Into G1: resident blocks in place, loaded images in one scatter.
         let mut loads: Vec<(u32, SlotRef)> = Vec::new();
         let mut loaded: Vec<usize> = Vec::new();
+        let reused: Vec<BlockHash> =
+            plan.iter().zip(hashes).filter(|(s, _)| matches!(s, Source::G1(_))).map(|(_, h)| *h).collect();
+        self.tiers.reused(&reused, now);
         let mut plan = plan.into_iter().enumerate();
         while let Some((i, source)) = plan.next() {
             match source {
                 Source::G1(page) => {
                     seq.blocks.push(SeqBlock { page, registered: Some(hashes[i]) });
                     hits[0] += b;
-                    self.write_reused(i, hashes, seq.run.region(i, b), now);
+                    self.write_reused(i, hashes, page, seq.run.region(i, b), now);
                 }
                 Source::Image { image, from_g3 } => {
                     let page = match self.alloc_page(now) {
@@ -1157,16 +1163,23 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// A block reused in place from G1: if its image is still in G2 and G3 lacks it (its write
-    /// was skipped while the disk was behind), it goes to G3 now.
-    fn write_reused(&mut self, i: usize, hashes: &[BlockHash], region: RegionKind, now: Millis) {
+    /// A block reused in place from G1 (in `page`). G2 is inclusive of G1: if G2 lost its copy
+    /// while G1 kept the block, it is gathered back as a computed block is (and goes on to G3
+    /// from there). If its image is still in G2 and G3 lacks it (its write was skipped while the
+    /// disk was behind), it goes to G3 now.
+    fn write_reused(&mut self, i: usize, hashes: &[BlockHash], page: u32, region: RegionKind, now: Millis) {
         let tiers = self.tiers.clone();
-        let (Some(g2), Some(_)) = (tiers.g2.as_ref(), tiers.g3.as_ref()) else { return };
-        if !tiers.pipeline().write_targets(region, Landed::Reused, self.presence(hashes[i])).g3 {
+        let Some(g2) = tiers.g2.as_ref() else { return };
+        let targets = tiers.pipeline().write_targets(region, Landed::Reused, self.presence(hashes[i]));
+        let parent = i.checked_sub(1).map(|p| hashes[p]);
+        if targets.g2 {
+            self.gathers.push(PendingGather { hash: hashes[i], parent, page, region, completed: Instant::now() });
+            return;
+        }
+        if !targets.g3 || tiers.g3.is_none() {
             return;
         }
         if let Some(image) = g2.peek(hashes[i]) {
-            let parent = i.checked_sub(1).map(|p| hashes[p]);
             self.queue_g3(hashes[i], parent, region, image, Instant::now(), now);
         }
     }

@@ -290,6 +290,16 @@ impl SimNode {
         }
     }
 
+    /// Counts a use of each of `hashes` in G2 and G3 (those they hold).
+    fn touch_below(&self, hashes: &[BlockHash], now: Millis) {
+        for tier in [&self.g2, &self.g3].into_iter().flatten() {
+            let mut registry = tier.lock().expect("registry");
+            for &hash in hashes {
+                let _ = registry.touch(hash, now);
+            }
+        }
+    }
+
     fn promote_g2(&self, hash: BlockHash, priority: u8) {
         if let Some(g2) = &self.g2 {
             let _ = g2.lock().expect("registry").set_priority(hash, priority);
@@ -464,7 +474,7 @@ impl SimulatedEngine {
         let targets = node.pipeline().write_targets(region, landed, present);
         if targets.g2 && node.g2.is_some() {
             // A block read from below lands in G2 on its way up; only a computed one crosses G1 → G2.
-            if landed == Landed::Computed {
+            if matches!(landed, Landed::Computed | Landed::Reused) {
                 node.stats.g1_to_g2_bytes.fetch_add(bytes, Ordering::Relaxed);
             }
             node.admit(TierName::G2, hash, meta, now);
@@ -509,6 +519,11 @@ impl SimulatedEngine {
             node.pipeline().plan_prefix(&seq.run.chain, seq.run.tokens.len(), &node.cost, &mut lookup)
         };
         let mut hits = [0usize; 4];
+        // A reuse in G1 is a use of the block's images below: without it G2's recency would see
+        // only the blocks that hop workers, and drop a sticky conversation's just before G1 does.
+        let reused: Vec<BlockHash> =
+            from.iter().zip(&seq.run.chain).filter(|(s, _)| **s == Source::G1).map(|(_, h)| *h).collect();
+        node.touch_below(&reused, now);
         for (i, &source) in from.iter().enumerate() {
             hits[source.index()] += b;
             if source == Source::G1 {
@@ -572,7 +587,8 @@ impl SimulatedEngine {
         let run = Run::new(ticket, self.admitted, self.node.salt, b, start);
         let mut seq = SimSeq { run, blocks, rng, started: false, loaded_at: Instant::now() };
         // Without room in G1 beside the batch for its prompt, it waits for some.
-        if !batch::may_resume(len, self.running.len(), self.available_pages(), b) {
+        let shared = batch::shared_prefix(&self.g1, &seq.run.chain);
+        if !batch::may_resume(len, shared, self.running.len(), self.available_pages(), b) {
             return self.wait_for_room(seq);
         }
         match self.onboard(&mut seq, true).await {
@@ -668,7 +684,8 @@ impl SimulatedEngine {
     async fn resume_preempted(&mut self) {
         let b = self.node.block_tokens;
         while let Some(first) = self.preempted.first() {
-            if !batch::may_resume(first.run.tokens.len(), self.running.len(), self.available_pages(), b) {
+            let shared = batch::shared_prefix(&self.g1, &first.run.chain);
+            if !batch::may_resume(first.run.tokens.len(), shared, self.running.len(), self.available_pages(), b) {
                 return;
             }
             let mut seq = self.preempted.remove(0);
@@ -681,10 +698,11 @@ impl SimulatedEngine {
         }
     }
 
-    /// G1 pages a newcomer may take: free ones, and those holding a block nobody references.
+    /// G1 pages a newcomer may take: free ones, and those holding a block nobody references
+    /// (interior ones too: their chains are evicted tail first).
     fn available_pages(&self) -> usize {
         let blocks = self.g1.stats().total();
-        self.g1_blocks - self.g1.len() - self.private + blocks.evictable + blocks.held
+        self.g1_blocks - self.g1.len() - self.private + blocks.evictable + blocks.held + blocks.interior
     }
 
     /// Puts `seq`, which holds no page, among the requests waiting for room in G1.

@@ -99,6 +99,13 @@ pub struct ReplayArgs {
     /// comparison once per rate: the load sweep.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub load: Vec<f64>,
+    /// What `--load` is a multiple of. `trace`: the trace's own timing (timestamps and think
+    /// times scaled). `capacity`: what the workers sustain — a first run of the best
+    /// configuration with every session open at once and no think time measures the requests
+    /// per second the node completes, and sessions then start as a Poisson process (seeded) at
+    /// `--load` × that rate ÷ the mean turns per session, each keeping the trace's think times.
+    #[arg(long, value_enum, default_value = "trace")]
+    pub load_of: LoadOf,
     /// `simulated` (virtual time, calibrated H200 timing) or `reference` (the real reference
     /// engine on this machine's CPU, its real G1/G2/G3, in real time; use `--limit`).
     #[arg(long, value_enum, default_value = "simulated")]
@@ -123,6 +130,15 @@ pub struct ReplayArgs {
     /// capacity (with `--sweep`).
     #[arg(long, value_name = "DIR")]
     pub plots: Option<PathBuf>,
+}
+
+/// What `--load` scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LoadOf {
+    /// The trace's timestamps and think times.
+    Trace,
+    /// The request rate the workers sustain, measured by a saturating run.
+    Capacity,
 }
 
 /// The engine a replay drives.
@@ -412,6 +428,8 @@ fn load_trace(path: &Path, format: Option<TraceFormat>, limit: Option<usize>) ->
 #[derive(Debug, Clone, Copy, Default)]
 struct Sample {
     ttft: Duration,
+    /// When it completed, from the replay's start.
+    done_at: Duration,
     prompt: usize,
     hit: [usize; 4],
     output: usize,
@@ -616,12 +634,27 @@ fn sweep_load(args: &ReplayArgs) -> anyhow::Result<String> {
         "{:>6}  {:<12} {:>9} {:>9} {:>9} {:>7} {:>8}   KV-aware ÷ best other (p50 / p90 / p99)",
         "load", "routing", "p50 s", "p90 s", "p99 s", "hit %", "req/s"
     );
+    let sustained = match args.load_of {
+        LoadOf::Trace => None,
+        LoadOf::Capacity => {
+            let rate = sustained_rate(args)?;
+            let _ = writeln!(
+                table,
+                "load is of what the workers sustain: {rate:.2} requests/s (best configuration, every session open, no think time)"
+            );
+            Some(rate)
+        }
+    };
     let mut json = Vec::new();
     for &load in &args.load {
         let one = ReplayArgs { load: vec![load], json: None, plots: None, ..args.clone() };
-        let (trace, outcomes) = replay(&one)?;
+        let (trace, outcomes) = replay_at(&one, sustained)?;
         out.push_str(&render(&trace, &one, &outcomes));
-        json.push(serde_json::json!({"load": load, "report": report_json(&trace, &one, &outcomes)}));
+        json.push(serde_json::json!({
+            "load": load,
+            "sustained_requests_per_s": sustained,
+            "report": report_json(&trace, &one, &outcomes),
+        }));
         // The best configuration under each routing policy, and the baseline.
         let rows: Vec<&Outcome> = outcomes
             .iter()
@@ -679,6 +712,51 @@ fn sweep_load(args: &ReplayArgs) -> anyhow::Result<String> {
 }
 
 fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
+    let sustained = match args.load_of {
+        LoadOf::Trace => None,
+        LoadOf::Capacity => Some(sustained_rate(args)?),
+    };
+    replay_at(args, sustained)
+}
+
+/// The requests per virtual second the best configuration completes with every session of the
+/// trace open at once and no think time (the middle 80% of completions, so neither the ramp nor
+/// the last sessions' drain counts): what the workers sustain.
+fn sustained_rate(args: &ReplayArgs) -> anyhow::Result<f64> {
+    let mut trace = load_trace(&args.trace, args.format, args.limit)?;
+    for turn in trace.sessions.iter_mut().flatten() {
+        turn.at_ms = 0.0;
+        turn.delay_ms = 0.0;
+    }
+    let outcome = replay_one(&trace, &shared(args)?, Policy::BEST, "[capacity] saturating run")?;
+    let mut done: Vec<Duration> = outcome.samples.iter().map(|s| s.done_at).collect();
+    done.sort();
+    let (from, to) = (done.len() / 10, done.len() * 9 / 10);
+    let span = done.get(to).zip(done.get(from)).map_or(0.0, |(b, a)| (*b - *a).as_secs_f64());
+    if to <= from || span <= 0.0 {
+        bail!("the trace is too short to measure what the workers sustain ({} requests)", done.len());
+    }
+    Ok((to - from) as f64 / span)
+}
+
+/// Session starts as a Poisson process of `per_s` sessions per second (seeded: every policy sees
+/// the same arrivals), the first at 0.
+fn open_sessions(trace: &mut Trace, per_s: f64) {
+    let mut state = 0x6f70_656e_u64;
+    let mut at_ms = 0.0;
+    for turns in &mut trace.sessions {
+        if let Some(first) = turns.first_mut() {
+            first.at_ms = at_ms;
+        }
+        state = splitmix(state);
+        let u = ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        at_ms += -u.ln() / per_s * 1e3;
+    }
+}
+
+/// The replay at `--load`: of the trace's timing, or (with `sustained`, requests per second) of
+/// what the workers sustain.
+fn replay_at(args: &ReplayArgs, sustained: Option<f64>) -> anyhow::Result<(Trace, Vec<Outcome>)> {
     let mut trace = load_trace(&args.trace, args.format, args.limit)?;
     let load = match args.load[..] {
         [one] => one,
@@ -687,9 +765,17 @@ fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
     if !(load.is_finite() && load > 0.0) {
         bail!("--load {load}: the arrival rate must be a positive factor");
     }
-    for turn in trace.sessions.iter_mut().flatten() {
-        turn.at_ms /= load;
-        turn.delay_ms /= load;
+    match sustained {
+        None => {
+            for turn in trace.sessions.iter_mut().flatten() {
+                turn.at_ms /= load;
+                turn.delay_ms /= load;
+            }
+        }
+        Some(rate) => {
+            let turns = trace.requests as f64 / trace.sessions.len().max(1) as f64;
+            open_sessions(&mut trace, load * rate / turns.max(1.0));
+        }
     }
     let base = shared(args)?;
     let mut runs: Vec<(Policy, Shared, Capacity)> = Vec::new();
@@ -708,13 +794,29 @@ fn replay(args: &ReplayArgs) -> anyhow::Result<(Trace, Vec<Outcome>)> {
         }
         None => runs.extend(Policy::compared(&args.compare).into_iter().map(|p| (p, base.clone(), None))),
     }
-    let mut outcomes = Vec::new();
-    for (i, (policy, setup, capacity)) in runs.into_iter().enumerate() {
-        let label = format!("[{}/{}] {}", i + 1, outcomes.len().max(i) + 1, policy.name());
-        let mut outcome = replay_one(&trace, &setup, policy, &label)?;
-        outcome.capacity = capacity;
-        outcomes.push(outcome);
-    }
+    // Each run is one thread's simulation in its own virtual time: they run side by side.
+    let total = runs.len();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(total.max(1));
+    let mut results: Vec<Option<anyhow::Result<Outcome>>> = (0..total).map(|_| None).collect();
+    let done = std::sync::Mutex::new(&mut results);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((policy, setup, capacity)) = runs.get(i) else { break };
+                    let label = format!("[{}/{total}] {}", i + 1, policy.name());
+                    let outcome = replay_one(&trace, setup, *policy, &label).map(|mut o| {
+                        o.capacity = capacity.clone();
+                        o
+                    });
+                    done.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(outcome);
+                }
+            });
+        }
+    });
+    let outcomes = results.into_iter().map(|r| r.expect("every run ran")).collect::<anyhow::Result<Vec<_>>>()?;
     Ok((trace, outcomes))
 }
 
@@ -1064,6 +1166,7 @@ async fn run_session(
                 JobEvent::Failed(e) => bail!("request failed: {e}"),
             }
         }
+        sample.done_at = start.elapsed();
         prompts.push((submitted_at, sample.prompt, [preamble.as_slice(), history.as_slice()].concat()));
         samples.push(sample);
         progress.tick();
@@ -1387,6 +1490,7 @@ mod tests {
             sweep: None,
             limit: None,
             load: vec![1.0],
+            load_of: LoadOf::Trace,
             calibration: None,
             engine: ReplayEngine::Simulated,
             config: None,
@@ -1494,6 +1598,22 @@ mod tests {
     }
 
     #[test]
+    fn sessions_open_as_a_poisson_process_at_the_asked_rate() {
+        let turn = || Turn { system_tokens: 0, at_ms: 77.0, delay_ms: 5.0, new_tokens: vec![1], output_length: 1 };
+        let mut trace =
+            Trace { name: "t".into(), sessions: (0..4000).map(|_| vec![turn(), turn()]).collect(), requests: 8000 };
+        open_sessions(&mut trace, 4.0);
+        let starts: Vec<f64> = trace.sessions.iter().map(|s| s[0].at_ms).collect();
+        assert_eq!(starts[0], 0.0);
+        assert!(starts.windows(2).all(|w| w[0] < w[1]), "in order, never two at once");
+        let mean_gap = starts[3999] / 3999.0;
+        assert!((mean_gap - 250.0).abs() < 15.0, "4 sessions/s: 250 ms apart on average, got {mean_gap}");
+        let short = starts.windows(2).filter(|w| w[1] - w[0] < 250.0).count() as f64 / 3999.0;
+        assert!((short - (1.0 - (-1.0f64).exp())).abs() < 0.03, "exponential gaps: {short}");
+        assert!(trace.sessions.iter().all(|s| s[1].at_ms == 77.0 && s[1].delay_ms == 5.0), "think times stay");
+    }
+
+    #[test]
     fn a_load_sweep_scales_arrivals_and_tabulates_every_rate() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.jsonl");
@@ -1533,6 +1653,12 @@ mod tests {
             serde_json::from_str(&std::fs::read_to_string(dir.path().join("sweep.json")).unwrap()).unwrap();
         assert_eq!(json.as_array().map(Vec::len), Some(2), "one report per rate");
         assert_eq!(json[1]["load"], 2.0);
+        // Of what the workers sustain: a saturating run measures the rate first, once.
+        let capacity = ReplayArgs { load_of: LoadOf::Capacity, json: None, compare: vec![], ..sweep.clone() };
+        let report = run(&capacity).unwrap();
+        let line = report.lines().find(|l| l.starts_with("load is of what the workers sustain")).expect("the rate");
+        let rate: f64 = line.split(": ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+        assert!(rate.is_finite() && rate > 0.0, "{line}");
         let bad = ReplayArgs { load: vec![0.0], ..sweep.clone() };
         assert!(replay(&bad).is_err(), "a rate of 0 is refused");
 
