@@ -473,7 +473,8 @@ impl SimulatedEngine {
         let present = Presence { g2: SimNode::contains(&node.g2, hash), g3: SimNode::contains(&node.g3, hash) };
         let targets = node.pipeline().write_targets(region, landed, present);
         if targets.g2 && node.g2.is_some() {
-            // A block read from below lands in G2 on its way up; only a computed one crosses G1 → G2.
+            // A block read from below lands in G2 on its way up; a computed one, or one G1 kept
+            // after G2 dropped it, crosses G1 → G2.
             if matches!(landed, Landed::Computed | Landed::Reused) {
                 node.stats.g1_to_g2_bytes.fetch_add(bytes, Ordering::Relaxed);
             }
