@@ -53,6 +53,13 @@ impl KvObserver for NoObserver {
     fn cleared(&self, _: usize) {}
 }
 
+/// Counts a use of each block of `hashes` that `registry` holds.
+fn touch_in(registry: &mut TierRegistry, hashes: &[BlockHash], now: Millis) {
+    for &hash in hashes {
+        let _ = registry.touch(hash, now);
+    }
+}
+
 /// Sets `hash`'s lease in `registry` to `until` (0 ends it), as a lease or, without `pin`, a hold.
 fn lease_in(registry: &mut TierRegistry, hash: BlockHash, until: Millis, pin: bool) {
     if !pin {
@@ -192,10 +199,7 @@ impl G2Tier {
 
     /// Counts a use of each resident block of `hashes` (one lock for all).
     pub fn touch(&self, hashes: &[BlockHash], now: Millis) {
-        let mut registry = self.registry.lock().expect("G2 registry lock");
-        for &hash in hashes {
-            let _ = registry.touch(hash, now);
-        }
+        touch_in(&mut self.registry.lock().expect("G2 registry lock"), hashes, now);
     }
 
     /// Extends the hold of a resident block.
@@ -361,10 +365,7 @@ impl G3Tier {
 
     /// Counts a use of each resident block of `hashes` (one lock for all).
     pub fn touch(&self, hashes: &[BlockHash], now: Millis) {
-        let mut registry = self.registry.lock().expect("G3 lock");
-        for &hash in hashes {
-            let _ = registry.touch(hash, now);
-        }
+        touch_in(&mut self.registry.lock().expect("G3 lock"), hashes, now);
     }
 
     /// Forgets `hash` (its write failed, or it failed verification).
