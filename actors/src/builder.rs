@@ -43,6 +43,7 @@ use ractor::{Actor, SpawnErr};
 
 use crate::cost::CostModel;
 use crate::index::{IndexConfig, IndexWriter, PrefixIndex};
+use crate::leases::LeasedTiers;
 use crate::publisher::KvPublisher;
 use crate::scheduler::{KvRouting, SchedulerArgs, SchedulerRef};
 use crate::stores::{StoreArgs, Watermarks};
@@ -256,7 +257,7 @@ impl NodeBuilder {
     /// [`SimNode`](crate::worker::simulated::SimNode)s, fed by [`NodeBuilder::publisher`]):
     /// routing by `routing`'s hashing and cost model.
     pub fn simulated(self, routing: Routing) -> NodeSimulated {
-        NodeSimulated { builder: self, routing }
+        NodeSimulated { builder: self, routing, leases: None }
     }
 }
 
@@ -396,7 +397,8 @@ impl NodeTiered {
     /// `engines.factory` where `engines.host` says.
     pub fn engines(self, engines: EngineSet) -> NodeEngines {
         let NodeTiered { builder, routing, tiers, stores } = self;
-        NodeEngines { builder, routing, tiers: Some(tiers), stores, engines }
+        let leases: Arc<dyn LeasedTiers> = tiers.clone();
+        NodeEngines { builder, routing, tiers: Some(tiers), leases: Some(leases), stores, engines }
     }
 }
 
@@ -405,6 +407,7 @@ impl NodeTiered {
 pub struct NodeSimulated {
     builder: NodeBuilder,
     routing: Routing,
+    leases: Option<Arc<dyn LeasedTiers>>,
 }
 
 impl NodeSimulated {
@@ -413,10 +416,17 @@ impl NodeSimulated {
         &self.builder.index
     }
 
+    /// Requests' `cache_control` leases go to `leases` (a simulated node's tiers); without this
+    /// they lease nothing.
+    pub fn leases(mut self, leases: Arc<dyn LeasedTiers>) -> Self {
+        self.leases = Some(leases);
+        self
+    }
+
     /// The node's workers (see [`NodeTiered::engines`]).
     pub fn engines(self, engines: EngineSet) -> NodeEngines {
-        let NodeSimulated { builder, routing } = self;
-        NodeEngines { builder, routing, tiers: None, stores: (None, None), engines }
+        let NodeSimulated { builder, routing, leases } = self;
+        NodeEngines { builder, routing, tiers: None, leases, stores: (None, None), engines }
     }
 }
 
@@ -486,6 +496,7 @@ pub struct NodeEngines {
     builder: NodeBuilder,
     routing: Routing,
     tiers: Option<Arc<NodeTiers>>,
+    leases: Option<Arc<dyn LeasedTiers>>,
     stores: (Option<StoreArgs>, Option<StoreArgs>),
     engines: EngineSet,
 }
@@ -495,7 +506,7 @@ impl NodeEngines {
     /// and returns its handles. Call it inside the runtime (and, for engines on a `LocalSet`,
     /// inside that `LocalSet`) the node runs on.
     pub async fn spawn(self, scheduling: Scheduling) -> Result<RunningNode, BuildError> {
-        let NodeEngines { builder, routing, tiers, stores, engines } = self;
+        let NodeEngines { builder, routing, tiers, leases, stores, engines } = self;
         let args = NodeArgs {
             workers: (0..engines.workers)
                 .map(|id| WorkerArgs {
@@ -520,6 +531,7 @@ impl NodeEngines {
                     block_tokens: routing.block_tokens,
                     cost: routing.cost.clone(),
                     tiers: tiers.clone(),
+                    leases: leases.clone(),
                     sticky_bonus: scheduling.sticky_bonus,
                     temperature: scheduling.temperature,
                 }),

@@ -16,11 +16,15 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use dynamo_config::{RegionKind, TierName};
 use dynamo_tiering::block::BlockHash;
-use dynamo_tiering::registry::Millis;
+use dynamo_tiering::registry::{Millis, TierRegistry};
 
 /// Who holds a lease: a session (its key's digest), or 0 for a request without one.
 pub type LeaseOwner = u64;
+
+/// The longest a lease holds a block in G1 past a turn that used it (see [`LeaseBook::g1_hold`]).
+pub const G1_LEASE_HOLD: Millis = 60_000;
 
 /// The node's leases, by block.
 #[derive(Debug, Default)]
@@ -135,6 +139,14 @@ impl LeaseBook {
         self.lock().by_block.get(&h)?.iter().map(|l| l.until).filter(|&d| d > now).max()
     }
 
+    /// How long G1 holds `h` after a turn that used it: while its lease lives, but at most
+    /// [`G1_LEASE_HOLD`] (a session's next turn usually comes sooner and holds it again; a
+    /// released lease leaves G1 at most that late, since G1 is the workers' and the book cannot
+    /// end its holds).
+    pub fn g1_hold(&self, h: BlockHash, now: Millis) -> Option<Millis> {
+        Some(self.until(h, now)?.min(now.saturating_add(G1_LEASE_HOLD)))
+    }
+
     /// Blocks with a live lease.
     pub fn live(&self, now: Millis) -> usize {
         self.lock().by_block.values().filter(|holders| holders.iter().any(|l| l.until > now)).count()
@@ -142,6 +154,95 @@ impl LeaseBook {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Book> {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Where leases take effect: a [`LeaseBook`], the clock its deadlines run on, and the registries
+/// below G1 that pin or hold the leased blocks. The node's tiers and a simulated node implement
+/// it, and both get the rules below from it, once: the lowest tier that keeps a block pins it
+/// (G3; G2 without G3, or for a region that stops at G2), the tiers above only hold it, so under
+/// pressure it is demoted instead of dropped.
+pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
+    /// Who leases which blocks until when.
+    fn book(&self) -> &LeaseBook;
+
+    /// Now on the clock of the registries' deadlines (Unix milliseconds on a real node, virtual
+    /// milliseconds in a simulation).
+    fn now(&self) -> Millis;
+
+    /// Runs `f` on each registry of `tier` (G2 or G3) these leases cover: the node's own, or
+    /// every node's of a simulated cluster that shares one book.
+    fn each_registry(&self, tier: TierName, f: &mut dyn FnMut(&mut TierRegistry));
+
+    /// Whether the node has `tier` at all.
+    fn has_tier(&self, tier: TierName) -> bool;
+
+    /// The lowest tier that keeps blocks of `region` (its retention's `lowest_tier`).
+    fn lowest_tier(&self, region: RegionKind) -> TierName;
+
+    /// Whether G2 is the lowest tier that keeps blocks of `region`, so it pins their leases.
+    fn g2_pins(&self, region: RegionKind) -> bool {
+        !self.has_tier(TierName::G3) || self.lowest_tier(region) <= TierName::G2
+    }
+
+    /// Leases `chain` (its blocks with their regions, in prefix order) to `owner` for `ttl`, in
+    /// the book and in every tier below G1 that holds its blocks now; returns how many blocks
+    /// were newly leased. Blocks that arrive later are leased on arrival ([`Self::arrived`]).
+    fn lease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], ttl: Millis, now: Millis) -> usize {
+        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        let new = self.book().grant(owner, &hashes, ttl, now);
+        for &(h, region) in chain {
+            self.apply(h, region, self.book().until(h, now).unwrap_or(0));
+        }
+        new
+    }
+
+    /// Ends `owner`'s leases on `chain`: blocks nobody else leases fall back to plain retention.
+    fn unlease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], now: Millis) {
+        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        let before: Vec<Millis> = hashes.iter().map(|&h| self.book().until(h, now).unwrap_or(0)).collect();
+        let left = self.book().release(owner, &hashes, now);
+        for ((&(h, region), until), was) in chain.iter().zip(left).zip(before) {
+            if !self.g2_pins(region) && until < was {
+                // G2 only held it: that hold ends with the lease (down to what other leases need).
+                self.each_registry(TierName::G2, &mut |r| drop(r.end_hold(h, was)));
+            }
+            self.apply(h, region, until);
+        }
+    }
+
+    /// A request hit `chain` (block `i` of region `region(i)`): the leases on its leased prefix
+    /// run their TTL again, in the book and in the tiers.
+    fn refresh(&self, chain: &[BlockHash], region: &dyn Fn(usize) -> RegionKind, now: Millis) {
+        for (i, until) in self.book().refresh(chain, now).into_iter().enumerate() {
+            self.apply(chain[i], region(i), until);
+        }
+    }
+
+    /// A block of `region` arrived in `tier` (G2 or G3): it is leased there if the book says so.
+    fn arrived(&self, tier: TierName, hash: BlockHash, region: RegionKind, now: Millis) {
+        let Some(until) = self.book().until(hash, now) else { return };
+        let pin = tier == TierName::G3 || self.g2_pins(region);
+        self.each_registry(tier, &mut |r| lease_in(r, hash, until, pin));
+    }
+
+    /// Sets `hash`'s lease to `until` (0 ends it) in every tier below G1.
+    fn apply(&self, hash: BlockHash, region: RegionKind, until: Millis) {
+        let pin = self.g2_pins(region);
+        self.each_registry(TierName::G2, &mut |r| lease_in(r, hash, until, pin));
+        self.each_registry(TierName::G3, &mut |r| lease_in(r, hash, until, true));
+    }
+}
+
+/// Sets `hash`'s lease in `registry` to `until` (0 ends it), as a lease or, without `pin`, a hold.
+fn lease_in(registry: &mut TierRegistry, hash: BlockHash, until: Millis, pin: bool) {
+    if !pin {
+        let _ = registry.hold(hash, until);
+        return;
+    }
+    let _ = registry.unlease(hash);
+    if until > 0 {
+        let _ = registry.lease(hash, until);
     }
 }
 

@@ -34,12 +34,12 @@ use tokio::sync::mpsc;
 
 use crate::cost::{CostModel, Queued};
 use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId, WorkerViews};
-use crate::leases::LeaseOwner;
+use crate::leases::{LeaseOwner, LeasedTiers};
 use crate::session::{LeasedChain, SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::queue::PushError;
-use crate::worker::{Charge, GenRequest, Job, JobEvent, PromptHashes, WorkerHandle, unix_millis};
+use crate::worker::{Charge, GenRequest, Job, JobEvent, PromptHashes, WorkerHandle};
 
 /// The SchedulerActor.
 #[derive(Debug)]
@@ -86,6 +86,9 @@ pub struct KvRouting {
     pub cost: CostModel,
     /// The node's tiers, for live measurements (none for a simulated node).
     pub tiers: Option<Arc<NodeTiers>>,
+    /// Where `cache_control` leases are granted, refreshed and released: the node's tiers, or
+    /// a simulated node's (none: requests lease nothing).
+    pub leases: Option<Arc<dyn LeasedTiers>>,
     /// The session's previous worker wins unless another is estimated better by more than this.
     pub sticky_bonus: Duration,
     /// Softmax temperature over the estimates in milliseconds; 0 picks the best.
@@ -417,9 +420,9 @@ impl SchedulerState {
     /// the node's tiers to lease in. A hit of a leased prefix also refreshes its leases here.
     fn lease_plan(&self, req: &mut GenRequest) -> Vec<(Vec<(BlockHash, RegionKind)>, Duration)> {
         let Some(kv) = &self.args.kv else { return Vec::new() };
-        let Some(tiers) = &kv.tiers else { return Vec::new() };
+        let Some(tiers) = &kv.leases else { return Vec::new() };
         // Nothing asked and nothing leased anywhere (the common case): no hashing, no lock.
-        if req.leases.is_empty() && tiers.leases.is_empty() {
+        if req.leases.is_empty() && tiers.book().is_empty() {
             return Vec::new();
         }
         let b = kv.block_tokens.max(1);
@@ -431,7 +434,7 @@ impl SchedulerState {
         let region = |i: usize| region_of(&req.regions, i * b);
         let with_regions =
             |n: usize| -> Vec<(BlockHash, RegionKind)> { (0..n).map(|i| (hashes[i], region(i))).collect() };
-        tiers.refresh(&hashes, region, unix_millis());
+        tiers.refresh(&hashes, &region, tiers.now());
         req.leases
             .iter()
             .take(MAX_LEASES_PER_REQUEST)
@@ -447,10 +450,10 @@ impl SchedulerState {
         plan: Vec<(Vec<(BlockHash, RegionKind)>, Duration)>,
     ) -> (LeasedTokens, Vec<LeasedChain>) {
         let mut tokens = LeasedTokens::default();
-        let Some((kv, tiers)) = self.args.kv.as_ref().and_then(|kv| Some((kv, kv.tiers.as_ref()?))) else {
+        let Some((kv, tiers)) = self.args.kv.as_ref().and_then(|kv| Some((kv, kv.leases.as_ref()?))) else {
             return (tokens, Vec::new());
         };
-        let now = unix_millis();
+        let now = tiers.now();
         let mut chains = Vec::with_capacity(plan.len());
         for (blocks, ttl) in plan {
             let new = tiers.lease(owner, &blocks, ttl.as_millis() as u64, now) * kv.block_tokens;
@@ -484,7 +487,7 @@ impl SchedulerState {
             id: id.clone(),
             idle_timeout: self.args.session_idle_timeout,
             scheduler: myself.clone(),
-            tiers: self.args.kv.as_ref().and_then(|kv| kv.tiers.clone()),
+            leasing: self.args.kv.as_ref().and_then(|kv| kv.leases.clone()),
         };
         let (actor, _) = match Actor::spawn_linked(None, SessionActor, args, myself.get_cell()).await {
             Ok(spawned) => spawned,
@@ -574,9 +577,9 @@ impl Actor for SchedulerActor {
                         {
                             // The session ended while its request was being routed: nobody would
                             // release these leases.
-                            if let Some(tiers) = state.args.kv.as_ref().and_then(|kv| kv.tiers.as_ref()) {
+                            if let Some(tiers) = state.args.kv.as_ref().and_then(|kv| kv.leases.as_ref()) {
                                 for chain in leased {
-                                    tiers.unlease(turn.owner, &chain.blocks, unix_millis());
+                                    tiers.unlease(turn.owner, &chain.blocks, tiers.now());
                                 }
                             }
                         }

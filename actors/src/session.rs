@@ -19,10 +19,9 @@ use dynamo_config::RegionKind;
 use dynamo_tiering::block::BlockHash;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use crate::leases::LeaseOwner;
+use crate::leases::{LeaseOwner, LeasedTiers};
 use crate::scheduler::{Hints, SchedulerMsg, SchedulerRef, SessionTurn, SubmitError, Submitted};
-use crate::tiers::NodeTiers;
-use crate::worker::{GenRequest, unix_millis};
+use crate::worker::GenRequest;
 
 /// Lease chains one session keeps at once (a conversation needs a handful: its system prompt and
 /// its latest breakpoints).
@@ -44,8 +43,8 @@ pub struct SessionArgs {
     pub idle_timeout: Duration,
     /// The scheduler its requests go to.
     pub scheduler: SchedulerRef,
-    /// The node's tiers, where its leases are released (none on a simulated node).
-    pub tiers: Option<std::sync::Arc<NodeTiers>>,
+    /// Where its leases are released (none on a node without leases).
+    pub leasing: Option<std::sync::Arc<dyn LeasedTiers>>,
 }
 
 /// A block chain a session leases, as the scheduler granted it.
@@ -62,7 +61,7 @@ pub struct SessionState {
     owner: LeaseOwner,
     idle_timeout: Duration,
     scheduler: SchedulerRef,
-    tiers: Option<std::sync::Arc<NodeTiers>>,
+    leasing: Option<std::sync::Arc<dyn LeasedTiers>>,
     turns: u64,
     last_worker: Option<usize>,
     last_request: Instant,
@@ -134,7 +133,7 @@ impl Actor for SessionActor {
             id: args.id,
             idle_timeout: args.idle_timeout,
             scheduler: args.scheduler,
-            tiers: args.tiers,
+            leasing: args.leasing,
             turns: 0,
             last_worker: None,
             last_request: Instant::now(),
@@ -187,8 +186,8 @@ impl Actor for SessionActor {
 
     async fn post_stop(&self, _: SessionRef, state: &mut SessionState) -> Result<(), ActorProcessingErr> {
         // However it ends (idle, the session cap, the node stopping), its leases end with it.
-        if let Some(tiers) = &state.tiers {
-            let now = unix_millis();
+        if let Some(tiers) = &state.leasing {
+            let now = tiers.now();
             for chain in state.leases.drain(..) {
                 tiers.unlease(state.owner, &chain.blocks, now);
             }
@@ -218,8 +217,8 @@ impl SessionState {
                 self.leases.iter().flat_map(|c| c.blocks.iter().map(|&(h, _)| h)).collect();
             let only: Vec<(BlockHash, RegionKind)> =
                 oldest.blocks.into_iter().filter(|(h, _)| !kept.contains(h)).collect();
-            if let Some(tiers) = &self.tiers {
-                tiers.unlease(self.owner, &only, unix_millis());
+            if let Some(tiers) = &self.leasing {
+                tiers.unlease(self.owner, &only, tiers.now());
             }
         }
     }

@@ -17,7 +17,7 @@ use dynamo_tiering::g3::{G3Error, G3Store};
 use dynamo_tiering::pipeline::{Pipeline, WriteThrough};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
 
-use crate::leases::{LeaseBook, LeaseOwner};
+use crate::leases::{LeaseBook, LeasedTiers};
 
 /// Where a block is: one worker's G1, or one of the node's shared tiers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -57,18 +57,6 @@ impl KvObserver for NoObserver {
 fn touch_in(registry: &mut TierRegistry, hashes: &[BlockHash], now: Millis) {
     for &hash in hashes {
         let _ = registry.touch(hash, now);
-    }
-}
-
-/// Sets `hash`'s lease in `registry` to `until` (0 ends it), as a lease or, without `pin`, a hold.
-fn lease_in(registry: &mut TierRegistry, hash: BlockHash, until: Millis, pin: bool) {
-    if !pin {
-        let _ = registry.hold(hash, until);
-        return;
-    }
-    let _ = registry.unlease(hash);
-    if until > 0 {
-        let _ = registry.lease(hash, until);
     }
 }
 
@@ -183,18 +171,6 @@ impl G2Tier {
     /// Raises a resident block's priority (a turn's answer becoming conversation context).
     pub fn promote(&self, hash: BlockHash, priority: u8) {
         let _ = self.registry.lock().expect("G2 registry lock").set_priority(hash, priority);
-    }
-
-    /// Leases a resident block until `until` (0: ends its lease): `pin` (the lowest tier that
-    /// keeps it) never evicts it meanwhile, otherwise it is held (demoted under pressure).
-    pub fn lease(&self, hash: BlockHash, until: Millis, pin: bool) {
-        let mut registry = self.registry.lock().expect("G2 registry lock");
-        lease_in(&mut registry, hash, until, pin);
-    }
-
-    /// Ends the hold of a resident block that runs until `until` (a lease this tier only held).
-    pub fn end_hold(&self, hash: BlockHash, until: Millis) {
-        let _ = self.registry.lock().expect("G2 registry lock").end_hold(hash, until);
     }
 
     /// Counts a use of each resident block of `hashes` (one lock for all).
@@ -356,13 +332,6 @@ impl G3Tier {
         }
     }
 
-    /// Leases a resident block until `until` (0: ends its lease); G3 is the lowest tier, so
-    /// the block is never evicted meanwhile.
-    pub fn lease(&self, hash: BlockHash, until: Millis) {
-        let mut registry = self.registry.lock().expect("G3 lock");
-        lease_in(&mut registry, hash, until, true);
-    }
-
     /// Counts a use of each resident block of `hashes` (one lock for all).
     pub fn touch(&self, hashes: &[BlockHash], now: Millis) {
         touch_in(&mut self.registry.lock().expect("G3 lock"), hashes, now);
@@ -454,49 +423,6 @@ impl NodeTiers {
         self.pipeline().meta(parent, region)
     }
 
-    /// Whether G2 is the lowest tier that keeps blocks of `region` (so it pins their leases):
-    /// without G3, or for a region that stops at G2.
-    fn g2_pins(&self, region: RegionKind) -> bool {
-        self.g3.is_none() || self.retention.policy(region).lowest_tier <= TierName::G2
-    }
-
-    /// Leases `chain` (its blocks with their regions, in prefix order) to `owner` for `ttl`, in
-    /// the book and in every tier below G1 that holds its blocks now; returns how many blocks
-    /// were newly leased. Blocks that reach G2 or G3 later are leased on arrival ([`Self::arrived`]).
-    pub fn lease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], ttl: Millis, now: Millis) -> usize {
-        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
-        let new = self.leases.grant(owner, &hashes, ttl, now);
-        for &(h, region) in chain {
-            self.apply_lease(h, region, self.leases.until(h, now).unwrap_or(0));
-        }
-        new
-    }
-
-    /// Ends `owner`'s leases on `chain`: blocks nobody else leases fall back to plain retention.
-    pub fn unlease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], now: Millis) {
-        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
-        let before: Vec<Millis> = hashes.iter().map(|&h| self.leases.until(h, now).unwrap_or(0)).collect();
-        let left = self.leases.release(owner, &hashes, now);
-        for ((&(h, region), until), was) in chain.iter().zip(left).zip(before) {
-            if let Some(g2) = &self.g2
-                && !self.g2_pins(region)
-                && until < was
-            {
-                // G2 only held it: that hold ends with the lease (down to what other leases need).
-                g2.end_hold(h, was);
-            }
-            self.apply_lease(h, region, until);
-        }
-    }
-
-    /// A request hit `chain` (block `i` of region `region(i)`): the leases on its leased prefix
-    /// run their TTL again, in the book and in the tiers.
-    pub fn refresh(&self, chain: &[BlockHash], region: impl Fn(usize) -> RegionKind, now: Millis) {
-        for (i, until) in self.leases.refresh(chain, now).into_iter().enumerate() {
-            self.apply_lease(chain[i], region(i), until);
-        }
-    }
-
     /// Blocks reused in place from a worker's G1: a use of their images below too. The tiers
     /// below are inclusive, and without this their recency would see only the blocks that hop
     /// workers: a conversation that stays on its worker would lose its G2 copies just before
@@ -512,31 +438,37 @@ impl NodeTiers {
             g3.touch(hashes, now);
         }
     }
+}
 
-    /// A block of `region` arrived in `tier` (G2 or G3): it is leased there if the book says so.
-    pub fn arrived(&self, tier: TierName, hash: BlockHash, region: RegionKind, now: Millis) {
-        let Some(until) = self.leases.until(hash, now) else { return };
-        match tier {
-            TierName::G2 => {
-                if let Some(g2) = &self.g2 {
-                    g2.lease(hash, until, self.g2_pins(region));
-                }
-            }
-            TierName::G3 => {
-                if let Some(g3) = &self.g3 {
-                    g3.lease(hash, until);
-                }
-            }
-            _ => {}
+impl LeasedTiers for NodeTiers {
+    fn book(&self) -> &LeaseBook {
+        &self.leases
+    }
+
+    fn now(&self) -> Millis {
+        crate::worker::unix_millis()
+    }
+
+    fn each_registry(&self, tier: TierName, f: &mut dyn FnMut(&mut TierRegistry)) {
+        let registry = match tier {
+            TierName::G2 => self.g2.as_ref().map(|g2| &g2.registry),
+            TierName::G3 => self.g3.as_ref().map(|g3| &g3.registry),
+            _ => None,
+        };
+        if let Some(registry) = registry {
+            f(&mut registry.lock().expect("tier registry lock"));
         }
     }
 
-    fn apply_lease(&self, hash: BlockHash, region: RegionKind, until: Millis) {
-        if let Some(g2) = &self.g2 {
-            g2.lease(hash, until, self.g2_pins(region));
+    fn has_tier(&self, tier: TierName) -> bool {
+        match tier {
+            TierName::G2 => self.g2.is_some(),
+            TierName::G3 => self.g3.is_some(),
+            _ => false,
         }
-        if let Some(g3) = &self.g3 {
-            g3.lease(hash, until);
-        }
+    }
+
+    fn lowest_tier(&self, region: RegionKind) -> TierName {
+        self.retention.policy(region).lowest_tier
     }
 }

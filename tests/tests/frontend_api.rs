@@ -1006,12 +1006,31 @@ async fn cache_breakpoints_become_leases_at_message_ends() {
     assert_eq!(status, 200);
     let day: Vec<u64> = server.fake.last().cache_leases.iter().map(|(_, ttl)| ttl.as_secs()).collect();
     assert_eq!(day, [86_400]);
+    let whole_prompt = server.fake.last().cache_leases[0].0;
     retained["prompt_cache_retention"] = json!("forever");
     let (status, _, err) = post(&server, "/v1/chat/completions", &retained).await;
     assert_error(status, &err, 400, "invalid_request_error", None);
     retained["prompt_cache_retention"] = json!("in_memory");
     post(&server, "/v1/chat/completions", &retained).await;
     assert!(server.fake.last().cache_leases.is_empty(), "in_memory is plain retention");
+
+    // An agent hint leases the whole prompt on APIs without breakpoints; a TTL it does not
+    // define is a 400.
+    let mut hinted = chat("fake");
+    hinted["messages"][0]["content"] = json!(long("sys"));
+    hinted["nvext"] = json!({"cache_control": {"type": "ephemeral", "ttl": "1h"}});
+    let (status, _, _) = post(&server, "/v1/chat/completions", &hinted).await;
+    assert_eq!(status, 200);
+    let leases = server.fake.last().cache_leases;
+    assert_eq!(leases.len(), 1);
+    assert_eq!(leases[0].0, whole_prompt, "the whole prompt, up to its last message's end");
+    assert_eq!(leases[0].1.as_secs(), 3600);
+    hinted["nvext"] = json!({"cache_control": {"type": "ephemeral"}});
+    post(&server, "/v1/chat/completions", &hinted).await;
+    assert_eq!(server.fake.last().cache_leases[0].1.as_secs(), 300, "5m by default");
+    hinted["nvext"] = json!({"cache_control": {"type": "ephemeral", "ttl": "2h"}});
+    let (status, _, err) = post(&server, "/v1/chat/completions", &hinted).await;
+    assert_error(status, &err, 400, "invalid_request_error", None);
 
     // Below frontend.cache_min_tokens a breakpoint is ignored.
     let small = Server::start(FrontendSection::default()).await;

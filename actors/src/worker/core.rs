@@ -60,6 +60,7 @@ use tokio::task::JoinSet;
 use super::run::{After, Run};
 use super::{Ticket, batch};
 
+use crate::leases::LeasedTiers;
 use crate::telemetry::{
     Tier, record_preemption, record_tier_error, record_transfer, record_write_lag, record_write_skipped,
 };
@@ -897,7 +898,7 @@ impl<B: Backend> Worker<B> {
                 }
             }
             // A leased block is held in G1 too: soft there, it is demoted to G2 under pressure.
-            if let Some(until) = tiers.leases.until(hash, now) {
+            if let Some(until) = tiers.leases.g1_hold(hash, now) {
                 let _ = self.registry.hold(hash, until);
             }
         }

@@ -46,6 +46,7 @@ use super::run::{After, Run};
 use super::{
     DEFAULT_MAX_RUNNING, Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent,
 };
+use crate::leases::{LeaseBook, LeasedTiers};
 use crate::tiers::{BlockSite, KvObserver};
 
 /// How far write-through takes completed blocks (a replay compares these).
@@ -181,6 +182,10 @@ pub struct SimNode {
     observer: Arc<dyn KvObserver>,
     /// The other nodes of the cluster, whose G2 this node's workers can load from (G4).
     peers: std::sync::OnceLock<Vec<std::sync::Weak<SimNode>>>,
+    /// The cluster's leases (one book for all its nodes, as one scheduler grants them).
+    leases: Arc<LeaseBook>,
+    /// Time zero of the simulation: the clock of holds and leases.
+    epoch: Instant,
     /// Counters for the report.
     pub stats: SimStats,
 }
@@ -217,8 +222,28 @@ impl SimNode {
             disk: SimulatedIo::new(disk),
             observer,
             peers: std::sync::OnceLock::new(),
+            leases: Arc::new(LeaseBook::default()),
+            epoch: Instant::now(),
             stats: SimStats::default(),
         }
+    }
+
+    /// Leases are kept in `book` (shared by every node of the cluster) on the clock that starts
+    /// at `epoch`, and may pin at most `budget` (a fraction) of G2 and of G3, as
+    /// `tiers.lease_budget` bounds the node's tiers.
+    pub fn with_leases(mut self, book: Arc<LeaseBook>, epoch: Instant, budget: f64) -> Self {
+        let budgeted = |tier: Option<Mutex<TierRegistry>>| {
+            tier.map(|r| {
+                let r = r.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let blocks = (r.capacity() as f64 * budget.clamp(0.0, 1.0)) as usize;
+                Mutex::new(r.with_lease_budget(blocks))
+            })
+        };
+        self.g2 = budgeted(self.g2.take());
+        self.g3 = budgeted(self.g3.take());
+        self.leases = book;
+        self.epoch = epoch;
+        self
     }
 
     /// Makes every node of `nodes` a G4 peer of every other.
@@ -313,13 +338,54 @@ impl SimNode {
     }
 
     /// When a disk write of `bytes` submitted now completes, or `None` when the disk's writes
-    /// are more than [`MAX_DISK_BACKLOG`] behind.
-    fn disk_write_done(&self, bytes: u64) -> Option<Instant> {
-        if self.disk.backlog(Direction::Write) > MAX_DISK_BACKLOG {
+    /// are more than [`MAX_DISK_BACKLOG`] behind (a `leased` block goes anyway: G3 is where its
+    /// lease pins it).
+    fn disk_write_done(&self, bytes: u64, leased: bool) -> Option<Instant> {
+        if !leased && self.disk.backlog(Direction::Write) > MAX_DISK_BACKLOG {
             self.stats.g3_skipped.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         Some(self.disk.reserve(Direction::Write, bytes as usize))
+    }
+}
+
+impl LeasedTiers for SimNode {
+    fn book(&self) -> &LeaseBook {
+        &self.leases
+    }
+
+    fn now(&self) -> Millis {
+        now_ms(self.epoch)
+    }
+
+    fn each_registry(&self, tier: TierName, f: &mut dyn FnMut(&mut TierRegistry)) {
+        fn of(node: &SimNode, tier: TierName) -> Option<&Mutex<TierRegistry>> {
+            match tier {
+                TierName::G2 => node.g2.as_ref(),
+                TierName::G3 => node.g3.as_ref(),
+                _ => None,
+            }
+        }
+        if let Some(r) = of(self, tier) {
+            f(&mut r.lock().expect("registry"));
+        }
+        for peer in self.peers.get().into_iter().flatten().filter_map(std::sync::Weak::upgrade) {
+            if let Some(r) = of(&peer, tier) {
+                f(&mut r.lock().expect("registry"));
+            }
+        }
+    }
+
+    fn has_tier(&self, tier: TierName) -> bool {
+        match tier {
+            TierName::G2 => self.g2.is_some() && self.write_through != WriteThrough::Off,
+            TierName::G3 => self.g3.is_some() && self.write_through == WriteThrough::G2G3,
+            _ => false,
+        }
+    }
+
+    fn lowest_tier(&self, region: RegionKind) -> TierName {
+        self.retention.policy(region).lowest_tier
     }
 }
 
@@ -479,14 +545,18 @@ impl SimulatedEngine {
                 node.stats.g1_to_g2_bytes.fetch_add(bytes, Ordering::Relaxed);
             }
             node.admit(TierName::G2, hash, meta, now);
+            node.arrived(TierName::G2, hash, region, now);
         }
         if targets.g3 && node.g3.is_some() {
             let completed = Instant::now();
-            let Some(done) = node.disk_write_done(bytes) else { return };
+            let leased = node.leases.until(hash, now).is_some();
+            let Some(done) = node.disk_write_done(bytes, leased) else { return };
+            let epoch = self.epoch;
             self.writes.spawn(async move {
                 tokio::time::sleep_until(done).await;
-                let now = now_ms(Instant::now().min(done));
+                let now = now_ms(epoch);
                 node.admit(TierName::G3, hash, meta, now);
+                node.arrived(TierName::G3, hash, region, now);
                 let lag = (done - completed).as_micros() as u64;
                 node.stats.g2_to_g3_bytes.fetch_add(bytes, Ordering::Relaxed);
                 node.stats.g3_lag_us_sum.fetch_add(lag, Ordering::Relaxed);
@@ -737,6 +807,10 @@ impl SimulatedEngine {
                 let _ = self.g1.hold(hash, until);
                 node.hold_g2(hash, until);
             }
+            // A leased block is held in G1 too: soft there, it is demoted to G2 under pressure.
+            if let Some(until) = node.leases.g1_hold(hash, now) {
+                let _ = self.g1.hold(hash, until);
+            }
         }
         seq.run.finish(end);
     }
@@ -853,6 +927,7 @@ impl Engine for SimulatedEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::leases::G1_LEASE_HOLD;
     use crate::tiers::NoObserver;
 
     fn node(write_through: WriteThrough) -> Arc<SimNode> {
@@ -922,5 +997,68 @@ mod tests {
         n.g2.as_ref().expect("g2").lock().expect("g2").evict(16, u64::MAX);
         let mut d = SimulatedEngine::new(1, n.clone(), 1000, PolicyKind::Lru, epoch);
         assert_eq!(run(&mut d, &request(8193, 2)).await.cached_tokens, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leased_system_prompt_is_demoted_not_dropped_by_a_flood_and_its_release_ends_that() {
+        // G1 and G2 of 24 blocks each, no G3: G2 is the lowest tier, so it pins the lease.
+        let cal = Calibration::h200();
+        let prefill = cal.prefill_for("llama-8b").expect("calibrated").clone();
+        let timing = SimTiming::from_calibration(&cal, prefill.clone(), 0.005, prefill.kv_bytes_per_token * 512);
+        let epoch = Instant::now();
+        let n = Arc::new(
+            SimNode::new(
+                512,
+                Salt(7),
+                RetentionSection::default(),
+                timing,
+                WriteThrough::G2,
+                24,
+                0,
+                PolicyKind::Lru,
+                Arc::new(NoObserver),
+            )
+            .with_leases(Arc::new(LeaseBook::default()), epoch, 0.5),
+        );
+        let mut engine = SimulatedEngine::new(0, n.clone(), 24, PolicyKind::Lru, epoch);
+        // Eight-block system prompts, each of its own tokens.
+        let system = |k: u32, seed: u64| GenRequest {
+            regions: vec![(0..8 * 512 + 1, RegionKind::System)],
+            seed,
+            ..GenRequest::greedy((0..8 * 512 + 1).map(|t| t + k * 100_000).collect(), 1)
+        };
+        let (kept, plain) = (system(1, 1), system(2, 2));
+        run(&mut engine, &kept).await;
+        run(&mut engine, &plain).await;
+        engine.flush().await;
+        let chain: Vec<(BlockHash, RegionKind)> = dynamo_tiering::block::BlockHasher::new(Salt(7), 512)
+            .hash_sequence(&kept.prompt)
+            .into_iter()
+            .take(8)
+            .map(|h| (h, RegionKind::System))
+            .collect();
+        assert_eq!(n.lease(1, &chain, 3_600_000, n.now()), 8, "all eight blocks newly leased");
+        assert_eq!(n.book().live(n.now()), 8);
+        // A flood of other system prompts, later (each newer than both).
+        for k in 3..9 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            run(&mut engine, &system(k, k as u64)).await;
+        }
+        engine.flush().await;
+        let again = run(&mut engine, &system(1, 9)).await;
+        assert_eq!(again.cached_tokens, 8 * 512, "the leased prompt comes back whole");
+        assert_eq!(again.hit_tokens[0], 0, "from G2: the flood pushed it out of G1");
+        assert_eq!(run(&mut engine, &system(2, 10)).await.cached_tokens, 0, "the unleased one is gone");
+        // Its release makes it plain retention again (G1's soft hold ends within a minute): the
+        // next flood takes it too.
+        n.unlease(1, &chain, n.now());
+        assert_eq!(n.book().live(n.now()), 0);
+        tokio::time::sleep(Duration::from_millis(G1_LEASE_HOLD)).await;
+        for k in 11..17 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            run(&mut engine, &system(k, k as u64)).await;
+        }
+        engine.flush().await;
+        assert_eq!(run(&mut engine, &system(1, 17)).await.cached_tokens, 0, "released, it was evicted");
     }
 }

@@ -25,10 +25,13 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use dynamo_actors::builder::{EngineSet, NodeBuilder, Routing, Scheduling};
 use dynamo_actors::index::IndexConfig;
+use dynamo_actors::leases::{LeaseBook, LeasedTiers};
 use dynamo_actors::scheduler::{Hints, SchedulerMsg, SchedulerRef};
 use dynamo_actors::tiers::KvObserver;
 use dynamo_actors::worker::simulated::{SimNode, SimTiming, SimulatedEngine, WriteThrough, splitmix};
-use dynamo_actors::worker::{Engine, EngineFactory, EngineHost, GenRequest, JobEvent, WorkerEvent, local_spawner};
+use dynamo_actors::worker::{
+    Engine, EngineFactory, EngineHost, GenRequest, JobEvent, LeaseRequest, WorkerEvent, local_spawner,
+};
 use dynamo_config::{ByteSize, Calibration, RegionKind, RetentionSection, RoutingPolicy};
 use dynamo_tiering::block::{BlockHasher, Salt};
 use dynamo_tiering::registry::PolicyKind;
@@ -37,6 +40,7 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use crate::serving::Serving;
+use dynamo_actors::telemetry::names;
 
 /// Tokens a trace hash id stands for.
 const TRACE_BLOCK_TOKENS: usize = 512;
@@ -84,7 +88,8 @@ pub struct ReplayArgs {
     /// Axes to compare, each against the best configuration (KV-aware routing, retention-aware
     /// eviction, write-through to G2+G3), plus the baseline with all three at their simplest:
     /// `routing`, `eviction`, `write-through`, `preamble`, `priority` (a fifth of the sessions
-    /// at a high agent-hint priority, honoured vs ignored).
+    /// at a high agent-hint priority, honoured vs ignored), `leases` (`cache_control` on every
+    /// session's system prompt vs none).
     #[arg(long, value_delimiter = ',', default_value = "routing,eviction,write-through", value_parser = parse_axis)]
     pub compare: Vec<Axis>,
     /// Run the best configuration once per capacity instead: `g1=40GiB,80GiB` or
@@ -166,7 +171,14 @@ pub enum Axis {
     /// Agent-hint priorities honoured vs ignored: every fifth session asks for priority
     /// [`HIGH_PRIORITY`] (`nvext.priority`), the others for none.
     Priority,
+    /// `cache_control` on every session's system prompt (a [`LEASE_TTL`] lease, run again by
+    /// each hit, on system prompts of at least `frontend.cache_min_tokens`) vs none.
+    Leases,
 }
+
+/// The TTL of the leases of `--compare leases`: Anthropic's default `ephemeral` one, as Claude
+/// Code sends it.
+const LEASE_TTL: Duration = Duration::from_secs(300);
 
 /// The `nvext.priority` of the high-priority class of `--compare priority`.
 const HIGH_PRIORITY: i32 = 10;
@@ -183,7 +195,8 @@ fn parse_axis(s: &str) -> Result<Axis, String> {
         "write-through" | "write_through" => Ok(Axis::WriteThrough),
         "preamble" => Ok(Axis::Preamble),
         "priority" => Ok(Axis::Priority),
-        other => Err(format!("unknown axis `{other}` (routing, eviction, write-through, preamble, priority)")),
+        "leases" => Ok(Axis::Leases),
+        other => Err(format!("unknown axis `{other}` (routing, eviction, write-through, preamble, priority, leases)")),
     }
 }
 
@@ -204,6 +217,19 @@ struct Policy {
     preamble_kept: bool,
     /// The high-priority class's hints are sent (otherwise every request has priority 0).
     priorities: bool,
+    /// What every request marks with `cache_control`.
+    leased: Leased,
+}
+
+/// The `cache_control` breakpoints of `--compare leases`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Leased {
+    /// None: plain retention.
+    No,
+    /// The system prompt.
+    System,
+    /// The system prompt and the whole prompt (the last message), as Claude Code marks them.
+    Conversation,
 }
 
 impl Policy {
@@ -213,6 +239,7 @@ impl Policy {
         write_through: WriteThrough::G2G3,
         preamble_kept: false,
         priorities: false,
+        leased: Leased::No,
     };
     const BASELINE: Policy = Policy {
         routing: RoutingPolicy::RoundRobin,
@@ -220,13 +247,19 @@ impl Policy {
         write_through: WriteThrough::Off,
         preamble_kept: false,
         priorities: false,
+        leased: Leased::No,
     };
 
     fn name(&self) -> String {
         let preamble = if self.preamble_kept { "+preamble-kept" } else { "" };
         let priorities = if self.priorities { "+priorities" } else { "" };
+        let leased = match self.leased {
+            Leased::No => "",
+            Leased::System => "+leased-system",
+            Leased::Conversation => "+leased-conversation",
+        };
         format!(
-            "{}+{}+{}{preamble}{priorities}",
+            "{}+{}+{}{preamble}{priorities}{leased}",
             policy_name(self.routing),
             self.eviction_name(),
             self.write_through_name()
@@ -271,6 +304,11 @@ impl Policy {
                 }
                 Axis::Preamble => push(Policy { preamble_kept: true, ..Policy::BEST }),
                 Axis::Priority => push(Policy { priorities: true, ..Policy::BEST }),
+                Axis::Leases => {
+                    for leased in [Leased::System, Leased::Conversation] {
+                        push(Policy { leased, ..Policy::BEST });
+                    }
+                }
             }
         }
         if !axes.is_empty() {
@@ -435,6 +473,8 @@ struct Sample {
     output: usize,
     /// Of a session of the high-priority class (whether or not its hints were sent).
     high: bool,
+    /// Tokens of its system region (the prompt's first ones).
+    system: usize,
 }
 
 /// Tier occupancy at one moment of virtual time.
@@ -467,6 +507,8 @@ struct Outcome {
     lag_ms: (f64, f64),
     timeline: Vec<Occupancy>,
     capacity: Capacity,
+    /// The wall time of each routing decision, sorted, in seconds (simulated runs).
+    decisions_s: Vec<f64>,
 }
 
 impl Outcome {
@@ -490,6 +532,19 @@ impl Outcome {
         hit as f64 / prompt.max(1) as f64
     }
 
+    /// The share of system-region tokens found cached.
+    fn system_hit_rate(&self) -> f64 {
+        let system: usize = self.samples.iter().map(|s| s.system).sum();
+        let hit: usize = self.samples.iter().map(|s| s.hit.iter().sum::<usize>().min(s.system)).sum();
+        hit as f64 / system.max(1) as f64
+    }
+
+    /// The `q` quantile of the routing decisions' wall time, in µs.
+    fn decision_us(&self, q: f64) -> f64 {
+        let d = &self.decisions_s;
+        d.get(((d.len().max(1) - 1) as f64 * q).round() as usize).map_or(0.0, |s| s * 1e6)
+    }
+
     fn saved_tokens(&self) -> usize {
         self.samples.iter().map(|s| s.hit.iter().sum::<usize>()).sum()
     }
@@ -506,13 +561,16 @@ impl Outcome {
             "write_through": self.policy.write_through_name(),
             "preamble_kept": self.policy.preamble_kept,
             "priorities": self.policy.priorities,
+            "leased": format!("{:?}", self.policy.leased).to_lowercase(),
             "capacity": self.capacity.as_ref().map(|(tier, size)| serde_json::json!({"tier": tier, "bytes": size.0})),
             "requests": self.samples.len(),
             "hit_rate": self.hit_rate(None),
+            "system_hit_rate": self.system_hit_rate(),
             "hit_rate_by_tier": {"g1": self.hit_rate(Some(0)), "g2": self.hit_rate(Some(1)), "g3": self.hit_rate(Some(2)), "g4": self.hit_rate(Some(3))},
             "prefill_tokens_saved": self.saved_tokens(),
             "ttft_ms": {"p50": self.percentile_ms(0.5), "p90": self.percentile_ms(0.9), "p99": self.percentile_ms(0.99)},
             "queue_ms_mean": self.queue_ms,
+            "router_decision_us": {"count": self.decisions_s.len(), "p50": self.decision_us(0.5), "p99": self.decision_us(0.99), "max": self.decision_us(1.0)},
             "preempted": self.preempted,
             "throughput": {
                 "requests_per_s": self.samples.len() as f64 / secs,
@@ -826,7 +884,15 @@ fn replay_one(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> any
     let mut outcome = match setup.engine {
         ReplayEngine::Simulated => {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?;
-            local.block_on(&runtime, drive(trace, setup, policy, label))?
+            // The whole node runs on this thread: a recorder local to it sees this run's decisions.
+            let decisions = Arc::new(Decisions::default());
+            let recorder = DecisionRecorder(decisions.clone());
+            let mut outcome = metrics::with_local_recorder(&recorder, || {
+                local.block_on(&runtime, drive(trace, setup, policy, label))
+            })?;
+            outcome.decisions_s = std::mem::take(&mut *decisions.0.lock().unwrap_or_else(|e| e.into_inner()));
+            outcome.decisions_s.sort_by(f64::total_cmp);
+            outcome
         }
         ReplayEngine::Reference => {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -835,6 +901,42 @@ fn replay_one(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> any
     };
     outcome.wall = wall.elapsed();
     Ok(outcome)
+}
+
+/// The wall time of every routing decision of a run, in seconds.
+#[derive(Debug, Default)]
+struct Decisions(std::sync::Mutex<Vec<f64>>);
+
+impl metrics::HistogramFn for Decisions {
+    fn record(&self, value: f64) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(value);
+    }
+}
+
+/// Keeps `dynamo_node_router_decision_seconds` (what the scheduler records of each decision, in
+/// wall time) and drops every other metric.
+struct DecisionRecorder(Arc<Decisions>);
+
+impl metrics::Recorder for DecisionRecorder {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
+    }
+
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+
+    fn register_histogram(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        if key.name() == names::ROUTER_DECISION_SECONDS {
+            metrics::Histogram::from_arc(self.0.clone())
+        } else {
+            metrics::Histogram::noop()
+        }
+    }
 }
 
 /// A progress line on stderr while a long replay runs (only on a terminal).
@@ -875,24 +977,28 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
     };
     // One simulated node per `--nodes`, each with its G2/G3 and its KV events (node id n) into
     // the one index; every node can load from the others' G2 (G4).
+    let epoch = Instant::now();
+    let book = Arc::new(LeaseBook::default());
     let nodes: Vec<Arc<SimNode>> = (0..setup.nodes)
         .map(|n| {
             let publisher: Arc<dyn KvObserver> = builder.publisher(n as u16);
-            Arc::new(SimNode::new(
-                setup.block_tokens,
-                salt,
-                retention.clone(),
-                setup.timing.clone(),
-                policy.write_through,
-                setup.blocks(setup.g2),
-                setup.blocks(setup.g3),
-                PolicyKind::Lru,
-                publisher,
-            ))
+            Arc::new(
+                SimNode::new(
+                    setup.block_tokens,
+                    salt,
+                    retention.clone(),
+                    setup.timing.clone(),
+                    policy.write_through,
+                    setup.blocks(setup.g2),
+                    setup.blocks(setup.g3),
+                    PolicyKind::Lru,
+                    publisher,
+                )
+                .with_leases(book.clone(), epoch, setup.config.tiers.lease_budget),
+            )
         })
         .collect();
     SimNode::connect(&nodes);
-    let epoch = Instant::now();
     let g1_blocks = setup.blocks(setup.g1);
     let factory_nodes = nodes.clone();
     let per_node = setup.workers;
@@ -922,8 +1028,15 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         temperature: setup.temperature,
         workers_per_node: setup.workers,
     };
-    let node =
-        builder.simulated(routing).engines(engines).spawn(scheduling).await.context("starting the simulated node")?;
+    // The scheduler grants `cache_control` leases in the nodes' tiers (one book for all).
+    let leases: Arc<dyn LeasedTiers> = nodes[0].clone();
+    let node = builder
+        .simulated(routing)
+        .leases(leases)
+        .engines(engines)
+        .spawn(scheduling)
+        .await
+        .context("starting the simulated node")?;
     let scheduler = node.scheduler.clone();
     let start = Instant::now();
     // Occupancy over virtual time, sampled every 10 virtual seconds.
@@ -944,7 +1057,8 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             samples_out.borrow_mut().push(sample);
         }
     });
-    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy).await?;
+    let min_lease = setup.config.frontend.cache_min_tokens;
+    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy, min_lease).await?;
     let virtual_time = start.elapsed();
     sampler.abort();
     node.shutdown().await;
@@ -985,6 +1099,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         lag_ms: (load(&|n| &n.stats.g3_lag_us_sum) as f64 / acks / 1e3, lag_max as f64 / 1e3),
         timeline,
         capacity: None,
+        decisions_s: Vec::new(),
     })
 }
 
@@ -1018,7 +1133,8 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
     let serving = Serving::start(&cfg, &plan, stores).await?;
     let scheduler = serving.node.current_scheduler().await?;
     let start = Instant::now();
-    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy).await?;
+    let (samples, prompts) =
+        run_sessions(trace, &scheduler, start, label, policy, cfg.frontend.cache_min_tokens).await?;
     let elapsed = start.elapsed();
     serving.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -1036,6 +1152,7 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
         lag_ms: (0.0, 0.0),
         timeline: Vec::new(),
         capacity: None,
+        decisions_s: Vec::new(),
     })
 }
 
@@ -1070,6 +1187,7 @@ async fn run_sessions(
     start: Instant,
     label: &str,
     policy: Policy,
+    min_lease: usize,
 ) -> SessionResult {
     let progress = Rc::new(Progress {
         label: label.to_string(),
@@ -1080,7 +1198,8 @@ async fn run_sessions(
     });
     let mut tasks = tokio::task::JoinSet::new();
     for (s, turns) in trace.sessions.iter().enumerate() {
-        tasks.spawn_local(run_session(s, turns.clone(), scheduler.clone(), start, progress.clone(), policy));
+        let session = run_session(s, turns.clone(), scheduler.clone(), start, progress.clone(), policy, min_lease);
+        tasks.spawn_local(session);
     }
     let mut samples = Vec::with_capacity(trace.requests);
     let mut prompts = Vec::with_capacity(trace.requests);
@@ -1099,6 +1218,7 @@ async fn run_session(
     start: Instant,
     progress: Rc<Progress>,
     policy: Policy,
+    min_lease: usize,
 ) -> SessionResult {
     let preamble_kept = policy.preamble_kept;
     let hints = Hints {
@@ -1135,8 +1255,17 @@ async fn run_session(
         let mut regions = vec![(0..system, RegionKind::System)];
         regions.push((system..prompt.len(), RegionKind::Conversation));
         let prompt_len = prompt.len();
+        // `cache_control` on the system prompt, as an agent marks it, when long enough to count.
+        let mut leases = Vec::new();
+        if policy.leased != Leased::No && system >= min_lease.max(1) {
+            leases.push(LeaseRequest { tokens: system, ttl: LEASE_TTL });
+        }
+        if policy.leased == Leased::Conversation && prompt.len() >= min_lease.max(1) {
+            leases.push(LeaseRequest { tokens: prompt.len(), ttl: LEASE_TTL });
+        }
         let req = GenRequest {
             regions,
+            leases,
             seed: (session as u64) << 20 | k as u64,
             ..GenRequest::greedy(prompt, turn.output_length)
         };
@@ -1150,7 +1279,7 @@ async fn run_session(
             _ => bail!("the scheduler did not answer"),
         };
         let mut events = submitted.events;
-        let mut sample = Sample { prompt: prompt_len, high: high_priority(session), ..Sample::default() };
+        let mut sample = Sample { prompt: prompt_len, high: high_priority(session), system, ..Sample::default() };
         while let Some(event) = events.recv().await {
             match event {
                 JobEvent::Event(WorkerEvent::Prefilled { hit_tokens, .. }) => {
@@ -1315,6 +1444,35 @@ fn comparisons(outcomes: &[Outcome]) -> Vec<String> {
             lower(0.9) * 100.0,
             class(honoured, false, 0.5) / class(ignored, false, 0.5).max(1e-9),
             class(honoured, false, 0.9) / class(ignored, false, 0.9).max(1e-9),
+        ));
+    }
+    for (what, leased) in
+        [("the system prompts", Leased::System), ("the system prompts and the last message", Leased::Conversation)]
+    {
+        let (Some(plain), Some(leased)) = (best, find(outcomes, Policy { leased, ..Policy::BEST })) else { continue };
+        lines.push(format!(
+            "cache_control on {what} ({} min leases) vs none: system-region hit rate {:.1}% vs {:.1}%, \
+             p50 TTFT {:.1} vs {:.1} ms ({:.2}x), p90 {:.1} vs {:.1} ms; overall hit rate {:.1}% vs {:.1}%",
+            LEASE_TTL.as_secs() / 60,
+            leased.system_hit_rate() * 100.0,
+            plain.system_hit_rate() * 100.0,
+            leased.percentile_ms(0.5),
+            plain.percentile_ms(0.5),
+            leased.percentile_ms(0.5) / plain.percentile_ms(0.5).max(1e-9),
+            leased.percentile_ms(0.9),
+            plain.percentile_ms(0.9),
+            leased.hit_rate(None) * 100.0,
+            plain.hit_rate(None) * 100.0,
+        ));
+    }
+    if let Some(best) = best.filter(|b| !b.decisions_s.is_empty()) {
+        lines.push(format!(
+            "router decision of {} (wall time): p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs over {} decisions",
+            best.policy.name(),
+            best.decision_us(0.5),
+            best.decision_us(0.99),
+            best.decision_us(1.0),
+            best.decisions_s.len()
         ));
     }
     if let Some(best) = best {

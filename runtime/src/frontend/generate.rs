@@ -29,6 +29,42 @@ pub struct AgentHints {
     pub expected_output_tokens: Option<usize>,
     /// Prefill the prompt into the cache without generating (a warm-up for the next call).
     pub speculative_prefill: Option<bool>,
+    /// Keep the whole prompt cached after each use: a lease for clients whose API has no
+    /// breakpoints (Chat Completions, Responses), in Anthropic's `cache_control` shape, as
+    /// NVIDIA Dynamo's `nvext.cache_control` had it.
+    pub cache_control: Option<CacheControlHint>,
+}
+
+/// `nvext.cache_control`: `{"type": "ephemeral", "ttl": "5m" | "1h"}` (`ttl` defaults to 5m).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheControlHint {
+    /// Always `ephemeral`.
+    #[serde(rename = "type")]
+    pub kind: Ephemeral,
+    /// How long the lease lives after each use.
+    #[serde(default)]
+    pub ttl: HintTtl,
+}
+
+/// The one `cache_control` type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ephemeral {
+    /// `"ephemeral"`.
+    Ephemeral,
+}
+
+/// The TTL of an `nvext.cache_control` lease.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub enum HintTtl {
+    /// `"5m"`.
+    #[default]
+    #[serde(rename = "5m")]
+    FiveMinutes,
+    /// `"1h"`.
+    #[serde(rename = "1h")]
+    OneHour,
 }
 
 /// Token ranges of a prompt by region, in order, covering the whole prompt without overlap.

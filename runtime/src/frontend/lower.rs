@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use super::FrontendState;
 use super::error::ApiError;
-use super::generate::{GenerateRequest, RegionRanges};
+use super::generate::{GenerateRequest, HintTtl, RegionRanges};
 use super::ir::{Block, CacheMark, Conversation, Role, ToolChoice};
 use super::parsers::AnswerParser;
 use super::replay::{Kept, turn_key};
@@ -150,7 +150,13 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
         other => ApiError::internal(other.to_string()),
     })?;
     let Tokenized { ids: prompt, regions, spliced, ends } = tokenize(state, &pieces, &kept)?;
-    let breakpoints = breakpoints(&marks, &ends, conversation.cache);
+    // An agent's `nvext.cache_control` marks the whole prompt, as a top-level breakpoint does;
+    // with both, the longer TTL wins.
+    let hinted = conversation.hints.cache_control.map(|c| match c.ttl {
+        HintTtl::FiveMinutes => CacheMark::FiveMinutes,
+        HintTtl::OneHour => CacheMark::OneHour,
+    });
+    let breakpoints = breakpoints(&marks, &ends, conversation.cache.max(hinted));
     if spliced > 0 {
         crate::metrics::record_replayed_turns(spliced);
     }
