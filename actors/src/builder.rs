@@ -802,6 +802,42 @@ mod tests {
         node.shutdown().await;
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_reaching_a_session_that_is_ending_is_still_served() {
+        // One session at a time: each request of the other conversation ends the current one
+        // while the requests sent before it may still be in its mailbox.
+        let dir = tempfile::tempdir().unwrap();
+        let plan = plan(dir.path());
+        let stores = tokio::task::spawn_blocking(move || NodeBuilder::new(IndexConfig::default()).open(&plan))
+            .await
+            .unwrap()
+            .unwrap();
+        let engines = EngineSet { queue_bound: 1024, ..echoes(2) };
+        let node = stores
+            .tiers(settings())
+            .engines(engines)
+            .spawn(Scheduling { max_sessions: 1, ..scheduling() })
+            .await
+            .unwrap();
+        let calls = (0..200u32).map(|i| {
+            let req = GenRequest::greedy(vec![i, 1, 2], 1);
+            let session = Some(if i % 2 == 0 { "a" } else { "b" }.to_string());
+            node.scheduler.call(
+                move |reply| SchedulerMsg::Submit { req: Box::new(req), session, hints: Default::default(), reply },
+                None,
+            )
+        });
+        let mut served = 0;
+        for reply in futures::future::join_all(calls).await {
+            match reply {
+                Ok(CallResult::Success(Ok(_))) => served += 1,
+                other => panic!("a request was lost: {other:?}"),
+            }
+        }
+        assert_eq!(served, 200);
+        node.shutdown().await;
+    }
+
     #[test]
     fn g3_without_g2_is_refused_and_an_empty_plan_opens_nothing() {
         let dir = tempfile::tempdir().unwrap();

@@ -33,6 +33,11 @@ pub struct LeaseBook {
     /// Blocks in the book (live or not yet swept), so that a node nobody leases on answers
     /// without taking the lock.
     blocks: AtomicUsize,
+    /// Held across a change of the book and its application to the registries
+    /// ([`LeasedTiers`]), so that two of them (a release and a write-through arrival of one
+    /// block) never interleave into a registry lease the book no longer has. Taken before any
+    /// registry lock, never while one is held.
+    applying: Mutex<()>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -152,6 +157,11 @@ impl LeaseBook {
         self.lock().by_block.values().filter(|holders| holders.iter().any(|l| l.until > now)).count()
     }
 
+    /// Serialises a book change with its application to the tiers (see `applying`).
+    fn applying(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.applying.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Book> {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -190,6 +200,7 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
     /// were newly leased. Blocks that arrive later are leased on arrival ([`Self::arrived`]).
     fn lease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], ttl: Millis, now: Millis) -> usize {
         let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        let _applying = self.book().applying();
         let new = self.book().grant(owner, &hashes, ttl, now);
         for &(h, region) in chain {
             self.apply(h, region, self.book().until(h, now).unwrap_or(0));
@@ -200,6 +211,7 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
     /// Ends `owner`'s leases on `chain`: blocks nobody else leases fall back to plain retention.
     fn unlease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], now: Millis) {
         let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+        let _applying = self.book().applying();
         let before: Vec<Millis> = hashes.iter().map(|&h| self.book().until(h, now).unwrap_or(0)).collect();
         let left = self.book().release(owner, &hashes, now);
         for ((&(h, region), until), was) in chain.iter().zip(left).zip(before) {
@@ -214,6 +226,10 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
     /// A request hit `chain` (block `i` of region `region(i)`): the leases on its leased prefix
     /// run their TTL again, in the book and in the tiers.
     fn refresh(&self, chain: &[BlockHash], region: &dyn Fn(usize) -> RegionKind, now: Millis) {
+        if self.book().is_empty() {
+            return;
+        }
+        let _applying = self.book().applying();
         for (i, until) in self.book().refresh(chain, now).into_iter().enumerate() {
             self.apply(chain[i], region(i), until);
         }
@@ -221,6 +237,12 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
 
     /// A block of `region` arrived in `tier` (G2 or G3): it is leased there if the book says so.
     fn arrived(&self, tier: TierName, hash: BlockHash, region: RegionKind, now: Millis) {
+        if self.book().until(hash, now).is_none() {
+            return;
+        }
+        // Read again once no grant or release is being applied: a release that ran between the
+        // first look and now has ended it in the book, and it must not be leased here after.
+        let _applying = self.book().applying();
         let Some(until) = self.book().until(hash, now) else { return };
         let pin = tier == TierName::G3 || self.g2_pins(region);
         self.each_registry(tier, &mut |r| lease_in(r, hash, until, pin));
@@ -273,5 +295,67 @@ mod tests {
         assert_eq!(book.until(BlockHash(1), 1000), None, "expired at its deadline");
         assert_eq!(book.refresh(&chain(2), 1000), Vec::<Millis>::new());
         assert_eq!(book.grant(3, &chain(2), 300, 1000), 2);
+    }
+
+    /// One G2 registry, no G3: G2 pins.
+    #[derive(Debug)]
+    struct OneTier {
+        book: LeaseBook,
+        g2: Mutex<TierRegistry>,
+    }
+
+    impl LeasedTiers for OneTier {
+        fn book(&self) -> &LeaseBook {
+            &self.book
+        }
+        fn now(&self) -> Millis {
+            1
+        }
+        fn each_registry(&self, tier: TierName, f: &mut dyn FnMut(&mut TierRegistry)) {
+            if tier == TierName::G2 {
+                // Widen the window between reading the book and writing the registry.
+                std::thread::yield_now();
+                f(&mut self.g2.lock().unwrap());
+            }
+        }
+        fn has_tier(&self, tier: TierName) -> bool {
+            tier == TierName::G2
+        }
+        fn lowest_tier(&self, _: RegionKind) -> TierName {
+            TierName::G3
+        }
+    }
+
+    #[test]
+    fn a_release_racing_an_arrival_never_leaves_a_lease_the_book_has_not() {
+        use dynamo_tiering::registry::{BlockMeta, PolicyKind};
+        let tiers = std::sync::Arc::new(OneTier {
+            book: LeaseBook::default(),
+            g2: Mutex::new(TierRegistry::new(8, PolicyKind::Lru)),
+        });
+        let h = BlockHash(7);
+        let chain = [(h, RegionKind::System)];
+        let meta = BlockMeta { parent: None, region: RegionKind::System, priority: 90, retain_until: 0 };
+        for round in 0..5 {
+            let leasing = {
+                let tiers = tiers.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..500 {
+                        tiers.lease(1, &chain, 1_000_000, 1);
+                        tiers.unlease(1, &chain, 1);
+                    }
+                })
+            };
+            while !leasing.is_finished() {
+                // The block leaves G2 and is written through again, as G2 eviction and a later
+                // write-through do.
+                let _ = tiers.g2.lock().unwrap().remove(h);
+                let _ = tiers.g2.lock().unwrap().insert(h, meta, 1);
+                tiers.arrived(TierName::G2, h, RegionKind::System, 1);
+            }
+            leasing.join().unwrap();
+            assert!(tiers.book.until(h, 1).is_none(), "the last word was a release");
+            assert_eq!(tiers.g2.lock().unwrap().stats().leases.live, 0, "round {round}: a stale lease in G2");
+        }
     }
 }

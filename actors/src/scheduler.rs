@@ -467,6 +467,15 @@ impl SchedulerState {
         (tokens, chains)
     }
 
+    /// Forgets `actor`, a session that is ending (its termination may still be on its way).
+    fn forget_session(&mut self, actor: &SessionRef) {
+        if let Some(id) = self.session_of.remove(&actor.get_id())
+            && self.sessions.get(&id).is_some_and(|e| e.actor.get_id() == actor.get_id())
+        {
+            self.sessions.remove(&id);
+        }
+    }
+
     /// The actor of session `id`, started (supervised by the scheduler) if it has none; at the
     /// cap the idlest conversation ends first (its leases end with it).
     async fn session_actor(&mut self, myself: &SchedulerRef, id: String) -> Option<SessionRef> {
@@ -480,7 +489,8 @@ impl SchedulerState {
             };
             if let Some(entry) = self.sessions.remove(&idlest) {
                 self.session_of.remove(&entry.actor.get_id());
-                entry.actor.stop(Some("session cap".into()));
+                // Drained, not stopped: what is already in its mailbox is still handled.
+                let _ = entry.actor.drain();
             }
         }
         let args = SessionArgs {
@@ -549,22 +559,24 @@ impl Actor for SchedulerActor {
         match msg {
             SchedulerMsg::Submit { req, session, hints, reply } => {
                 // A session's request goes through its actor, which sends it back to be routed.
-                let actor = match session {
-                    Some(id) => state.session_actor(&myself, id).await,
-                    None => None,
-                };
-                match actor {
-                    Some(actor) => {
-                        if let Err(ractor::MessagingErr::SendErr(SessionMsg::Submit { req, hints, reply })) =
-                            actor.cast(SessionMsg::Submit { req, hints, reply })
-                        {
-                            // The session just ended: route without it.
-                            let _ = reply.send(state.route(*req, None, hints).await.map(|(s, _)| s));
+                let mut msg = SessionMsg::Submit { req, hints, reply };
+                if let Some(id) = session {
+                    // An actor that is ending (drained at its idle timeout, or at the cap) refuses
+                    // new messages: the conversation goes on in a new one.
+                    for _ in 0..2 {
+                        let Some(actor) = state.session_actor(&myself, id.clone()).await else { break };
+                        match actor.cast(msg) {
+                            Ok(()) => return Ok(()),
+                            Err(ractor::MessagingErr::SendErr(back)) => {
+                                msg = back;
+                                state.forget_session(&actor);
+                            }
+                            Err(_) => return Ok(()),
                         }
                     }
-                    None => {
-                        let _ = reply.send(state.route(*req, None, hints).await.map(|(s, _)| s));
-                    }
+                }
+                if let SessionMsg::Submit { req, hints, reply } = msg {
+                    let _ = reply.send(state.route(*req, None, hints).await.map(|(s, _)| s));
                 }
             }
             SchedulerMsg::Route { req, session, hints, reply } => {
@@ -621,6 +633,7 @@ impl Actor for SchedulerActor {
         // A session that ends (idle) or fails is forgotten; the conversation starts a new one.
         if let SupervisionEvent::ActorTerminated(cell, ..) | SupervisionEvent::ActorFailed(cell, _) = event
             && let Some(id) = state.session_of.remove(&cell.get_id())
+            && state.sessions.get(&id).is_some_and(|e| e.actor.get_id() == cell.get_id())
         {
             state.sessions.remove(&id);
         }

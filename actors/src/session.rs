@@ -177,7 +177,9 @@ impl Actor for SessionActor {
             SessionMsg::Tick => {
                 if state.last_request.elapsed() >= state.idle_timeout {
                     tracing::debug!(session = %state.id, turns = state.turns, "session idle; ending it");
-                    myself.stop(Some("idle".into()));
+                    // Drained, not stopped: a request already in the mailbox is still routed (and
+                    // its leases released, since this actor no longer takes their `Routed`).
+                    let _ = myself.drain();
                 }
             }
         }
