@@ -38,6 +38,83 @@ pub struct LeaseBook {
     /// block) never interleave into a registry lease the book no longer has. Taken before any
     /// registry lock, never while one is held.
     applying: Mutex<()>,
+    /// Grants, refreshes and releases so far.
+    changes: std::sync::atomic::AtomicU64,
+}
+
+/// A lease as saved across a restart: the block, its deadline (Unix milliseconds) and its TTL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SavedLease {
+    /// The leased block.
+    pub hash: BlockHash,
+    /// When it ends unless a hit runs its TTL again.
+    pub until: Millis,
+    /// How long each hit extends it.
+    pub ttl: Millis,
+}
+
+/// Why a saved lease file was not used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LeaseFileError {
+    /// Not a lease file of this format.
+    #[error("not a dynamo-node lease file (bad magic or version)")]
+    Format,
+    /// Shorter or longer than its header says.
+    #[error("truncated: {len} bytes for {count} leases")]
+    Length {
+        /// Bytes read.
+        len: usize,
+        /// Leases the header announces.
+        count: u64,
+    },
+    /// Its checksum does not match its contents.
+    #[error("checksum mismatch")]
+    Checksum,
+}
+
+const LEASE_FILE_MAGIC: &[u8; 8] = b"DNLEASE1";
+const LEASE_RECORD: usize = 16 + 8 + 8;
+
+/// The bytes of a lease file: magic, count, records (hash, deadline, TTL; little-endian), and
+/// an xxh3 checksum of everything before it.
+pub fn encode(leases: &[SavedLease]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 + leases.len() * LEASE_RECORD + 8);
+    out.extend_from_slice(LEASE_FILE_MAGIC);
+    out.extend_from_slice(&(leases.len() as u64).to_le_bytes());
+    for l in leases {
+        out.extend_from_slice(&l.hash.0.to_le_bytes());
+        out.extend_from_slice(&l.until.to_le_bytes());
+        out.extend_from_slice(&l.ttl.to_le_bytes());
+    }
+    let sum = xxhash_rust::xxh3::xxh3_64(&out);
+    out.extend_from_slice(&sum.to_le_bytes());
+    out
+}
+
+/// The leases of a file [`encode`] wrote; anything else is refused whole (its length is checked
+/// against its header before anything is allocated, its checksum before anything is read).
+pub fn decode(bytes: &[u8]) -> Result<Vec<SavedLease>, LeaseFileError> {
+    if bytes.len() < 24 || &bytes[..8] != LEASE_FILE_MAGIC {
+        return Err(LeaseFileError::Format);
+    }
+    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+    let count = word(8);
+    let expected = (count as usize).checked_mul(LEASE_RECORD).and_then(|n| n.checked_add(24));
+    if expected != Some(bytes.len()) {
+        return Err(LeaseFileError::Length { len: bytes.len(), count });
+    }
+    let body = bytes.len() - 8;
+    if xxhash_rust::xxh3::xxh3_64(&bytes[..body]) != word(body) {
+        return Err(LeaseFileError::Checksum);
+    }
+    Ok(bytes[16..body]
+        .chunks_exact(LEASE_RECORD)
+        .map(|r| SavedLease {
+            hash: BlockHash(u128::from_le_bytes(r[..16].try_into().expect("16 bytes"))),
+            until: u64::from_le_bytes(r[16..24].try_into().expect("8 bytes")),
+            ttl: u64::from_le_bytes(r[24..32].try_into().expect("8 bytes")),
+        })
+        .collect())
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,6 +137,7 @@ impl LeaseBook {
     /// extends it). Returns how many of its blocks had no live lease before: the tokens newly
     /// cached, as Anthropic's `cache_creation_input_tokens` counts them.
     pub fn grant(&self, owner: LeaseOwner, chain: &[BlockHash], ttl: Millis, now: Millis) -> usize {
+        self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
         let until = now.saturating_add(ttl);
         let mut new = 0;
@@ -95,6 +173,7 @@ impl LeaseBook {
         if self.is_empty() {
             return Vec::new();
         }
+        self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
         let mut out = Vec::new();
         for h in chain {
@@ -114,6 +193,7 @@ impl LeaseBook {
     /// Ends `owner`'s leases on `chain`; returns, for each block, the deadline of the leases
     /// that remain on it (0 for none).
     pub fn release(&self, owner: LeaseOwner, chain: &[BlockHash], now: Millis) -> Vec<Millis> {
+        self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
         let left = chain
             .iter()
@@ -129,6 +209,22 @@ impl LeaseBook {
             .collect();
         self.blocks.store(book.by_block.len(), Ordering::Relaxed);
         left
+    }
+
+    /// Leases `h` to `owner` until `until`, each hit extending it by `ttl` (a lease saved before
+    /// a restart).
+    fn restore(&self, owner: LeaseOwner, h: BlockHash, until: Millis, ttl: Millis) {
+        self.changes.fetch_add(1, Ordering::Relaxed);
+        let mut book = self.lock();
+        let holders = book.by_block.entry(h).or_default();
+        match holders.iter_mut().find(|l| l.owner == owner) {
+            Some(l) => {
+                l.until = l.until.max(until);
+                l.ttl = l.ttl.max(ttl);
+            }
+            None => holders.push(Holder { owner, until, ttl }),
+        }
+        self.blocks.store(book.by_block.len(), Ordering::Relaxed);
     }
 
     /// Whether the book holds no block (then nothing is leased).
@@ -150,6 +246,27 @@ impl LeaseBook {
     /// end its holds).
     pub fn g1_hold(&self, h: BlockHash, now: Millis) -> Option<Millis> {
         Some(self.until(h, now)?.min(now.saturating_add(G1_LEASE_HOLD)))
+    }
+
+    /// Every live lease, one per block (its latest deadline, and the TTL of the lease that ends
+    /// then), for [`encode`].
+    pub fn snapshot(&self, now: Millis) -> Vec<SavedLease> {
+        let book = self.lock();
+        let mut out: Vec<SavedLease> = book
+            .by_block
+            .iter()
+            .filter_map(|(&hash, holders)| {
+                let last = holders.iter().filter(|l| l.until > now).max_by_key(|l| l.until)?;
+                Some(SavedLease { hash, until: last.until, ttl: last.ttl })
+            })
+            .collect();
+        out.sort_by_key(|l| l.hash.0);
+        out
+    }
+
+    /// Book changes so far (grants, refreshes, releases): a saver writes only when it moved.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Relaxed)
     }
 
     /// Blocks with a live lease.
@@ -248,6 +365,25 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
         self.each_registry(tier, &mut |r| lease_in(r, hash, until, pin));
     }
 
+    /// Restores `saved` leases (from before a restart) on the blocks G3 recovered, to no session:
+    /// each ends at its deadline unless hits run it again. Leases already over, and blocks G3 no
+    /// longer has, are skipped. Returns how many were restored.
+    fn restore(&self, saved: &[SavedLease], now: Millis) -> usize {
+        let _applying = self.book().applying();
+        let mut restored = 0;
+        for l in saved.iter().filter(|l| l.until > now) {
+            let mut present = false;
+            self.each_registry(TierName::G3, &mut |r| present |= r.contains(l.hash));
+            if !present {
+                continue;
+            }
+            self.book().restore(0, l.hash, l.until, l.ttl);
+            self.each_registry(TierName::G3, &mut |r| lease_in(r, l.hash, l.until, true));
+            restored += 1;
+        }
+        restored
+    }
+
     /// Sets `hash`'s lease to `until` (0 ends it) in every tier below G1.
     fn apply(&self, hash: BlockHash, region: RegionKind, until: Millis) {
         let pin = self.g2_pins(region);
@@ -297,11 +433,12 @@ mod tests {
         assert_eq!(book.grant(3, &chain(2), 300, 1000), 2);
     }
 
-    /// One G2 registry, no G3: G2 pins.
+    /// A G2 registry and maybe a G3 one (without it G2 pins).
     #[derive(Debug)]
     struct OneTier {
         book: LeaseBook,
         g2: Mutex<TierRegistry>,
+        g3: Option<Mutex<TierRegistry>>,
     }
 
     impl LeasedTiers for OneTier {
@@ -317,9 +454,12 @@ mod tests {
                 std::thread::yield_now();
                 f(&mut self.g2.lock().unwrap());
             }
+            if let (TierName::G3, Some(g3)) = (tier, &self.g3) {
+                f(&mut g3.lock().unwrap());
+            }
         }
         fn has_tier(&self, tier: TierName) -> bool {
-            tier == TierName::G2
+            tier == TierName::G2 || (tier == TierName::G3 && self.g3.is_some())
         }
         fn lowest_tier(&self, _: RegionKind) -> TierName {
             TierName::G3
@@ -332,6 +472,7 @@ mod tests {
         let tiers = std::sync::Arc::new(OneTier {
             book: LeaseBook::default(),
             g2: Mutex::new(TierRegistry::new(8, PolicyKind::Lru)),
+            g3: None,
         });
         let h = BlockHash(7);
         let chain = [(h, RegionKind::System)];
@@ -357,5 +498,55 @@ mod tests {
             assert!(tiers.book.until(h, 1).is_none(), "the last word was a release");
             assert_eq!(tiers.g2.lock().unwrap().stats().leases.live, 0, "round {round}: a stale lease in G2");
         }
+    }
+
+    #[test]
+    fn saved_leases_come_back_on_the_blocks_g3_recovered_and_a_damaged_file_is_refused() {
+        use dynamo_tiering::registry::{BlockMeta, PolicyKind};
+        let meta = BlockMeta { parent: None, region: RegionKind::System, priority: 90, retain_until: 0 };
+        let node = |resident: &[u128]| {
+            let g3 = Mutex::new(TierRegistry::new(8, PolicyKind::Lru));
+            for &h in resident {
+                g3.lock().unwrap().insert(BlockHash(h), meta, 1).unwrap();
+            }
+            OneTier { book: LeaseBook::default(), g2: Mutex::new(TierRegistry::new(8, PolicyKind::Lru)), g3: Some(g3) }
+        };
+        let before = node(&[1, 2, 3]);
+        let chain: Vec<(BlockHash, RegionKind)> = (1..=3).map(|h| (BlockHash(h), RegionKind::System)).collect();
+        before.lease(5, &chain[..2], 1000, 10);
+        before.lease(6, &chain, 300, 20);
+        let changes = before.book.changes();
+        let saved = before.book.snapshot(30);
+        assert_eq!(
+            saved,
+            [
+                SavedLease { hash: BlockHash(1), until: 1010, ttl: 1000 },
+                SavedLease { hash: BlockHash(2), until: 1010, ttl: 1000 },
+                SavedLease { hash: BlockHash(3), until: 320, ttl: 300 },
+            ]
+        );
+        assert_eq!(before.book.changes(), changes, "a snapshot changes nothing");
+        let bytes = encode(&saved);
+        assert_eq!(decode(&bytes), Ok(saved.clone()));
+
+        // After a restart G3 recovered blocks 1 and 3 only; at 400 block 3's lease is over.
+        let after = node(&[1, 3]);
+        assert_eq!(after.restore(&decode(&bytes).unwrap(), 400), 1);
+        assert_eq!(after.book.until(BlockHash(1), 400), Some(1010));
+        assert_eq!(after.book.until(BlockHash(2), 400), None, "not recovered: not leased");
+        assert_eq!(after.g3.as_ref().unwrap().lock().unwrap().stats().leases.live, 1, "pinned in G3");
+        // A hit runs a restored lease again by its own TTL.
+        assert_eq!(after.book.refresh(&[BlockHash(1)], 900), vec![1900]);
+
+        // Damage of any kind refuses the whole file.
+        let mut flipped = bytes.clone();
+        flipped[20] ^= 1;
+        assert_eq!(decode(&flipped), Err(LeaseFileError::Checksum));
+        assert_eq!(decode(&bytes[..bytes.len() - 1]), Err(LeaseFileError::Length { len: bytes.len() - 1, count: 3 }));
+        let mut huge = bytes.clone();
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(decode(&huge), Err(LeaseFileError::Length { .. })), "checked before allocating");
+        assert_eq!(decode(b"not a lease file at all!"), Err(LeaseFileError::Format));
+        assert_eq!(decode(&encode(&[])), Ok(Vec::new()));
     }
 }

@@ -21,6 +21,7 @@ use anyhow::Context;
 use dynamo_actors::builder::{EngineSet, NodeBuilder, NodeStores, RunningNode, Scheduling, TierSettings};
 use dynamo_actors::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_actors::index::IndexConfig;
+use dynamo_actors::leases::{self, LeasedTiers};
 use dynamo_actors::scheduler::{Hints, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::supervisor::NodeRef;
 use dynamo_actors::tiers::{NodeTiers, WriteBatch};
@@ -65,6 +66,82 @@ pub struct Serving {
     pub prefill_tokens_per_s: f64,
     /// Measured time of one decode step of one worker.
     pub decode_step: Duration,
+    /// Saves the leases while the node runs (none without G3, which is all that survives a
+    /// restart).
+    leases: Option<LeaseSaver>,
+}
+
+/// The file in `node.data_dir` where the node's live leases outlast a restart.
+pub const LEASE_FILE: &str = "leases.bin";
+
+/// How often the leases are saved while they change (a crash loses at most this much).
+const LEASE_SAVE_PERIOD: Duration = Duration::from_secs(10);
+
+/// Writes the node's live leases to [`LEASE_FILE`] every [`LEASE_SAVE_PERIOD`] while they change,
+/// and once more at shutdown.
+#[derive(Debug)]
+struct LeaseSaver {
+    path: std::path::PathBuf,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseSaver {
+    /// Restores what `path` saved onto the blocks G3 recovered, then starts saving.
+    fn start(tiers: &Arc<NodeTiers>, path: std::path::PathBuf) -> Self {
+        match std::fs::read(&path) {
+            Ok(bytes) => match leases::decode(&bytes) {
+                Ok(saved) => {
+                    let restored = tiers.restore(&saved, tiers.now());
+                    tracing::info!(path = %path.display(), saved = saved.len(), restored, "restored leases");
+                }
+                Err(e) => tracing::warn!(path = %path.display(), error = %e, "ignoring the saved leases"),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(path = %path.display(), error = %e, "could not read the saved leases"),
+        }
+        let (saving, file) = (tiers.clone(), path.clone());
+        let task = tokio::spawn(async move {
+            let mut saved_at = saving.leases.changes();
+            let mut tick = tokio::time::interval(LEASE_SAVE_PERIOD);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let changes = saving.leases.changes();
+                if changes != saved_at {
+                    saved_at = changes;
+                    let (tiers, file) = (saving.clone(), file.clone());
+                    let _ = tokio::task::spawn_blocking(move || save_leases(&tiers, &file)).await;
+                }
+            }
+        });
+        Self { path, task }
+    }
+
+    /// Stops the periodic saves and saves once more.
+    async fn finish(self, tiers: Arc<NodeTiers>) {
+        self.task.abort();
+        let path = self.path;
+        let _ = tokio::task::spawn_blocking(move || save_leases(&tiers, &path)).await;
+    }
+}
+
+/// Writes the live leases of `tiers` to `path` (a new file renamed over the old one, so a crash
+/// mid-write leaves the previous save).
+fn save_leases(tiers: &NodeTiers, path: &std::path::Path) {
+    let bytes = leases::encode(&tiers.leases.snapshot(tiers.now()));
+    let tmp = path.with_extension("tmp");
+    let written = (|| -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut f, &bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        tracing::warn!(path = %path.display(), error = %e, "could not save the leases");
+    }
 }
 
 impl Serving {
@@ -174,6 +251,8 @@ impl Serving {
             cost,
         });
         let tiers = tiered.tiers().clone();
+        // Leases outlast a restart where their blocks do: in G3.
+        let leases = tiers.g3.is_some().then(|| LeaseSaver::start(&tiers, cfg.node.data_dir.join(LEASE_FILE)));
 
         let spec = EngineSpec {
             weights,
@@ -214,6 +293,7 @@ impl Serving {
             max_context: pages * block_tokens,
             prefill_tokens_per_s,
             decode_step,
+            leases,
         })
     }
 
@@ -233,6 +313,11 @@ impl Serving {
     /// Stops taking requests, lets the workers finish their queues and flush write-through, and
     /// waits for the tree to stop.
     pub async fn shutdown(self) {
+        // Saved before the tree stops: the sessions' ends release their leases, and a restart
+        // should find what the clients leased, not what the shutdown left.
+        if let Some(saver) = self.leases {
+            saver.finish(self.tiers.clone()).await;
+        }
         self.node.shutdown().await;
     }
 }

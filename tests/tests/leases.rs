@@ -108,3 +108,49 @@ async fn a_leased_system_prompt_survives_an_eviction_flood_and_its_lease_ends_wi
     assert_eq!(after, 0.0, "the idle session released its lease");
     assert_eq!(node.stop(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_outlasts_a_restart_of_the_node_where_g3_kept_its_blocks() {
+    // Sessions live long here: the lease must come back from the saved file, not from a session.
+    let config = CONFIG.replace("session_idle_timeout = \"2s\"", "session_idle_timeout = \"10m\"");
+    let dir = std::sync::Arc::new(tempfile::tempdir().expect("tempdir"));
+    let node = Node::start_in(dir.clone(), &config);
+    let leased = system_prompt("kept");
+    let first = post(&node, "/messages", Some("agent-2"), &message(&leased, true, "hello")).await;
+    let created = usage(&first, "cache_creation_input_tokens");
+    assert!(created >= 512, "{first}");
+    let before = wait_for(&node, "dynamo_node_kv_leased_blocks{tier=\"g3\"}", |v| v * 32.0 >= created as f64).await;
+    assert!(before * 32.0 >= created as f64, "leased in G3: {before}");
+    assert_eq!(node.stop(), 0);
+    assert!(dir.path().join("leases.bin").exists(), "saved at shutdown");
+
+    // The restarted node pins the recovered blocks again, before any request asks.
+    let node = Node::start_in(dir.clone(), &config);
+    let after = wait_for(&node, "dynamo_node_kv_leased_blocks{tier=\"g3\"}", |v| v >= before).await;
+    assert_eq!(after, before, "every leased block is leased again");
+    // A flood that fills every tier does not take it; the next request reads it back whole.
+    for i in 0..20 {
+        post(&node, "/messages", None, &message(&system_prompt(&format!("flood{i}")), false, "go")).await;
+    }
+    let evicted = wait_for(&node, "dynamo_node_kv_evictions_total{tier=\"g3\",region=\"system\"}", |v| v > 0.0).await;
+    assert!(evicted > 0.0, "the flood evicted system blocks from G3");
+    let back = post(&node, "/messages", Some("agent-3"), &message(&leased, true, "again")).await;
+    assert!(usage(&back, "cache_read_input_tokens") >= created, "read back after the restart: {back}");
+    assert_eq!(usage(&back, "cache_creation_input_tokens"), 0, "still leased: nothing newly created");
+
+    // A damaged file is refused whole, and the node starts without it.
+    assert_eq!(node.stop(), 0);
+    let file = dir.path().join("leases.bin");
+    let mut bytes = std::fs::read(&file).expect("saved");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&file, bytes).expect("write");
+    let node = Node::start_in(dir.clone(), &config);
+    // The tiers are published once a second: two publications later.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let resident = node.metric("dynamo_node_kv_blocks{tier=\"g3\"}").await;
+    assert!(resident > 0.0, "G3 recovered its blocks");
+    let leased_now = node.metric("dynamo_node_kv_leased_blocks{tier=\"g3\"}").await;
+    assert_eq!(leased_now, 0.0, "a file that fails its checksum restores nothing");
+    assert_eq!(node.stop(), 0);
+}
