@@ -12,12 +12,11 @@
 //! Several sessions may lease one block (a shared system prompt): it stays leased until the last
 //! of their leases ends.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dynamo_config::{RegionKind, TierName};
-use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::block::{BlockHash, BlockMap};
 use dynamo_tiering::registry::{Millis, TierRegistry};
 
 /// Who holds a lease: a session (its key's digest), or 0 for a request without one.
@@ -127,7 +126,7 @@ struct Holder {
 #[derive(Debug, Default)]
 struct Book {
     /// Each leased block's holders.
-    by_block: HashMap<BlockHash, Vec<Holder>>,
+    by_block: BlockMap<Vec<Holder>>,
     /// Blocks at the last sweep of expired leases: the next one runs when twice as many are kept.
     swept_at: usize,
 }

@@ -4,13 +4,12 @@
 //! [`G3Health`]: workers report I/O outcomes there and the G3 store actor decides when the node
 //! runs without G3 and when it comes back.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dynamo_config::{RegionKind, RetentionSection, TierName, TiersSection};
-use dynamo_tiering::block::{BlockHash, BlockLayout, Salt};
+use dynamo_tiering::block::{BlockHash, BlockLayout, BlockMap, Salt};
 use dynamo_tiering::cost::{CostModel, Measurements};
 use dynamo_tiering::g2::{HostPool, SlotMut, SlotRef};
 use dynamo_tiering::g3::{G3Error, G3Store};
@@ -76,14 +75,19 @@ pub struct G2Tier {
 
 #[derive(Debug)]
 struct G2Inner {
-    slots: HashMap<BlockHash, SlotRef>,
+    slots: BlockMap<SlotRef>,
 }
 
 impl G2Tier {
     /// A G2 tier over `pool`, with `registry` deciding what stays (shared with whoever reports
     /// its stats).
     pub fn new(pool: HostPool, registry: Arc<Mutex<TierRegistry>>) -> Self {
-        Self { pool, registry, inner: Mutex::new(G2Inner { slots: HashMap::new() }), observer: Arc::new(NoObserver) }
+        Self {
+            pool,
+            registry,
+            inner: Mutex::new(G2Inner { slots: BlockMap::default() }),
+            observer: Arc::new(NoObserver),
+        }
     }
 
     /// Reports what this tier stores and drops to `observer`.

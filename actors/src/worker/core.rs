@@ -38,7 +38,6 @@
 //! (G2 slots and images) until they finish, and no G1 page with a gather in flight is reused
 //! before it ends.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -49,7 +48,7 @@ use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
 use dynamo_tiering::block::{
-    BlockHash, BlockHasher, HEADER_LEN, ImageSpec, Namespace, RetentionMeta, Salt, payload_mut, seal,
+    BlockHash, BlockHasher, BlockMap, HEADER_LEN, ImageSpec, Namespace, RetentionMeta, Salt, payload_mut, seal,
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::pipeline::{self, Landed, Presence, Refusal};
@@ -292,7 +291,7 @@ pub struct Worker<B: Backend> {
     pages: usize,
     policy: PolicyKind,
     free: Vec<u32>,
-    by_hash: HashMap<BlockHash, u32>,
+    by_hash: BlockMap<u32>,
     registry: TierRegistry,
     /// Completed blocks waiting for their G1 → G2 gather.
     gathers: Vec<PendingGather>,
@@ -481,7 +480,7 @@ impl<B: Backend> Worker<B> {
             pages,
             policy,
             free: (0..pages as u32).rev().collect(),
-            by_hash: HashMap::new(),
+            by_hash: BlockMap::default(),
             registry: TierRegistry::new(pages, policy),
             gathers: Vec::new(),
             gathering: vec![false; pages],

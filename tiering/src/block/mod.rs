@@ -2,9 +2,11 @@
 
 pub mod hash;
 pub mod image;
+pub mod map;
 
 pub use hash::{BlockHash, BlockHasher, HASH_SCHEME_VERSION, Namespace, Salt, SaltInputs, TokenId};
 pub use image::{
     BlockLayout, HEADER_LEN, ImageError, ImageHeader, ImageSpec, KvDtype, RetentionMeta, payload_mut, seal,
     verify_image,
 };
+pub use map::{BlockHashBuild, BlockMap};

@@ -24,7 +24,6 @@ pub mod recover;
 pub mod scan;
 pub mod superblock;
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -33,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::block::{BlockHash, ImageError, ImageHeader, verify_image};
+use crate::block::{BlockHash, BlockMap, ImageError, ImageHeader, verify_image};
 use crate::g2::{HostPool, SLOT_ALIGN, SlotMut, SlotRef, align_up};
 use crate::io::psync::PsyncEngine;
 use crate::io::uring::{UringEngine, UringOptions};
@@ -264,7 +263,7 @@ struct Loc {
 
 #[derive(Debug)]
 struct Index {
-    map: HashMap<BlockHash, Loc>,
+    map: BlockMap<Loc>,
     slots: Vec<Vec<SlotState>>,
     free: Vec<Vec<u32>>,
     next_file: usize,
@@ -439,7 +438,7 @@ impl G3Store {
         let data_offsets = scan_list.iter().map(|f| f.data_offset).collect();
         let found = scan::scan(scan_list).map_err(|source| G3Error::Open { path: options.paths[0].clone(), source })?;
         let mut index = Index {
-            map: HashMap::new(),
+            map: BlockMap::default(),
             slots: per_file_slots.iter().map(|&n| vec![SlotState::Free; n as usize]).collect(),
             free: Vec::new(),
             next_file: 0,

@@ -62,7 +62,7 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 use dynamo_config::RegionKind;
 
@@ -70,7 +70,7 @@ pub use lfu::{DEFAULT_HALF_LIFE_MS, LfuKey, LfuPolicy, log2_q4, score as lfu_sco
 pub use lru::{LruKey, LruPolicy};
 pub use policy::{Candidate, EvictionPolicy, Policy, PolicyKind};
 
-use crate::block::BlockHash;
+use crate::block::{BlockHash, BlockMap};
 
 /// Milliseconds on the caller's clock.
 pub type Millis = u64;
@@ -310,9 +310,9 @@ impl Entry {
 #[derive(Debug)]
 pub struct TierRegistry<P: EvictionPolicy = Policy> {
     capacity: usize,
-    entries: HashMap<BlockHash, Entry>,
+    entries: BlockMap<Entry>,
     /// Number of resident blocks per parent hash (the parent need not be resident).
-    children: HashMap<BlockHash, u32>,
+    children: BlockMap<u32>,
     /// Unreferenced leaves whose hold had not expired at `clock`, by deadline (for expiry).
     holds: BTreeSet<(Millis, BlockHash)>,
     /// The same, by priority and then deadline (for eviction).
@@ -345,8 +345,8 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         debug_assert!(policy.is_empty());
         Self {
             capacity: capacity_blocks,
-            entries: HashMap::new(),
-            children: HashMap::new(),
+            entries: BlockMap::default(),
+            children: BlockMap::default(),
             holds: BTreeSet::new(),
             held: BTreeSet::new(),
             leases: BTreeSet::new(),

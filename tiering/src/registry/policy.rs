@@ -1,11 +1,11 @@
 //! The eviction-policy contract and the closed set of policies a tier can run.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use super::Millis;
 use super::lfu::LfuPolicy;
 use super::lru::LruPolicy;
-use crate::block::BlockHash;
+use crate::block::{BlockHash, BlockMap};
 
 /// What a policy may order a block by: a snapshot of the registry's entry, taken when the block
 /// becomes evictable or is accessed while evictable.
@@ -145,12 +145,12 @@ impl EvictionPolicy for Policy {
 #[derive(Debug)]
 pub(super) struct KeyedSet<K> {
     order: BTreeMap<K, BlockHash>,
-    keys: HashMap<BlockHash, K>,
+    keys: BlockMap<K>,
 }
 
 impl<K: Ord + Copy> KeyedSet<K> {
     pub(super) fn new() -> Self {
-        Self { order: BTreeMap::new(), keys: HashMap::new() }
+        Self { order: BTreeMap::new(), keys: BlockMap::default() }
     }
 
     pub(super) fn insert(&mut self, hash: BlockHash, key: K) {
