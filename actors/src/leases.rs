@@ -41,6 +41,18 @@ pub struct LeaseBook {
     changes: std::sync::atomic::AtomicU64,
 }
 
+/// Adds `new` to a block's holders; a later deadline or longer TTL of the same owner extends its
+/// lease.
+fn hold(holders: &mut Vec<Holder>, new: Holder) {
+    match holders.iter_mut().find(|l| l.owner == new.owner) {
+        Some(l) => {
+            l.until = l.until.max(new.until);
+            l.ttl = l.ttl.max(new.ttl);
+        }
+        None => holders.push(new),
+    }
+}
+
 /// A lease as saved across a restart: the block, its deadline (Unix milliseconds) and its TTL.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SavedLease {
@@ -146,13 +158,7 @@ impl LeaseBook {
             if holders.is_empty() {
                 new += 1;
             }
-            match holders.iter_mut().find(|l| l.owner == owner) {
-                Some(l) => {
-                    l.until = l.until.max(until);
-                    l.ttl = l.ttl.max(ttl);
-                }
-                None => holders.push(Holder { owner, until, ttl }),
-            }
+            hold(holders, Holder { owner, until, ttl });
         }
         if book.by_block.len() > 2 * book.swept_at.max(1024) {
             book.by_block.retain(|_, holders| {
@@ -215,14 +221,7 @@ impl LeaseBook {
     fn restore(&self, owner: LeaseOwner, h: BlockHash, until: Millis, ttl: Millis) {
         self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
-        let holders = book.by_block.entry(h).or_default();
-        match holders.iter_mut().find(|l| l.owner == owner) {
-            Some(l) => {
-                l.until = l.until.max(until);
-                l.ttl = l.ttl.max(ttl);
-            }
-            None => holders.push(Holder { owner, until, ttl }),
-        }
+        hold(book.by_block.entry(h).or_default(), Holder { owner, until, ttl });
         self.blocks.store(book.by_block.len(), Ordering::Relaxed);
     }
 
