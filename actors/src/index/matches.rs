@@ -58,7 +58,7 @@ pub struct Matches {
     pub(crate) results: Vec<LocationMatch>,
     /// Scratch of the lookup: locations still matching, split at each probe.
     pub(crate) alive: Vec<LocId>,
-    /// Locations that are not prefix-closed, walked block by block.
+    /// Locations that are not prefix-closed, searched one by one.
     pub(crate) walk: Vec<LocId>,
     /// Per location id: set tags and prefix lengths (see [`Marks`]).
     pub(crate) marks: Marks,

@@ -23,8 +23,9 @@
 //! its blocks up front, so their table lines are prefetched a few blocks ahead and the cache misses
 //! overlap; a block's parent in a chain is reached by slot, not by a second probe. The lookup jumps
 //! 32 blocks at a time over locations whose blocks are prefix-closed and bisects where one drops
-//! out; the few locations that are not (out-of-order events, interior evictions) are walked block
-//! by block, so the answer is always exact (`store.rs` explains the bookkeeping).
+//! out; the few locations that are not (out-of-order events, interior evictions) are searched the
+//! same way before their first gap, so the answer is always exact (`store.rs` explains the
+//! bookkeeping).
 //!
 //! # Concurrency
 //!

@@ -33,8 +33,13 @@
 //! Events may still arrive out of order, or evict an interior block, so each location counts its
 //! *orphans* — held blocks whose parent it does not hold — exactly: per held block the number of
 //! its children the location also holds, and per location a multiset of the missing parents of
-//! its orphans. A location with orphans is walked block by block, so answers stay exact in every
-//! state.
+//! its orphans. Every gap in a query chain that a held block follows ends in one of those
+//! missing parents, so a location with orphans is still searched by jumps: to where it seems to
+//! stop, then again before the first of its missing parents that the chain holds up to there
+//! (looked up in its own map of them, which stays in cache, instead of the block table). A
+//! sparse tier — a G3 that skipped blocks under a write backlog holds thousands of orphans —
+//! costs a lookup a pass over a small map, not a table probe per block. Answers stay exact in
+//! every state.
 //!
 //! The same bookkeeping makes a probe cheap when a block is held by many locations (a system
 //! prompt every worker has): every prefix-closed holder of a later probe is still a candidate, so
@@ -685,25 +690,55 @@ impl Store {
         (held, fresh)
     }
 
-    /// The block-by-block walk for locations with orphans (all hold `hashes[0]`).
+    /// The locations in `out.walk` (all hold `hashes[0]`, and have orphans), one by one.
     fn walk(&self, hashes: &[BlockHash], out: &mut Matches) {
         let Matches { walk, marks, .. } = out;
-        for (i, &hash) in hashes.iter().enumerate().skip(1) {
-            if walk.is_empty() {
-                break;
-            }
-            let holders = self.holders(hash);
-            walk.retain(|&loc| {
-                let holds = holders.binary_search_by_key(&loc, |h| h.loc).is_ok();
-                if !holds {
-                    marks.len[loc as usize] = i as u32;
-                }
-                holds
-            });
-        }
         for loc in walk.drain(..) {
-            marks.len[loc as usize] = hashes.len() as u32;
+            marks.len[loc as usize] = self.search_with_gaps(hashes, loc) as u32;
         }
+    }
+
+    /// How many leading blocks of `hashes` the location `loc` holds, when it holds `hashes[0]`.
+    ///
+    /// Every gap in the chain that a held block follows ends in a missing parent of one of the
+    /// location's orphans, so the location is prefix-closed before the first of those: jump to
+    /// where it seems to stop, look for a missing parent before that point (in its own small
+    /// map, which stays in cache, not the block table), and if there is one, search again before
+    /// it.
+    fn search_with_gaps(&self, hashes: &[BlockHash], loc: LocId) -> usize {
+        let gaps = &self.locations[loc as usize].orphan_parents;
+        let seems = self.search_closed(hashes, hashes.len(), loc);
+        match hashes[1..seems].iter().position(|h| gaps.contains_key(h)) {
+            None => seems,
+            // `hashes[before + 1]` is missing, and the blocks before it are prefix-closed.
+            Some(before) => self.search_closed(hashes, before + 1, loc),
+        }
+    }
+
+    /// For a location holding `hashes[0]`, some `m` in `1..=end` such that it holds
+    /// `hashes[m - 1]` and, if `m < end`, not `hashes[m]`: the length of its prefix within
+    /// `hashes[..end]` when it is prefix-closed there. One probe per [`JUMP`] blocks, then a
+    /// bisection.
+    fn search_closed(&self, hashes: &[BlockHash], end: usize, loc: LocId) -> usize {
+        let holds = |i: usize| self.holders(hashes[i]).binary_search_by_key(&loc, |h| h.loc).is_ok();
+        let mut lo = 0;
+        while lo + 1 < end {
+            let mut hi = (lo + JUMP).min(end - 1);
+            if holds(hi) {
+                lo = hi;
+                continue;
+            }
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if holds(mid) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            return hi;
+        }
+        end
     }
 
     /// Checks the orphan bookkeeping against a recount from scratch (tests).

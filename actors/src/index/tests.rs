@@ -269,6 +269,50 @@ fn out_of_order_events_and_interior_evictions_stay_exact() {
 }
 
 #[test]
+fn a_location_with_gaps_is_searched_by_jumps_and_stays_exact() {
+    // One location holding a long chain with 1 to 12 interior gaps, or every third block
+    // missing (a sparse tier), beside a prefix-closed one; every prefix of the chain as a query,
+    // checked against the first block missing.
+    let c = chain(12, 400);
+    let mut state = 5;
+    let mut patterns: Vec<Vec<bool>> = (1..=12)
+        .map(|gaps| {
+            let mut held = vec![true; c.len()];
+            for _ in 0..gaps {
+                let start = 1 + (splitmix(&mut state) % 398) as usize;
+                let len = 1 + (splitmix(&mut state) % 40) as usize;
+                held[start..(start + len).min(c.len() - 1)].fill(false);
+            }
+            held
+        })
+        .collect();
+    patterns.push((0..c.len()).map(|i| i % 3 != 2 || i < 150).collect());
+    for (gaps, held) in patterns.into_iter().enumerate() {
+        let index = PrefixIndex::default();
+        let mut seq = 0;
+        let mut run = 0;
+        while run < c.len() {
+            let end = run + held[run..].iter().take_while(|&&h| h == held[run]).count();
+            if held[run] {
+                seq += 1;
+                let parent = run.checked_sub(1).map(|p| c[p]);
+                index.apply(&stored(W00, seq, TierName::G1, parent, &c[run..end]));
+            }
+            run = end;
+        }
+        let other = SourceId::worker(0, 1);
+        index.apply(&stored(other, 1, TierName::G1, None, &c[..300]));
+        for n in 1..=c.len() {
+            let got = answers(&index, &c[..n]);
+            let want = held[..n].iter().position(|&h| !h).unwrap_or(n);
+            assert_eq!(got[&exact(W00, TierName::G1)], want, "{gaps} gaps, query of {n}");
+            assert_eq!(got[&exact(other, TierName::G1)], n.min(300), "{gaps} gaps, query of {n}");
+        }
+        index.with_store(Store::check_invariants);
+    }
+}
+
+#[test]
 fn many_locations_dropping_between_jumps_get_exact_lengths() {
     let index = PrefixIndex::default();
     let c = chain(10, 300);
