@@ -17,6 +17,7 @@
 //! | name | type | labels | meaning |
 //! |---|---|---|---|
 //! | `dynamo_node_build_info` | gauge | `version` | always 1 |
+//! | `dynamo_node_start_time_seconds` | gauge | | when the node started (Unix seconds; a change is a restart) |
 //! | `dynamo_node_kv_blocks` | gauge | `tier` | blocks resident in the tier |
 //! | `dynamo_node_kv_leased_blocks` | gauge | `tier` | blocks under a live lease (`cache_control`) |
 //! | `dynamo_node_kv_held_blocks` | gauge | `tier` | unreferenced blocks kept by an active hold |
@@ -73,6 +74,8 @@ pub use dynamo_config::TierName as Tier;
 pub mod names {
     /// Gauge `{version}`, always 1.
     pub const BUILD_INFO: &str = "dynamo_node_build_info";
+    /// Gauge: when the node started, in seconds since the Unix epoch (a change is a restart).
+    pub const START_TIME_SECONDS: &str = "dynamo_node_start_time_seconds";
     /// Gauge `{tier}`.
     pub const KV_BLOCKS: &str = "dynamo_node_kv_blocks";
     /// Gauge: blocks under a live lease (`cache_control`), per tier (any state).
@@ -191,6 +194,7 @@ pub const TRANSFER_PATHS: [(Tier, Tier); 6] = [
 pub fn describe() {
     use names::*;
     describe_gauge!(BUILD_INFO, "Build information; always 1.");
+    describe_gauge!(START_TIME_SECONDS, Unit::Seconds, "When the node started, in seconds since the Unix epoch.");
     describe_counter!(REQUESTS_CANCELLED, Unit::Count, "Requests stopped because nobody waited for them, by stage.");
     describe_gauge!(HTTP_CONNECTIONS, Unit::Count, "HTTP connections open.");
     describe_counter!(PREAMBLES_STRIPPED, Unit::Count, "Claude Code billing headers dropped from system text.");
@@ -295,6 +299,14 @@ pub fn register_known_series() {
     gauge!(HTTP_CONNECTIONS).set(0.0);
     counter!(PREAMBLES_STRIPPED).increment(0);
     counter!(REPLAYED_TURNS).increment(0);
+    counter!(WORKER_RESTARTS).increment(0);
+    counter!(PREEMPTIONS).increment(0);
+    counter!(ROUTER_MISPREDICTIONS).increment(0);
+    for tier in [Tier::G2, Tier::G3] {
+        counter!(WRITE_THROUGH_SKIPPED, "tier" => tier.as_str()).increment(0);
+    }
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    gauge!(START_TIME_SECONDS).set(started.as_secs_f64());
     for reason in ["limit", "accept_error", "header_timeout"] {
         counter!(HTTP_CONNECTIONS_REFUSED, "reason" => reason).increment(0);
     }
