@@ -78,7 +78,7 @@ fn the_rules_pass_promtool_check_and_their_unit_tests() {
 struct Prometheus {
     child: Child,
     url: String,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Drop for Prometheus {
@@ -110,7 +110,7 @@ impl Prometheus {
             .stderr(log)
             .spawn()
             .expect("start prometheus");
-        let prometheus = Prometheus { child, url: format!("http://127.0.0.1:{port}"), _dir: dir };
+        let prometheus = Prometheus { child, url: format!("http://127.0.0.1:{port}"), dir };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let ready = reqwest::get(format!("{}/-/ready", prometheus.url)).await;
@@ -123,7 +123,7 @@ impl Prometheus {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self._dir.path().join("prometheus.log")).unwrap_or_default()
+        std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
     }
 
     async fn api(&self, path: &str, query: &[(&str, &str)]) -> Value {
