@@ -24,6 +24,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 use dynamo_config::RegionKind;
 use dynamo_config::RoutingPolicy;
@@ -383,6 +384,7 @@ impl SchedulerState {
             handle.load.add(&job.req, charge);
             match handle.queue.try_push(job) {
                 Ok(()) => {
+                    tracing::debug!(worker = i, predicted_cached = ?predicted, cost_s, "routed");
                     let owner = session.map_or(0, |s| s.owner);
                     let (leased_tokens, chains) = self.grant(owner, leases);
                     return Ok((Submitted { events: rx, worker: i, leased_tokens }, chains));
@@ -393,6 +395,7 @@ impl SchedulerState {
                 }
             }
         }
+        tracing::debug!(workers = order.len(), "every worker's queue is full; refused");
         Err(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
     }
 
@@ -576,12 +579,14 @@ impl Actor for SchedulerActor {
                     }
                 }
                 if let SessionMsg::Submit { req, hints, reply } = msg {
-                    let _ = reply.send(state.route(*req, None, hints).await.map(|(s, _)| s));
+                    let span = tracing::info_span!("route", request_id = req.log_id());
+                    let _ = reply.send(state.route(*req, None, hints).instrument(span).await.map(|(s, _)| s));
                 }
             }
             SchedulerMsg::Route { req, session, hints, reply } => {
                 let prompt_tokens = req.prompt.len();
-                match state.route(*req, session.as_ref(), hints).await {
+                let span = tracing::info_span!("route", request_id = req.log_id());
+                match state.route(*req, session.as_ref(), hints).instrument(span).await {
                     Ok((submitted, leased)) => {
                         if let Some(turn) = &session
                             && let Err(ractor::MessagingErr::SendErr(SessionMsg::Routed { leased, .. })) =

@@ -150,6 +150,9 @@ impl Actor for SessionActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             SessionMsg::Submit { req, hints, reply } => {
+                let span = tracing::info_span!("session", request_id = req.log_id(), session = %state.id);
+                let _in = span.enter();
+                tracing::debug!(turn = state.turns + 1, sticky_worker = ?state.last_worker, "turn");
                 state.last_request = Instant::now();
                 let turn = SessionTurn { actor: myself, owner: state.owner, sticky: state.last_worker };
                 if let Err(e) = state.scheduler.cast(SchedulerMsg::Route { req, session: Some(turn), hints, reply }) {

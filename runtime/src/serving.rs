@@ -459,6 +459,7 @@ impl Generator for NodeGenerator {
             hashes: None,
             namespace: Namespace::new(req.tenant.name().unwrap_or(""), req.cache_salt.as_deref().unwrap_or("")),
             leases: req.cache_leases.iter().map(|&(tokens, ttl)| LeaseRequest { tokens, ttl }).collect(),
+            request_id: Some(req.request_id),
         };
         let this = self.clone();
         let session = req.session_id;

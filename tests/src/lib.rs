@@ -50,16 +50,26 @@ pub fn node_binary() -> PathBuf {
 /// up to and including the `ready` line, and keeps draining stdout afterwards so the node never
 /// blocks on a full pipe. Panics with the lines seen if the node exits first or is not ready in
 /// two minutes.
-pub fn spawn_until_ready(mut cmd: Command) -> (std::process::Child, Vec<String>) {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-    use std::time::{Duration, Instant};
-
+pub fn spawn_until_ready(cmd: Command) -> (std::process::Child, Vec<String>) {
     // stderr goes to a file, so a node that dies before it is ready says why in the panic.
     static SPAWNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let stderr_path = std::env::temp_dir().join(format!("dynamo-node-test-{}-{n}.stderr", std::process::id()));
-    let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
+    let spawned = spawn_logging_until_ready(cmd, &stderr_path);
+    let _ = std::fs::remove_file(&stderr_path);
+    spawned
+}
+
+/// [`spawn_until_ready`] with the node's stderr (its log) written to `stderr_path`, which is kept.
+pub fn spawn_logging_until_ready(
+    mut cmd: Command,
+    stderr_path: &std::path::Path,
+) -> (std::process::Child, Vec<String>) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let stderr = std::fs::File::create(stderr_path).expect("stderr file");
     let mut child = cmd.stdout(Stdio::piped()).stderr(stderr).spawn().expect("spawn dynamo-node");
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     let mut lines = Vec::new();
@@ -68,7 +78,7 @@ pub fn spawn_until_ready(mut cmd: Command) -> (std::process::Child, Vec<String>)
         let mut line = String::new();
         let n = reader.read_line(&mut line).expect("read stdout");
         if n == 0 {
-            let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+            let stderr = std::fs::read_to_string(stderr_path).unwrap_or_default();
             let status = child.wait().map(|s| format!("{s:?}")).unwrap_or_else(|e| e.to_string());
             panic!("dynamo-node exited ({status}) before it was ready; output: {lines:#?}\nstderr:\n{stderr}");
         }
@@ -79,7 +89,6 @@ pub fn spawn_until_ready(mut cmd: Command) -> (std::process::Child, Vec<String>)
         }
         assert!(Instant::now() < deadline, "not ready within 120 s; output: {lines:#?}");
     }
-    let _ = std::fs::remove_file(&stderr_path);
     std::thread::spawn(move || for _ in reader.lines() {});
     (child, lines)
 }
@@ -114,6 +123,16 @@ impl Node {
     /// A node on its defaults plus `toml` (a config file written into `dir`, unless empty).
     pub fn start_in(dir: Arc<tempfile::TempDir>, toml: &str) -> Node {
         let (child, lines) = spawn_until_ready(Self::command(&dir, toml));
+        Self::started(child, &lines, dir)
+    }
+
+    /// [`Node::start_in`], with the node's log (stderr) kept in `log` inside `dir`.
+    pub fn start_logging(dir: Arc<tempfile::TempDir>, toml: &str, log: &str) -> Node {
+        let (child, lines) = spawn_logging_until_ready(Self::command(&dir, toml), &dir.path().join(log));
+        Self::started(child, &lines, dir)
+    }
+
+    fn started(child: Child, lines: &[String], dir: Arc<tempfile::TempDir>) -> Node {
         let api = lines
             .iter()
             .find_map(|l| l.strip_prefix("serving the OpenAI API on "))

@@ -101,7 +101,7 @@ async fn chat_completion_answers_with_usage_and_regions() {
     assert_eq!(usage["total_tokens"], req.prompt.len() + answer_tokens + 1);
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], req.prompt.len() / 2);
 
-    assert_eq!(req.request_id, value["id"].as_str().unwrap());
+    assert_eq!(req.response_id, value["id"].as_str().unwrap());
     assert_eq!(req.session_id, Some(session_key(b"agent-42")), "the session is the digest of x-session-id");
     assert_eq!((req.max_tokens, req.temperature, req.seed), (100, 0.0, Some(7)));
     assert_eq!(req.hints.priority, Some(3));

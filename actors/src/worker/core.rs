@@ -95,6 +95,8 @@ pub struct GenRequest {
     /// Prefixes of the prompt the client asked to keep (`cache_control` breakpoints), at most
     /// four; the scheduler leases their complete blocks to the request's session.
     pub leases: Vec<LeaseRequest>,
+    /// The id its log lines carry (the frontend's request id); `None` for the node's own work.
+    pub request_id: Option<Arc<str>>,
 }
 
 /// One prefix of a prompt to keep: its first `tokens` tokens, for `ttl` after each use.
@@ -135,7 +137,13 @@ impl GenRequest {
             hashes: None,
             namespace: None,
             leases: Vec::new(),
+            request_id: None,
         }
+    }
+
+    /// Its id in logs: the request id, or `-` for the node's own work.
+    pub fn log_id(&self) -> &str {
+        self.request_id.as_deref().unwrap_or("-")
     }
 
     /// The salt its blocks hash under on a node whose blocks hash under `node`.
@@ -793,6 +801,7 @@ impl<B: Backend> Worker<B> {
     /// are in G2 already), its references released (the blocks stay in G1 until evicted), its
     /// private pages freed. It resumes from the tiers ([`Self::resume_preempted`]).
     fn preempt(&mut self, seq: &mut Seq) {
+        seq.run.ticket.span.in_scope(|| tracing::debug!(computed = seq.run.computed, "preempted"));
         self.gather_pending();
         self.finish_gathers(true);
         self.loading.retain(|l| l.order != seq.run.order);

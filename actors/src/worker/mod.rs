@@ -22,6 +22,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use tracing::Instrument;
 
 use dynamo_config::QueuePolicy;
 use futures::FutureExt;
@@ -129,6 +130,9 @@ pub struct Ticket {
     load: Option<Arc<WorkerLoad>>,
     prefilled: bool,
     answered: bool,
+    /// The request's span in this worker (its id and the worker's): what the worker logs about
+    /// the request is logged in it.
+    pub span: tracing::Span,
 }
 
 impl std::fmt::Debug for Ticket {
@@ -138,9 +142,10 @@ impl std::fmt::Debug for Ticket {
 }
 
 impl Ticket {
-    /// The ticket of a queued job, counted in `load`.
-    pub fn new(job: Job, load: Arc<WorkerLoad>) -> Self {
+    /// The ticket of a job queued to worker `worker`, counted in `load`.
+    pub fn new(job: Job, load: Arc<WorkerLoad>, worker: usize) -> Self {
         let Job { req, predicted_cached, priority, events, queued_at, charge, .. } = job;
+        let span = tracing::info_span!("job", request_id = req.log_id(), worker);
         Self {
             req,
             priority,
@@ -151,12 +156,14 @@ impl Ticket {
             load: Some(load),
             prefilled: false,
             answered: false,
+            span,
         }
     }
 
     /// The ticket of a request served directly, reporting to `events` (prefill passes included).
     pub fn local(req: GenRequest, events: mpsc::UnboundedSender<JobEvent>) -> Self {
         let queued_at = tokio::time::Instant::now();
+        let span = tracing::info_span!("job", request_id = req.log_id());
         Self {
             req,
             priority: 0,
@@ -167,6 +174,7 @@ impl Ticket {
             load: None,
             prefilled: false,
             answered: false,
+            span,
         }
     }
 
@@ -180,8 +188,17 @@ impl Ticket {
         match event {
             // Prefill passes are the worker's own business, unless served directly.
             WorkerEvent::Computed { .. } if self.load.is_some() => return !self.is_closed(),
-            WorkerEvent::Prefilled { .. } if !self.prefilled => {
+            WorkerEvent::Prefilled { cached_tokens, hit_tokens } if !self.prefilled => {
                 self.prefilled = true;
+                self.span.in_scope(|| {
+                    tracing::debug!(
+                        prompt_tokens = self.req.prompt.len(),
+                        cached_tokens,
+                        hit_tokens = ?hit_tokens,
+                        queued_ms = self.queued_at.elapsed().as_secs_f64() * 1e3,
+                        "prefilled"
+                    )
+                });
                 if let Some(load) = &self.load {
                     load.prefilled(&self.req, self.charge);
                 }
@@ -195,6 +212,18 @@ impl Ticket {
     /// caller gets the outcome or the error.
     pub fn finish(mut self, result: Result<GenOutcome, WorkerError>) {
         self.answered = true;
+        self.span.in_scope(|| match &result {
+            Ok(o) => tracing::debug!(
+                generated = o.tokens.len(),
+                cached_tokens = o.cached_tokens,
+                prefill_tokens = o.prefill_tokens,
+                corrupt_blocks = o.corrupt_blocks,
+                finish = ?o.finish,
+                cancelled = self.events.is_closed(),
+                "finished"
+            ),
+            Err(e) => tracing::debug!(error = %e, "failed"),
+        });
         if let Some(load) = &self.load {
             load.remove(&self.req, self.prefilled, self.charge);
             if self.events.is_closed() && matches!(result, Ok(GenOutcome { finish: Finish::Stop, .. })) {
@@ -607,7 +636,9 @@ async fn serve(
                 telemetry::record_cancelled("queued");
                 continue;
             }
-            let admitted = AssertUnwindSafe(engine.admit(Ticket::new(job, load.clone()))).catch_unwind().await;
+            let ticket = Ticket::new(job, load.clone(), id);
+            let span = ticket.span.clone();
+            let admitted = AssertUnwindSafe(engine.admit(ticket).instrument(span)).catch_unwind().await;
             if let Err(panic) = admitted {
                 return restart(id, engine, &rx, &actor, &load, panic_message(panic.as_ref())).await;
             }

@@ -84,6 +84,33 @@ pub(super) struct Answer {
     /// End the answer where a second tool call would begin.
     single_call: bool,
     state: FrontendState,
+    /// The request's span (its id): the closing log line is written in it.
+    span: tracing::Span,
+    /// When the first token came.
+    first_token: Option<Instant>,
+    /// How the answer ended: a finish reason, or the error that ended it.
+    outcome: Option<&'static str>,
+}
+
+impl Drop for Answer {
+    /// One line per request, when its response is over (or the client went away).
+    fn drop(&mut self) {
+        let u = self.usage;
+        let ms = |d: std::time::Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+        self.span.in_scope(|| {
+            tracing::info!(
+                id = %self.id,
+                model = %self.model,
+                prompt_tokens = u.prompt_tokens,
+                cached_tokens = u.cached_tokens,
+                completion_tokens = u.completion_tokens,
+                ttft_ms = self.first_token.map(|t| ms(t - self.arrived)),
+                duration_ms = ms(self.arrived.elapsed()),
+                outcome = self.outcome.unwrap_or("cancelled"),
+                "request finished"
+            );
+        });
+    }
 }
 
 impl Answer {
@@ -104,9 +131,9 @@ impl Answer {
             .filter(|_| inner.replay.enabled())
             .map(|prompt| (request.session_id.clone().unwrap_or_else(|| request.tenant.unnamed_session()), prompt));
         let stop_token_ids = request.stop_token_ids.clone();
-        let suffix = request.request_id.split_once('-').map_or(request.request_id.as_str(), |(_, s)| s).to_owned();
+        let suffix = request.response_id.split_once('-').map_or(request.response_id.as_str(), |(_, s)| s).to_owned();
         Answer {
-            id: request.request_id.clone(),
+            id: request.response_id.clone(),
             model: request.model.clone(),
             created,
             usage: Usage { prompt_tokens: request.prompt.len(), ..Usage::default() },
@@ -124,6 +151,9 @@ impl Answer {
             replay,
             single_call: tail.single_call,
             state: state.clone(),
+            span: tracing::Span::current(),
+            first_token: None,
+            outcome: None,
         }
     }
 
@@ -202,6 +232,11 @@ impl Answer {
                 reason = FinishReason::ToolCalls;
             }
             let stop_sequence = self.stop.matched().map(str::to_owned);
+            self.outcome = Some(match reason {
+                FinishReason::Stop => "stop",
+                FinishReason::Length => "length",
+                FinishReason::ToolCalls => "tool_calls",
+            });
             self.finished(keep);
             step.finish = Some(Finish { reason, stop_sequence });
         }
@@ -267,11 +302,15 @@ impl Answer {
 
     /// The next event, or a timeout / internal error.
     async fn next_event(&mut self) -> Result<GenerateEvent, ApiError> {
-        match tokio::time::timeout_at(self.deadline, self.events.next()).await {
+        let next = match tokio::time::timeout_at(self.deadline, self.events.next()).await {
             Err(_) => Err(ApiError::Timeout),
             Ok(None) => Err(ApiError::internal("the generator ended the stream before the answer finished")),
             Ok(Some(event)) => event.map_err(ApiError::from),
+        };
+        if let Err(e) = &next {
+            self.outcome = Some(e.code().unwrap_or("invalid_request"));
         }
+        next
     }
 
     /// One event before the parser: detokenized text with stop strings applied.
@@ -286,7 +325,10 @@ impl Answer {
                 }
                 let now = Instant::now();
                 match self.last_token.replace(now) {
-                    None => metrics::record_ttft(now - self.arrived),
+                    None => {
+                        self.first_token = Some(now);
+                        metrics::record_ttft(now - self.arrived)
+                    }
                     Some(previous) => metrics::record_inter_token(now - previous),
                 }
                 let piece = self.decoder.push(id).map_err(internal)?;

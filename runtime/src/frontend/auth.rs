@@ -161,15 +161,22 @@ pub(crate) struct Caller {
     pub(crate) headers: HeaderMap,
     /// Its tenant.
     pub(crate) tenant: Tenant,
+    /// Its id ([`request_id`](super::request_id)).
+    pub(crate) request_id: std::sync::Arc<str>,
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = std::convert::Infallible;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        // The middleware always sets the tenant; a router without it (a test's) is the shared one.
+        // The middlewares always set the tenant and the id; a router without them (a test's) gets
+        // the shared tenant and a fresh id.
         let tenant = parts.extensions.get::<Tenant>().cloned().unwrap_or_default();
-        Ok(Caller { headers: parts.headers.clone(), tenant })
+        let request_id = match parts.extensions.get::<super::request_id::RequestId>() {
+            Some(id) => id.0.clone(),
+            None => super::request_id::fresh(),
+        };
+        Ok(Caller { headers: parts.headers.clone(), tenant, request_id })
     }
 }
 

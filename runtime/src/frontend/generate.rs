@@ -73,8 +73,11 @@ pub type RegionRanges = Vec<(Range<usize>, RegionKind)>;
 /// One generation request: a tokenized prompt and how to continue it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenerateRequest {
-    /// Unique per request (`chatcmpl-…` / `cmpl-…`); also the `id` of the API response.
-    pub request_id: String,
+    /// Unique per request (`chatcmpl-…` / `cmpl-…`); the `id` of the API response.
+    pub response_id: String,
+    /// The request's id in logs and in the `x-request-id` response header (the client's own when
+    /// it sent one): the session, scheduler and worker log under it.
+    pub request_id: std::sync::Arc<str>,
     /// The model named by the client (one of [`Generator::models`]).
     pub model: String,
     /// Prompt token ids.

@@ -77,9 +77,12 @@ where
     let bytes = read_body(state, &caller.headers, body).await?;
     let _permit = state.inner.preparing.clone().acquire_owned().await.map_err(|_| ApiError::internal("closed"))?;
     let state = state.clone();
-    tokio::task::spawn_blocking(move || parse::<T>(&bytes).and_then(|req| prepare(&state, &caller, req)))
-        .await
-        .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+    let span = tracing::Span::current();
+    tokio::task::spawn_blocking(move || {
+        span.in_scope(|| parse::<T>(&bytes).and_then(|req| prepare(&state, &caller, req)))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
 }
 
 /// The body of a JSON request: 415 unless `Content-Type` is JSON, 413 over `frontend.max_body`,
@@ -211,7 +214,7 @@ pub fn session_key(raw: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(raw))
 }
 
-pub(super) fn request_id(prefix: &str) -> String {
+pub(super) fn object_id(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     format!("{prefix}-{nanos:016x}{:06x}", NEXT.fetch_add(1, Ordering::Relaxed) & 0xff_ffff)
@@ -263,7 +266,7 @@ mod tests {
         for (name, value) in headers {
             map.insert(*name, HeaderValue::from_str(value).unwrap());
         }
-        Caller { headers: map, tenant }
+        Caller { headers: map, tenant, request_id: "test".into() }
     }
 
     #[test]

@@ -105,10 +105,12 @@ pub(super) fn generate_request(
     state: &FrontendState,
     conversation: &Conversation,
     lowered: Lowered,
-    request_id: String,
+    response_id: String,
+    request_id: std::sync::Arc<str>,
 ) -> Result<(GenerateRequest, Tail), ApiError> {
     let max_tokens = fit(state, lowered.prompt.len(), conversation.max_tokens, "messages")?;
     let request = GenerateRequest {
+        response_id,
         request_id,
         model: conversation.model.clone(),
         prompt: lowered.prompt,

@@ -65,6 +65,7 @@ mod lower;
 pub mod openai;
 pub mod parsers;
 pub mod replay;
+pub mod request_id;
 pub mod server;
 pub mod template;
 
@@ -323,6 +324,7 @@ pub fn router(state: FrontendState, loopback_only: bool) -> Router {
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(keys, auth::check_key))
         .layer(axum::middleware::from_fn_with_state(hosts, guard::check_host))
+        .layer(axum::middleware::from_fn(request_id::assign))
         .with_state(state)
 }
 

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use super::FrontendState;
 use super::auth::Caller;
 use super::error::ApiError;
-use super::http::{SessionFields, prepare_off_thread, request_id, session_id};
+use super::http::{SessionFields, object_id, prepare_off_thread, session_id};
 use super::ir::{Block, CacheMark, Conversation, Role, Thinking, ToolChoice, ToolDef, Turn};
 use super::lower;
 use crate::metrics;
@@ -326,7 +326,8 @@ pub(super) async fn messages(State(state): State<FrontendState>, caller: Caller,
         lower::check_model(state, &req.model)?;
         let conversation = conversation(state, caller, req, false)?;
         let lowered = lower::lower(state, &conversation)?;
-        let (request, tail) = lower::generate_request(state, &conversation, lowered, request_id("msg"))?;
+        let (request, tail) =
+            lower::generate_request(state, &conversation, lowered, object_id("msg"), caller.request_id.clone())?;
         Ok(render::Prepared { request, tail, conversation })
     })
     .await;

@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use futures::SinkExt;
 use serde_json::{Value, json};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
@@ -186,6 +187,6 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
                 return;
             }
         }
-    });
+    }.in_current_span());
     event_stream(rx)
 }

@@ -18,6 +18,7 @@ use dynamo_config::RegionKind;
 use futures::SinkExt;
 use serde_json::{Value, json};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::wire::{ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, StopStrings, ToolChoiceWire};
 use crate::frontend::FrontendState;
@@ -26,7 +27,7 @@ use crate::frontend::auth::Caller;
 use crate::frontend::error::ApiError;
 use crate::frontend::generate::{FinishReason, GenerateRequest};
 use crate::frontend::http::{
-    SessionFields, counted, event_stream, prepare_off_thread, request_id, send_all, session_id,
+    SessionFields, counted, event_stream, object_id, prepare_off_thread, send_all, session_id,
 };
 use crate::frontend::ir::{Block, BlockKind, Conversation, Output, Role, ToolChoice, ToolDef, Turn, Usage};
 use crate::frontend::lower::{self, Tail};
@@ -260,7 +261,8 @@ fn prepare_chat(state: &FrontendState, caller: &Caller, req: ChatCompletionReque
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let conversation = conversation(caller, req)?;
     let lowered = lower::lower(state, &conversation)?;
-    let (request, tail) = lower::generate_request(state, &conversation, lowered, request_id("chatcmpl"))?;
+    let (request, tail) =
+        lower::generate_request(state, &conversation, lowered, object_id("chatcmpl"), caller.request_id.clone())?;
     Ok(Prepared { api: Api::Chat, request, tail, stop: conversation.stop, stream: conversation.stream, include_usage })
 }
 
@@ -310,7 +312,8 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
     Ok(Prepared {
         api: Api::Completion,
         request: GenerateRequest {
-            request_id: request_id("cmpl"),
+            response_id: object_id("cmpl"),
+            request_id: caller.request_id.clone(),
             model: req.model,
             prompt,
             regions,
@@ -448,72 +451,75 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
     }
 
     let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
-    tokio::spawn(async move {
-        if api == Api::Chat {
-            let first = Render { api, answer: &answer }.chunk(json!({"role": "assistant", "content": ""}), None);
-            if tx.send(Ok(sse(&first))).await.is_err() {
-                return;
-            }
-        }
-        // The kind of every block, by index; tool calls are numbered among themselves.
-        let mut kinds: Vec<BlockKind> = Vec::new();
-        // The block index of each tool call: calls are numbered among themselves.
-        let mut calls: Vec<usize> = Vec::new();
-        loop {
-            let step = match answer.step().await {
-                Ok(step) => step,
-                Err(e) => {
-                    tracing::warn!(request = %answer.id, error = %e, "generation failed mid-stream");
-                    let _ = tx.send(Ok(sse(&e.openai_body()))).await;
+    tokio::spawn(
+        async move {
+            if api == Api::Chat {
+                let first = Render { api, answer: &answer }.chunk(json!({"role": "assistant", "content": ""}), None);
+                if tx.send(Ok(sse(&first))).await.is_err() {
                     return;
                 }
-            };
-            let (frames, done) = {
-                let render = Render { api, answer: &answer };
-                let mut frames = Vec::new();
-                for output in step.outputs {
-                    let delta = match output {
-                        // A call: its id and name first, then its arguments as they stream.
-                        Output::Start { kind, .. } => {
-                            let delta = match &kind {
-                                BlockKind::ToolCall { id, name } => {
-                                    calls.push(kinds.len());
-                                    json!({"tool_calls": [Render::tool_call(id, name, "", Some(calls.len() - 1))]})
-                                }
-                                _ => Value::Null,
-                            };
-                            kinds.push(kind);
-                            if delta.is_null() {
-                                continue;
-                            }
-                            delta
-                        }
-                        Output::Delta { index, text } => match &kinds[index] {
-                            BlockKind::Thinking => json!({"reasoning_content": text}),
-                            BlockKind::Text => json!({"content": text}),
-                            BlockKind::ToolCall { .. } => {
-                                let call = calls.iter().position(|&i| i == index).expect("a started call");
-                                json!({"tool_calls": [{"index": call, "function": {"arguments": text}}]})
-                            }
-                        },
-                        Output::Stop { .. } => continue,
-                    };
-                    frames.push(sse(&render.chunk(delta, None)));
-                }
-                let done = step.finish.is_some();
-                if let Some(finish) = step.finish {
-                    frames.push(sse(&render.chunk(json!({}), Some(finish.reason))));
-                    if include_usage {
-                        frames.push(sse(&render.usage_chunk()));
+            }
+            // The kind of every block, by index; tool calls are numbered among themselves.
+            let mut kinds: Vec<BlockKind> = Vec::new();
+            // The block index of each tool call: calls are numbered among themselves.
+            let mut calls: Vec<usize> = Vec::new();
+            loop {
+                let step = match answer.step().await {
+                    Ok(step) => step,
+                    Err(e) => {
+                        tracing::warn!(request = %answer.id, error = %e, "generation failed mid-stream");
+                        let _ = tx.send(Ok(sse(&e.openai_body()))).await;
+                        return;
                     }
-                    frames.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                };
+                let (frames, done) = {
+                    let render = Render { api, answer: &answer };
+                    let mut frames = Vec::new();
+                    for output in step.outputs {
+                        let delta = match output {
+                            // A call: its id and name first, then its arguments as they stream.
+                            Output::Start { kind, .. } => {
+                                let delta = match &kind {
+                                    BlockKind::ToolCall { id, name } => {
+                                        calls.push(kinds.len());
+                                        json!({"tool_calls": [Render::tool_call(id, name, "", Some(calls.len() - 1))]})
+                                    }
+                                    _ => Value::Null,
+                                };
+                                kinds.push(kind);
+                                if delta.is_null() {
+                                    continue;
+                                }
+                                delta
+                            }
+                            Output::Delta { index, text } => match &kinds[index] {
+                                BlockKind::Thinking => json!({"reasoning_content": text}),
+                                BlockKind::Text => json!({"content": text}),
+                                BlockKind::ToolCall { .. } => {
+                                    let call = calls.iter().position(|&i| i == index).expect("a started call");
+                                    json!({"tool_calls": [{"index": call, "function": {"arguments": text}}]})
+                                }
+                            },
+                            Output::Stop { .. } => continue,
+                        };
+                        frames.push(sse(&render.chunk(delta, None)));
+                    }
+                    let done = step.finish.is_some();
+                    if let Some(finish) = step.finish {
+                        frames.push(sse(&render.chunk(json!({}), Some(finish.reason))));
+                        if include_usage {
+                            frames.push(sse(&render.usage_chunk()));
+                        }
+                        frames.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                    }
+                    (frames, done)
+                };
+                if !send_all(&mut tx, frames).await || done {
+                    return;
                 }
-                (frames, done)
-            };
-            if !send_all(&mut tx, frames).await || done {
-                return;
             }
         }
-    });
+        .in_current_span(),
+    );
     event_stream(rx)
 }

@@ -30,6 +30,7 @@ use futures::SinkExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::chat::{check_sampling, function_tools, tool_choice};
 use super::store::Stored;
@@ -40,7 +41,7 @@ use crate::frontend::auth::Caller;
 use crate::frontend::error::{ApiError, clip};
 use crate::frontend::generate::{AgentHints, FinishReason, GenerateRequest};
 use crate::frontend::http::{
-    SessionFields, counted, event_stream, named_event, prepare_off_thread, request_id, send_all, session_id,
+    SessionFields, counted, event_stream, named_event, object_id, prepare_off_thread, send_all, session_id,
 };
 use crate::frontend::ir::{Block, BlockKind, Conversation, Finish, Output, Role, Turn, Usage};
 use crate::frontend::lower::{self, Tail};
@@ -323,7 +324,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
         ),
     };
     let tool_choice = tool_choice(choice, &tools)?;
-    let id = request_id("resp").replacen('-', "_", 1);
+    let id = object_id("resp").replacen('-', "_", 1);
     let items = listed_items(&req.input, &id);
     let mut conversation_turns = previous.as_ref().map(|p| p.turns.clone()).unwrap_or_default();
     conversation_turns.extend(match &req.input {
@@ -366,7 +367,8 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
         return Err(ApiError::invalid("'input' must contain at least one item.", Some("input")));
     }
     let lowered = lower::lower(state, &conversation)?;
-    let (mut request, tail) = lower::generate_request(state, &conversation, lowered, id.clone())?;
+    let (mut request, tail) =
+        lower::generate_request(state, &conversation, lowered, id.clone(), caller.request_id.clone())?;
     request.max_tokens = request.max_tokens.max(1);
     let echo = Echo {
         id,
@@ -594,46 +596,49 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
     }
 
     let (mut tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
-    tokio::spawn(async move {
-        let mut events = Events { sequence: 0 };
-        let created = response_object(&rest.echo, "in_progress", Vec::new(), None, None);
-        let opening = [
-            events.frame("response.created", json!({"response": created})),
-            events.frame("response.in_progress", json!({"response": created})),
-        ];
-        for frame in opening {
-            if tx.send(Ok(frame)).await.is_err() {
-                return;
-            }
-        }
-        let mut kinds: Vec<BlockKind> = Vec::new();
-        loop {
-            let step = match answer.step().await {
-                Ok(step) => step,
-                Err(e) => {
-                    let mut failed = response_object(&rest.echo, "failed", Vec::new(), Some(answer.usage()), None);
-                    failed["error"] = json!({"code": e.code().unwrap_or("server_error"), "message": e.message()});
-                    let _ = tx.send(Ok(events.frame("response.failed", json!({"response": failed})))).await;
+    tokio::spawn(
+        async move {
+            let mut events = Events { sequence: 0 };
+            let created = response_object(&rest.echo, "in_progress", Vec::new(), None, None);
+            let opening = [
+                events.frame("response.created", json!({"response": created})),
+                events.frame("response.in_progress", json!({"response": created})),
+            ];
+            for frame in opening {
+                if tx.send(Ok(frame)).await.is_err() {
                     return;
                 }
-            };
-            let mut frames = Vec::new();
-            for output in step.outputs {
-                events.output(&rest.echo, output, &mut kinds, &mut frames);
             }
-            if let Some(finish) = step.finish {
-                let incomplete = finish.reason == FinishReason::Length;
-                let object = finish_response(&state, rest, &answer, &finish);
-                let name = if incomplete { "response.incomplete" } else { "response.completed" };
-                frames.push(events.frame(name, json!({"response": object})));
-                send_all(&mut tx, frames).await;
-                return;
-            }
-            if !send_all(&mut tx, frames).await {
-                return;
+            let mut kinds: Vec<BlockKind> = Vec::new();
+            loop {
+                let step = match answer.step().await {
+                    Ok(step) => step,
+                    Err(e) => {
+                        let mut failed = response_object(&rest.echo, "failed", Vec::new(), Some(answer.usage()), None);
+                        failed["error"] = json!({"code": e.code().unwrap_or("server_error"), "message": e.message()});
+                        let _ = tx.send(Ok(events.frame("response.failed", json!({"response": failed})))).await;
+                        return;
+                    }
+                };
+                let mut frames = Vec::new();
+                for output in step.outputs {
+                    events.output(&rest.echo, output, &mut kinds, &mut frames);
+                }
+                if let Some(finish) = step.finish {
+                    let incomplete = finish.reason == FinishReason::Length;
+                    let object = finish_response(&state, rest, &answer, &finish);
+                    let name = if incomplete { "response.incomplete" } else { "response.completed" };
+                    frames.push(events.frame(name, json!({"response": object})));
+                    send_all(&mut tx, frames).await;
+                    return;
+                }
+                if !send_all(&mut tx, frames).await {
+                    return;
+                }
             }
         }
-    });
+        .in_current_span(),
+    );
     event_stream(rx)
 }
 
