@@ -165,6 +165,10 @@ pub mod names {
     /// Counter: echoed assistant turns whose generated token ids were spliced into the prompt
     /// instead of the template's re-rendering (`frontend.replay_tokens`).
     pub const REPLAYED_TURNS: &str = "dynamo_node_replayed_turns_total";
+    /// Counter: requests written to the traffic recording (`[recording]`).
+    pub const RECORDED_REQUESTS: &str = "dynamo_node_recorded_requests_total";
+    /// Counter `{reason}`: requests the recording lost (`queue_full`, `write_error`).
+    pub const RECORDING_DROPPED: &str = "dynamo_node_recording_dropped_total";
     /// Counter: requests refused with 401 (missing or unknown API key or metrics token), by
     /// `endpoint` (`api`, `metrics`).
     pub const AUTH_FAILURES: &str = "dynamo_node_auth_failures_total";
@@ -199,6 +203,8 @@ pub fn describe() {
     describe_gauge!(HTTP_CONNECTIONS, Unit::Count, "HTTP connections open.");
     describe_counter!(PREAMBLES_STRIPPED, Unit::Count, "Claude Code billing headers dropped from system text.");
     describe_counter!(REPLAYED_TURNS, Unit::Count, "Echoed assistant turns replayed from their generated tokens.");
+    describe_counter!(RECORDED_REQUESTS, Unit::Count, "Requests written to the traffic recording.");
+    describe_counter!(RECORDING_DROPPED, Unit::Count, "Requests the traffic recording lost, by reason.");
     describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
@@ -320,6 +326,16 @@ pub fn record_cancelled(stage: &'static str) {
 /// A Claude Code billing header was dropped from a request's system text.
 pub fn record_preamble_stripped() {
     counter!(names::PREAMBLES_STRIPPED).increment(1);
+}
+
+/// `n` requests written to the traffic recording.
+pub fn record_recorded(n: u64) {
+    counter!(names::RECORDED_REQUESTS).increment(n);
+}
+
+/// `n` requests the traffic recording lost (`reason`: `queue_full`, `write_error`).
+pub fn record_recording_dropped(reason: &'static str, n: u64) {
+    counter!(names::RECORDING_DROPPED, "reason" => reason).increment(n);
 }
 
 /// `turns` echoed assistant turns replayed from their generated tokens.

@@ -88,6 +88,8 @@ pub struct NodeConfig {
     pub frontend: FrontendSection,
     /// `[metrics]`: the Prometheus exporter.
     pub metrics: MetricsSection,
+    /// `[recording]`: the traffic recorder.
+    pub recording: RecordingSection,
 }
 
 impl NodeConfig {

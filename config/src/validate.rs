@@ -336,6 +336,19 @@ impl NodeConfig {
             );
         }
 
+        // [recording]
+        let r = &self.recording;
+        c.at_least_one("recording.max_files", r.max_files);
+        if r.max_file_size.as_u64() < 4096 {
+            c.fail("recording.max_file_size", "must be at least 4KiB (a file holds at least one request)");
+        }
+        if r.rotate_every.0 < std::time::Duration::from_secs(1) {
+            c.fail("recording.rotate_every", "must be at least 1s");
+        }
+        if r.dir.as_os_str().is_empty() {
+            c.fail("recording.dir", "must name a directory");
+        }
+
         c.problems
     }
 }

@@ -18,6 +18,8 @@
 //! - [`logging`] — `tracing` set up from `[node]` (text or JSON to stderr).
 //! - [`metrics`] — every Prometheus metric name with typed recording functions, the `/metrics`
 //!   exporter on `metrics.listen`, and the poller that publishes the tiers' gauges and counters.
+//! - [`recording`] — recorded traffic: each answered request as a line of a trace `bench replay`
+//!   reads back (`[recording]`).
 //! - [`frontend`] — the OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
 //!   `/v1/models`, `/health`) in front of a [`frontend::Generator`]: chat templates, regions,
 //!   streaming, errors in the OpenAI shape.
@@ -33,5 +35,6 @@ pub mod logging;
 pub mod metrics;
 pub mod node;
 pub mod plan;
+pub mod recording;
 pub mod serving;
 pub mod tokenizer;

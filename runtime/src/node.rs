@@ -20,6 +20,7 @@ use dynamo_config::NodeConfig;
 use crate::frontend::FrontendState;
 use crate::metrics::{MetricsHandle, TierSources};
 use crate::plan::{ResolvedTiers, scripted_answers};
+use crate::recording::Recorder;
 use crate::serving::Serving;
 
 /// How often the tiers' gauges and mirrored counters are published.
@@ -75,6 +76,7 @@ pub struct NodeHandle {
     poller: Option<tokio::task::JoinHandle<()>>,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
+    recorder: Option<Arc<Recorder>>,
 }
 
 impl NodeHandle {
@@ -97,7 +99,7 @@ impl NodeHandle {
     /// get most of the grace and are then cancelled, and the workers flush write-through in the
     /// rest. Errors if the HTTP server failed (the node is stopped all the same).
     pub async fn stop(self) -> anyhow::Result<()> {
-        let NodeHandle { serving, grace, poller, stop, mut server, .. } = self;
+        let NodeHandle { serving, grace, poller, stop, mut server, recorder, .. } = self;
         let _ = stop.send(());
         let deadline = tokio::time::Instant::now() + grace;
         let drain = grace - (grace / 4).min(Duration::from_secs(5));
@@ -116,6 +118,10 @@ impl NodeHandle {
         };
         if let Some(poller) = poller {
             poller.abort();
+        }
+        // Every response is over: the recording gets its last lines and its file is closed.
+        if let Some(recorder) = recorder {
+            let _ = tokio::task::spawn_blocking(move || recorder.finish()).await;
         }
         // The workers finish what they hold and flush their G3 writes before they exit. A write
         // still in flight at the deadline is abandoned: its slot was never acknowledged, and the
@@ -181,6 +187,24 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
             return Err(e);
         }
     };
+    let recorder = if cfg.recording.enabled {
+        match Recorder::start(&cfg.recording, &cfg.node.data_dir) {
+            Ok(recorder) => Some(recorder),
+            Err(e) => {
+                if let Some(poller) = poller {
+                    poller.abort();
+                }
+                serving.shutdown().await;
+                return Err(anyhow::Error::new(e).context("cannot start the traffic recording (recording.dir)"));
+            }
+        }
+    } else {
+        None
+    };
+    let state = match &recorder {
+        Some(recorder) => state.with_recorder(recorder.clone()),
+        None => state,
+    };
     let state = match frontend {
         Some(hook) => hook(state),
         None => state,
@@ -199,6 +223,13 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     }
     if announce {
         println!("{}", metrics.line());
+        if let Some(recorder) = &recorder {
+            println!(
+                "recording traffic to {} ({}); replay it with `dynamo-node bench replay --trace FILE`",
+                recorder.dir().display(),
+                recorder.format()
+            );
+        }
         if keys > 0 {
             println!("API keys: {keys} ([frontend.auth]); requests without one get 401");
         }
@@ -208,7 +239,16 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     let server = tokio::spawn(crate::frontend::serve(listener, state, async move {
         let _ = stopped.await;
     }));
-    Ok(NodeHandle { serving, addr, vocab, grace: cfg.node.shutdown_grace.as_duration(), poller, stop, server })
+    Ok(NodeHandle {
+        serving,
+        addr,
+        vocab,
+        grace: cfg.node.shutdown_grace.as_duration(),
+        poller,
+        stop,
+        server,
+        recorder,
+    })
 }
 
 /// Runs the node until SIGINT or SIGTERM.

@@ -9,6 +9,7 @@ mod frontend;
 mod metrics;
 mod model;
 mod node;
+mod recording;
 mod retention;
 mod router;
 mod tiers;
@@ -19,6 +20,7 @@ pub use frontend::{ApiKey, AuthSection, FrontendSection};
 pub use metrics::MetricsSection;
 pub use model::ModelSection;
 pub use node::{LogFormat, NodeSection};
+pub use recording::{RecordingFormat, RecordingSection};
 pub use retention::{RegionPolicy, RetentionSection};
 pub use router::{QueuePolicy, RouterSection, RoutingPolicy};
 pub use tiers::{

@@ -21,6 +21,7 @@ use super::lower::Tail;
 use super::parsers::{AnswerParser, Segment, ToolCall};
 use super::replay::{self, Kept};
 use crate::metrics;
+use crate::recording::Served;
 
 /// A finished block of the answer.
 #[derive(Clone, Debug, PartialEq)]
@@ -90,6 +91,17 @@ pub(super) struct Answer {
     first_token: Option<Instant>,
     /// How the answer ended: a finish reason, or the error that ended it.
     outcome: Option<&'static str>,
+    /// What the traffic recording needs of the request, when recording is on.
+    recorded: Option<Recorded>,
+    /// The prompt was admitted: the request is served (and recorded) from here.
+    admitted: bool,
+}
+
+/// A request as the traffic recording sees it.
+struct Recorded {
+    prompt: Vec<u32>,
+    session: Option<String>,
+    namespace: String,
 }
 
 impl Drop for Answer {
@@ -110,6 +122,18 @@ impl Drop for Answer {
                 "request finished"
             );
         });
+        if let (Some(recorder), Some(recorded), true) =
+            (&self.state.inner.recorder, self.recorded.take(), self.admitted)
+        {
+            recorder.record(Served {
+                arrived: self.arrived.into_std(),
+                done: std::time::Instant::now(),
+                session: recorded.session,
+                namespace: recorded.namespace,
+                prompt: recorded.prompt,
+                output_tokens: u.completion_tokens,
+            });
+        }
     }
 }
 
@@ -131,6 +155,15 @@ impl Answer {
             .filter(|_| inner.replay.enabled())
             .map(|prompt| (request.session_id.clone().unwrap_or_else(|| request.tenant.unnamed_session()), prompt));
         let stop_token_ids = request.stop_token_ids.clone();
+        let recorded = inner.recorder.as_ref().map(|_| Recorded {
+            prompt: request.prompt.clone(),
+            session: request.session_id.clone(),
+            namespace: format!(
+                "{}\0{}",
+                request.tenant.name().unwrap_or_default(),
+                request.cache_salt.as_deref().unwrap_or_default()
+            ),
+        });
         let suffix = request.response_id.split_once('-').map_or(request.response_id.as_str(), |(_, s)| s).to_owned();
         Answer {
             id: request.response_id.clone(),
@@ -154,12 +187,16 @@ impl Answer {
             span: tracing::Span::current(),
             first_token: None,
             outcome: None,
+            recorded,
+            admitted: false,
         }
     }
 
     /// Waits for admission (the prompt is in the cache or computed) and notes its cached tokens.
     pub(super) async fn admit(&mut self) -> Result<(), ApiError> {
-        match self.next_event().await? {
+        let event = self.next_event().await?;
+        self.admitted = true;
+        match event {
             GenerateEvent::Started { cached_tokens, leased_tokens: (short, long) } => {
                 let u = &mut self.usage;
                 u.cached_tokens = cached_tokens.min(u.prompt_tokens);

@@ -136,6 +136,8 @@ struct Inner {
     /// The text of the end-of-turn tokens (the stop tokens, and the template's EOS): where a
     /// rendered assistant turn's generated part ends.
     end_markers: Vec<String>,
+    /// `[recording]`: answered requests go to the traffic recording.
+    recorder: Option<Arc<crate::recording::Recorder>>,
 }
 
 impl fmt::Debug for FrontendState {
@@ -205,6 +207,7 @@ impl FrontendState {
                 replay: Arc::new(replay::ReplayStore::new(config.replay_tokens, config.replay_ttl.0)),
                 responses: Arc::new(openai::store::ResponseStore::new(config.responses_store, config.responses_ttl.0)),
                 end_markers: Vec::new(),
+                recorder: None,
             }),
         }
         .with_end_markers()
@@ -232,6 +235,12 @@ impl FrontendState {
     /// scripted engine (`engine.kind = "scripted"`).
     pub fn with_script(mut self, answers: Vec<String>) -> FrontendState {
         Arc::make_mut(&mut self.inner).script = (!answers.is_empty()).then(|| Arc::new(answers));
+        self
+    }
+
+    /// Records every answered request with `recorder` (`[recording]`).
+    pub fn with_recorder(mut self, recorder: Arc<crate::recording::Recorder>) -> FrontendState {
+        Arc::make_mut(&mut self.inner).recorder = Some(recorder);
         self
     }
 
