@@ -12,6 +12,8 @@
 //!   path), portable `pread`/`pwrite`, a fault-injecting wrapper, and a simulated disk.
 //! - [`g3`] — the NVMe tier: `O_DIRECT` files or devices in fixed 4 KiB-aligned slots, every read
 //!   verified, headers rebuilt into an index by a tokio-uring scan on restart.
+//! - [`g4`] — the block-serving protocol between nodes: frames, the peers' mutual authentication,
+//!   and the serving side's expiring holds, all sans I/O.
 //! - [`registry`] — per-tier bookkeeping: residency, refcounts, holds, leaf-first eviction under a
 //!   priority-aware LRU or aged-LFU policy, checked by property tests against a reference model.
 //! - [`transfer`] — the [`transfer::CopyEngine`] trait for G1 ↔ G2 copies, with a CPU engine and
@@ -29,6 +31,7 @@ pub mod block;
 pub mod cost;
 pub mod g2;
 pub mod g3;
+pub mod g4;
 pub mod io;
 pub mod pipeline;
 pub mod registry;

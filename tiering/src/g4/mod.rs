@@ -1,0 +1,15 @@
+//! G4: the block-serving protocol between nodes, sans I/O (DESIGN.md §10).
+//!
+//! - [`wire`] — framed, versioned messages; every length and count is checked before anything is
+//!   allocated for it; requests name block hashes, never addresses.
+//! - [`auth`] — the mutual challenge-response on the cluster secret that opens every connection,
+//!   and the session key that authenticates the frames after it.
+//! - [`holds`] — the serving side's holds on its resident blocks, with a TTL and per-peer limits.
+//!
+//! The transports (TCP lanes, RDMA) and the PeerLink actors that drive these are built on top; the
+//! reader verifies every image it receives ([`crate::block::verify_image`]) before it is used, so
+//! safety never rests on a hold or on the peer.
+
+pub mod auth;
+pub mod holds;
+pub mod wire;
