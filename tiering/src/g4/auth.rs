@@ -182,17 +182,20 @@ impl Session {
 
     /// The MAC of the `seq`-th frame sent in `direction`: a replayed, reordered, reflected or
     /// altered frame fails [`Session::verify_frame`].
-    pub fn frame_mac(&self, direction: Direction, seq: u64, frame: &[u8]) -> Mac {
+    /// The frame may come in pieces (`parts`, concatenated): a header and an image slot.
+    pub fn frame_mac(&self, direction: Direction, seq: u64, parts: &[&[u8]]) -> Mac {
         let mut h = blake3::Hasher::new_keyed(&self.key);
         h.update(&[direction as u8]);
         h.update(&seq.to_le_bytes());
-        h.update(frame);
+        for part in parts {
+            h.update(part);
+        }
         *h.finalize().as_bytes()
     }
 
     /// Whether `mac` is the frame's MAC, compared in constant time.
-    pub fn verify_frame(&self, direction: Direction, seq: u64, frame: &[u8], mac: &Mac) -> bool {
-        blake3::Hash::from(self.frame_mac(direction, seq, frame)) == blake3::Hash::from(*mac)
+    pub fn verify_frame(&self, direction: Direction, seq: u64, parts: &[&[u8]], mac: &Mac) -> bool {
+        blake3::Hash::from(self.frame_mac(direction, seq, parts)) == blake3::Hash::from(*mac)
     }
 }
 
@@ -296,12 +299,12 @@ mod tests {
         assert_eq!(client_session.peer, b);
         assert_eq!(server_session.peer, a);
 
-        let frame = b"a frame";
+        let frame: &[&[u8]] = &[b"a ", b"frame"];
         let mac = client_session.frame_mac(Direction::ToServer, 0, frame);
-        assert!(server_session.verify_frame(Direction::ToServer, 0, frame, &mac));
+        assert!(server_session.verify_frame(Direction::ToServer, 0, &[b"a frame"], &mac), "pieces or whole");
         assert!(!server_session.verify_frame(Direction::ToServer, 1, frame, &mac), "replayed at another seq");
         assert!(!server_session.verify_frame(Direction::ToClient, 0, frame, &mac), "reflected");
-        assert!(!server_session.verify_frame(Direction::ToServer, 0, b"a frame!", &mac), "altered");
+        assert!(!server_session.verify_frame(Direction::ToServer, 0, &[b"a frame!"], &mac), "altered");
     }
 
     #[test]

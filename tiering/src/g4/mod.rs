@@ -5,11 +5,14 @@
 //! - [`auth`] — the mutual challenge-response on the cluster secret that opens every connection,
 //!   and the session key that authenticates the frames after it.
 //! - [`holds`] — the serving side's holds on its resident blocks, with a TTL and per-peer limits.
+//! - [`tcp`] — the TCP transport: one authenticated connection with MACed frames, its server
+//!   (holds and fetches answered from a [`tcp::BlockSource`]) and its client.
 //!
-//! The transports (TCP lanes, RDMA) and the PeerLink actors that drive these are built on top; the
+//! Lanes, RDMA and the PeerLink actors that drive these are built on top; the
 //! reader verifies every image it receives ([`crate::block::verify_image`]) before it is used, so
 //! safety never rests on a hold or on the peer.
 
 pub mod auth;
 pub mod holds;
+pub mod tcp;
 pub mod wire;

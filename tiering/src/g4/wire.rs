@@ -366,6 +366,17 @@ impl Frame {
     }
 }
 
+/// The header and hash of an image frame whose `image_len` image bytes follow, so that a server
+/// sends an image straight from its slot without copying it into a frame.
+pub fn image_frame_prefix(req_id: u64, hash: BlockHash, image_len: usize) -> [u8; FRAME_HEADER_LEN + 16] {
+    let mut out = [0u8; FRAME_HEADER_LEN + 16];
+    out[..4].copy_from_slice(&((16 + image_len) as u32).to_le_bytes());
+    out[4] = kind::IMAGE;
+    out[5..FRAME_HEADER_LEN].copy_from_slice(&req_id.to_le_bytes());
+    out[FRAME_HEADER_LEN..].copy_from_slice(&hash.to_le_bytes());
+    out
+}
+
 /// A parsed frame header: what a reader needs to read the body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameHeader {
@@ -655,6 +666,15 @@ mod tests {
             }
         }
         assert_eq!(got, frames);
+    }
+
+    #[test]
+    fn an_image_sent_from_its_slot_is_the_image_frame() {
+        let image: Vec<u8> = (0..100).collect();
+        let frame = Frame { req_id: 5, message: Message::Image { hash: BlockHash(9), image: image.clone() } };
+        let mut sent = image_frame_prefix(5, BlockHash(9), image.len()).to_vec();
+        sent.extend_from_slice(&image);
+        assert_eq!(sent, frame.to_bytes());
     }
 
     #[test]

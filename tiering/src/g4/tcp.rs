@@ -1,0 +1,547 @@
+//! The TCP transport of the block-serving protocol: one authenticated connection, its server side
+//! (answering holds and fetches from a [`BlockSource`]) and its client side.
+//!
+//! Every connection opens with the handshake of [`super::auth`]; after it each frame is followed
+//! by its 32-byte MAC under the session key and the frame's sequence number in its direction, so
+//! a forged, replayed, reordered or reflected frame ends the connection. Frames are read into a
+//! buffer that grows only to the length a checked header announced (reads are cancel-safe, so a
+//! server can wait for a frame and for its holds' expiry at once). The reader verifies every image
+//! against the hash it asked for and the image's checksums; an image that fails is dropped and
+//! reported, never returned as data.
+//!
+//! Sockets get `TCP_NODELAY`, keepalive and `TCP_USER_TIMEOUT`, so a silent partition ends a
+//! connection in seconds rather than the kernel's default quarter of an hour.
+
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::auth::{AuthError, ClientHandshake, ClusterSecret, Direction, PeerIdentity, ServerHandshake, Session};
+use super::holds::{HoldError, HoldLimits, HoldTable};
+use super::wire::{
+    FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, Message, RefusalCode, WireError, WireLimits, image_frame_prefix,
+};
+use crate::block::{BlockHash, ImageError, verify_image};
+
+const MAC_LEN: usize = 32;
+
+/// Where a server finds the sealed images of its resident blocks.
+pub trait BlockSource {
+    /// A handle that keeps one image in place while held (a G2 slot reference on a node).
+    type Handle: AsRef<[u8]> + Clone;
+
+    /// The sealed image of `hash` if the block is resident; `None` otherwise.
+    fn resolve(&self, hash: BlockHash) -> Option<Self::Handle>;
+}
+
+/// Why a connection ended other than by a clean goodbye.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    /// The socket failed.
+    #[error("peer i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer closed the connection.
+    #[error("the peer closed the connection")]
+    Closed,
+    /// A frame broke the protocol or a limit.
+    #[error("peer sent a bad frame: {0}")]
+    Wire(#[from] WireError),
+    /// The handshake failed.
+    #[error("peer authentication failed: {0}")]
+    Auth(#[from] AuthError),
+    /// A frame's MAC did not verify.
+    #[error("a frame failed its MAC")]
+    BadMac,
+    /// The peer refused, and why.
+    #[error("peer refused ({code:?}): {text}")]
+    Refused {
+        /// Its code.
+        code: RefusalCode,
+        /// Its reason.
+        text: String,
+    },
+    /// A message that has no place at this point of the exchange.
+    #[error("unexpected {0} from the peer")]
+    Unexpected(&'static str),
+    /// A per-peer limit.
+    #[error("peer over its limit: {0}")]
+    Limit(#[from] HoldError),
+    /// Nothing came within the deadline.
+    #[error("peer timed out ({0})")]
+    Timeout(&'static str),
+}
+
+impl PeerError {
+    /// A stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PeerError::Io(_) => "io",
+            PeerError::Closed => "closed",
+            PeerError::Wire(e) => e.kind(),
+            PeerError::Auth(e) => e.kind(),
+            PeerError::BadMac => "bad_mac",
+            PeerError::Refused { .. } => "refused",
+            PeerError::Unexpected(_) => "unexpected",
+            PeerError::Limit(_) => "limit",
+            PeerError::Timeout(_) => "timeout",
+        }
+    }
+
+    fn refusal(&self) -> Option<(RefusalCode, String)> {
+        let code = match self {
+            PeerError::Wire(_) | PeerError::BadMac | PeerError::Unexpected(_) => RefusalCode::Protocol,
+            PeerError::Auth(AuthError::Version(_)) => RefusalCode::Version,
+            PeerError::Auth(AuthError::Cluster(_)) => RefusalCode::Cluster,
+            PeerError::Auth(_) => RefusalCode::Auth,
+            PeerError::Limit(_) => RefusalCode::Limit,
+            _ => return None,
+        };
+        Some((code, self.to_string()))
+    }
+}
+
+/// Sets the options every peer socket gets: no Nagle delay, keepalive probes, and a user timeout
+/// after which unacknowledged data ends the connection.
+pub fn tune_socket(stream: &TcpStream, user_timeout: Duration) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let fd = stream.as_raw_fd();
+    let idle = (user_timeout.as_secs() / 3).max(1) as libc::c_int;
+    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| -> std::io::Result<()> {
+        // SAFETY: `fd` is the open socket `stream` owns for the whole call, and the option value
+        // is a c_int on the stack whose size is the length passed.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, idle)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)?;
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, user_timeout.as_millis().min(i32::MAX as u128) as libc::c_int)
+}
+
+/// One side of a connection: framing, and the MACs once the handshake is done.
+struct Conn {
+    stream: TcpStream,
+    limits: WireLimits,
+    buf: Vec<u8>,
+    session: Option<Session>,
+    sending: Direction,
+    seq_out: u64,
+    seq_in: u64,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, limits: WireLimits, sending: Direction) -> Self {
+        Self { stream, limits, buf: Vec::new(), session: None, sending, seq_out: 0, seq_in: 0 }
+    }
+
+    fn receiving(&self) -> Direction {
+        match self.sending {
+            Direction::ToServer => Direction::ToClient,
+            Direction::ToClient => Direction::ToServer,
+        }
+    }
+
+    fn trailer(&self) -> usize {
+        if self.session.is_some() { MAC_LEN } else { 0 }
+    }
+
+    /// Bytes the next frame needs in the buffer: a header, then what the header announced.
+    fn wanted(&self) -> Result<usize, WireError> {
+        match self.buf.get(..FRAME_HEADER_LEN) {
+            None => Ok(FRAME_HEADER_LEN),
+            Some(h) => {
+                let header = FrameHeader::parse(h.try_into().expect("header bytes"), &self.limits)?;
+                Ok(FRAME_HEADER_LEN + header.len as usize + self.trailer())
+            }
+        }
+    }
+
+    /// The next frame. Cancel-safe: bytes read stay in the buffer for the next call.
+    async fn recv(&mut self) -> Result<Frame, PeerError> {
+        loop {
+            let want = self.wanted()?;
+            if self.buf.len() >= want {
+                return self.take_frame(want);
+            }
+            self.buf.reserve_exact(want - self.buf.len());
+            let n = (&mut self.stream).take((want - self.buf.len()) as u64).read_buf(&mut self.buf).await?;
+            if n == 0 {
+                return Err(PeerError::Closed);
+            }
+        }
+    }
+
+    fn take_frame(&mut self, end: usize) -> Result<Frame, PeerError> {
+        let frame_end = end - self.trailer();
+        if let Some(session) = &self.session {
+            let mac: [u8; MAC_LEN] = self.buf[frame_end..end].try_into().expect("MAC bytes");
+            if !session.verify_frame(self.receiving(), self.seq_in, &[&self.buf[..frame_end]], &mac) {
+                return Err(PeerError::BadMac);
+            }
+        }
+        let header = FrameHeader::parse(self.buf[..FRAME_HEADER_LEN].try_into().expect("header"), &self.limits)?;
+        let frame = header.decode_body(&self.buf[FRAME_HEADER_LEN..frame_end], &self.limits)?;
+        self.buf.drain(..end);
+        self.seq_in += 1;
+        if let Message::Refused { code, text } = frame.message {
+            return Err(PeerError::Refused { code, text });
+        }
+        Ok(frame)
+    }
+
+    async fn send(&mut self, req_id: u64, message: Message) -> Result<(), PeerError> {
+        let mut bytes = Frame { req_id, message }.to_bytes();
+        if let Some(session) = &self.session {
+            let mac = session.frame_mac(self.sending, self.seq_out, &[&bytes]);
+            bytes.extend_from_slice(&mac);
+        }
+        self.seq_out += 1;
+        self.stream.write_all(&bytes).await?;
+        Ok(())
+    }
+
+    /// An image frame written from the caller's slot, not copied into a frame first.
+    async fn send_image(&mut self, req_id: u64, hash: BlockHash, image: &[u8]) -> Result<(), PeerError> {
+        let prefix = image_frame_prefix(req_id, hash, image.len());
+        let mac = self.session.as_ref().map(|s| s.frame_mac(self.sending, self.seq_out, &[&prefix, image]));
+        self.seq_out += 1;
+        self.stream.write_all(&prefix).await?;
+        self.stream.write_all(image).await?;
+        if let Some(mac) = mac {
+            self.stream.write_all(&mac).await?;
+        }
+        Ok(())
+    }
+
+    /// Tells the peer why the connection ends, if it is worth telling; errors are moot by then.
+    async fn refuse(&mut self, error: &PeerError) {
+        if let Some((code, text)) = error.refusal() {
+            let _ = self.send(0, Message::Refused { code, text }).await;
+        }
+    }
+}
+
+fn name(message: &Message) -> &'static str {
+    match message {
+        Message::Hello { .. } => "hello",
+        Message::Challenge { .. } => "challenge",
+        Message::Proof { .. } => "proof",
+        Message::Refused { .. } => "refused",
+        Message::Hold { .. } => "hold",
+        Message::Held { .. } => "held",
+        Message::Fetch { .. } => "fetch",
+        Message::Image { .. } => "image",
+        Message::Release { .. } => "release",
+        Message::Ping { .. } => "ping",
+        Message::Pong { .. } => "pong",
+        Message::Goodbye => "goodbye",
+    }
+}
+
+/// What a server allows its peers.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The cluster secret.
+    pub secret: ClusterSecret,
+    /// This node.
+    pub me: PeerIdentity,
+    /// Frame limits.
+    pub wire: WireLimits,
+    /// Hold limits per peer.
+    pub holds: HoldLimits,
+    /// The handshake must finish within this.
+    pub handshake_timeout: Duration,
+    /// A connection silent for this long is closed (its holds with it).
+    pub idle_timeout: Duration,
+}
+
+/// What a connection did, when it ended cleanly.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServedPeer {
+    /// The peer, as authenticated.
+    pub peer: Option<PeerIdentity>,
+    /// Holds opened.
+    pub holds: u64,
+    /// Holds that ran out before their release.
+    pub expired_holds: u64,
+    /// Images sent.
+    pub images: u64,
+    /// Image bytes sent.
+    pub image_bytes: u64,
+}
+
+/// Serves one peer's connection until it says goodbye, breaks the protocol or goes silent. The
+/// holds it opened end with it.
+pub async fn serve_peer<S: BlockSource>(
+    stream: TcpStream,
+    config: &ServerConfig,
+    source: &S,
+) -> Result<ServedPeer, PeerError> {
+    tune_socket(&stream, config.idle_timeout)?;
+    let mut conn = Conn::new(stream, config.wire, Direction::ToClient);
+    let mut served = ServedPeer::default();
+    let result = async {
+        let session = tokio::time::timeout(config.handshake_timeout, server_handshake(&mut conn, config))
+            .await
+            .map_err(|_| PeerError::Timeout("handshake"))??;
+        served.peer = Some(session.peer.clone());
+        conn.session = Some(session);
+        serve_frames(&mut conn, config, source, &mut served).await
+    }
+    .await;
+    match result {
+        Ok(()) => Ok(served),
+        Err(e) => {
+            conn.refuse(&e).await;
+            Err(e)
+        }
+    }
+}
+
+async fn server_handshake(conn: &mut Conn, config: &ServerConfig) -> Result<Session, PeerError> {
+    let hello = conn.recv().await?;
+    let nonce = super::auth::fresh_nonce();
+    let (pending, challenge) = ServerHandshake::respond(config.secret.clone(), &config.me, &hello.message, nonce)?;
+    conn.send(hello.req_id, challenge).await?;
+    let proof = conn.recv().await?;
+    Ok(pending.on_proof(&proof.message)?)
+}
+
+async fn serve_frames<S: BlockSource>(
+    conn: &mut Conn,
+    config: &ServerConfig,
+    source: &S,
+    served: &mut ServedPeer,
+) -> Result<(), PeerError> {
+    let mut holds: HoldTable<S::Handle> = HoldTable::new(config.holds);
+    let result = async {
+        loop {
+            let idle = tokio::time::Instant::now() + config.idle_timeout;
+            let expiry = holds.next_expiry().map(tokio::time::Instant::from_std);
+            let frame = tokio::select! {
+                frame = conn.recv() => frame?,
+                _ = tokio::time::sleep_until(expiry.unwrap_or(idle)), if expiry.is_some_and(|e| e < idle) => {
+                    holds.expire(Instant::now());
+                    continue;
+                }
+                _ = tokio::time::sleep_until(idle) => return Err(PeerError::Timeout("idle")),
+            };
+            let now = Instant::now();
+            holds.expire(now);
+            match frame.message {
+                Message::Hold { hashes, ttl_ms } => {
+                    let found: Vec<(BlockHash, S::Handle)> =
+                        hashes.iter().filter_map(|&h| source.resolve(h).map(|slot| (h, slot))).collect();
+                    let lens: Vec<(BlockHash, u32)> =
+                        found.iter().map(|(h, s)| (*h, s.as_ref().len() as u32)).collect();
+                    let (hold_id, ttl) = holds.open(found, Duration::from_millis(ttl_ms.into()), now)?;
+                    served.holds += 1;
+                    let blocks = hashes
+                        .iter()
+                        .map(|&hash| HeldBlock {
+                            hash,
+                            image_len: lens.iter().find(|(h, _)| *h == hash).map(|(_, l)| *l),
+                        })
+                        .collect();
+                    let ttl_ms = ttl.as_millis() as u32;
+                    conn.send(frame.req_id, Message::Held { hold_id, ttl_ms, blocks }).await?;
+                }
+                Message::Fetch { hold_id, hashes } => {
+                    // One image frame per hash asked, in order; an empty one for a block not (or no
+                    // longer) held.
+                    for hash in hashes {
+                        match holds.get(hold_id, hash, now) {
+                            Some(slot) => {
+                                conn.send_image(frame.req_id, hash, slot.as_ref()).await?;
+                                served.images += 1;
+                                served.image_bytes += slot.as_ref().len() as u64;
+                            }
+                            None => conn.send_image(frame.req_id, hash, &[]).await?,
+                        }
+                    }
+                }
+                Message::Release { hold_id } => {
+                    holds.release(hold_id);
+                }
+                Message::Ping { nonce } => conn.send(frame.req_id, Message::Pong { nonce }).await?,
+                Message::Goodbye => return Ok(()),
+                other => return Err(PeerError::Unexpected(name(&other))),
+            }
+        }
+    }
+    .await;
+    served.expired_holds = holds.expired_total();
+    result
+}
+
+/// How a client connects.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// The cluster secret.
+    pub secret: ClusterSecret,
+    /// This node.
+    pub me: PeerIdentity,
+    /// Frame limits for what the server sends.
+    pub wire: WireLimits,
+    /// Connecting and the handshake must finish within this.
+    pub connect_timeout: Duration,
+    /// Each request's answer must come within this.
+    pub request_timeout: Duration,
+}
+
+/// A hold granted by a server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    /// Names it in fetches and the release.
+    pub hold_id: u64,
+    /// How long the server keeps it.
+    pub ttl: Duration,
+    /// Per hash asked, whether the server holds it and its image's length.
+    pub blocks: Vec<HeldBlock>,
+}
+
+/// One block of a fetch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fetched {
+    /// The image, verified against the hash asked for and its checksums.
+    Verified(Vec<u8>),
+    /// The server no longer held it (the hold ran out).
+    Missing,
+    /// The image failed verification and was dropped.
+    Rejected(ImageError),
+}
+
+/// The client side of one authenticated connection.
+pub struct PeerClient {
+    conn: Conn,
+    peer: PeerIdentity,
+    next_req: u64,
+    request_timeout: Duration,
+}
+
+impl std::fmt::Debug for PeerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerClient").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+impl PeerClient {
+    /// Connects and authenticates.
+    pub async fn connect(addr: std::net::SocketAddr, config: &ClientConfig) -> Result<Self, PeerError> {
+        tokio::time::timeout(config.connect_timeout, async {
+            let stream = TcpStream::connect(addr).await?;
+            tune_socket(&stream, config.request_timeout.max(Duration::from_secs(1)))?;
+            let mut conn = Conn::new(stream, config.wire, Direction::ToServer);
+            let (pending, hello) =
+                ClientHandshake::start(config.secret.clone(), &config.me, super::auth::fresh_nonce());
+            conn.send(1, hello).await?;
+            let challenge = conn.recv().await?;
+            let (session, proof) = match pending.on_challenge(&challenge.message) {
+                Ok(done) => done,
+                Err(e) => {
+                    let e = PeerError::Auth(e);
+                    conn.refuse(&e).await;
+                    return Err(e);
+                }
+            };
+            conn.send(1, proof).await?;
+            let peer = session.peer.clone();
+            conn.session = Some(session);
+            Ok(Self { conn, peer, next_req: 2, request_timeout: config.request_timeout })
+        })
+        .await
+        .map_err(|_| PeerError::Timeout("connect"))?
+    }
+
+    /// The server, as it proved itself.
+    pub fn peer(&self) -> &PeerIdentity {
+        &self.peer
+    }
+
+    async fn answer(&mut self, req_id: u64) -> Result<Message, PeerError> {
+        let frame = tokio::time::timeout(self.request_timeout, self.conn.recv())
+            .await
+            .map_err(|_| PeerError::Timeout("request"))??;
+        if frame.req_id != req_id {
+            return Err(PeerError::Unexpected("answer to another request"));
+        }
+        Ok(frame.message)
+    }
+
+    fn request_id(&mut self) -> u64 {
+        self.next_req += 1;
+        self.next_req
+    }
+
+    /// Asks the server to pin `hashes` for `ttl`.
+    pub async fn hold(&mut self, hashes: &[BlockHash], ttl: Duration) -> Result<Held, PeerError> {
+        let req = self.request_id();
+        let ttl_ms = ttl.as_millis().min(u32::MAX as u128) as u32;
+        self.conn.send(req, Message::Hold { hashes: hashes.to_vec(), ttl_ms }).await?;
+        match self.answer(req).await? {
+            Message::Held { hold_id, ttl_ms, blocks } if blocks.len() == hashes.len() => {
+                Ok(Held { hold_id, ttl: Duration::from_millis(ttl_ms.into()), blocks })
+            }
+            other => Err(PeerError::Unexpected(name(&other))),
+        }
+    }
+
+    /// Fetches held blocks; each image is verified against the hash asked for before it is returned.
+    pub async fn fetch(&mut self, hold_id: u64, hashes: &[BlockHash]) -> Result<Vec<(BlockHash, Fetched)>, PeerError> {
+        let req = self.request_id();
+        self.conn.send(req, Message::Fetch { hold_id, hashes: hashes.to_vec() }).await?;
+        let mut out = Vec::with_capacity(hashes.len());
+        for &asked in hashes {
+            let Message::Image { hash, image } = self.answer(req).await? else {
+                return Err(PeerError::Unexpected("a frame other than an image"));
+            };
+            let fetched = if hash != asked {
+                Fetched::Rejected(ImageError::HashMismatch { expected: asked, found: hash })
+            } else if image.is_empty() {
+                Fetched::Missing
+            } else {
+                match verify_image(&image, asked) {
+                    Ok(_) => Fetched::Verified(image),
+                    Err(e) => Fetched::Rejected(e),
+                }
+            };
+            out.push((asked, fetched));
+        }
+        Ok(out)
+    }
+
+    /// Unpins a hold.
+    pub async fn release(&mut self, hold_id: u64) -> Result<(), PeerError> {
+        let req = self.request_id();
+        self.conn.send(req, Message::Release { hold_id }).await
+    }
+
+    /// A round trip.
+    pub async fn ping(&mut self) -> Result<Duration, PeerError> {
+        let req = self.request_id();
+        let started = Instant::now();
+        self.conn.send(req, Message::Ping { nonce: req }).await?;
+        match self.answer(req).await? {
+            Message::Pong { nonce } if nonce == req => Ok(started.elapsed()),
+            other => Err(PeerError::Unexpected(name(&other))),
+        }
+    }
+
+    /// Ends the connection cleanly.
+    pub async fn goodbye(mut self) -> Result<(), PeerError> {
+        self.conn.send(0, Message::Goodbye).await?;
+        self.conn.stream.shutdown().await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,212 @@
+//! The block-serving protocol over real TCP on loopback: a reader holds, fetches and verifies
+//! sealed images from a server's resident blocks; corrupt images are dropped, not returned; wrong
+//! secrets, hostile bytes, floods and silent readers end the way the protocol says.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageError, ImageSpec, RetentionMeta, Salt, seal};
+use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
+use dynamo_tiering::g4::holds::HoldLimits;
+use dynamo_tiering::g4::tcp::{
+    BlockSource, ClientConfig, Fetched, PeerClient, PeerError, ServedPeer, ServerConfig, serve_peer,
+};
+use dynamo_tiering::g4::wire::{RefusalCode, WireLimits};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// Resident blocks: hash → sealed image.
+#[derive(Default)]
+struct Blocks(HashMap<BlockHash, Arc<Vec<u8>>>);
+
+#[derive(Clone)]
+struct Image(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for Image {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl BlockSource for Blocks {
+    type Handle = Image;
+    fn resolve(&self, hash: BlockHash) -> Option<Image> {
+        self.0.get(&hash).cloned().map(Image)
+    }
+}
+
+fn sealed(hash: u128, payload_bytes: usize) -> Vec<u8> {
+    let layout = BlockLayout::opaque(payload_bytes);
+    let mut buf = vec![0u8; HEADER_LEN + payload_bytes];
+    for (i, b) in buf[HEADER_LEN..].iter_mut().enumerate() {
+        *b = (i as u128 ^ hash) as u8;
+    }
+    let spec = ImageSpec {
+        hash: BlockHash(hash),
+        parent: None,
+        salt: Salt(0),
+        layout,
+        token_count: 1,
+        retention: RetentionMeta::default(),
+    };
+    seal(&mut buf, &spec);
+    buf
+}
+
+fn identity(node: &str) -> PeerIdentity {
+    PeerIdentity { cluster: "test".into(), node: node.into(), epoch: 1 }
+}
+
+fn server_config(secret: u8, holds: HoldLimits) -> ServerConfig {
+    ServerConfig {
+        secret: ClusterSecret::from_bytes([secret; 32]),
+        me: identity("server"),
+        wire: WireLimits::default(),
+        holds,
+        handshake_timeout: Duration::from_secs(2),
+        idle_timeout: Duration::from_secs(10),
+    }
+}
+
+fn client_config(secret: u8) -> ClientConfig {
+    ClientConfig {
+        secret: ClusterSecret::from_bytes([secret; 32]),
+        me: identity("client"),
+        wire: WireLimits::default(),
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+    }
+}
+
+/// A server for one connection; its outcome comes back through the handle.
+async fn serve_one(config: ServerConfig, blocks: Blocks) -> (SocketAddr, JoinHandle<Result<ServedPeer, PeerError>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        serve_peer(stream, &config, &blocks).await
+    });
+    (addr, task)
+}
+
+fn resident(hashes: &[u128], payload: usize) -> Blocks {
+    Blocks(hashes.iter().map(|&h| (BlockHash(h), Arc::new(sealed(h, payload)))).collect())
+}
+
+#[tokio::test]
+async fn a_reader_holds_fetches_verified_images_and_releases() {
+    let (addr, server) = serve_one(server_config(1, HoldLimits::default()), resident(&[1, 2, 3], 64 << 10)).await;
+    let mut client = PeerClient::connect(addr, &client_config(1)).await.expect("connect");
+    assert_eq!(client.peer().node, "server");
+    assert!(client.ping().await.unwrap() < Duration::from_secs(1));
+
+    let asked = [BlockHash(1), BlockHash(9), BlockHash(2), BlockHash(3)];
+    let held = client.hold(&asked, Duration::from_secs(5)).await.unwrap();
+    let lens: Vec<Option<u32>> = held.blocks.iter().map(|b| b.image_len).collect();
+    let len = (HEADER_LEN + (64 << 10)) as u32;
+    assert_eq!(lens, [Some(len), None, Some(len), Some(len)], "block 9 is not resident");
+
+    let fetched = client.fetch(held.hold_id, &[BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(9)]).await.unwrap();
+    for (hash, outcome) in &fetched[..3] {
+        assert_eq!(outcome, &Fetched::Verified(sealed(hash.0, 64 << 10)), "{hash}");
+    }
+    assert_eq!(fetched[3].1, Fetched::Missing);
+    client.release(held.hold_id).await.unwrap();
+    let after = client.fetch(held.hold_id, &[BlockHash(1)]).await.unwrap();
+    assert_eq!(after[0].1, Fetched::Missing, "a released hold serves nothing");
+    client.goodbye().await.unwrap();
+
+    let served = server.await.unwrap().expect("a clean goodbye");
+    assert_eq!(served.peer.unwrap().node, "client");
+    assert_eq!((served.holds, served.images, served.expired_holds), (1, 3, 0));
+    assert_eq!(served.image_bytes, 3 * len as u64);
+}
+
+#[tokio::test]
+async fn a_corrupt_or_misnamed_image_is_dropped_not_returned() {
+    let mut blocks = resident(&[1, 2], 4096);
+    // Block 1's slot had a byte flipped after sealing; block 2's slot holds block 3's image.
+    let mut bad = sealed(1, 4096);
+    bad[HEADER_LEN + 100] ^= 0x40;
+    blocks.0.insert(BlockHash(1), Arc::new(bad));
+    blocks.0.insert(BlockHash(2), Arc::new(sealed(3, 4096)));
+    let (addr, _server) = serve_one(server_config(1, HoldLimits::default()), blocks).await;
+    let mut client = PeerClient::connect(addr, &client_config(1)).await.unwrap();
+    let held = client.hold(&[BlockHash(1), BlockHash(2)], Duration::from_secs(5)).await.unwrap();
+    let fetched = client.fetch(held.hold_id, &[BlockHash(1), BlockHash(2)]).await.unwrap();
+    assert_eq!(fetched[0].1, Fetched::Rejected(ImageError::PayloadChecksum));
+    assert_eq!(
+        fetched[1].1,
+        Fetched::Rejected(ImageError::HashMismatch { expected: BlockHash(2), found: BlockHash(3) })
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_secret_is_refused_on_both_sides() {
+    let (addr, server) = serve_one(server_config(1, HoldLimits::default()), resident(&[1], 64)).await;
+    let err = PeerClient::connect(addr, &client_config(2)).await.unwrap_err();
+    // The client finds that the server's MAC does not prove the secret it knows.
+    assert_eq!(err.kind(), "bad_mac", "{err}");
+    let served = server.await.unwrap().unwrap_err();
+    assert!(matches!(served, PeerError::Refused { code: RefusalCode::Auth, .. } | PeerError::Closed), "{served}");
+}
+
+#[tokio::test]
+async fn hostile_bytes_end_the_connection_without_allocating_for_them() {
+    // A header announcing 4 GiB.
+    let (addr, server) = serve_one(server_config(1, HoldLimits::default()), resident(&[1], 64)).await;
+    let mut raw = TcpStream::connect(addr).await.unwrap();
+    let mut header = [0u8; 13];
+    header[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+    header[4] = 1;
+    raw.write_all(&header).await.unwrap();
+    let err = server.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), "too_large", "{err}");
+    let mut answer = Vec::new();
+    raw.read_to_end(&mut answer).await.unwrap();
+    assert_eq!(answer[4], 4, "a Refused frame, then the close");
+
+    // Garbage: its first four bytes read as a length over the limit.
+    let (addr, server) = serve_one(server_config(1, HoldLimits::default()), resident(&[1], 64)).await;
+    let mut raw = TcpStream::connect(addr).await.unwrap();
+    raw.write_all(&[0xAB; 64]).await.unwrap();
+    assert_eq!(server.await.unwrap().unwrap_err().kind(), "too_large");
+
+    // A short frame of a kind no build knows, and a Hello whose body ends inside a field.
+    for (frame, kind) in [(&[8u8, 0, 0, 0, 0xAB][..], "unknown_kind"), (&[3, 0, 0, 0, 1][..], "truncated")] {
+        let (addr, server) = serve_one(server_config(1, HoldLimits::default()), resident(&[1], 64)).await;
+        let mut raw = TcpStream::connect(addr).await.unwrap();
+        raw.write_all(frame).await.unwrap();
+        raw.write_all(&[0; 8 + 8]).await.unwrap();
+        assert_eq!(server.await.unwrap().unwrap_err().kind(), kind);
+    }
+
+    // Nothing at all: the handshake times out.
+    let mut config = server_config(1, HoldLimits::default());
+    config.handshake_timeout = Duration::from_millis(200);
+    let (addr, server) = serve_one(config, resident(&[1], 64)).await;
+    let _silent = TcpStream::connect(addr).await.unwrap();
+    assert_eq!(server.await.unwrap().unwrap_err().kind(), "timeout");
+}
+
+#[tokio::test]
+async fn a_hold_flood_is_refused_and_a_silent_readers_holds_expire() {
+    let limits = HoldLimits { max_holds: 3, max_blocks: 100, max_ttl: Duration::from_millis(300) };
+    let (addr, server) = serve_one(server_config(1, limits), resident(&[1, 2], 64)).await;
+    let mut client = PeerClient::connect(addr, &client_config(1)).await.unwrap();
+    let first = client.hold(&[BlockHash(1)], Duration::from_secs(60)).await.unwrap();
+    assert_eq!(first.ttl, Duration::from_millis(300), "the server caps the TTL");
+    // The reader goes quiet past the TTL: the server lets the hold go on its own timer.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(client.fetch(first.hold_id, &[BlockHash(1)]).await.unwrap()[0].1, Fetched::Missing);
+    for _ in 0..3 {
+        client.hold(&[BlockHash(2)], Duration::from_secs(60)).await.unwrap();
+    }
+    let err = client.hold(&[BlockHash(2)], Duration::from_secs(60)).await.unwrap_err();
+    assert!(matches!(err, PeerError::Refused { code: RefusalCode::Limit, .. }), "{err}");
+    let err = server.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), "limit");
+}
