@@ -134,6 +134,9 @@ pub enum BenchCommand {
     /// A burst that overflows G1: the request that yields resumes by loading its blocks back or by
     /// recomputing them; time to its next token either way.
     Preempt(crate::bench::preempt::BenchPreemptArgs),
+    /// The block-serving protocol (G4) over TCP on loopback against a plain socket copy of the
+    /// same bytes.
+    G4(crate::bench::g4::BenchG4Args),
 }
 
 /// Parses the command line and runs it.
@@ -171,6 +174,9 @@ pub fn main() -> ExitCode {
         }
         Some(Command::Bench(BenchCommand::Preempt(args))) => {
             report(crate::bench::preempt::run(&args).map(|table| print!("{table}")))
+        }
+        Some(Command::Bench(BenchCommand::G4(args))) => {
+            report(crate::bench::g4::run(&args).map(|table| print!("{table}")))
         }
         Some(Command::GpuCheck(args)) => gpu_check(&args),
     }

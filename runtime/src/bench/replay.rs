@@ -33,7 +33,7 @@ use dynamo_actors::worker::{
     Engine, EngineFactory, EngineHost, GenRequest, JobEvent, LeaseRequest, WorkerEvent, local_spawner,
 };
 use dynamo_config::{ByteSize, Calibration, RegionKind, RetentionSection, RoutingPolicy};
-use dynamo_tiering::block::{BlockHasher, Salt};
+use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
 use dynamo_tiering::registry::PolicyKind;
 use ractor::rpc::CallResult;
 use serde::Deserialize;
@@ -1058,7 +1058,8 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         }
     });
     let min_lease = setup.config.frontend.cache_min_tokens;
-    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy, min_lease).await?;
+    let bound = BoundHashing { block_tokens: setup.block_tokens, salt };
+    let (samples, prompts) = run_sessions(trace, &scheduler, start, label, policy, min_lease, bound).await?;
     let virtual_time = start.elapsed();
     sampler.abort();
     node.shutdown().await;
@@ -1084,7 +1085,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         samples,
         wall: Duration::ZERO,
         virtual_time,
-        bound_hit_rate: bound_hit_rate(prompts, setup.block_tokens, salt),
+        bound_hit_rate: bound_hit_rate(prompts, setup.block_tokens),
         bytes: [
             load(&|n| &n.stats.g2_to_g1_bytes),
             load(&|n| &n.stats.g3_to_g1_bytes),
@@ -1133,8 +1134,9 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
     let serving = Serving::start(&cfg, &plan, stores).await?;
     let scheduler = serving.node.current_scheduler().await?;
     let start = Instant::now();
+    let bound = BoundHashing { block_tokens: cfg.blocks.block_size, salt: Salt(0) };
     let (samples, prompts) =
-        run_sessions(trace, &scheduler, start, label, policy, cfg.frontend.cache_min_tokens).await?;
+        run_sessions(trace, &scheduler, start, label, policy, cfg.frontend.cache_min_tokens, bound).await?;
     let elapsed = start.elapsed();
     serving.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -1143,7 +1145,7 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
         samples,
         wall: Duration::ZERO,
         virtual_time: elapsed,
-        bound_hit_rate: bound_hit_rate(prompts, cfg.blocks.block_size, Salt(0)),
+        bound_hit_rate: bound_hit_rate(prompts, cfg.blocks.block_size),
         bytes: [0; 5],
         g3_skipped: 0,
         preempted: 0,
@@ -1157,22 +1159,39 @@ async fn drive_reference(trace: &Trace, setup: &Shared, policy: Policy, label: &
 }
 
 /// One request as the bound sees it: when it arrived, its prompt length, and the whole sequence
-/// after it (prompt and answer: the answer's blocks are computed, so an infinite cache has them).
-type Turned = (Instant, usize, Vec<u32>);
+/// after it (prompt and answer: the answer's blocks are computed, so an infinite cache has them),
+/// as the first `n` block hashes of a chain. A session's sequences are prefixes of its final
+/// history, so its turns share one chain; tokens are not kept (an 800-session trace's prompts
+/// add up to billions of them).
+type Turned = (Instant, usize, Rc<[BlockHash]>, usize);
+
+/// What each session task of a run goes by.
+#[derive(Clone, Copy)]
+struct SessionRules {
+    policy: Policy,
+    min_lease: usize,
+    bound: BoundHashing,
+}
+
+/// What the infinite-cache bound hashes with.
+#[derive(Clone, Copy)]
+struct BoundHashing {
+    block_tokens: usize,
+    salt: Salt,
+}
 
 /// The hit rate of an infinite cache: every block ever computed — prompts and answers — stays,
 /// in arrival order.
-fn bound_hit_rate(mut turns: Vec<Turned>, b: usize, salt: Salt) -> f64 {
+fn bound_hit_rate(mut turns: Vec<Turned>, b: usize) -> f64 {
     turns.sort_by_key(|(at, ..)| *at);
     let mut seen = HashSet::new();
     let (mut hit, mut total) = (0usize, 0usize);
-    let mut hasher = BlockHasher::new(salt, b);
-    for (_, prompt, sequence) in turns {
-        let hashes = hasher.hash_sequence(&sequence);
+    for (_, prompt, chain, blocks) in turns {
+        let hashes = &chain[..blocks];
         let cap = prompt.saturating_sub(1) / b;
         hit += hashes.iter().take(cap).take_while(|h| seen.contains(*h)).count() * b;
         total += prompt;
-        seen.extend(hashes);
+        seen.extend(hashes.iter().copied());
     }
     hit as f64 / total.max(1) as f64
 }
@@ -1188,6 +1207,7 @@ async fn run_sessions(
     label: &str,
     policy: Policy,
     min_lease: usize,
+    bound: BoundHashing,
 ) -> SessionResult {
     let progress = Rc::new(Progress {
         label: label.to_string(),
@@ -1198,7 +1218,14 @@ async fn run_sessions(
     });
     let mut tasks = tokio::task::JoinSet::new();
     for (s, turns) in trace.sessions.iter().enumerate() {
-        let session = run_session(s, turns.clone(), scheduler.clone(), start, progress.clone(), policy, min_lease);
+        let session = run_session(
+            s,
+            turns.clone(),
+            scheduler.clone(),
+            start,
+            progress.clone(),
+            SessionRules { policy, min_lease, bound },
+        );
         tasks.spawn_local(session);
     }
     let mut samples = Vec::with_capacity(trace.requests);
@@ -1217,9 +1244,9 @@ async fn run_session(
     scheduler: SchedulerRef,
     start: Instant,
     progress: Rc<Progress>,
-    policy: Policy,
-    min_lease: usize,
+    rules: SessionRules,
 ) -> SessionResult {
+    let SessionRules { policy, min_lease, bound } = rules;
     let preamble_kept = policy.preamble_kept;
     let hints = Hints {
         priority: if policy.priorities && high_priority(session) { HIGH_PRIORITY } else { 0 },
@@ -1228,6 +1255,8 @@ async fn run_session(
     let mut samples = Vec::with_capacity(turns.len());
     let mut prompts = Vec::with_capacity(turns.len());
     let mut history: Vec<u32> = Vec::new();
+    let mut hasher = BlockHasher::new(bound.salt, bound.block_tokens);
+    let mut sequences = Vec::new();
     let mut system = 0;
     let id = format!("session-{session}");
     for (k, turn) in turns.into_iter().enumerate() {
@@ -1296,9 +1325,20 @@ async fn run_session(
             }
         }
         sample.done_at = start.elapsed();
-        prompts.push((submitted_at, sample.prompt, [preamble.as_slice(), history.as_slice()].concat()));
+        if preamble_kept {
+            // Each sequence starts with tokens of its own: a chain of its own.
+            let sequence = [preamble.as_slice(), history.as_slice()].concat();
+            let chain: Rc<[BlockHash]> = hasher.hash_sequence(&sequence).into();
+            prompts.push((submitted_at, sample.prompt, chain.clone(), chain.len()));
+        } else {
+            sequences.push((submitted_at, sample.prompt, history.len() / bound.block_tokens));
+        }
         samples.push(sample);
         progress.tick();
+    }
+    if !sequences.is_empty() {
+        let chain: Rc<[BlockHash]> = hasher.hash_sequence(&history).into();
+        prompts.extend(sequences.into_iter().map(|(at, prompt, blocks)| (at, prompt, chain.clone(), blocks)));
     }
     Ok((samples, prompts))
 }
