@@ -129,11 +129,23 @@ pub fn tune_socket(stream: &TcpStream, user_timeout: Duration) -> std::io::Resul
     set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, user_timeout.as_millis().min(i32::MAX as u128) as libc::c_int)
 }
 
+/// What [`Conn::recv`] does next.
+enum Step {
+    /// A frame is complete.
+    Frame(Frame),
+    /// Read until the frame buffer holds this many bytes.
+    Buf(usize),
+    /// Read until the image buffer holds this many bytes.
+    Image(usize),
+}
+
 /// One side of a connection: framing, and the MACs once the handshake is done.
 struct Conn {
     stream: TcpStream,
     limits: WireLimits,
     buf: Vec<u8>,
+    /// The image of an image frame being read.
+    image: Vec<u8>,
     session: Option<Session>,
     sending: Direction,
     seq_out: u64,
@@ -142,7 +154,7 @@ struct Conn {
 
 impl Conn {
     fn new(stream: TcpStream, limits: WireLimits, sending: Direction) -> Self {
-        Self { stream, limits, buf: Vec::new(), session: None, sending, seq_out: 0, seq_in: 0 }
+        Self { stream, limits, buf: Vec::new(), image: Vec::new(), session: None, sending, seq_out: 0, seq_in: 0 }
     }
 
     fn receiving(&self) -> Direction {
@@ -156,48 +168,74 @@ impl Conn {
         if self.session.is_some() { MAC_LEN } else { 0 }
     }
 
-    /// Bytes the next frame needs in the buffer: a header, then what the header announced.
-    fn wanted(&self) -> Result<usize, WireError> {
-        match self.buf.get(..FRAME_HEADER_LEN) {
-            None => Ok(FRAME_HEADER_LEN),
-            Some(h) => {
-                let header = FrameHeader::parse(h.try_into().expect("header bytes"), &self.limits)?;
-                Ok(FRAME_HEADER_LEN + header.len as usize + self.trailer())
+    /// What the next frame needs read, or the frame.
+    fn step(&mut self) -> Result<Step, PeerError> {
+        let Some(h) = self.buf.get(..FRAME_HEADER_LEN) else { return Ok(Step::Buf(FRAME_HEADER_LEN)) };
+        let header = FrameHeader::parse(h.try_into().expect("header bytes"), &self.limits)?;
+        let trailer = self.trailer();
+        if header.is_image() && header.len >= 16 {
+            // The image goes straight into a buffer of its own: no copy out of the frame buffer.
+            let prefix = FRAME_HEADER_LEN + 16;
+            let image_len = header.len as usize - 16;
+            if self.buf.len() < prefix {
+                return Ok(Step::Buf(prefix));
             }
+            if self.image.len() < image_len {
+                self.image.reserve_exact(image_len - self.image.len());
+                return Ok(Step::Image(image_len));
+            }
+            if self.buf.len() < prefix + trailer {
+                return Ok(Step::Buf(prefix + trailer));
+            }
+            if let Some(session) = &self.session {
+                let mac: [u8; MAC_LEN] = self.buf[prefix..prefix + MAC_LEN].try_into().expect("MAC bytes");
+                if !session.verify_frame(self.receiving(), self.seq_in, &[&self.buf[..prefix], &self.image], &mac) {
+                    return Err(PeerError::BadMac);
+                }
+            }
+            let hash = BlockHash::from_le_bytes(self.buf[FRAME_HEADER_LEN..prefix].try_into().expect("hash bytes"));
+            self.buf.clear();
+            self.seq_in += 1;
+            let image = std::mem::take(&mut self.image);
+            return Ok(Step::Frame(Frame { req_id: header.req_id, message: Message::Image { hash, image } }));
         }
-    }
-
-    /// The next frame. Cancel-safe: bytes read stay in the buffer for the next call.
-    async fn recv(&mut self) -> Result<Frame, PeerError> {
-        loop {
-            let want = self.wanted()?;
-            if self.buf.len() >= want {
-                return self.take_frame(want);
-            }
-            self.buf.reserve_exact(want - self.buf.len());
-            let n = (&mut self.stream).take((want - self.buf.len()) as u64).read_buf(&mut self.buf).await?;
-            if n == 0 {
-                return Err(PeerError::Closed);
-            }
+        let end = FRAME_HEADER_LEN + header.len as usize + trailer;
+        if self.buf.len() < end {
+            return Ok(Step::Buf(end));
         }
-    }
-
-    fn take_frame(&mut self, end: usize) -> Result<Frame, PeerError> {
-        let frame_end = end - self.trailer();
+        let frame_end = end - trailer;
         if let Some(session) = &self.session {
             let mac: [u8; MAC_LEN] = self.buf[frame_end..end].try_into().expect("MAC bytes");
             if !session.verify_frame(self.receiving(), self.seq_in, &[&self.buf[..frame_end]], &mac) {
                 return Err(PeerError::BadMac);
             }
         }
-        let header = FrameHeader::parse(self.buf[..FRAME_HEADER_LEN].try_into().expect("header"), &self.limits)?;
         let frame = header.decode_body(&self.buf[FRAME_HEADER_LEN..frame_end], &self.limits)?;
         self.buf.drain(..end);
         self.seq_in += 1;
         if let Message::Refused { code, text } = frame.message {
             return Err(PeerError::Refused { code, text });
         }
-        Ok(frame)
+        Ok(Step::Frame(frame))
+    }
+
+    /// The next frame. Cancel-safe: bytes read stay in the buffers for the next call, and no read
+    /// goes past the frame a checked header announced.
+    async fn recv(&mut self) -> Result<Frame, PeerError> {
+        loop {
+            let (target, want) = match self.step()? {
+                Step::Frame(frame) => return Ok(frame),
+                Step::Buf(want) => (&mut self.buf, want),
+                Step::Image(want) => (&mut self.image, want),
+            };
+            if target.len() < want {
+                target.reserve_exact(want - target.len());
+            }
+            let n = (&mut self.stream).take((want - target.len()) as u64).read_buf(target).await?;
+            if n == 0 {
+                return Err(PeerError::Closed);
+            }
+        }
     }
 
     async fn send(&mut self, req_id: u64, message: Message) -> Result<(), PeerError> {

@@ -403,6 +403,12 @@ impl FrameHeader {
         Ok(Self { len, kind, req_id })
     }
 
+    /// Whether it starts an image frame: a 16-byte hash, then the image (which a reader may read
+    /// straight into a buffer of its own).
+    pub fn is_image(&self) -> bool {
+        self.kind == kind::IMAGE
+    }
+
     /// Decodes the body this header announced (`body.len()` must be `self.len`).
     pub fn decode_body(&self, body: &[u8], limits: &WireLimits) -> Result<Frame, WireError> {
         debug_assert_eq!(body.len(), self.len as usize);
