@@ -37,6 +37,7 @@ pub mod builder;
 pub mod cost;
 pub mod index;
 pub mod leases;
+pub mod peer;
 pub mod publisher;
 pub mod scheduler;
 pub mod session;

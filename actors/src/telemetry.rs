@@ -59,6 +59,11 @@
 //! | `dynamo_node_anthropic_preambles_stripped_total` | counter | | Claude Code billing headers dropped from system text |
 //! | `dynamo_node_replayed_turns_total` | counter | | echoed assistant turns whose generated tokens were spliced into the prompt |
 //! | `dynamo_node_auth_failures_total` | counter | `endpoint` | requests refused 401 for a missing or unknown key: `api`, `metrics` |
+//! | `dynamo_node_recorded_requests_total` | counter | | requests written to the traffic recording |
+//! | `dynamo_node_recording_dropped_total` | counter | `reason` | requests the recording lost: `queue_full`, `write_error` |
+//! | `dynamo_node_peer_connections_total` | counter | `outcome` | G4 peer connections served, by how they ended: `goodbye`, or the error's kind (`bad_mac`, `too_large`, `timeout`, `limit`, …) |
+//! | `dynamo_node_peer_served_bytes_total` | counter | | block-image bytes sent to peers |
+//! | `dynamo_node_peer_expired_holds_total` | counter | | peer holds that ran out before their release |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -173,6 +178,14 @@ pub mod names {
     /// `endpoint` (`api`, `metrics`).
     pub const AUTH_FAILURES: &str = "dynamo_node_auth_failures_total";
 
+    /// Counter `{outcome}`: G4 peer connections served, by how they ended (`goodbye`, or the
+    /// error's kind).
+    pub const PEER_CONNECTIONS: &str = "dynamo_node_peer_connections_total";
+    /// Counter: block-image bytes sent to peers.
+    pub const PEER_SERVED_BYTES: &str = "dynamo_node_peer_served_bytes_total";
+    /// Counter: peer holds that ran out before their release.
+    pub const PEER_EXPIRED_HOLDS: &str = "dynamo_node_peer_expired_holds_total";
+
     /// Every histogram: each gets the configured buckets.
     pub const HISTOGRAMS: [&str; 5] = [
         KV_TRANSFER_SECONDS,
@@ -205,6 +218,9 @@ pub fn describe() {
     describe_counter!(REPLAYED_TURNS, Unit::Count, "Echoed assistant turns replayed from their generated tokens.");
     describe_counter!(RECORDED_REQUESTS, Unit::Count, "Requests written to the traffic recording.");
     describe_counter!(RECORDING_DROPPED, Unit::Count, "Requests the traffic recording lost, by reason.");
+    describe_counter!(PEER_CONNECTIONS, Unit::Count, "G4 peer connections served, by how they ended.");
+    describe_counter!(PEER_SERVED_BYTES, Unit::Bytes, "Block-image bytes sent to peers.");
+    describe_counter!(PEER_EXPIRED_HOLDS, Unit::Count, "Peer holds that ran out before their release.");
     describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
@@ -321,6 +337,14 @@ pub fn register_known_series() {
 /// A request was stopped at `stage` (`queued`, `prefill` or `decode`) because nobody waits for it.
 pub fn record_cancelled(stage: &'static str) {
     counter!(names::REQUESTS_CANCELLED, "stage" => stage).increment(1);
+}
+
+/// A G4 peer connection ended (`outcome`: `goodbye` or the error's kind), having sent `bytes` of
+/// images and let `expired` holds run out.
+pub fn record_peer_connection(outcome: &'static str, bytes: u64, expired: u64) {
+    counter!(names::PEER_CONNECTIONS, "outcome" => outcome).increment(1);
+    counter!(names::PEER_SERVED_BYTES).increment(bytes);
+    counter!(names::PEER_EXPIRED_HOLDS).increment(expired);
 }
 
 /// A Claude Code billing header was dropped from a request's system text.

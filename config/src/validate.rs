@@ -248,6 +248,20 @@ impl NodeConfig {
         if g4.request_timeout.as_duration().is_zero() {
             c.fail("tiers.g4.request_timeout", "must be longer than 0s");
         }
+        if g4.cluster.is_empty() || g4.cluster.len() > 255 {
+            c.fail("tiers.g4.cluster", "must be 1 to 255 bytes");
+        }
+        if g4.enabled && g4.secret_file.is_none() {
+            c.fail(
+                "tiers.g4.secret_file",
+                "G4 peers authenticate each other with a shared secret: name a file of 32 random bytes \
+                 (`head -c 32 /dev/urandom > g4.secret && chmod 600 g4.secret`), the same on every node",
+            );
+        }
+        if g4.hold_ttl.as_duration().is_zero() {
+            c.fail("tiers.g4.hold_ttl", "must be longer than 0s");
+        }
+        c.at_least_one("tiers.g4.max_holds_per_peer", g4.max_holds_per_peer);
 
         // [retention]
         for region in RegionKind::ALL {

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
+use dynamo_actors::peer::BlockServer;
 use dynamo_config::NodeConfig;
 
 use crate::frontend::FrontendState;
@@ -77,6 +78,7 @@ pub struct NodeHandle {
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     recorder: Option<Arc<Recorder>>,
+    block_server: Option<BlockServer>,
 }
 
 impl NodeHandle {
@@ -90,6 +92,11 @@ impl NodeHandle {
         &self.serving
     }
 
+    /// Where the G4 block server listens, when `tiers.g4.enabled`.
+    pub fn g4_addr(&self) -> Option<SocketAddr> {
+        self.block_server.as_ref().map(BlockServer::local_addr)
+    }
+
     /// Token ids the frontend's tokenizer has.
     pub fn vocab(&self) -> usize {
         self.vocab
@@ -99,7 +106,11 @@ impl NodeHandle {
     /// get most of the grace and are then cancelled, and the workers flush write-through in the
     /// rest. Errors if the HTTP server failed (the node is stopped all the same).
     pub async fn stop(self) -> anyhow::Result<()> {
-        let NodeHandle { serving, grace, poller, stop, mut server, recorder, .. } = self;
+        let NodeHandle { serving, grace, poller, stop, mut server, recorder, block_server, .. } = self;
+        // Peers lose this node first: what it holds is about to go.
+        if let Some(block_server) = &block_server {
+            block_server.stop();
+        }
         let _ = stop.send(());
         let deadline = tokio::time::Instant::now() + grace;
         let drain = grace - (grace / 4).min(Duration::from_secs(5));
@@ -201,6 +212,23 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     } else {
         None
     };
+    let block_server = if cfg.tiers.g4.enabled {
+        // Until membership gives one, the epoch is the start time: a restarted node is a new epoch.
+        let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let max_image = serving.tiers.layout.image_bytes();
+        match BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone()).await {
+            Ok(server) => Some(server),
+            Err(e) => {
+                if let Some(poller) = poller {
+                    poller.abort();
+                }
+                serving.shutdown().await;
+                return Err(anyhow::Error::new(e).context("cannot start the G4 block server (tiers.g4)"));
+            }
+        }
+    } else {
+        None
+    };
     let state = match &recorder {
         Some(recorder) => state.with_recorder(recorder.clone()),
         None => state,
@@ -233,6 +261,13 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         if keys > 0 {
             println!("API keys: {keys} ([frontend.auth]); requests without one get 401");
         }
+        if let Some(block_server) = &block_server {
+            println!(
+                "G4 block server on {} (cluster {:?}): G2 blocks for peers that prove the cluster secret",
+                block_server.local_addr(),
+                cfg.tiers.g4.cluster
+            );
+        }
         println!("serving the OpenAI API on http://{addr}/v1");
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -248,6 +283,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         stop,
         server,
         recorder,
+        block_server,
     })
 }
 

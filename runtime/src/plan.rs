@@ -414,7 +414,7 @@ impl ResolvedTiers {
             Some((transport, listen, peers)) => {
                 let _ = writeln!(
                     out,
-                    "G4   {transport} on {listen}, {} peer(s) (the peer link is not served yet)",
+                    "G4   {transport} on {listen}, {} peer(s) (G2 served to peers; loading from peers is not built yet)",
                     peers.len()
                 );
             }

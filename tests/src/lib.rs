@@ -105,6 +105,8 @@ pub struct Node {
     pub metrics: String,
     /// Its data directory.
     pub dir: Arc<tempfile::TempDir>,
+    /// What it printed on stdout up to `ready`.
+    pub announced: Vec<String>,
 }
 
 impl Drop for Node {
@@ -143,7 +145,7 @@ impl Node {
             .find_map(|l| l.strip_prefix("metrics on http://").and_then(|l| l.strip_suffix("/metrics")))
             .expect("the metrics address is printed")
             .to_string();
-        Node { child, api, metrics, dir }
+        Node { child, api, metrics, dir, announced: lines.to_vec() }
     }
 
     /// The command line [`Node::start_in`] runs (port 0 for both listeners: the node prints the

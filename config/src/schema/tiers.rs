@@ -261,6 +261,16 @@ pub struct G4Config {
     pub request_timeout: HumanDuration,
     /// Most requests in flight per peer. Default `64`.
     pub max_inflight: usize,
+    /// The cluster's name: peers of another cluster are refused. Default `"dynamo"`.
+    pub cluster: String,
+    /// The cluster's shared secret (32 bytes, or 64 hex digits; readable by its owner only),
+    /// with which peers authenticate each other. Required when G4 is enabled.
+    pub secret_file: Option<PathBuf>,
+    /// The longest a peer's hold pins this node's blocks without a fetch or release.
+    /// Default `"10s"`.
+    pub hold_ttl: HumanDuration,
+    /// Most holds one peer may have open. Default `64`.
+    pub max_holds_per_peer: usize,
 }
 
 impl Default for G4Config {
@@ -272,6 +282,10 @@ impl Default for G4Config {
             peers: Vec::new(),
             request_timeout: HumanDuration::secs(2),
             max_inflight: 64,
+            cluster: "dynamo".to_owned(),
+            secret_file: None,
+            hold_ttl: HumanDuration::secs(10),
+            max_holds_per_peer: 64,
         }
     }
 }

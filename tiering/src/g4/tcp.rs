@@ -326,20 +326,30 @@ pub async fn serve_peer<S: BlockSource>(
     config: &ServerConfig,
     source: &S,
 ) -> Result<ServedPeer, PeerError> {
+    let mut served = ServedPeer::default();
+    serve_peer_into(stream, config, source, &mut served).await.map(|()| served)
+}
+
+/// [`serve_peer`], with what the connection did left in `served` however it ended.
+pub async fn serve_peer_into<S: BlockSource>(
+    stream: TcpStream,
+    config: &ServerConfig,
+    source: &S,
+    served: &mut ServedPeer,
+) -> Result<(), PeerError> {
     tune_socket(&stream, config.idle_timeout)?;
     let mut conn = Conn::new(stream, config.wire, Direction::ToClient);
-    let mut served = ServedPeer::default();
     let result = async {
         let session = tokio::time::timeout(config.handshake_timeout, server_handshake(&mut conn, config))
             .await
             .map_err(|_| PeerError::Timeout("handshake"))??;
         served.peer = Some(session.peer.clone());
         conn.session = Some(session);
-        serve_frames(&mut conn, config, source, &mut served).await
+        serve_frames(&mut conn, config, source, served).await
     }
     .await;
     match result {
-        Ok(()) => Ok(served),
+        Ok(()) => Ok(()),
         Err(e) => {
             conn.refuse(&e).await;
             Err(e)

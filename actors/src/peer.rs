@@ -1,0 +1,160 @@
+//! G4, the serving side: this node's G2 blocks, answered to authenticated peers over TCP.
+//!
+//! [`BlockServer`] accepts peer connections on `tiers.g4.listen` and runs the block-serving
+//! protocol ([`dynamo_tiering::g4::tcp`]) on each: a peer proves it knows the cluster secret,
+//! then holds, fetches and releases blocks by hash. Blocks are served from G2 only, where every
+//! resident block is a sealed image in a pinned slot; a hold keeps the slot's reference, so the
+//! image stays put until the peer releases it or the hold's TTL runs out, even if G2 evicts the
+//! block meanwhile. How each connection ended is counted (`dynamo_node_peer_connections_total`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dynamo_config::G4Config;
+use dynamo_tiering::block::{BlockHash, ImageHeader};
+use dynamo_tiering::g2::SlotRef;
+use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity, SecretError};
+use dynamo_tiering::g4::holds::HoldLimits;
+use dynamo_tiering::g4::tcp::{BlockSource, ServedPeer, ServerConfig, serve_peer_into};
+use dynamo_tiering::g4::wire::WireLimits;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+use crate::telemetry;
+use crate::tiers::NodeTiers;
+
+/// Most peer connections served at once; more wait to be accepted.
+const MAX_PEER_CONNECTIONS: usize = 64;
+
+/// The sealed image in a G2 slot, without the slot's padding.
+#[derive(Clone, Debug)]
+pub struct G2Image {
+    slot: SlotRef,
+    len: usize,
+}
+
+impl AsRef<[u8]> for G2Image {
+    fn as_ref(&self) -> &[u8] {
+        &self.slot.as_slice()[..self.len]
+    }
+}
+
+/// The node's G2, as the block server reads it.
+#[derive(Debug)]
+pub struct G2Blocks(pub Arc<NodeTiers>);
+
+impl BlockSource for G2Blocks {
+    type Handle = G2Image;
+
+    fn resolve(&self, hash: BlockHash) -> Option<G2Image> {
+        let slot = self.0.g2.as_ref()?.peek(hash)?;
+        // A slot whose header does not decode is not served; the reader would drop it anyway.
+        let len = ImageHeader::decode_header_only(slot.as_slice()).ok()?.image_bytes();
+        (len <= slot.as_slice().len()).then_some(G2Image { slot, len })
+    }
+}
+
+/// Why the block server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockServerError {
+    /// The secret file.
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    /// `tiers.g4.secret_file` is not set.
+    #[error("tiers.g4.secret_file is not set")]
+    NoSecret,
+    /// The listener.
+    #[error("G4 listener on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// The running block server.
+#[derive(Debug)]
+pub struct BlockServer {
+    addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl BlockServer {
+    /// Binds `tiers.g4.listen` and serves `tiers`' G2 to peers that prove the secret.
+    pub async fn start(
+        g4: &G4Config,
+        node: &str,
+        epoch: u64,
+        max_image: usize,
+        tiers: Arc<NodeTiers>,
+    ) -> Result<Self, BlockServerError> {
+        let secret = ClusterSecret::from_file(g4.secret_file.as_deref().ok_or(BlockServerError::NoSecret)?)?;
+        let listener = TcpListener::bind(&g4.listen)
+            .await
+            .map_err(|source| BlockServerError::Bind { addr: g4.listen.clone(), source })?;
+        let addr =
+            listener.local_addr().map_err(|source| BlockServerError::Bind { addr: g4.listen.clone(), source })?;
+        let config = Arc::new(ServerConfig {
+            secret,
+            me: PeerIdentity { cluster: g4.cluster.clone(), node: node.to_owned(), epoch },
+            wire: WireLimits { max_frame: (max_image + 64).min(u32::MAX as usize) as u32, ..WireLimits::default() },
+            holds: HoldLimits {
+                max_holds: g4.max_holds_per_peer,
+                max_blocks: g4.max_holds_per_peer * WireLimits::default().max_hashes as usize,
+                max_ttl: g4.hold_ttl.as_duration(),
+            },
+            handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+        });
+        let source = Arc::new(G2Blocks(tiers));
+        let task = tokio::spawn(accept(listener, config, source));
+        Ok(Self { addr, task })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting; connections being served end with the runtime.
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for BlockServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn accept(listener: TcpListener, config: Arc<ServerConfig>, source: Arc<G2Blocks>) {
+    let slots = Arc::new(Semaphore::new(MAX_PEER_CONNECTIONS));
+    loop {
+        let Ok(permit) = slots.clone().acquire_owned().await else { return };
+        let (stream, from) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "G4 accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (config, source) = (config.clone(), source.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut served = ServedPeer::default();
+            let outcome = serve_peer_into(stream, &config, &*source, &mut served).await;
+            let peer = served.peer.as_ref().map(|p| p.node.as_str()).unwrap_or("?");
+            match &outcome {
+                Ok(()) => tracing::debug!(%from, peer, images = served.images, "G4 peer said goodbye"),
+                Err(e) => tracing::info!(%from, peer, error = %e, "G4 peer connection ended"),
+            }
+            let kind = outcome.as_ref().err().map_or("goodbye", |e| e.kind());
+            telemetry::record_peer_connection(kind, served.image_bytes, served.expired_holds);
+        });
+    }
+}

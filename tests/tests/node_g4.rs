@@ -1,0 +1,121 @@
+//! G4's serving side on the real binary: a node with `tiers.g4` enabled serves the blocks it
+//! computed, from G2, to a peer that proves the cluster secret, and to no one else.
+//!
+//! The test finds the node's block hashes where an operator could: in the G3 store, whose slots
+//! hold the same sealed images that G2 holds. It holds and fetches them over the protocol, and
+//! the images it receives are verified and equal, byte for byte, to the ones on disk.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dynamo_tests::Node;
+use dynamo_tiering::block::image::MAGIC;
+use dynamo_tiering::block::{BlockHash, ImageHeader};
+use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
+use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient};
+use dynamo_tiering::g4::wire::WireLimits;
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+
+fn client(secret: [u8; 32]) -> ClientConfig {
+    ClientConfig {
+        secret: ClusterSecret::from_bytes(secret),
+        me: PeerIdentity { cluster: "test".into(), node: "reader".into(), epoch: 1 },
+        wire: WireLimits::default(),
+        connect_timeout: Duration::from_secs(5),
+        request_timeout: Duration::from_secs(5),
+    }
+}
+
+/// Every sealed image in the G3 store file: (hash, image bytes).
+fn images_on_disk(path: &std::path::Path) -> Vec<(BlockHash, Vec<u8>)> {
+    let data = std::fs::read(path).expect("the G3 store");
+    let mut out = Vec::new();
+    for at in (0..data.len()).step_by(4096) {
+        if data[at..].starts_with(&MAGIC)
+            && let Ok(header) = ImageHeader::decode_header_only(&data[at..])
+        {
+            out.push((header.hash, data[at..at + header.image_bytes()].to_vec()));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_node_serves_its_blocks_to_a_peer_with_the_secret_and_to_no_one_else() {
+    let dir = Arc::new(tempfile::tempdir().expect("tempdir"));
+    let secret = [0x5a; 32];
+    let secret_file = dir.path().join("g4.secret");
+    std::fs::write(&secret_file, secret).unwrap();
+    std::fs::set_permissions(&secret_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = format!(
+        "[tiers.g3]\ncapacity_per_path = \"64MiB\"\n\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\n\
+         cluster = \"test\"\nsecret_file = \"{}\"\n",
+        secret_file.display()
+    );
+    let node = Node::start_in(dir.clone(), &config);
+    let g4: SocketAddr = node
+        .announced
+        .iter()
+        .find_map(|l| l.strip_prefix("G4 block server on "))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("the G4 address is printed")
+        .parse()
+        .unwrap();
+
+    // A prompt of some blocks, computed once and written through to G2 and G3.
+    let prompt: String = (0..200).map(|i| format!("line {i} of the file; ")).collect();
+    let (status, _) =
+        node.chat(json!({"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2})).await;
+    assert_eq!(status, 200);
+    let mut on_disk = Vec::new();
+    for _ in 0..100 {
+        on_disk = images_on_disk(&dir.path().join("g3").join("store.0"));
+        if on_disk.len() >= 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(on_disk.len() >= 4, "blocks written through to G3: {}", on_disk.len());
+    let hashes: Vec<BlockHash> = on_disk.iter().map(|(h, _)| *h).collect();
+
+    // A peer with the secret holds and fetches them: verified, and the very images on disk.
+    let mut peer = PeerClient::connect(g4, &client(secret)).await.expect("authenticated");
+    assert_eq!(peer.peer().cluster, "test");
+    let unknown = BlockHash(12345);
+    let asked: Vec<BlockHash> = hashes.iter().copied().chain([unknown]).collect();
+    let held = peer.hold(&asked, Duration::from_secs(5)).await.unwrap();
+    assert!(held.blocks[..hashes.len()].iter().all(|b| b.image_len.is_some()), "resident in G2: {held:?}");
+    assert_eq!(held.blocks[hashes.len()].image_len, None, "a block the node never computed");
+    let fetched = peer.fetch(held.hold_id, &hashes).await.unwrap();
+    for ((hash, outcome), (_, image)) in fetched.iter().zip(&on_disk) {
+        assert_eq!(outcome, &Fetched::Verified(image.clone()), "block {hash}");
+    }
+    peer.release(held.hold_id).await.unwrap();
+    peer.goodbye().await.unwrap();
+
+    // Without the secret nothing is served; neither is a peer that sends garbage.
+    assert!(PeerClient::connect(g4, &client([0x11; 32])).await.is_err());
+    let mut raw = tokio::net::TcpStream::connect(g4).await.unwrap();
+    raw.write_all(&[0xff; 32]).await.unwrap();
+
+    let mut outcomes = (0.0, 0.0, 0.0);
+    for _ in 0..50 {
+        outcomes = (
+            node.metric("dynamo_node_peer_connections_total{outcome=\"goodbye\"}").await,
+            node.metric("dynamo_node_peer_connections_total{outcome=\"refused\"}").await,
+            node.metric("dynamo_node_peer_connections_total{outcome=\"too_large\"}").await,
+        );
+        if outcomes == (1.0, 1.0, 1.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(outcomes, (1.0, 1.0, 1.0), "goodbye, refused (wrong secret), too_large (garbage)");
+    let served = node.metric("dynamo_node_peer_served_bytes_total").await;
+    let expected: usize = on_disk.iter().map(|(_, image)| image.len()).sum();
+    assert_eq!(served, expected as f64);
+    assert_eq!(node.stop(), 0);
+}
