@@ -246,6 +246,10 @@ fn other_validation_rules() {
         ("[metrics]\nlisten = \"1.2.3.4\"\n", "metrics.listen"),
         ("[tiers.g4]\nlisten = \"x:1\"\n", "tiers.g4.listen"),
         ("[tiers.g4]\npeers = [\"nohost\"]\n", "tiers.g4.peers[0]"),
+        ("[tiers.g4]\nenabled = true\n", "tiers.g4.secret_file"),
+        ("[tiers.g4]\ncluster = \"\"\n", "tiers.g4.cluster"),
+        ("[tiers.g4]\nhold_ttl = \"0s\"\n", "tiers.g4.hold_ttl"),
+        ("[tiers.g4]\nmax_holds_per_peer = 0\n", "tiers.g4.max_holds_per_peer"),
         ("[metrics]\nlatency_buckets_seconds = [1.0, 0.5]\n", "metrics.latency_buckets_seconds"),
         ("[metrics]\nlatency_buckets_seconds = [0.0, 1.0]\n", "metrics.latency_buckets_seconds"),
         ("[router]\ntemperature = -1.0\n", "router.temperature"),
@@ -261,7 +265,8 @@ fn other_validation_rules() {
 
     // Allowed: a model from a path with any name, G1 = 0 on auto, RDMA transport, hostname peers.
     parse("[model]\nname = \"mine\"\npath = \"/m\"\n[tiers.g1]\ncapacity = 0\n").unwrap();
-    parse("[tiers.g4]\nenabled = true\ntransport = \"rdma\"\npeers = [\"node-1:7100\"]\n").unwrap();
+    parse("[tiers.g4]\nenabled = true\ntransport = \"rdma\"\npeers = [\"node-1:7100\"]\nsecret_file = \"s\"\n")
+        .unwrap();
     parse("[tiers.g2]\nenabled = false\ncapacity = 0\n[tiers.g3]\nenabled = false\n").unwrap();
 }
 
