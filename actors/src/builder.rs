@@ -37,6 +37,7 @@ use dynamo_config::{NodeConfig, QueuePolicy, RetentionSection, RoutingPolicy, Ti
 use dynamo_tiering::block::{BlockLayout, Salt};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, PoolError};
 use dynamo_tiering::g3::{G3Error, G3Options, G3Store, Recovery};
+use dynamo_tiering::g4::feed::Feed;
 use dynamo_tiering::registry::{PolicyKind, TierRegistry};
 use ractor::rpc::CallResult;
 use ractor::{Actor, SpawnErr};
@@ -44,11 +45,12 @@ use ractor::{Actor, SpawnErr};
 use crate::cost::CostModel;
 use crate::index::{IndexConfig, IndexWriter, PrefixIndex};
 use crate::leases::LeasedTiers;
+use crate::peer::RemoteTier;
 use crate::publisher::KvPublisher;
 use crate::scheduler::{KvRouting, SchedulerArgs, SchedulerRef};
 use crate::stores::{StoreArgs, Watermarks};
 use crate::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
-use crate::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, NoObserver, NodeTiers, WriteBatch};
+use crate::tiers::{BlockSite, G2Tier, G3Tier, G4Tier, KvObserver, NoObserver, NodeTiers, WriteBatch};
 use crate::worker::{EngineFactory, EngineHost, WorkerArgs, unix_millis};
 
 /// How often the store actors check occupancy and G3 health.
@@ -219,10 +221,14 @@ impl NodeBuilder {
     /// A publisher of node `node`'s events into the index (through the writer, if there is one),
     /// for engines that keep their own tiers.
     pub fn publisher(&self, node: u16) -> Arc<KvPublisher> {
-        Arc::new(match &self.writer {
+        Arc::new(self.new_publisher(node))
+    }
+
+    fn new_publisher(&self, node: u16) -> KvPublisher {
+        match &self.writer {
             Some(writer) => KvPublisher::with_writer(node, self.epoch, writer.clone()),
             None => KvPublisher::new(node, self.epoch, self.index.clone()),
-        })
+        }
     }
 
     /// Maps G2 and opens G3 (blocking while it scans its slots), rebuilding G3's registry from
@@ -317,8 +323,16 @@ impl NodeStores {
     /// the index what G3 recovered.
     pub fn tiers(self, settings: TierSettings) -> NodeTiered {
         let NodeStores { builder, plan, g2, g3, recovery } = self;
-        let observer: Arc<dyn KvObserver> =
-            if builder.kv_events { builder.publisher(builder.node) } else { Arc::new(NoObserver) };
+        // G4: the feed of G2 for peers, and the links to theirs (started by the caller).
+        let g4 = settings.g4.then(|| G4Tier {
+            feed: Arc::new(Feed::default()),
+            remote: Arc::new(RemoteTier::new(builder.index.clone(), builder.node)),
+        });
+        let observer: Arc<dyn KvObserver> = match (builder.kv_events, &g4) {
+            (false, _) => Arc::new(NoObserver),
+            (true, Some(g4)) => Arc::new(builder.new_publisher(builder.node).with_feed(g4.feed.clone())),
+            (true, None) => builder.publisher(builder.node),
+        };
         let g2 = g2.map(|(pool, registry)| G2Tier::new(pool, registry).with_observer(observer.clone()));
         let g3 = g3.map(|(store, registry)| G3Tier::new(store, registry).with_observer(observer.clone()));
         // What G3 recovered at start-up is already there: the index learns it first.
@@ -340,6 +354,7 @@ impl NodeStores {
             measured: Default::default(),
             observer,
             leases: Default::default(),
+            g4,
         });
         let store = |watermarks: Watermarks| StoreArgs {
             tiers: tiers.clone(),
@@ -371,6 +386,8 @@ pub struct TierSettings {
     /// The node's one cost model: the workers decide "load or recompute?" with it and the
     /// scheduler ranks them with it.
     pub cost: CostModel,
+    /// Whether the node serves its G2 to peers and loads from theirs (`tiers.g4.enabled`).
+    pub g4: bool,
 }
 
 /// Stage 3: the tiers are built; engine factories take [`NodeTiered::tiers`].
@@ -691,6 +708,7 @@ mod tests {
             retention: RetentionSection::default(),
             write_batch: WriteBatch::default(),
             cost: CostModel::unknown(BLOCK_TOKENS, layout().image_bytes()),
+            g4: false,
         }
     }
 

@@ -15,8 +15,9 @@ use dynamo_config::G4Config;
 use dynamo_tiering::block::{BlockHash, ImageHeader};
 use dynamo_tiering::g2::SlotRef;
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity, SecretError};
+use dynamo_tiering::g4::feed::Feed;
 use dynamo_tiering::g4::holds::HoldLimits;
-use dynamo_tiering::g4::tcp::{BlockSource, ServedPeer, ServerConfig, serve_peer_into};
+use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, ServedPeer, ServerConfig, serve_peer_into};
 use dynamo_tiering::g4::wire::WireLimits;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -24,6 +25,10 @@ use tokio::task::JoinHandle;
 
 use crate::telemetry;
 use crate::tiers::NodeTiers;
+
+mod link;
+
+pub use link::{FetchError, LinkConfig, PeerLink, RemoteTier};
 
 /// Most peer connections served at once; more wait to be accepted.
 const MAX_PEER_CONNECTIONS: usize = 64;
@@ -53,6 +58,14 @@ impl BlockSource for G2Blocks {
         // A slot whose header does not decode is not served; the reader would drop it anyway.
         let len = ImageHeader::decode_header_only(slot.as_slice()).ok()?.image_bytes();
         (len <= slot.as_slice().len()).then_some(G2Image { slot, len })
+    }
+
+    fn sent(&self, bytes: usize) {
+        telemetry::record_peer_served(bytes as u64);
+    }
+
+    fn feed(&self) -> Option<&Feed> {
+        self.0.g4.as_ref().map(|g4| &*g4.feed)
     }
 }
 
@@ -131,6 +144,43 @@ impl Drop for BlockServer {
     }
 }
 
+/// Starts a link to every peer of `tiers.g4.peers` into `remote`, authenticating as `node` of
+/// `epoch`; images up to `max_image` bytes are accepted. Returns how many were started.
+pub fn connect_peers(
+    g4: &G4Config,
+    node: &str,
+    epoch: u64,
+    max_image: usize,
+    remote: &RemoteTier,
+) -> Result<usize, BlockServerError> {
+    if g4.peers.is_empty() {
+        return Ok(0);
+    }
+    let secret = ClusterSecret::from_file(g4.secret_file.as_deref().ok_or(BlockServerError::NoSecret)?)?;
+    let request_timeout = g4.request_timeout.as_duration();
+    let config = LinkConfig {
+        client: ClientConfig {
+            secret,
+            me: PeerIdentity { cluster: g4.cluster.clone(), node: node.to_owned(), epoch },
+            wire: WireLimits { max_frame: (max_image + 64).min(u32::MAX as usize) as u32, ..WireLimits::default() },
+            connect_timeout: request_timeout.max(Duration::from_secs(1)),
+            request_timeout,
+        },
+        lanes: g4.lanes,
+        max_inflight: g4.max_inflight,
+        hold_ttl: g4.hold_ttl.as_duration(),
+        heartbeat: g4.heartbeat.as_duration(),
+        max_snapshot_blocks: MAX_SNAPSHOT_BLOCKS,
+    };
+    for peer in &g4.peers {
+        remote.connect(peer.clone(), config.clone());
+    }
+    Ok(g4.peers.len())
+}
+
+/// Most blocks one peer's snapshot may list (16 Mi blocks: 512 MiB of index at most).
+const MAX_SNAPSHOT_BLOCKS: usize = 16 << 20;
+
 async fn accept(listener: TcpListener, config: Arc<ServerConfig>, source: Arc<G2Blocks>) {
     let slots = Arc::new(Semaphore::new(MAX_PEER_CONNECTIONS));
     loop {
@@ -154,7 +204,7 @@ async fn accept(listener: TcpListener, config: Arc<ServerConfig>, source: Arc<G2
                 Err(e) => tracing::info!(%from, peer, error = %e, "G4 peer connection ended"),
             }
             let kind = outcome.as_ref().err().map_or("goodbye", |e| e.kind());
-            telemetry::record_peer_connection(kind, served.image_bytes, served.expired_holds);
+            telemetry::record_peer_connection(kind, served.expired_holds);
         });
     }
 }

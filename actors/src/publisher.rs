@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::g4::feed::Feed;
 use parking_lot::Mutex;
 
 use crate::index::{Applied, IndexWriter, KvEvent, KvEventKind, OnApplied, PrefixIndex, SourceId};
@@ -32,19 +33,35 @@ pub struct KvPublisher {
     index: Arc<PrefixIndex>,
     writer: Option<Arc<IndexWriter>>,
     seqs: Mutex<HashMap<SourceId, u64>>,
+    /// What this node's block server tells its peers: G2's changes, in the index's order.
+    feed: Option<Arc<Feed>>,
 }
 
 impl KvPublisher {
     /// Publishes node `node`'s events into `index`, as incarnation `epoch` (e.g. the start time
     /// in nanoseconds: a restarted node must use a larger one).
     pub fn new(node: u16, epoch: u64, index: Arc<PrefixIndex>) -> Self {
-        Self { node, epoch, index, writer: None, seqs: Mutex::new(HashMap::new()) }
+        Self { node, epoch, index, writer: None, seqs: Mutex::new(HashMap::new()), feed: None }
     }
 
     /// Like [`KvPublisher::new`], but the events are applied by `writer` (which must write
     /// `writer.index()`, and should have been spawned with [`KvPublisher::on_applied`]).
     pub fn with_writer(node: u16, epoch: u64, writer: Arc<IndexWriter>) -> Self {
-        Self { node, epoch, index: writer.index().clone(), writer: Some(writer), seqs: Mutex::new(HashMap::new()) }
+        Self {
+            node,
+            epoch,
+            index: writer.index().clone(),
+            writer: Some(writer),
+            seqs: Mutex::new(HashMap::new()),
+            feed: None,
+        }
+    }
+
+    /// Also tells `feed` every change of G2 (what the block server serves to peers), in the
+    /// order the index gets them.
+    pub fn with_feed(mut self, feed: Arc<Feed>) -> Self {
+        self.feed = Some(feed);
+        self
     }
 
     /// What a writer thread does with each outcome: the metric, and an error log on a gap.
@@ -66,6 +83,15 @@ impl KvPublisher {
 
     fn publish(&self, source: SourceId, kind: KvEventKind) {
         let mut seqs = self.seqs.lock();
+        if let Some(feed) = &self.feed
+            && source.is_node_store()
+        {
+            match &kind {
+                KvEventKind::Stored { hashes, parent, tier: TierName::G2 } => feed.stored(*parent, hashes),
+                KvEventKind::Removed { hashes, tier: TierName::G2 } => feed.removed(hashes),
+                _ => {}
+            }
+        }
         let seq = seqs.entry(source).or_insert(0);
         *seq += 1;
         let event = KvEvent { source, epoch: self.epoch, seq: *seq, kind };

@@ -64,6 +64,11 @@
 //! | `dynamo_node_peer_connections_total` | counter | `outcome` | G4 peer connections served, by how they ended: `goodbye`, or the error's kind (`bad_mac`, `too_large`, `timeout`, `limit`, …) |
 //! | `dynamo_node_peer_served_bytes_total` | counter | | block-image bytes sent to peers |
 //! | `dynamo_node_peer_expired_holds_total` | counter | | peer holds that ran out before their release |
+//! | `dynamo_node_peer_fetches_total` | counter | `peer`, `transport`, `outcome` | fetches from a peer: `ok`, or the error's kind (`deadline`, `closed`, `bad_mac`, …) |
+//! | `dynamo_node_peer_fetch_seconds` | histogram | `peer`, `transport` | one fetch from a peer: hold, images, release |
+//! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped) |
+//! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
+//! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once) |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -185,10 +190,22 @@ pub mod names {
     pub const PEER_SERVED_BYTES: &str = "dynamo_node_peer_served_bytes_total";
     /// Counter: peer holds that ran out before their release.
     pub const PEER_EXPIRED_HOLDS: &str = "dynamo_node_peer_expired_holds_total";
+    /// Counter `{peer, transport, outcome}`: fetches from peers, by how they ended.
+    pub const PEER_FETCHES: &str = "dynamo_node_peer_fetches_total";
+    /// Histogram `{peer, transport}`: time of one fetch (hold, images, release).
+    pub const PEER_FETCH_SECONDS: &str = "dynamo_node_peer_fetch_seconds";
+    /// Counter `{peer, transport, outcome}`: blocks asked of peers: `verified`, `missing`,
+    /// `rejected` (failed verification, dropped).
+    pub const PEER_FETCHED_BLOCKS: &str = "dynamo_node_peer_fetched_blocks_total";
+    /// Counter `{peer, transport}`: verified image bytes fetched from peers.
+    pub const PEER_FETCHED_BYTES: &str = "dynamo_node_peer_fetched_bytes_total";
+    /// Counter `{peer, reason}`: feeds from peers that ended (their blocks left the index).
+    pub const PEER_FEED_ENDED: &str = "dynamo_node_peer_feed_ended_total";
 
     /// Every histogram: each gets the configured buckets.
-    pub const HISTOGRAMS: [&str; 5] = [
+    pub const HISTOGRAMS: [&str; 6] = [
         KV_TRANSFER_SECONDS,
+        PEER_FETCH_SECONDS,
         REQUEST_TTFT_SECONDS,
         INTER_TOKEN_SECONDS,
         WRITE_THROUGH_LAG_SECONDS,
@@ -220,6 +237,11 @@ pub fn describe() {
     describe_counter!(RECORDING_DROPPED, Unit::Count, "Requests the traffic recording lost, by reason.");
     describe_counter!(PEER_CONNECTIONS, Unit::Count, "G4 peer connections served, by how they ended.");
     describe_counter!(PEER_SERVED_BYTES, Unit::Bytes, "Block-image bytes sent to peers.");
+    describe_counter!(PEER_FETCHES, Unit::Count, "Fetches from peers, by how they ended.");
+    describe_histogram!(PEER_FETCH_SECONDS, Unit::Seconds, "Time of one fetch from a peer: hold, images, release.");
+    describe_counter!(PEER_FETCHED_BLOCKS, Unit::Count, "Blocks asked of peers: verified, missing or rejected.");
+    describe_counter!(PEER_FETCHED_BYTES, Unit::Bytes, "Verified block-image bytes fetched from peers.");
+    describe_counter!(PEER_FEED_ENDED, Unit::Count, "Feeds from peers that ended; their blocks left the index.");
     describe_counter!(PEER_EXPIRED_HOLDS, Unit::Count, "Peer holds that ran out before their release.");
     describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
@@ -339,12 +361,36 @@ pub fn record_cancelled(stage: &'static str) {
     counter!(names::REQUESTS_CANCELLED, "stage" => stage).increment(1);
 }
 
-/// A G4 peer connection ended (`outcome`: `goodbye` or the error's kind), having sent `bytes` of
-/// images and let `expired` holds run out.
-pub fn record_peer_connection(outcome: &'static str, bytes: u64, expired: u64) {
+/// A G4 peer connection ended (`outcome`: `goodbye` or the error's kind), having let `expired`
+/// holds run out.
+pub fn record_peer_connection(outcome: &'static str, expired: u64) {
     counter!(names::PEER_CONNECTIONS, "outcome" => outcome).increment(1);
-    counter!(names::PEER_SERVED_BYTES).increment(bytes);
     counter!(names::PEER_EXPIRED_HOLDS).increment(expired);
+}
+
+/// `bytes` of a block image were sent to a peer.
+pub fn record_peer_served(bytes: u64) {
+    counter!(names::PEER_SERVED_BYTES).increment(bytes);
+}
+
+/// A fetch from the peer at `peer` ended (`outcome`: `ok`, or the error's kind) after `elapsed`.
+pub fn record_peer_fetch(peer: &str, outcome: &'static str, elapsed: std::time::Duration) {
+    counter!(names::PEER_FETCHES, "peer" => peer.to_owned(), "transport" => "tcp", "outcome" => outcome).increment(1);
+    histogram!(names::PEER_FETCH_SECONDS, "peer" => peer.to_owned(), "transport" => "tcp")
+        .record(elapsed.as_secs_f64());
+}
+
+/// One block of a fetch from `peer` (`outcome`: `verified`, `missing`, `rejected` — failed
+/// verification and was dropped), of `bytes` image bytes.
+pub fn record_peer_block(peer: &str, outcome: &'static str, bytes: u64) {
+    counter!(names::PEER_FETCHED_BLOCKS, "peer" => peer.to_owned(), "transport" => "tcp", "outcome" => outcome)
+        .increment(1);
+    counter!(names::PEER_FETCHED_BYTES, "peer" => peer.to_owned(), "transport" => "tcp").increment(bytes);
+}
+
+/// The feed from `peer` ended (`reason`: the error's kind); its blocks left the index.
+pub fn record_peer_feed_ended(peer: &str, reason: &'static str) {
+    counter!(names::PEER_FEED_ENDED, "peer" => peer.to_owned(), "reason" => reason).increment(1);
 }
 
 /// A Claude Code billing header was dropped from a request's system text.

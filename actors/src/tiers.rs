@@ -376,6 +376,17 @@ pub struct NodeTiers {
     pub observer: Arc<dyn KvObserver>,
     /// Who leases which blocks until when.
     pub leases: LeaseBook,
+    /// G4, when `tiers.g4` is enabled: what this node serves to its peers and loads from theirs.
+    pub g4: Option<G4Tier>,
+}
+
+/// G4 on a node: the feed of its G2 for its peers, and the links to theirs.
+#[derive(Clone, Debug)]
+pub struct G4Tier {
+    /// What the block server serves, for peers' indexes (fed by the node's KV publisher).
+    pub feed: Arc<dynamo_tiering::g4::feed::Feed>,
+    /// The peers this node loads from.
+    pub remote: Arc<crate::peer::RemoteTier>,
 }
 
 /// Write-through batch bounds: a batch leaves when it has this many blocks or its oldest block

@@ -245,6 +245,12 @@ impl NodeConfig {
             }
         }
         c.at_least_one("tiers.g4.max_inflight", g4.max_inflight);
+        if !(1..=64).contains(&g4.lanes) {
+            c.fail("tiers.g4.lanes", "must be 1 to 64");
+        }
+        if g4.heartbeat.as_duration() < std::time::Duration::from_millis(10) {
+            c.fail("tiers.g4.heartbeat", "must be at least 10ms");
+        }
         if g4.request_timeout.as_duration().is_zero() {
             c.fail("tiers.g4.request_timeout", "must be longer than 0s");
         }

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
-use dynamo_actors::peer::BlockServer;
+use dynamo_actors::peer::{BlockServer, connect_peers};
 use dynamo_config::NodeConfig;
 
 use crate::frontend::FrontendState;
@@ -107,9 +107,12 @@ impl NodeHandle {
     /// rest. Errors if the HTTP server failed (the node is stopped all the same).
     pub async fn stop(self) -> anyhow::Result<()> {
         let NodeHandle { serving, grace, poller, stop, mut server, recorder, block_server, .. } = self;
-        // Peers lose this node first: what it holds is about to go.
+        // Peers lose this node first: what it holds is about to go; and it stops loading theirs.
         if let Some(block_server) = &block_server {
             block_server.stop();
+        }
+        if let Some(g4) = &serving.tiers.g4 {
+            g4.remote.shutdown();
         }
         let _ = stop.send(());
         let deadline = tokio::time::Instant::now() + grace;
@@ -216,7 +219,15 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         // Until membership gives one, the epoch is the start time: a restarted node is a new epoch.
         let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let max_image = serving.tiers.layout.image_bytes();
-        match BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone()).await {
+        let started = BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone())
+            .await
+            .and_then(|server| {
+                if let Some(g4) = &serving.tiers.g4 {
+                    connect_peers(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, &g4.remote)?;
+                }
+                Ok(server)
+            });
+        match started {
             Ok(server) => Some(server),
             Err(e) => {
                 if let Some(poller) = poller {
@@ -267,6 +278,12 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
                 block_server.local_addr(),
                 cfg.tiers.g4.cluster
             );
+            if !cfg.tiers.g4.peers.is_empty() {
+                println!(
+                    "G4 peers: {} (loading their blocks when cheaper than recomputing)",
+                    cfg.tiers.g4.peers.join(", ")
+                );
+            }
         }
         println!("serving the OpenAI API on http://{addr}/v1");
     }

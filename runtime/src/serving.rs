@@ -239,7 +239,7 @@ impl Serving {
             g2_read: None,
             // G3: a configured disk rate stands; otherwise measured on real reads.
             g3_read: cfg.tiers.g3.read_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
-            // No peers yet (G4 is the peer-link issue).
+            // Peers: measured on real fetches (until then, loads are taken).
             g4_read: None,
         };
         let tiered = stores.tiers(TierSettings {
@@ -249,6 +249,7 @@ impl Serving {
             retention: cfg.retention.clone(),
             write_batch: WriteBatch::from_config(&cfg.tiers),
             cost,
+            g4: cfg.tiers.g4.enabled,
         });
         let tiers = tiered.tiers().clone();
         // Leases outlast a restart where their blocks do: in G3.

@@ -102,6 +102,7 @@ fn node_sized(sizes: Sizes, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
         measured: Default::default(),
         observer,
         leases: Default::default(),
+        g4: None,
     };
     Node { tiers: Arc::new(tiers), weights: Arc::new(HostWeights::random(shape, 9)), g3_path, faults, _dir: dir }
 }

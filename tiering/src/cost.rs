@@ -182,7 +182,8 @@ impl CostModel {
     }
 
     /// This model with its unknown load rates filled in from what `measured` has seen on real
-    /// transfers (G2 → G1 loads; G3 reads, followed by the host link when that is known).
+    /// transfers (G2 → G1 loads; G3 reads and peer fetches, each followed by the host link when
+    /// that is known).
     pub fn measured(&self, measured: &Measurements) -> Self {
         let mut cost = self.clone();
         if cost.g2_read.is_none() {
@@ -192,6 +193,12 @@ impl CostModel {
             cost.g3_read = match (measured.g3_read.get(), cost.g2_read) {
                 (Some(disk), Some(link)) => Some(disk.then(link)),
                 (disk, _) => disk,
+            };
+        }
+        if cost.g4_read.is_none() {
+            cost.g4_read = match (measured.g4_read.get(), cost.g2_read) {
+                (Some(net), Some(link)) => Some(net.then(link)),
+                (net, _) => net,
             };
         }
         cost
@@ -266,6 +273,8 @@ pub struct Measurements {
     pub g2_load: MeasuredBandwidth,
     /// G3 reads into G2.
     pub g3_read: MeasuredBandwidth,
+    /// Fetches from peers into G2 (G4).
+    pub g4_read: MeasuredBandwidth,
     load_sampled: AtomicBool,
 }
 
@@ -405,6 +414,11 @@ mod tests {
         // A G3 read is followed by the host link.
         let g3 = filled.g3_read.expect("measured").get();
         assert!(g3 < (1u64 << 20) as f64 * 1e3 && g3 > 0.9 * (1u64 << 20) as f64 * 1e3, "{g3}");
+        // So is a peer fetch; until one is timed, G4 stays unknown.
+        assert_eq!(filled.g4_read, None);
+        measured.g4_read.observe(1 << 20, Duration::from_millis(2));
+        let g4 = unknown.measured(&measured).g4_read.expect("measured").get();
+        assert!(g4 < (1u64 << 20) as f64 * 5e2 && g4 > 0.9 * (1u64 << 20) as f64 * 5e2, "{g4}");
         // A configured rate stands.
         let configured = CostModel { g2_read: BytesPerSec::new(5e9), ..unknown };
         assert_eq!(configured.measured(&measured).g2_read, BytesPerSec::new(5e9));

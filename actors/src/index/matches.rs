@@ -170,6 +170,12 @@ impl WorkerViews {
         WorkerPrefix { g1, g1_approximate, g2, g3, g4 }
     }
 
+    /// The node other than `node` whose G2 or G3 holds the longest prefix, and its length in
+    /// blocks (what a worker of `node` would load over a peer link).
+    pub fn best_other_node(&self, node: u16) -> Option<(u16, usize)> {
+        self.far.iter().copied().find(|&(n, blocks)| n != node && blocks > 0)
+    }
+
     fn clear(&mut self) {
         self.workers.clear();
         self.nodes.clear();

@@ -51,6 +51,7 @@ use dynamo_tiering::block::{
     BlockHash, BlockHasher, BlockMap, HEADER_LEN, ImageSpec, Namespace, RetentionMeta, Salt, payload_mut, seal,
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
+use dynamo_tiering::g4::tcp::Fetched;
 use dynamo_tiering::pipeline::{self, Landed, Presence, Refusal};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
@@ -439,10 +440,35 @@ struct PendingWrite {
 enum Source {
     /// Resident in this worker's G1 (already acquired).
     G1(u32),
-    /// An image in G2 (`from_g3`: just read from G3 into a G2 slot).
-    Image { image: SlotRef, from_g3: bool },
+    /// An image in a G2 slot: found in G2, or just read there from G3 or fetched from a peer.
+    Image { image: SlotRef, from: pipeline::Source },
     /// In G3, to be read.
     G3,
+    /// On the peer the lookup found, to be fetched.
+    G4,
+}
+
+/// The shortest budget a peer fetch gets: a round trip and a few images on any network.
+const MIN_FETCH_BUDGET: Duration = Duration::from_millis(50);
+
+/// How long a fetch of the blocks covering tokens `[from, to)` may take before it is cancelled
+/// and they are recomputed: twice what recomputing them would take by the cost model, at least
+/// [`MIN_FETCH_BUDGET`], at most `ceiling` (`tiers.g4.request_timeout`).
+fn fetch_budget(cost: &dynamo_tiering::cost::CostModel, from: usize, to: usize, ceiling: Duration) -> Duration {
+    let recompute = cost.prefill.as_ref().map(|p| Duration::from_secs_f64(2.0 * p.seconds(from, to)));
+    recompute.unwrap_or(ceiling).clamp(MIN_FETCH_BUDGET.min(ceiling), ceiling)
+}
+
+/// A verified image from a peer, copied into a fresh G2 slot; `None` if G2 has no room or the
+/// image does not fit a slot.
+fn land_in_g2(g2: &crate::tiers::G2Tier, image: &[u8], now: Millis) -> Option<SlotRef> {
+    let mut slot = g2.alloc(now)?;
+    let dst = slot.as_mut_slice();
+    if image.len() > dst.len() {
+        return None;
+    }
+    dst[..image.len()].copy_from_slice(image);
+    Some(slot.freeze())
 }
 
 /// The real executor's answers while the pipeline plans a prefix: a G1 block found is acquired
@@ -452,6 +478,8 @@ struct Lookup<'w, B: Backend> {
     now: Millis,
     pages: Vec<u32>,
     images: Vec<SlotRef>,
+    /// The blocks of the prefix the best peer holds (empty without one).
+    remote: &'w [BlockHash],
 }
 
 impl<B: Backend> pipeline::TierLookup for Lookup<'_, B> {
@@ -471,6 +499,11 @@ impl<B: Backend> pipeline::TierLookup for Lookup<'_, B> {
     fn in_g3(&mut self, hash: BlockHash) -> bool {
         let tiers = &self.worker.tiers;
         tiers.g2.is_some() && tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash))
+    }
+
+    fn in_g4(&mut self, hash: BlockHash) -> bool {
+        // The peer's prefix is asked in order, block by block, from its start.
+        self.worker.tiers.g2.is_some() && self.remote.contains(&hash)
     }
 }
 
@@ -930,7 +963,10 @@ impl<B: Backend> Worker<B> {
 
         // The plan (the pipeline's): where each block of the prefix comes from. G1 blocks are
         // acquired and G2 images taken as the plan finds them.
-        let mut lookup = Lookup { worker: self, now, pages: Vec::new(), images: Vec::new() };
+        // The peer whose G2 holds the longest prefix (from the index its feed keeps), if any.
+        let remote = tiers.g4.as_ref().and_then(|g4| g4.remote.locate(hashes));
+        let remote_prefix = remote.as_ref().map_or(&[][..], |(_, blocks)| &hashes[..(*blocks).min(hashes.len())]);
+        let mut lookup = Lookup { worker: self, now, pages: Vec::new(), images: Vec::new(), remote: remote_prefix };
         let sources = tiers.pipeline().plan_prefix(hashes, seq.run.tokens.len(), &tiers.cost_now(), &mut lookup);
         let Lookup { mut pages, mut images, .. } = lookup;
         let mut plan: Vec<Source> = Vec::with_capacity(sources.len());
@@ -939,10 +975,10 @@ impl<B: Backend> Worker<B> {
             plan.push(match source {
                 pipeline::Source::G1 => Source::G1(pages.next().expect("a page per G1 block")),
                 pipeline::Source::G2 => {
-                    Source::Image { image: images.next().expect("an image per G2 block"), from_g3: false }
+                    Source::Image { image: images.next().expect("an image per G2 block"), from: pipeline::Source::G2 }
                 }
                 pipeline::Source::G3 => Source::G3,
-                pipeline::Source::G4 => unreachable!("a node without peers has no G4"),
+                pipeline::Source::G4 => Source::G4,
             });
         }
 
@@ -968,7 +1004,7 @@ impl<B: Backend> Worker<B> {
                     Some(Ok(image)) if i < end => {
                         g3.health.record_ok();
                         read_bytes += g3.store.slot_bytes();
-                        plan[i] = Source::Image { image, from_g3: true };
+                        plan[i] = Source::Image { image, from: pipeline::Source::G3 };
                     }
                     Some(Ok(_)) => {}
                     Some(Err(failure)) => {
@@ -996,6 +1032,56 @@ impl<B: Backend> Worker<B> {
             }
         }
 
+        // Peer fetches: one hold-fetch-release on the link, within the cost model's budget.
+        let g4_blocks: Vec<usize> = (0..plan.len()).filter(|&i| matches!(plan[i], Source::G4)).collect();
+        if let (Some(&first), Some((link, _)), Some(g2)) = (g4_blocks.first(), remote.as_ref(), tiers.g2.as_ref()) {
+            let wanted: Vec<BlockHash> = g4_blocks.iter().map(|&i| hashes[i]).collect();
+            let started = Instant::now();
+            let last = g4_blocks.last().copied().unwrap_or(first);
+            let deadline = started + fetch_budget(&tiers.cost_now(), first * b, (last + 1) * b, link.request_timeout());
+            let mut end = plan.len();
+            let mut fetched_bytes = 0;
+            match link.fetch(wanted, deadline).await {
+                Ok(blocks) => {
+                    for (&i, (_, fetched)) in g4_blocks.iter().zip(blocks) {
+                        let landed = match fetched {
+                            Fetched::Verified(image) => land_in_g2(g2, &image, now),
+                            Fetched::Missing => None,
+                            Fetched::Rejected(e) => {
+                                // Verified and dropped: never handed to the engine.
+                                seq.run.outcome.corrupt_blocks += 1;
+                                record_tier_error(Tier::G4, e.kind());
+                                None
+                            }
+                        };
+                        match landed {
+                            Some(image) if i < end => {
+                                fetched_bytes += image.as_slice().len();
+                                plan[i] = Source::Image { image, from: pipeline::Source::G4 };
+                            }
+                            Some(_) => {}
+                            None => end = end.min(i),
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(peer = link.addr(), error = %e, "G4 fetch failed; the prefix is recomputed from there");
+                    record_tier_error(Tier::G4, e.kind());
+                    end = first;
+                }
+            }
+            let elapsed = started.elapsed();
+            if fetched_bytes > 0 {
+                record_transfer(Tier::G4, Tier::G2, fetched_bytes as u64, elapsed);
+                tiers.measured.g4_read.observe(fetched_bytes, elapsed);
+            }
+            for (source, &hash) in plan.drain(end..).zip(&hashes[end..]) {
+                if let Source::G1(_) = source {
+                    let _ = self.registry.release(hash);
+                }
+            }
+        }
+
         // Into G1: resident blocks in place, loaded images in one scatter.
         let mut loads: Vec<(u32, SlotRef)> = Vec::new();
         let mut loaded: Vec<usize> = Vec::new();
@@ -1010,7 +1096,7 @@ impl<B: Backend> Worker<B> {
                     hits[0] += b;
                     self.write_reused(i, hashes, page, seq.run.region(i, b), now);
                 }
-                Source::Image { image, from_g3 } => {
+                Source::Image { image, from } => {
                     let page = match self.alloc_page(now) {
                         Ok(page) => page,
                         Err(e) => {
@@ -1026,14 +1112,14 @@ impl<B: Backend> Worker<B> {
                         }
                     };
                     seq.blocks.push(SeqBlock { page, registered: None });
-                    hits[if from_g3 { 2 } else { 1 }] += b;
+                    hits[from.index()] += b;
                     let region = seq.run.region(i, b);
                     self.register(i, &mut seq.blocks, hashes, region, now, false);
-                    self.write_loaded(i, hashes, region, image.clone(), from_g3, now);
+                    self.write_loaded(i, hashes, region, image.clone(), from, now);
                     loads.push((page, image));
                     loaded.push(i);
                 }
-                Source::G3 => unreachable!("every G3 block was read or cut off"),
+                Source::G3 | Source::G4 => unreachable!("every G3 and G4 block was read or cut off"),
             }
         }
         if !loads.is_empty() {
@@ -1201,12 +1287,11 @@ impl<B: Backend> Worker<B> {
         hashes: &[BlockHash],
         region: RegionKind,
         image: SlotRef,
-        from_g3: bool,
+        from: pipeline::Source,
         now: Millis,
     ) {
         let tiers = self.tiers.clone();
         let parent = i.checked_sub(1).map(|p| hashes[p]);
-        let from = if from_g3 { pipeline::Source::G3 } else { pipeline::Source::G2 };
         let targets = tiers.pipeline().write_targets(region, Landed::Loaded(from), self.presence(hashes[i]));
         if let Some(g2) = tiers.g2.as_ref().filter(|_| targets.g2)
             && g2.admit(hashes[i], tiers.meta(parent, region), image.clone(), now)

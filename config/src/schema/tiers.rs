@@ -261,6 +261,11 @@ pub struct G4Config {
     pub request_timeout: HumanDuration,
     /// Most requests in flight per peer. Default `64`.
     pub max_inflight: usize,
+    /// Connections per peer that carry block fetches, side by side. Default `2`.
+    pub lanes: usize,
+    /// Each peer's feed of its blocks is pinged this often; a peer silent for three
+    /// heartbeats is taken as gone and its blocks leave the index. Default `"1s"`.
+    pub heartbeat: HumanDuration,
     /// The cluster's name: peers of another cluster are refused. Default `"dynamo"`.
     pub cluster: String,
     /// The cluster's shared secret (32 bytes, or 64 hex digits; readable by its owner only),
@@ -282,6 +287,8 @@ impl Default for G4Config {
             peers: Vec::new(),
             request_timeout: HumanDuration::secs(2),
             max_inflight: 64,
+            lanes: 2,
+            heartbeat: HumanDuration::secs(1),
             cluster: "dynamo".to_owned(),
             secret_file: None,
             hold_ttl: HumanDuration::secs(10),

@@ -375,6 +375,7 @@ fn scratch_tiers(
             prefill: Prefill::rate(prefill_tokens_per_s),
             ..CostModel::unknown(opts.block_tokens, layout.image_bytes())
         },
+        g4: false,
     });
     tiered.tiers().clone()
 }

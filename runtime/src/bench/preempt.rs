@@ -210,6 +210,7 @@ async fn burst(
         write_batch: WriteBatch::default(),
         // Unknown rates: loads are taken (the point is what they cost).
         cost: CostModel::unknown(b, layout.image_bytes()),
+        g4: false,
     });
     let tiers = tiered.tiers().clone();
     let model = Llama::new(CpuBackend::default(), weights).context("the model")?;

@@ -5,6 +5,7 @@
 //! - [`auth`] — the mutual challenge-response on the cluster secret that opens every connection,
 //!   and the session key that authenticates the frames after it.
 //! - [`holds`] — the serving side's holds on its resident blocks, with a TTL and per-peer limits.
+//! - [`feed`] — what a node can serve, as numbered changes after a snapshot, for peers' indexes.
 //! - [`tcp`] — the TCP transport: one authenticated connection with MACed frames, its server
 //!   (holds and fetches answered from a [`tcp::BlockSource`]) and its client.
 //!
@@ -13,6 +14,7 @@
 //! safety never rests on a hold or on the peer.
 
 pub mod auth;
+pub mod feed;
 pub mod holds;
 pub mod tcp;
 pub mod wire;

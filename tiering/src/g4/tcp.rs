@@ -19,6 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::auth::{AuthError, ClientHandshake, ClusterSecret, Direction, PeerIdentity, ServerHandshake, Session};
+use super::feed::{Feed, FeedChange, Subscription};
 use super::holds::{HoldError, HoldLimits, HoldTable};
 use super::wire::{
     FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, Message, RefusalCode, WireError, WireLimits, image_frame_prefix,
@@ -34,6 +35,14 @@ pub trait BlockSource {
 
     /// The sealed image of `hash` if the block is resident; `None` otherwise.
     fn resolve(&self, hash: BlockHash) -> Option<Self::Handle>;
+
+    /// `bytes` of an image were sent to a peer (for metrics that count as bytes go).
+    fn sent(&self, _bytes: usize) {}
+
+    /// The feed of what it can serve, for peers that subscribe; `None` refuses subscriptions.
+    fn feed(&self) -> Option<&Feed> {
+        None
+    }
 }
 
 /// Why a connection ended other than by a clean goodbye.
@@ -71,6 +80,9 @@ pub enum PeerError {
     /// Nothing came within the deadline.
     #[error("peer timed out ({0})")]
     Timeout(&'static str),
+    /// A feed subscriber fell further behind than the feed buffers; it must subscribe again.
+    #[error("the feed subscriber fell behind")]
+    Lagged,
 }
 
 impl PeerError {
@@ -86,6 +98,7 @@ impl PeerError {
             PeerError::Unexpected(_) => "unexpected",
             PeerError::Limit(_) => "limit",
             PeerError::Timeout(_) => "timeout",
+            PeerError::Lagged => "lagged",
         }
     }
 
@@ -270,23 +283,6 @@ impl Conn {
     }
 }
 
-fn name(message: &Message) -> &'static str {
-    match message {
-        Message::Hello { .. } => "hello",
-        Message::Challenge { .. } => "challenge",
-        Message::Proof { .. } => "proof",
-        Message::Refused { .. } => "refused",
-        Message::Hold { .. } => "hold",
-        Message::Held { .. } => "held",
-        Message::Fetch { .. } => "fetch",
-        Message::Image { .. } => "image",
-        Message::Release { .. } => "release",
-        Message::Ping { .. } => "ping",
-        Message::Pong { .. } => "pong",
-        Message::Goodbye => "goodbye",
-    }
-}
-
 /// What a server allows its peers.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -414,6 +410,7 @@ async fn serve_frames<S: BlockSource>(
                                 conn.send_image(frame.req_id, hash, slot.as_ref()).await?;
                                 served.images += 1;
                                 served.image_bytes += slot.as_ref().len() as u64;
+                                source.sent(slot.as_ref().len());
                             }
                             None => conn.send_image(frame.req_id, hash, &[]).await?,
                         }
@@ -424,13 +421,58 @@ async fn serve_frames<S: BlockSource>(
                 }
                 Message::Ping { nonce } => conn.send(frame.req_id, Message::Pong { nonce }).await?,
                 Message::Goodbye => return Ok(()),
-                other => return Err(PeerError::Unexpected(name(&other))),
+                Message::Subscribe => {
+                    let feed = source.feed().ok_or(PeerError::Unexpected("subscribe"))?;
+                    // The connection is a feed from now on: its holds go.
+                    holds.clear();
+                    return serve_feed(conn, config, feed).await;
+                }
+                other => return Err(PeerError::Unexpected(other.name())),
             }
         }
     }
     .await;
     served.expired_holds = holds.expired_total();
     result
+}
+
+/// Sends a subscriber the snapshot, then every change, while answering its pings.
+async fn serve_feed(conn: &mut Conn, config: &ServerConfig, feed: &Feed) -> Result<(), PeerError> {
+    use tokio::sync::broadcast::error::RecvError;
+    let Subscription { snapshot, seq, mut changes } = feed.subscribe();
+    for chunk in snapshot.chunks(config.wire.max_hashes.max(1) as usize) {
+        conn.send(0, Message::Snapshot { blocks: chunk.to_vec() }).await?;
+    }
+    conn.send(0, Message::Synced { seq }).await?;
+    let mut idle = tokio::time::Instant::now() + config.idle_timeout;
+    loop {
+        tokio::select! {
+            change = changes.recv() => {
+                let event = match change {
+                    Ok(event) => event,
+                    Err(RecvError::Lagged(_)) => return Err(PeerError::Lagged),
+                    Err(RecvError::Closed) => return Ok(()),
+                };
+                let message = match event.change {
+                    FeedChange::Stored { parent, hashes } => {
+                        Message::Stored { seq: event.seq, parent, hashes: hashes.to_vec() }
+                    }
+                    FeedChange::Removed { hashes } => Message::Removed { seq: event.seq, hashes: hashes.to_vec() },
+                };
+                conn.send(0, message).await?;
+            }
+            frame = conn.recv() => {
+                let frame = frame?;
+                idle = tokio::time::Instant::now() + config.idle_timeout;
+                match frame.message {
+                    Message::Ping { nonce } => conn.send(frame.req_id, Message::Pong { nonce }).await?,
+                    Message::Goodbye => return Ok(()),
+                    other => return Err(PeerError::Unexpected(other.name())),
+                }
+            }
+            _ = tokio::time::sleep_until(idle) => return Err(PeerError::Timeout("idle")),
+        }
+    }
 }
 
 /// How a client connects.
@@ -541,7 +583,7 @@ impl PeerClient {
             Message::Held { hold_id, ttl_ms, blocks } if blocks.len() == hashes.len() => {
                 Ok(Held { hold_id, ttl: Duration::from_millis(ttl_ms.into()), blocks })
             }
-            other => Err(PeerError::Unexpected(name(&other))),
+            other => Err(PeerError::Unexpected(other.name())),
         }
     }
 
@@ -582,7 +624,7 @@ impl PeerClient {
         self.conn.send(req, Message::Ping { nonce: req }).await?;
         match self.answer(req).await? {
             Message::Pong { nonce } if nonce == req => Ok(started.elapsed()),
-            other => Err(PeerError::Unexpected(name(&other))),
+            other => Err(PeerError::Unexpected(other.name())),
         }
     }
 
@@ -591,5 +633,69 @@ impl PeerClient {
         self.conn.send(0, Message::Goodbye).await?;
         self.conn.stream.shutdown().await?;
         Ok(())
+    }
+
+    /// Turns the connection into a feed of what the server can serve: a snapshot, then its
+    /// changes. The connection is pinged every `keepalive`, and a server silent for three of
+    /// them ends it.
+    pub async fn subscribe(mut self, keepalive: Duration) -> Result<FeedClient, PeerError> {
+        let req = self.request_id();
+        self.conn.send(req, Message::Subscribe).await?;
+        let now = tokio::time::Instant::now();
+        Ok(FeedClient { conn: self.conn, peer: self.peer, keepalive, next_ping: now + keepalive, heard: now, pings: 0 })
+    }
+}
+
+/// The subscriber's side of a feed connection ([`PeerClient::subscribe`]).
+pub struct FeedClient {
+    conn: Conn,
+    peer: PeerIdentity,
+    keepalive: Duration,
+    next_ping: tokio::time::Instant,
+    heard: tokio::time::Instant,
+    pings: u64,
+}
+
+impl std::fmt::Debug for FeedClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FeedClient").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+impl FeedClient {
+    /// The server, as it proved itself.
+    pub fn peer(&self) -> &PeerIdentity {
+        &self.peer
+    }
+
+    /// The next feed message: [`Message::Snapshot`] parts and [`Message::Synced`] first, then
+    /// [`Message::Stored`] and [`Message::Removed`]. Pings are sent while it waits.
+    pub async fn next(&mut self) -> Result<Message, PeerError> {
+        loop {
+            let silent_until = self.heard + self.keepalive * 3;
+            tokio::select! {
+                frame = self.conn.recv() => {
+                    self.heard = tokio::time::Instant::now();
+                    match frame?.message {
+                        Message::Pong { .. } => {}
+                        message @ (Message::Snapshot { .. }
+                        | Message::Synced { .. }
+                        | Message::Stored { .. }
+                        | Message::Removed { .. }) => return Ok(message),
+                        Message::Goodbye => return Err(PeerError::Closed),
+                        other => return Err(PeerError::Unexpected(other.name())),
+                    }
+                }
+                _ = tokio::time::sleep_until(self.next_ping.min(silent_until)) => {
+                    if tokio::time::Instant::now() >= silent_until {
+                        return Err(PeerError::Timeout("feed"));
+                    }
+                    self.pings += 1;
+                    let nonce = self.pings;
+                    self.conn.send(0, Message::Ping { nonce }).await?;
+                    self.next_ping = tokio::time::Instant::now() + self.keepalive;
+                }
+            }
+        }
     }
 }

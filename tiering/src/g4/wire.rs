@@ -141,6 +141,38 @@ pub enum Message {
     },
     /// Either side is closing the connection cleanly.
     Goodbye,
+    /// Client → server: turn this connection into a feed of the server's servable blocks. The
+    /// answer is a snapshot ([`Message::Snapshot`] frames, then [`Message::Synced`]) and then every
+    /// change after it ([`Message::Stored`], [`Message::Removed`]), numbered from the snapshot's
+    /// sequence number on, under the server's epoch of the handshake.
+    Subscribe,
+    /// Part of a snapshot: servable blocks and their parents.
+    Snapshot {
+        /// `(block, parent)`; the parent is `None` for the first block of a sequence.
+        blocks: Vec<(BlockHash, Option<BlockHash>)>,
+    },
+    /// The snapshot is complete: it reflects every change up to and including `seq`.
+    Synced {
+        /// The feed's sequence number at the snapshot.
+        seq: u64,
+    },
+    /// Blocks became servable: one chain, the parent of `hashes[0]` is `parent` and the parent of
+    /// `hashes[i]` is `hashes[i - 1]`.
+    Stored {
+        /// The change's sequence number (the previous one's plus one).
+        seq: u64,
+        /// The parent of `hashes[0]`.
+        parent: Option<BlockHash>,
+        /// The blocks, in prefix order.
+        hashes: Vec<BlockHash>,
+    },
+    /// Blocks are no longer servable.
+    Removed {
+        /// The change's sequence number.
+        seq: u64,
+        /// The blocks, in any order.
+        hashes: Vec<BlockHash>,
+    },
 }
 
 /// Why a peer ends a connection.
@@ -230,6 +262,9 @@ pub enum WireError {
     /// A name or text that is not UTF-8.
     #[error("{0}: not UTF-8")]
     BadString(&'static str),
+    /// A flag byte other than 0 or 1.
+    #[error("{0} frame has a bad flag byte")]
+    BadFlag(&'static str),
 }
 
 impl WireError {
@@ -242,6 +277,7 @@ impl WireError {
             WireError::TrailingBytes(_) => "trailing_bytes",
             WireError::TooMany { .. } => "too_many",
             WireError::BadString(_) => "bad_string",
+            WireError::BadFlag(_) => "bad_flag",
         }
     }
 }
@@ -259,6 +295,11 @@ mod kind {
     pub(super) const PING: u8 = 20;
     pub(super) const PONG: u8 = 21;
     pub(super) const GOODBYE: u8 = 22;
+    pub(super) const SUBSCRIBE: u8 = 30;
+    pub(super) const SNAPSHOT: u8 = 31;
+    pub(super) const SYNCED: u8 = 32;
+    pub(super) const STORED: u8 = 33;
+    pub(super) const REMOVED: u8 = 34;
 }
 
 impl Message {
@@ -276,7 +317,17 @@ impl Message {
             Message::Ping { .. } => kind::PING,
             Message::Pong { .. } => kind::PONG,
             Message::Goodbye => kind::GOODBYE,
+            Message::Subscribe => kind::SUBSCRIBE,
+            Message::Snapshot { .. } => kind::SNAPSHOT,
+            Message::Synced { .. } => kind::SYNCED,
+            Message::Stored { .. } => kind::STORED,
+            Message::Removed { .. } => kind::REMOVED,
         }
+    }
+
+    /// A stable name of the message's kind, for errors and logs.
+    pub fn name(&self) -> &'static str {
+        kind_name(self.kind()).unwrap_or("unknown")
     }
 
     /// The body alone, as the handshake's transcript takes it.
@@ -297,6 +348,11 @@ impl Message {
             for h in hashes {
                 out.extend_from_slice(&h.to_le_bytes());
             }
+        }
+        // A flag byte, then the hash (zero when absent): every hash value stays representable.
+        fn parent(out: &mut Vec<u8>, parent: Option<BlockHash>) {
+            out.push(u8::from(parent.is_some()));
+            out.extend_from_slice(&parent.unwrap_or(BlockHash(0)).to_le_bytes());
         }
         match self {
             Message::Hello { version, cluster, node, epoch, nonce } => {
@@ -341,7 +397,24 @@ impl Message {
             }
             Message::Release { hold_id } => out.extend_from_slice(&hold_id.to_le_bytes()),
             Message::Ping { nonce } | Message::Pong { nonce } => out.extend_from_slice(&nonce.to_le_bytes()),
-            Message::Goodbye => {}
+            Message::Goodbye | Message::Subscribe => {}
+            Message::Snapshot { blocks } => {
+                out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+                for &(hash, p) in blocks {
+                    out.extend_from_slice(&hash.to_le_bytes());
+                    parent(out, p);
+                }
+            }
+            Message::Synced { seq } => out.extend_from_slice(&seq.to_le_bytes()),
+            Message::Stored { seq, parent: p, hashes: hs } => {
+                out.extend_from_slice(&seq.to_le_bytes());
+                parent(out, *p);
+                hashes(out, hs);
+            }
+            Message::Removed { seq, hashes: hs } => {
+                out.extend_from_slice(&seq.to_le_bytes());
+                hashes(out, hs);
+            }
         }
     }
 }
@@ -397,7 +470,7 @@ impl FrameHeader {
         if len > limits.max_frame {
             return Err(WireError::FrameTooLarge { len, max: limits.max_frame });
         }
-        if !matches!(kind, 1..=4 | 10..=14 | 20..=22) {
+        if kind_name(kind).is_none() {
             return Err(WireError::UnknownKind(kind));
         }
         Ok(Self { len, kind, req_id })
@@ -480,13 +553,24 @@ impl<'a> Reader<'a> {
         (0..n).map(|_| self.hash()).collect()
     }
 
+    fn parent(&mut self) -> Result<Option<BlockHash>, WireError> {
+        let present = self.array::<1>()?[0];
+        let hash = self.hash()?;
+        match present {
+            0 => Ok(None),
+            1 => Ok(Some(hash)),
+            _ => Err(WireError::BadFlag(self.what)),
+        }
+    }
+
     fn finish(self) -> Result<(), WireError> {
         if self.rest.is_empty() { Ok(()) } else { Err(WireError::TrailingBytes(self.what)) }
     }
 }
 
-fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message, WireError> {
-    let what = match kind {
+/// The name of a frame kind this build knows.
+fn kind_name(kind: u8) -> Option<&'static str> {
+    Some(match kind {
         kind::HELLO => "hello",
         kind::CHALLENGE => "challenge",
         kind::PROOF => "proof",
@@ -499,8 +583,17 @@ fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message,
         kind::PING => "ping",
         kind::PONG => "pong",
         kind::GOODBYE => "goodbye",
-        other => return Err(WireError::UnknownKind(other)),
-    };
+        kind::SUBSCRIBE => "subscribe",
+        kind::SNAPSHOT => "snapshot",
+        kind::SYNCED => "synced",
+        kind::STORED => "stored",
+        kind::REMOVED => "removed",
+        _ => return None,
+    })
+}
+
+fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message, WireError> {
+    let what = kind_name(kind).ok_or(WireError::UnknownKind(kind))?;
     let mut r = Reader { rest: body, what };
     let message = match kind {
         kind::HELLO => Message::Hello {
@@ -543,6 +636,18 @@ fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message,
         kind::RELEASE => Message::Release { hold_id: r.u64()? },
         kind::PING => Message::Ping { nonce: r.u64()? },
         kind::PONG => Message::Pong { nonce: r.u64()? },
+        kind::SUBSCRIBE => Message::Subscribe,
+        kind::SNAPSHOT => {
+            let n = r.count("blocks", 33, limits.max_hashes)?;
+            let mut blocks = Vec::with_capacity(n);
+            for _ in 0..n {
+                blocks.push((r.hash()?, r.parent()?));
+            }
+            Message::Snapshot { blocks }
+        }
+        kind::SYNCED => Message::Synced { seq: r.u64()? },
+        kind::STORED => Message::Stored { seq: r.u64()?, parent: r.parent()?, hashes: r.hashes(limits)? },
+        kind::REMOVED => Message::Removed { seq: r.u64()?, hashes: r.hashes(limits)? },
         _ => Message::Goodbye,
     };
     r.finish()?;
@@ -643,6 +748,12 @@ mod tests {
             Message::Ping { nonce: 1 },
             Message::Pong { nonce: 1 },
             Message::Goodbye,
+            Message::Subscribe,
+            Message::Snapshot { blocks: vec![(h(1), None), (h(2), Some(h(1))), (h(3), Some(BlockHash(0)))] },
+            Message::Synced { seq: 17 },
+            Message::Stored { seq: 18, parent: Some(h(3)), hashes: vec![h(4), h(5)] },
+            Message::Stored { seq: 19, parent: None, hashes: vec![h(6)] },
+            Message::Removed { seq: 20, hashes: vec![h(1), h(6)] },
         ]
     }
 

@@ -1,0 +1,398 @@
+//! G4, the loading side: one [`PeerLink`] per remote node, and the [`RemoteTier`] that holds them.
+//!
+//! A link keeps two kinds of authenticated connections to its peer's block server:
+//! - **the feed**: it subscribes to what the peer can serve (a snapshot, then numbered changes)
+//!   and applies it to this node's prefix index as the peer's G2, so the router prices loading a
+//!   prefix from the peer and the workers know whom to ask. A gap, a silent peer (three missed
+//!   heartbeats), a broken frame or a closed connection drops the peer's blocks from the index at
+//!   once and resubscribes with backoff: the index never routes on what a lost peer said.
+//! - **lanes**: `tiers.g4.lanes` connections that carry fetches, each a hold, a fetch of the held
+//!   blocks and a release, under the caller's deadline. A lane whose request fails or runs past
+//!   its deadline drops its connection (its holds end with it on the server) and reconnects for
+//!   the next fetch.
+//!
+//! Every image a lane returns was verified by the transport against the hash asked for and its
+//! checksums; the worker still treats a peer as a hint and recomputes whatever does not arrive.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use dynamo_config::TierName;
+use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient, PeerError};
+use dynamo_tiering::g4::wire::{Message, WireError};
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::index::{Applied, KvEvent, KvEventKind, Matches, PrefixIndex, SnapshotRun, SourceId, WorkerViews};
+use crate::telemetry;
+
+/// How a node's links connect and fetch.
+#[derive(Clone, Debug)]
+pub struct LinkConfig {
+    /// Secret, identity, frame limits and timeouts of every connection.
+    pub client: ClientConfig,
+    /// Connections that carry fetches, per peer.
+    pub lanes: usize,
+    /// Fetches queued for the lanes at most; more wait to be queued (within their deadline).
+    pub max_inflight: usize,
+    /// How long a peer keeps a fetch's blocks pinned at most.
+    pub hold_ttl: Duration,
+    /// The feed connection is pinged this often; three missed answers end it.
+    pub heartbeat: Duration,
+    /// Most blocks a peer's snapshot may list.
+    pub max_snapshot_blocks: usize,
+}
+
+/// Why a fetch from a peer failed as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    /// The connection or the protocol failed.
+    #[error(transparent)]
+    Peer(#[from] PeerError),
+    /// The fetch did not finish within its deadline.
+    #[error("the fetch ran past its deadline")]
+    Deadline,
+    /// The link is shutting down.
+    #[error("the peer link is closed")]
+    Closed,
+}
+
+impl FetchError {
+    /// A stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FetchError::Peer(e) => e.kind(),
+            FetchError::Deadline => "deadline",
+            FetchError::Closed => "link_closed",
+        }
+    }
+}
+
+/// One fetch, as a lane takes it.
+struct FetchJob {
+    hashes: Vec<BlockHash>,
+    deadline: tokio::time::Instant,
+    reply: oneshot::Sender<Result<Vec<(BlockHash, Fetched)>, FetchError>>,
+}
+
+/// What the link's tasks share.
+#[derive(Debug)]
+struct LinkState {
+    /// The peer's number in this node's index.
+    node: u16,
+    /// Where its block server listens.
+    addr: String,
+    /// Its name, once it proved it.
+    name: Mutex<Option<String>>,
+    /// Whether the index holds the peer's current snapshot and changes.
+    synced: AtomicBool,
+    config: LinkConfig,
+}
+
+/// The link to one remote node: its feed and its lanes.
+#[derive(Debug)]
+pub struct PeerLink {
+    state: Arc<LinkState>,
+    jobs: mpsc::Sender<FetchJob>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for FetchJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FetchJob").field("blocks", &self.hashes.len()).finish_non_exhaustive()
+    }
+}
+
+impl PeerLink {
+    /// Starts the feed and the lanes to the block server at `addr`, on the current runtime.
+    fn start(node: u16, addr: String, config: LinkConfig, index: Arc<PrefixIndex>) -> Self {
+        let lanes = config.lanes.max(1);
+        let state = Arc::new(LinkState { node, addr, name: Mutex::new(None), synced: AtomicBool::new(false), config });
+        let (jobs, rx) = mpsc::channel(state.config.max_inflight.max(1));
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        let mut tasks = vec![tokio::spawn(follow_feed(state.clone(), index))];
+        tasks.extend((0..lanes).map(|_| tokio::spawn(lane(state.clone(), rx.clone()))));
+        Self { state, jobs, tasks }
+    }
+
+    /// The peer's number in this node's index.
+    pub fn node(&self) -> u16 {
+        self.state.node
+    }
+
+    /// Where its block server listens.
+    pub fn addr(&self) -> &str {
+        &self.state.addr
+    }
+
+    /// Its name, once a connection authenticated it.
+    pub fn name(&self) -> Option<String> {
+        self.state.name.lock().clone()
+    }
+
+    /// The longest any fetch may take (`tiers.g4.request_timeout`).
+    pub fn request_timeout(&self) -> Duration {
+        self.state.config.client.request_timeout
+    }
+
+    /// Whether the index holds what the peer serves now.
+    pub fn is_synced(&self) -> bool {
+        self.state.synced.load(Ordering::Relaxed)
+    }
+
+    /// Holds, fetches and releases `hashes` on the peer within `deadline`: per hash, its verified
+    /// image, or why there is none.
+    pub async fn fetch(
+        &self,
+        hashes: Vec<BlockHash>,
+        deadline: Instant,
+    ) -> Result<Vec<(BlockHash, Fetched)>, FetchError> {
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(deadline);
+        let (reply, answer) = oneshot::channel();
+        let result = tokio::time::timeout_at(deadline, async {
+            self.jobs.send(FetchJob { hashes, deadline, reply }).await.map_err(|_| FetchError::Closed)?;
+            answer.await.map_err(|_| FetchError::Closed)?
+        })
+        .await
+        .unwrap_or(Err(FetchError::Deadline));
+        let outcome = result.as_ref().map_or_else(|e| e.kind(), |_| "ok");
+        telemetry::record_peer_fetch(&self.state.addr, outcome, started.elapsed());
+        if let Ok(blocks) = &result {
+            for (_, fetched) in blocks {
+                let (outcome, bytes) = match fetched {
+                    Fetched::Verified(image) => ("verified", image.len() as u64),
+                    Fetched::Missing => ("missing", 0),
+                    Fetched::Rejected(_) => ("rejected", 0),
+                };
+                telemetry::record_peer_block(&self.state.addr, outcome, bytes);
+            }
+        }
+        result
+    }
+}
+
+impl Drop for PeerLink {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Connects to the peer at `addr` (a `host:port` resolved at each attempt).
+async fn connect(state: &LinkState) -> Result<PeerClient, PeerError> {
+    let addr = tokio::net::lookup_host(&state.addr)
+        .await?
+        .next()
+        .ok_or_else(|| PeerError::Io(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))?;
+    let client = PeerClient::connect(addr, &state.config.client).await?;
+    *state.name.lock() = Some(client.peer().node.clone());
+    Ok(client)
+}
+
+/// One lane: takes fetches from the link's queue and carries each out on its connection.
+async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<FetchJob>>>) {
+    let mut client: Option<PeerClient> = None;
+    loop {
+        let Some(job) = jobs.lock().await.recv().await else { return };
+        if job.reply.is_closed() {
+            continue;
+        }
+        let FetchJob { hashes, deadline, reply } = job;
+        let result = tokio::time::timeout_at(deadline, async {
+            let c = match &mut client {
+                Some(c) => c,
+                None => client.insert(connect(&state).await?),
+            };
+            fetch_on(c, &hashes, state.config.hold_ttl).await
+        })
+        .await;
+        let result = match result {
+            Ok(Ok(blocks)) => Ok(blocks),
+            Ok(Err(e)) => {
+                client = None;
+                Err(FetchError::Peer(e))
+            }
+            Err(_) => {
+                // The connection may be mid-answer: it cannot carry another request.
+                client = None;
+                Err(FetchError::Deadline)
+            }
+        };
+        let _ = reply.send(result);
+    }
+}
+
+/// A hold, a fetch of what it holds, and its release.
+async fn fetch_on(
+    client: &mut PeerClient,
+    hashes: &[BlockHash],
+    ttl: Duration,
+) -> Result<Vec<(BlockHash, Fetched)>, PeerError> {
+    let held = client.hold(hashes, ttl).await?;
+    let present: Vec<BlockHash> = held.blocks.iter().filter(|b| b.image_len.is_some()).map(|b| b.hash).collect();
+    let mut fetched = if present.is_empty() { Vec::new() } else { client.fetch(held.hold_id, &present).await? };
+    client.release(held.hold_id).await?;
+    // One answer per hash asked, in order: what was not held is missing.
+    let mut fetched = fetched.drain(..).peekable();
+    Ok(hashes
+        .iter()
+        .map(|&hash| match fetched.next_if(|(h, _)| *h == hash) {
+            Some(answer) => answer,
+            None => (hash, Fetched::Missing),
+        })
+        .collect())
+}
+
+/// The feed: keeps the index's view of the peer's G2 equal to the peer's, or empty.
+async fn follow_feed(state: Arc<LinkState>, index: Arc<PrefixIndex>) {
+    const FIRST_RETRY: Duration = Duration::from_millis(100);
+    const LAST_RETRY: Duration = Duration::from_secs(5);
+    let source = SourceId::node_store(state.node);
+    let mut retry = FIRST_RETRY;
+    loop {
+        let mut epoch = None;
+        let ended = sync(&state, &index, &mut epoch).await;
+        if state.synced.swap(false, Ordering::Relaxed) {
+            retry = FIRST_RETRY;
+        }
+        // Nothing the peer said can be counted on now: its blocks leave the index at once.
+        if let Some(epoch) = epoch {
+            index.resync(source, epoch, &[], 0);
+        }
+        let kind = ended.kind();
+        telemetry::record_peer_feed_ended(&state.addr, kind);
+        tracing::info!(peer = %state.addr, error = %ended, "G4 feed from peer ended; its blocks left the index");
+        tokio::time::sleep(retry).await;
+        retry = (retry * 2).min(LAST_RETRY);
+    }
+}
+
+/// Subscribes and applies the snapshot and every change, until something goes wrong.
+async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64>) -> PeerError {
+    let result: Result<(), PeerError> = async {
+        let client = connect(state).await?;
+        let epoch = client.peer().epoch;
+        *epoch_out = Some(epoch);
+        let mut feed = client.subscribe(state.config.heartbeat).await?;
+        let source = SourceId::node_store(state.node);
+        let mut snapshot: Vec<SnapshotRun> = Vec::new();
+        loop {
+            match feed.next().await? {
+                Message::Snapshot { blocks } => {
+                    if snapshot.len() + blocks.len() > state.config.max_snapshot_blocks {
+                        return Err(PeerError::Wire(WireError::TooMany {
+                            what: "snapshot blocks",
+                            n: (snapshot.len() + blocks.len()) as u64,
+                            max: state.config.max_snapshot_blocks as u64,
+                        }));
+                    }
+                    snapshot.extend(blocks.into_iter().map(|(hash, parent)| SnapshotRun {
+                        tier: TierName::G2,
+                        parent,
+                        hashes: vec![hash],
+                    }));
+                }
+                Message::Synced { seq } => {
+                    index.resync(source, epoch, &snapshot, seq);
+                    state.synced.store(true, Ordering::Relaxed);
+                    tracing::info!(peer = %state.addr, blocks = snapshot.len(), "G4 feed synced");
+                    break;
+                }
+                other => return Err(PeerError::Unexpected(other.name())),
+            }
+        }
+        drop(snapshot);
+        loop {
+            let kind = match feed.next().await? {
+                Message::Stored { seq, parent, hashes } => {
+                    (seq, KvEventKind::Stored { hashes, parent, tier: TierName::G2 })
+                }
+                Message::Removed { seq, hashes } => (seq, KvEventKind::Removed { hashes, tier: TierName::G2 }),
+                other => return Err(PeerError::Unexpected(other.name())),
+            };
+            let event = KvEvent { source, epoch, seq: kind.0, kind: kind.1 };
+            let applied = index.apply(&event);
+            telemetry::record_index_event(event.kind.as_str(), applied.as_str());
+            match applied {
+                Applied::Applied | Applied::Stale => {}
+                // The peer skipped a number: resubscribe from a snapshot.
+                _ => return Err(PeerError::Unexpected("an out-of-sequence change")),
+            }
+        }
+    }
+    .await;
+    match result {
+        Ok(()) => PeerError::Closed,
+        Err(e) => e,
+    }
+}
+
+/// The remote nodes this node loads from: their links, and where in the index their blocks are.
+#[derive(Debug)]
+pub struct RemoteTier {
+    index: Arc<PrefixIndex>,
+    /// This node's own number in the index.
+    own_node: u16,
+    links: RwLock<HashMap<u16, Arc<PeerLink>>>,
+    next_node: AtomicU16,
+}
+
+impl RemoteTier {
+    /// No peers yet; this node is `own_node` in `index`.
+    pub fn new(index: Arc<PrefixIndex>, own_node: u16) -> Self {
+        Self { index, own_node, links: RwLock::new(HashMap::new()), next_node: AtomicU16::new(own_node + 1) }
+    }
+
+    /// Starts a link to the block server at `addr`, on the current runtime.
+    pub fn connect(&self, addr: String, config: LinkConfig) -> Arc<PeerLink> {
+        let mut node = self.next_node.fetch_add(1, Ordering::Relaxed);
+        if node == SourceId::NODE_STORE || node == self.own_node {
+            node = self.next_node.fetch_add(1, Ordering::Relaxed);
+        }
+        let link = Arc::new(PeerLink::start(node, addr, config, self.index.clone()));
+        self.links.write().insert(node, link.clone());
+        link
+    }
+
+    /// Stops the link to `node` and drops its blocks from the index.
+    pub fn disconnect(&self, node: u16) {
+        if let Some(link) = self.links.write().remove(&node) {
+            drop(link);
+            self.index.resync(SourceId::node_store(node), u64::MAX, &[], 0);
+        }
+    }
+
+    /// Every link.
+    pub fn links(&self) -> Vec<Arc<PeerLink>> {
+        self.links.read().values().cloned().collect()
+    }
+
+    /// The peer that holds the longest prefix of `hashes`, and how many blocks of it, if any
+    /// peer holds the first block.
+    pub fn locate(&self, hashes: &[BlockHash]) -> Option<(Arc<PeerLink>, usize)> {
+        if hashes.is_empty() || self.links.read().is_empty() {
+            return None;
+        }
+        let mut matches = Matches::default();
+        self.index.find_matches(hashes, &mut matches);
+        let mut views = WorkerViews::default();
+        matches.views(&mut views);
+        let (node, blocks) = views.best_other_node(self.own_node)?;
+        let link = self.links.read().get(&node).cloned()?;
+        link.is_synced().then_some((link, blocks))
+    }
+
+    /// Stops every link.
+    pub fn shutdown(&self) {
+        let nodes: Vec<u16> = self.links.read().keys().copied().collect();
+        for node in nodes {
+            self.disconnect(node);
+        }
+    }
+}

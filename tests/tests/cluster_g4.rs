@@ -1,0 +1,126 @@
+//! Two real nodes share KV over G4: node B loads the prefix node A computed instead of computing it.
+//!
+//! B follows A's feed (what A's G2 can serve), so B's index knows A's blocks; a request on B whose
+//! prompt A has served is onboarded from A over the authenticated block protocol, and B's answer
+//! is the one A gave (greedy decoding of the same seeded model: loading must not change a token).
+//! The hits show as G4 in B's `cached_tokens` and metrics. Then A is killed with SIGKILL: B drops
+//! A's blocks and recomputes, with the same answers and no error.
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dynamo_tests::Node;
+use serde_json::json;
+
+fn secret_file(dir: &tempfile::TempDir, secret: [u8; 32]) -> std::path::PathBuf {
+    let path = dir.path().join("g4.secret");
+    std::fs::write(&path, secret).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+fn g4_config(secret: &std::path::Path, peers: &[String]) -> String {
+    let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+    format!(
+        "[tiers.g3]\ncapacity_per_path = \"64MiB\"\n\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\n\
+         cluster = \"test\"\nsecret_file = \"{}\"\nheartbeat = \"200ms\"\npeers = [{}]\n",
+        secret.display(),
+        peers.join(", ")
+    )
+}
+
+fn g4_addr(node: &Node) -> String {
+    node.announced
+        .iter()
+        .find_map(|l| l.strip_prefix("G4 block server on "))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("the G4 address is printed")
+        .to_owned()
+}
+
+fn prompt(topic: &str) -> String {
+    (0..120).map(|i| format!("{topic} line {i}; ")).collect()
+}
+
+async fn ask(node: &Node, prompt: &str) -> (String, u64, u64) {
+    let (status, body) = node
+        .chat(json!({
+            "model": "tiny",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 12,
+            "temperature": 0
+        }))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let text = body["choices"][0]["message"]["content"].as_str().expect("content").to_owned();
+    let usage = &body["usage"];
+    let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    (text, usage["prompt_tokens"].as_u64().expect("prompt_tokens"), cached)
+}
+
+/// Polls `series` on `node` until `done` holds for it (10 s at most); its last value.
+async fn wait_for(node: &Node, series: &str, done: impl Fn(f64) -> bool) -> f64 {
+    let mut value = node.metric(series).await;
+    for _ in 0..100 {
+        if done(value) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        value = node.metric(series).await;
+    }
+    value
+}
+
+#[tokio::test]
+async fn a_node_loads_the_prefix_its_peer_computed_and_recomputes_when_the_peer_dies() {
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let secret = [0x42; 32];
+    let a = Node::start_in(dir_a.clone(), &g4_config(&secret_file(&dir_a, secret), &[]));
+    let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), &[g4_addr(&a)]));
+    assert!(b.announced.iter().any(|l| l.starts_with("G4 peers: ")), "{:?}", b.announced);
+
+    // A computes two prompts; B's index learns A's blocks from A's feed.
+    let (first, second) = (prompt("alpha"), prompt("beta"));
+    let (a_first, prompt_tokens, a_cached) = ask(&a, &first).await;
+    assert_eq!(a_cached, 0, "nothing was cached anywhere yet");
+    let (a_second, _, _) = ask(&a, &second).await;
+    let blocks = (prompt_tokens / 32) as f64;
+    let known = wait_for(&b, "dynamo_node_index_blocks", |v| v >= 2.0 * blocks).await;
+    assert!(known >= 2.0 * blocks, "B's index knows A's blocks: {known} of {}", 2.0 * blocks);
+
+    // B loads the first prompt's prefix from A: the same answer, the hits counted as G4.
+    let (b_first, _, b_cached) = ask(&b, &first).await;
+    assert_eq!(b_first, a_first, "loading from a peer must not change a token");
+    assert!(b_cached as f64 >= (blocks - 1.0) * 32.0, "cached {b_cached} of {prompt_tokens} prompt tokens");
+    let g4_hits = b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await;
+    assert_eq!(g4_hits, b_cached as f64, "every cached token came from the peer");
+    let verified = metric_sum(&b, "dynamo_node_peer_fetched_blocks_total{", "outcome=\"verified\"").await;
+    let fetched = (b_cached / 32) as f64;
+    assert!(verified >= fetched, "verified blocks {verified}, cached blocks {fetched}");
+    let served = a.metric("dynamo_node_peer_served_bytes_total").await;
+    assert!(served > 0.0, "A served its images");
+
+    // A dies without a word. B recomputes the second prompt: the same answer, no error.
+    let mut a = a;
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    let (b_second, _, b_cached) = ask(&b, &second).await;
+    assert_eq!(b_second, a_second, "a dead peer costs a recompute, never a token");
+    assert_eq!(b_cached, 0, "nothing of the second prompt is cached on B");
+    let g4_after = b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await;
+    assert_eq!(g4_after, g4_hits, "no hit from a dead peer");
+    // B noticed: the feed ended (and A's blocks left its index with it).
+    let ended = wait_for(&b, "dynamo_node_peer_feed_ended_total", |v| v >= 1.0).await;
+    assert!(ended >= 1.0, "B noticed the feed end");
+    assert_eq!(b.stop(), 0);
+}
+
+/// The sum of every series of `prefix` whose labels contain `label`.
+async fn metric_sum(node: &Node, prefix: &str, label: &str) -> f64 {
+    let text = reqwest::get(format!("http://{}/metrics", node.metrics)).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(prefix) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
