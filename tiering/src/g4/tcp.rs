@@ -641,8 +641,8 @@ impl PeerClient {
     pub async fn subscribe(mut self, keepalive: Duration) -> Result<FeedClient, PeerError> {
         let req = self.request_id();
         self.conn.send(req, Message::Subscribe).await?;
-        let now = tokio::time::Instant::now();
-        Ok(FeedClient { conn: self.conn, peer: self.peer, keepalive, next_ping: now + keepalive, heard: now, pings: 0 })
+        let next_ping = tokio::time::Instant::now() + keepalive;
+        Ok(FeedClient { conn: self.conn, peer: self.peer, keepalive, next_ping, unanswered: None, pings: 0 })
     }
 }
 
@@ -652,7 +652,8 @@ pub struct FeedClient {
     peer: PeerIdentity,
     keepalive: Duration,
     next_ping: tokio::time::Instant,
-    heard: tokio::time::Instant,
+    /// When the oldest ping that no frame has followed yet was sent.
+    unanswered: Option<tokio::time::Instant>,
     pings: u64,
 }
 
@@ -669,13 +670,17 @@ impl FeedClient {
     }
 
     /// The next feed message: [`Message::Snapshot`] parts and [`Message::Synced`] first, then
-    /// [`Message::Stored`] and [`Message::Removed`]. Pings are sent while it waits.
+    /// [`Message::Stored`] and [`Message::Removed`]. Pings are sent while it waits; a ping left
+    /// unanswered (no frame at all) for three keepalive periods ends the feed.
     pub async fn next(&mut self) -> Result<Message, PeerError> {
         loop {
-            let silent_until = self.heard + self.keepalive * 3;
+            let silent_at = self.unanswered.map(|since| since + self.keepalive * 3);
+            let wake = silent_at.map_or(self.next_ping, |s| s.min(self.next_ping));
             tokio::select! {
+                // Frames already in first: a caller that was away is not a silent server.
+                biased;
                 frame = self.conn.recv() => {
-                    self.heard = tokio::time::Instant::now();
+                    self.unanswered = None;
                     match frame?.message {
                         Message::Pong { .. } => {}
                         message @ (Message::Snapshot { .. }
@@ -686,14 +691,18 @@ impl FeedClient {
                         other => return Err(PeerError::Unexpected(other.name())),
                     }
                 }
-                _ = tokio::time::sleep_until(self.next_ping.min(silent_until)) => {
-                    if tokio::time::Instant::now() >= silent_until {
+                _ = tokio::time::sleep_until(wake) => {
+                    let now = tokio::time::Instant::now();
+                    if silent_at.is_some_and(|s| now >= s) {
                         return Err(PeerError::Timeout("feed"));
                     }
-                    self.pings += 1;
-                    let nonce = self.pings;
-                    self.conn.send(0, Message::Ping { nonce }).await?;
-                    self.next_ping = tokio::time::Instant::now() + self.keepalive;
+                    if now >= self.next_ping {
+                        self.pings += 1;
+                        let nonce = self.pings;
+                        self.conn.send(0, Message::Ping { nonce }).await?;
+                        self.unanswered.get_or_insert(now);
+                        self.next_ping = now + self.keepalive;
+                    }
                 }
             }
         }
