@@ -144,21 +144,12 @@ impl Drop for BlockServer {
     }
 }
 
-/// Starts a link to every peer of `tiers.g4.peers` into `remote`, authenticating as `node` of
-/// `epoch`; images up to `max_image` bytes are accepted. Returns how many were started.
-pub fn connect_peers(
-    g4: &G4Config,
-    node: &str,
-    epoch: u64,
-    max_image: usize,
-    remote: &RemoteTier,
-) -> Result<usize, BlockServerError> {
-    if g4.peers.is_empty() {
-        return Ok(0);
-    }
+/// How this node's links to its peers connect and fetch: as `node` of `epoch`, accepting images
+/// of up to `max_image` bytes, under `tiers.g4`'s secret, timeouts and limits.
+pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> Result<LinkConfig, BlockServerError> {
     let secret = ClusterSecret::from_file(g4.secret_file.as_deref().ok_or(BlockServerError::NoSecret)?)?;
     let request_timeout = g4.request_timeout.as_duration();
-    let config = LinkConfig {
+    Ok(LinkConfig {
         client: ClientConfig {
             secret,
             me: PeerIdentity { cluster: g4.cluster.clone(), node: node.to_owned(), epoch },
@@ -171,11 +162,16 @@ pub fn connect_peers(
         hold_ttl: g4.hold_ttl.as_duration(),
         heartbeat: g4.heartbeat.as_duration(),
         max_snapshot_blocks: MAX_SNAPSHOT_BLOCKS,
-    };
+    })
+}
+
+/// Starts a link to every peer of `tiers.g4.peers` into `remote` (static membership). Returns
+/// how many were started.
+pub fn connect_peers(g4: &G4Config, config: &LinkConfig, remote: &RemoteTier) -> usize {
     for peer in &g4.peers {
         remote.connect(peer.clone(), config.clone());
     }
-    Ok(g4.peers.len())
+    g4.peers.len()
 }
 
 /// Most blocks one peer's snapshot may list (16 Mi blocks: 512 MiB of index at most).

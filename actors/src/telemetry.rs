@@ -69,6 +69,10 @@
 //! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped) |
 //! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
 //! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once) |
+//! | `dynamo_node_cluster_members` | gauge | | peers in this node's view of the cluster (etcd membership) |
+//! | `dynamo_node_cluster_etcd_up` | gauge | | 1 while registered in etcd and following it |
+//! | `dynamo_node_cluster_registrations_total` | counter | | registrations in etcd (more than one: re-registered under a new epoch) |
+//! | `dynamo_node_cluster_epoch` | gauge | | the revision of the node's current registration |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -201,6 +205,15 @@ pub mod names {
     pub const PEER_FETCHED_BYTES: &str = "dynamo_node_peer_fetched_bytes_total";
     /// Counter `{peer, reason}`: feeds from peers that ended (their blocks left the index).
     pub const PEER_FEED_ENDED: &str = "dynamo_node_peer_feed_ended_total";
+    /// Gauge: peers in this node's view of the cluster (etcd membership).
+    pub const CLUSTER_MEMBERS: &str = "dynamo_node_cluster_members";
+    /// Gauge: 1 while the node is registered in etcd and following it, 0 otherwise.
+    pub const CLUSTER_ETCD_UP: &str = "dynamo_node_cluster_etcd_up";
+    /// Counter: registrations of this node in etcd (more than one: its lease ran out, or etcd
+    /// was lost, and it registered again under a new epoch).
+    pub const CLUSTER_REGISTRATIONS: &str = "dynamo_node_cluster_registrations_total";
+    /// Gauge: this node's epoch, the revision of its current registration.
+    pub const CLUSTER_EPOCH: &str = "dynamo_node_cluster_epoch";
 
     /// Every histogram: each gets the configured buckets.
     pub const HISTOGRAMS: [&str; 6] = [
@@ -242,6 +255,10 @@ pub fn describe() {
     describe_counter!(PEER_FETCHED_BLOCKS, Unit::Count, "Blocks asked of peers: verified, missing or rejected.");
     describe_counter!(PEER_FETCHED_BYTES, Unit::Bytes, "Verified block-image bytes fetched from peers.");
     describe_counter!(PEER_FEED_ENDED, Unit::Count, "Feeds from peers that ended; their blocks left the index.");
+    describe_gauge!(CLUSTER_MEMBERS, Unit::Count, "Peers in this node's view of the cluster.");
+    describe_gauge!(CLUSTER_ETCD_UP, Unit::Count, "1 while registered in etcd and following it.");
+    describe_counter!(CLUSTER_REGISTRATIONS, Unit::Count, "Registrations of this node in etcd.");
+    describe_gauge!(CLUSTER_EPOCH, Unit::Count, "This node's epoch: the revision of its registration.");
     describe_counter!(PEER_EXPIRED_HOLDS, Unit::Count, "Peer holds that ran out before their release.");
     describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
@@ -391,6 +408,22 @@ pub fn record_peer_block(peer: &str, outcome: &'static str, bytes: u64) {
 /// The feed from `peer` ended (`reason`: the error's kind); its blocks left the index.
 pub fn record_peer_feed_ended(peer: &str, reason: &'static str) {
     counter!(names::PEER_FEED_ENDED, "peer" => peer.to_owned(), "reason" => reason).increment(1);
+}
+
+/// The cluster view holds `members` peers.
+pub fn set_cluster_members(members: usize) {
+    gauge!(names::CLUSTER_MEMBERS).set(members as f64);
+}
+
+/// Whether the node is registered in etcd and following it.
+pub fn set_cluster_etcd_up(up: bool) {
+    gauge!(names::CLUSTER_ETCD_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+/// The node registered in etcd under `epoch`.
+pub fn record_cluster_registration(epoch: i64) {
+    counter!(names::CLUSTER_REGISTRATIONS).increment(1);
+    gauge!(names::CLUSTER_EPOCH).set(epoch as f64);
 }
 
 /// A Claude Code billing header was dropped from a request's system text.

@@ -90,6 +90,8 @@ pub struct NodeConfig {
     pub metrics: MetricsSection,
     /// `[recording]`: the traffic recorder.
     pub recording: RecordingSection,
+    /// `[cluster]`: how the node finds its G4 peers.
+    pub cluster: ClusterSection,
 }
 
 impl NodeConfig {

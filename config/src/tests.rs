@@ -250,6 +250,18 @@ fn other_validation_rules() {
         ("[tiers.g4]\ncluster = \"\"\n", "tiers.g4.cluster"),
         ("[tiers.g4]\nhold_ttl = \"0s\"\n", "tiers.g4.hold_ttl"),
         ("[tiers.g4]\nmax_holds_per_peer = 0\n", "tiers.g4.max_holds_per_peer"),
+        ("[tiers.g4]\nlanes = 0\n", "tiers.g4.lanes"),
+        ("[tiers.g4]\nheartbeat = \"1ms\"\n", "tiers.g4.heartbeat"),
+        ("[cluster]\nmembership = \"etcd\"\n", "cluster.membership"),
+        (
+            "[tiers.g4]\nenabled = true\nsecret_file = \"s\"\nlisten = \"0.0.0.0:7100\"\n[cluster]\nmembership = \"etcd\"\n",
+            "cluster.advertise",
+        ),
+        ("[cluster]\netcd_endpoints = [\"127.0.0.1:2379\"]\n", "cluster.etcd_endpoints[0]"),
+        ("[cluster]\netcd_prefix = \"dynamo\"\n", "cluster.etcd_prefix"),
+        ("[cluster]\nlease_ttl = \"1s\"\n", "cluster.lease_ttl"),
+        ("[cluster]\nlease_ttl = \"2500ms\"\n", "cluster.lease_ttl"),
+        ("[cluster]\nadvertise = \"nohost\"\n", "cluster.advertise"),
         ("[metrics]\nlatency_buckets_seconds = [1.0, 0.5]\n", "metrics.latency_buckets_seconds"),
         ("[metrics]\nlatency_buckets_seconds = [0.0, 1.0]\n", "metrics.latency_buckets_seconds"),
         ("[router]\ntemperature = -1.0\n", "router.temperature"),
@@ -268,6 +280,12 @@ fn other_validation_rules() {
     parse("[tiers.g4]\nenabled = true\ntransport = \"rdma\"\npeers = [\"node-1:7100\"]\nsecret_file = \"s\"\n")
         .unwrap();
     parse("[tiers.g2]\nenabled = false\ncapacity = 0\n[tiers.g3]\nenabled = false\n").unwrap();
+    // etcd membership on every address, advertising one.
+    parse(
+        "[tiers.g4]\nenabled = true\nsecret_file = \"s\"\nlisten = \"0.0.0.0:7100\"\n[cluster]\nmembership = \"etcd\"\n\
+         advertise = \"node-1:7100\"\netcd_endpoints = [\"http://etcd-0:2379\", \"https://10.0.0.9:2379\"]\n",
+    )
+    .unwrap();
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 
 use crate::error::{ConfigError, Problem};
-use crate::{ByteSize, DeviceKind, ModelShape, NodeConfig, RegionKind};
+use crate::{ByteSize, DeviceKind, MembershipKind, ModelShape, NodeConfig, RegionKind};
 
 /// Shortest API key or bearer token accepted.
 const MIN_KEY_BYTES: usize = 16;
@@ -238,11 +238,48 @@ impl NodeConfig {
 
         let g4 = &self.tiers.g4;
         c.socket_addr("tiers.g4.listen", &g4.listen);
+        let host_port =
+            |s: &str| s.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         for (i, peer) in g4.peers.iter().enumerate() {
-            let ok = peer.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-            if !ok {
+            if !host_port(peer) {
                 c.fail(format!("tiers.g4.peers[{i}]"), format!("`{peer}` is not `host:port`, e.g. `10.0.0.2:7100`"));
             }
+        }
+
+        // [cluster]
+        let cluster = &self.cluster;
+        if cluster.membership == MembershipKind::Etcd {
+            if !g4.enabled {
+                c.fail("cluster.membership", "\"etcd\" needs tiers.g4.enabled = true (peers share blocks over G4)");
+            }
+            if cluster.etcd_endpoints.is_empty() {
+                c.fail("cluster.etcd_endpoints", "must list at least one etcd client URL");
+            }
+            let unspecified = g4.listen.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip().is_unspecified());
+            if cluster.advertise.is_none() && unspecified {
+                c.fail(
+                    "cluster.advertise",
+                    format!("must be set when tiers.g4.listen (`{}`) listens on every address", g4.listen),
+                );
+            }
+        }
+        for (i, url) in cluster.etcd_endpoints.iter().enumerate() {
+            let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
+            if !rest.is_some_and(host_port) {
+                c.fail(format!("cluster.etcd_endpoints[{i}]"), format!("`{url}` is not `http://host:port`"));
+            }
+        }
+        if cluster.etcd_prefix.is_empty() || !cluster.etcd_prefix.starts_with('/') {
+            c.fail("cluster.etcd_prefix", "must start with `/`");
+        }
+        let ttl = cluster.lease_ttl.as_duration();
+        if ttl < std::time::Duration::from_secs(2) || ttl.subsec_nanos() != 0 {
+            c.fail("cluster.lease_ttl", "must be whole seconds, at least 2s");
+        }
+        if let Some(advertise) = &cluster.advertise
+            && !host_port(advertise)
+        {
+            c.fail("cluster.advertise", format!("`{advertise}` is not `host:port`"));
         }
         c.at_least_one("tiers.g4.max_inflight", g4.max_inflight);
         if !(1..=64).contains(&g4.lanes) {

@@ -30,6 +30,8 @@
 
 pub mod bench;
 pub mod cli;
+#[cfg(feature = "etcd")]
+pub mod cluster;
 pub mod frontend;
 pub mod logging;
 pub mod metrics;

@@ -15,7 +15,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
-use dynamo_actors::peer::{BlockServer, connect_peers};
+use dynamo_actors::peer::{BlockServer, connect_peers, link_config};
+use dynamo_config::MembershipKind;
+
+#[cfg(feature = "etcd")]
+use crate::cluster::{Membership, Registration};
 use dynamo_config::NodeConfig;
 
 use crate::frontend::FrontendState;
@@ -79,6 +83,8 @@ pub struct NodeHandle {
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     recorder: Option<Arc<Recorder>>,
     block_server: Option<BlockServer>,
+    #[cfg(feature = "etcd")]
+    membership: Option<Membership>,
 }
 
 impl NodeHandle {
@@ -106,6 +112,10 @@ impl NodeHandle {
     /// get most of the grace and are then cancelled, and the workers flush write-through in the
     /// rest. Errors if the HTTP server failed (the node is stopped all the same).
     pub async fn stop(self) -> anyhow::Result<()> {
+        #[cfg(feature = "etcd")]
+        if let Some(membership) = &self.membership {
+            membership.stop();
+        }
         let NodeHandle { serving, grace, poller, stop, mut server, recorder, block_server, .. } = self;
         // Peers lose this node first: what it holds is about to go; and it stops loading theirs.
         if let Some(block_server) = &block_server {
@@ -215,6 +225,10 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     } else {
         None
     };
+    #[cfg(feature = "etcd")]
+    let mut membership = None;
+    #[cfg(not(feature = "etcd"))]
+    let membership: Option<std::convert::Infallible> = None;
     let block_server = if cfg.tiers.g4.enabled {
         // Until membership gives one, the epoch is the start time: a restarted node is a new epoch.
         let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -222,13 +236,50 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         let started = BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone())
             .await
             .and_then(|server| {
-                if let Some(g4) = &serving.tiers.g4 {
-                    connect_peers(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, &g4.remote)?;
-                }
-                Ok(server)
+                let links = link_config(&cfg.tiers.g4, &cfg.node.name, epoch, max_image)?;
+                Ok((server, links))
             });
         match started {
-            Ok(server) => Some(server),
+            Ok((server, links)) => {
+                if let Some(g4) = &serving.tiers.g4 {
+                    match cfg.cluster.membership {
+                        MembershipKind::Static => {
+                            connect_peers(&cfg.tiers.g4, &links, &g4.remote);
+                        }
+                        #[cfg(not(feature = "etcd"))]
+                        MembershipKind::Etcd => {
+                            drop((server, links));
+                            if let Some(poller) = poller {
+                                poller.abort();
+                            }
+                            serving.shutdown().await;
+                            anyhow::bail!(
+                                "cluster.membership = \"etcd\" needs a binary built with the `etcd` feature \
+                                 (`cargo build --release -p dynamo-node --features etcd`, which needs protoc)"
+                            );
+                        }
+                        #[cfg(feature = "etcd")]
+                        MembershipKind::Etcd => {
+                            let me = Registration {
+                                addr: cfg.cluster.advertise.clone().unwrap_or_else(|| server.local_addr().to_string()),
+                                transports: vec!["tcp".to_owned()],
+                                g2_bytes: plan.g2.as_ref().map_or(0, |(g2, _)| g2.capacity),
+                                g3_bytes: plan.g3.as_ref().map_or(0, |g3| g3.capacity_per_path * g3.paths.len() as u64),
+                                protocol: dynamo_tiering::g4::wire::PROTOCOL_VERSION,
+                            };
+                            membership = Some(Membership::start_etcd(
+                                &cfg.cluster,
+                                &cfg.tiers.g4.cluster,
+                                &cfg.node.name,
+                                me,
+                                g4.remote.clone(),
+                                links,
+                            ));
+                        }
+                    }
+                }
+                Some(server)
+            }
             Err(e) => {
                 if let Some(poller) = poller {
                     poller.abort();
@@ -278,7 +329,13 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
                 block_server.local_addr(),
                 cfg.tiers.g4.cluster
             );
-            if !cfg.tiers.g4.peers.is_empty() {
+            if membership.is_some() {
+                println!(
+                    "G4 peers: from etcd at {} (registered as {:?})",
+                    cfg.cluster.etcd_endpoints.join(", "),
+                    cfg.node.name
+                );
+            } else if !cfg.tiers.g4.peers.is_empty() {
                 println!(
                     "G4 peers: {} (loading their blocks when cheaper than recomputing)",
                     cfg.tiers.g4.peers.join(", ")
@@ -301,6 +358,8 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         server,
         recorder,
         block_server,
+        #[cfg(feature = "etcd")]
+        membership,
     })
 }
 

@@ -31,7 +31,8 @@ pub fn node_binary() -> PathBuf {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let mut cmd = Command::new(cargo);
             // With the test-only failpoints, as the tests' own build of the library has them.
-            cmd.args(["build", "--quiet", "-p", "dynamo-node", "--bin", "dynamo-node", "--features", "failpoints"])
+            let features = if cfg!(feature = "etcd") { "failpoints,etcd" } else { "failpoints" };
+            cmd.args(["build", "--quiet", "-p", "dynamo-node", "--bin", "dynamo-node", "--features", features])
                 .current_dir(env!("CARGO_MANIFEST_DIR"));
             if profile != "debug" {
                 cmd.args(["--profile", if profile == "release" { "release" } else { &profile }]);

@@ -4,6 +4,7 @@
 //! written in its doc comment, an unknown key is an error.
 
 mod blocks;
+mod cluster;
 mod engine;
 mod frontend;
 mod metrics;
@@ -15,6 +16,7 @@ mod router;
 mod tiers;
 
 pub use blocks::{BlocksSection, ChecksumKind};
+pub use cluster::{ClusterSection, MembershipKind};
 pub use engine::{DeviceKind, EngineKind, EngineSection};
 pub use frontend::{ApiKey, AuthSection, FrontendSection};
 pub use metrics::MetricsSection;
