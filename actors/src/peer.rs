@@ -38,13 +38,27 @@ const MAX_PEER_CONNECTIONS: usize = 64;
 pub struct G2Image {
     slot: SlotRef,
     len: usize,
+    /// With the `failpoints` feature and `DYNAMO_FAILPOINT_G4_CORRUPT` set: a copy of the image
+    /// with one payload byte flipped, served instead (a peer whose memory went bad; tests of the
+    /// reader's verification only).
+    #[cfg(feature = "failpoints")]
+    corrupt: Option<Arc<[u8]>>,
 }
 
 impl AsRef<[u8]> for G2Image {
     fn as_ref(&self) -> &[u8] {
+        #[cfg(feature = "failpoints")]
+        if let Some(corrupt) = &self.corrupt {
+            return corrupt;
+        }
         &self.slot.as_slice()[..self.len]
     }
 }
+
+/// With the `failpoints` feature, a node started with this variable set serves every G4 image
+/// with one payload byte flipped (never compiled into a build without the feature).
+#[cfg(feature = "failpoints")]
+pub const FAILPOINT_G4_CORRUPT: &str = "DYNAMO_FAILPOINT_G4_CORRUPT";
 
 /// The node's G2, as the block server reads it.
 #[derive(Debug)]
@@ -57,7 +71,22 @@ impl BlockSource for G2Blocks {
         let slot = self.0.g2.as_ref()?.peek(hash)?;
         // A slot whose header does not decode is not served; the reader would drop it anyway.
         let len = ImageHeader::decode_header_only(slot.as_slice()).ok()?.image_bytes();
-        (len <= slot.as_slice().len()).then_some(G2Image { slot, len })
+        if len > slot.as_slice().len() {
+            return None;
+        }
+        #[cfg(feature = "failpoints")]
+        let corrupt = std::env::var_os(FAILPOINT_G4_CORRUPT).map(|_| {
+            let mut copy = slot.as_slice()[..len].to_vec();
+            let at = copy.len() - 1;
+            copy[at] ^= 0x40;
+            Arc::from(copy)
+        });
+        Some(G2Image {
+            slot,
+            len,
+            #[cfg(feature = "failpoints")]
+            corrupt,
+        })
     }
 
     fn sent(&self, bytes: usize) {

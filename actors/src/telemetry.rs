@@ -426,6 +426,12 @@ pub fn record_cluster_registration(epoch: i64) {
     gauge!(names::CLUSTER_EPOCH).set(epoch as f64);
 }
 
+/// A block read from `tier` failed verification and was dropped (tiers whose store keeps no
+/// count of its own: G4).
+pub fn record_corrupt_block(tier: Tier) {
+    counter!(names::KV_CORRUPT_BLOCKS, "tier" => tier.as_str()).increment(1);
+}
+
 /// A Claude Code billing header was dropped from a request's system text.
 pub fn record_preamble_stripped() {
     counter!(names::PREAMBLES_STRIPPED).increment(1);

@@ -135,6 +135,13 @@ impl Node {
         Self::started(child, &lines, dir)
     }
 
+    /// Runs `cmd` (from [`Node::command`], with whatever the caller added: an environment
+    /// variable, a wrapper) until it is ready.
+    pub fn start_command(cmd: Command, dir: Arc<tempfile::TempDir>) -> Node {
+        let (child, lines) = spawn_until_ready(cmd);
+        Self::started(child, &lines, dir)
+    }
+
     fn started(child: Child, lines: &[String], dir: Arc<tempfile::TempDir>) -> Node {
         let api = lines
             .iter()

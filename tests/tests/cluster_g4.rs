@@ -21,10 +21,14 @@ fn secret_file(dir: &tempfile::TempDir, secret: [u8; 32]) -> std::path::PathBuf 
 }
 
 fn g4_config(secret: &std::path::Path, peers: &[String]) -> String {
+    g4_config_with(secret, peers, "200ms")
+}
+
+fn g4_config_with(secret: &std::path::Path, peers: &[String], heartbeat: &str) -> String {
     let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
     format!(
         "[tiers.g3]\ncapacity_per_path = \"64MiB\"\n\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\n\
-         cluster = \"test\"\nsecret_file = \"{}\"\nheartbeat = \"200ms\"\npeers = [{}]\n",
+         cluster = \"test\"\nsecret_file = \"{}\"\nheartbeat = \"{heartbeat}\"\npeers = [{}]\n",
         secret.display(),
         peers.join(", ")
     )
@@ -123,4 +127,95 @@ async fn metric_sum(node: &Node, prefix: &str, label: &str) -> f64 {
         .filter(|l| l.starts_with(prefix) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+#[tokio::test]
+async fn images_that_fail_verification_are_dropped_and_recomputed() {
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let secret = [0x43; 32];
+    // A serves every image with one payload byte flipped, under valid MACs: a peer whose memory
+    // went bad, which only the reader's verification can catch.
+    let mut cmd = Node::command(&dir_a, &g4_config(&secret_file(&dir_a, secret), &[]));
+    cmd.env("DYNAMO_FAILPOINT_G4_CORRUPT", "1");
+    let a = Node::start_command(cmd, dir_a.clone());
+    let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), &[g4_addr(&a)]));
+
+    let alpha = prompt("alpha");
+    let (a_alpha, prompt_tokens, _) = ask(&a, &alpha).await;
+    let blocks = (prompt_tokens / 32) as f64;
+    wait_for(&b, "dynamo_node_index_blocks", |v| v >= blocks).await;
+    let (b_alpha, _, cached) = ask(&b, &alpha).await;
+    assert_eq!(b_alpha, a_alpha, "recomputed, the same tokens");
+    assert_eq!(cached, 0, "no corrupt block was used");
+    assert_eq!(b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await, 0.0);
+    let rejected = metric_sum(&b, "dynamo_node_peer_fetched_blocks_total{", "outcome=\"rejected\"").await;
+    assert!(rejected >= 1.0, "the corrupt images were rejected: {rejected}");
+    let verified = metric_sum(&b, "dynamo_node_peer_fetched_blocks_total{", "outcome=\"verified\"").await;
+    assert_eq!(verified, 0.0);
+    let corrupt = metric_sum(&b, "dynamo_node_kv_corrupt_blocks_total{", "tier=\"g4\"").await;
+    assert_eq!(corrupt, rejected, "each counted as a corrupt G4 block");
+    assert_eq!(b.stop(), 0);
+}
+
+#[tokio::test]
+async fn a_link_too_slow_for_its_budget_is_recomputed_and_then_not_tried() {
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let secret = [0x44; 32];
+    let a = Node::start_in(dir_a.clone(), &g4_config(&secret_file(&dir_a, secret), &[]));
+    // Every answer from A reaches B 300 ms late; a fetch's budget is far shorter.
+    let slow = delaying_forwarder(g4_addr(&a), Duration::from_millis(300)).await;
+    let b = Node::start_in(dir_b.clone(), &g4_config_with(&secret_file(&dir_b, secret), &[slow], "1s"));
+
+    let (alpha, beta) = (prompt("alpha"), prompt("beta"));
+    let (a_alpha, prompt_tokens, _) = ask(&a, &alpha).await;
+    let (a_beta, _, _) = ask(&a, &beta).await;
+    let blocks = (prompt_tokens / 32) as f64;
+    let known = wait_for(&b, "dynamo_node_index_blocks", |v| v >= 2.0 * blocks).await;
+    assert!(known >= 2.0 * blocks, "B knows A's blocks through the slow link: {known}");
+
+    // The first fetch runs past its budget: cancelled, recomputed, the same tokens.
+    let started = std::time::Instant::now();
+    let (b_alpha, _, cached) = ask(&b, &alpha).await;
+    assert_eq!(b_alpha, a_alpha);
+    assert_eq!(cached, 0);
+    assert!(started.elapsed() < Duration::from_secs(3), "not held up by the link: {:?}", started.elapsed());
+    let deadline = metric_sum(&b, "dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
+    assert_eq!(deadline, 1.0, "one fetch ran out of budget");
+
+    // Having seen the link's rate, the cost model recomputes without trying it again.
+    let (b_beta, _, cached) = ask(&b, &beta).await;
+    assert_eq!(b_beta, a_beta);
+    assert_eq!(cached, 0);
+    let fetches = metric_sum(&b, "dynamo_node_peer_fetches_total{", "").await;
+    assert_eq!(fetches, 1.0, "no second fetch over a link slower than recomputing");
+    assert_eq!(b.stop(), 0);
+}
+
+/// A TCP forwarder to `to` whose answers (server to client) are each held for `delay`: the
+/// latency of a far or congested link, made in user space (this kernel has no netem).
+async fn delaying_forwarder(to: String, delay: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&to).await else { continue };
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut cr, &mut sw).await });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                while let Ok(n) = sr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(delay).await;
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
 }

@@ -61,8 +61,10 @@ use super::run::{After, Run};
 use super::{Ticket, batch};
 
 use crate::leases::LeasedTiers;
+use crate::peer::FetchError;
 use crate::telemetry::{
-    Tier, record_preemption, record_tier_error, record_transfer, record_write_lag, record_write_skipped,
+    Tier, record_corrupt_block, record_preemption, record_tier_error, record_transfer, record_write_lag,
+    record_write_skipped,
 };
 use crate::tiers::{BlockSite, NodeTiers};
 
@@ -1050,6 +1052,7 @@ impl<B: Backend> Worker<B> {
                             Fetched::Rejected(e) => {
                                 // Verified and dropped: never handed to the engine.
                                 seq.run.outcome.corrupt_blocks += 1;
+                                record_corrupt_block(Tier::G4);
                                 record_tier_error(Tier::G4, e.kind());
                                 None
                             }
@@ -1067,6 +1070,12 @@ impl<B: Backend> Worker<B> {
                 Err(e) => {
                     tracing::debug!(peer = link.addr(), error = %e, "G4 fetch failed; the prefix is recomputed from there");
                     record_tier_error(Tier::G4, e.kind());
+                    if matches!(e, FetchError::Deadline) {
+                        // The link moved less than this in the time: its rate is at most that, and
+                        // the cost model recomputes rather than wait on it again.
+                        let wanted = g4_blocks.len() * tiers.layout.image_bytes();
+                        tiers.measured.g4_read.observe(wanted, started.elapsed());
+                    }
                     end = first;
                 }
             }
