@@ -11,14 +11,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dynamo_config::G4Config;
+use dynamo_config::{G4Config, G4Integrity};
 use dynamo_tiering::block::{BlockHash, ImageHeader};
 use dynamo_tiering::g2::SlotRef;
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity, SecretError};
 use dynamo_tiering::g4::feed::Feed;
 use dynamo_tiering::g4::holds::HoldLimits;
-use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, ServedPeer, ServerConfig, serve_peer_into};
-use dynamo_tiering::g4::wire::WireLimits;
+use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, PeerError, ServedPeer, ServerConfig, serve_peer_into};
+use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -28,10 +28,11 @@ use crate::tiers::NodeTiers;
 
 mod link;
 
-pub use link::{FetchError, LinkConfig, PeerLink, RemoteTier};
+pub use link::{Arrival, FetchError, Land, LinkConfig, PeerLink, RemoteTier};
 
-/// Most peer connections served at once; more wait to be accepted.
-const MAX_PEER_CONNECTIONS: usize = 64;
+/// Most peer connections served at once; more wait to be accepted. Each peer keeps its feed and
+/// `tiers.g4.lanes` connections open.
+const MAX_PEER_CONNECTIONS: usize = 512;
 
 /// The sealed image in a G2 slot, without the slot's padding.
 #[derive(Clone, Debug)]
@@ -122,6 +123,7 @@ pub enum BlockServerError {
 pub struct BlockServer {
     addr: SocketAddr,
     task: JoinHandle<()>,
+    stop: tokio::sync::watch::Sender<bool>,
 }
 
 impl BlockServer {
@@ -142,7 +144,8 @@ impl BlockServer {
         let config = Arc::new(ServerConfig {
             secret,
             me: PeerIdentity { cluster: g4.cluster.clone(), node: node.to_owned(), epoch },
-            wire: WireLimits { max_frame: (max_image + 64).min(u32::MAX as usize) as u32, ..WireLimits::default() },
+            wire: wire_limits(max_image),
+            integrity: integrity(g4),
             holds: HoldLimits {
                 max_holds: g4.max_holds_per_peer,
                 max_blocks: g4.max_holds_per_peer * WireLimits::default().max_hashes as usize,
@@ -152,8 +155,9 @@ impl BlockServer {
             idle_timeout: Duration::from_secs(60),
         });
         let source = Arc::new(G2Blocks(tiers));
-        let task = tokio::spawn(accept(listener, config, source));
-        Ok(Self { addr, task })
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(accept(listener, config, source, stopped));
+        Ok(Self { addr, task, stop })
     }
 
     /// The address it listens on.
@@ -161,15 +165,16 @@ impl BlockServer {
         self.addr
     }
 
-    /// Stops accepting; connections being served end with the runtime.
+    /// Stops accepting and closes the connections being served.
     pub fn stop(&self) {
         self.task.abort();
+        let _ = self.stop.send(true);
     }
 }
 
 impl Drop for BlockServer {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop();
     }
 }
 
@@ -182,7 +187,8 @@ pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> R
         client: ClientConfig {
             secret,
             me: PeerIdentity { cluster: g4.cluster.clone(), node: node.to_owned(), epoch },
-            wire: WireLimits { max_frame: (max_image + 64).min(u32::MAX as usize) as u32, ..WireLimits::default() },
+            wire: wire_limits(max_image),
+            integrity: integrity(g4),
             connect_timeout: request_timeout.max(Duration::from_secs(1)),
             request_timeout,
         },
@@ -203,10 +209,32 @@ pub fn connect_peers(g4: &G4Config, config: &LinkConfig, remote: &RemoteTier) ->
     g4.peers.len()
 }
 
-/// Most blocks one peer's snapshot may list (16 Mi blocks: 512 MiB of index at most).
-const MAX_SNAPSHOT_BLOCKS: usize = 16 << 20;
+/// What a peer may send in one frame: an image of `max_image` bytes, or a full request or
+/// snapshot part (4096 hashes, with their parents).
+fn wire_limits(max_image: usize) -> WireLimits {
+    let limits = WireLimits::default();
+    let hashes = limits.max_hashes as usize * 33 + 64;
+    WireLimits { max_frame: (max_image + 64).max(hashes).min(u32::MAX as usize) as u32, ..limits }
+}
 
-async fn accept(listener: TcpListener, config: Arc<ServerConfig>, source: Arc<G2Blocks>) {
+/// `tiers.g4.integrity` as the protocol names it.
+fn integrity(g4: &G4Config) -> Integrity {
+    match g4.integrity {
+        G4Integrity::Mac => Integrity::Mac,
+        G4Integrity::Checksum => Integrity::Checksum,
+    }
+}
+
+/// Most blocks one peer's snapshot may list (4 Mi blocks, 128 GiB of G2 at 32 KiB a block:
+/// about 300 MiB while the snapshot is applied).
+const MAX_SNAPSHOT_BLOCKS: usize = 4 << 20;
+
+async fn accept(
+    listener: TcpListener,
+    config: Arc<ServerConfig>,
+    source: Arc<G2Blocks>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) {
     let slots = Arc::new(Semaphore::new(MAX_PEER_CONNECTIONS));
     loop {
         let Ok(permit) = slots.clone().acquire_owned().await else { return };
@@ -218,11 +246,16 @@ async fn accept(listener: TcpListener, config: Arc<ServerConfig>, source: Arc<G2
                 continue;
             }
         };
-        let (config, source) = (config.clone(), source.clone());
+        let (config, source, mut stopped) = (config.clone(), source.clone(), stopped.clone());
         tokio::spawn(async move {
             let _permit = permit;
             let mut served = ServedPeer::default();
-            let outcome = serve_peer_into(stream, &config, &*source, &mut served).await;
+            // A stopping node closes its peers' connections: its feed ends, so they stop
+            // routing to it at once.
+            let outcome = tokio::select! {
+                outcome = serve_peer_into(stream, &config, &*source, &mut served) => outcome,
+                _ = stopped.wait_for(|stopped| *stopped) => Err(PeerError::Closed),
+            };
             let peer = served.peer.as_ref().map(|p| p.node.as_str()).unwrap_or("?");
             match &outcome {
                 Ok(()) => tracing::debug!(%from, peer, images = served.images, "G4 peer said goodbye"),

@@ -66,7 +66,7 @@
 //! | `dynamo_node_peer_expired_holds_total` | counter | | peer holds that ran out before their release |
 //! | `dynamo_node_peer_fetches_total` | counter | `peer`, `transport`, `outcome` | fetches from a peer: `ok`, or the error's kind (`deadline`, `closed`, `bad_mac`, …) |
 //! | `dynamo_node_peer_fetch_seconds` | histogram | `peer`, `transport` | one fetch from a peer: hold, images, release |
-//! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped) |
+//! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped), `skipped` (past a block that did not arrive) |
 //! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
 //! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once) |
 //! | `dynamo_node_cluster_members` | gauge | | peers in this node's view of the cluster (etcd membership) |

@@ -65,6 +65,7 @@ impl Membership {
             remote,
             links,
             view: HashMap::new(),
+            lease: None,
         };
         Self { task: tokio::spawn(follower.run()) }
     }
@@ -98,6 +99,9 @@ struct Follower {
     links: LinkConfig,
     /// Peers by name.
     view: HashMap<String, Member>,
+    /// The lease of this node's registration, kept across interruptions of etcd: a registration
+    /// that outlived one is kept, with its epoch, so peers see no restart.
+    lease: Option<i64>,
 }
 
 impl Follower {
@@ -133,15 +137,23 @@ impl Follower {
             .with_timeout(self.ttl.max(Duration::from_secs(2)))
             .with_keep_alive(self.ttl / 3, self.ttl / 3);
         let mut client = Client::connect(&self.endpoints, Some(options)).await.context("connecting to etcd")?;
-        let ttl_secs = self.ttl.as_secs().max(2) as i64;
-        let lease = client.lease_grant(ttl_secs, None).await.context("granting the registration's lease")?.id();
         let key = format!("{}{}", self.prefix, self.name);
-        let value = serde_json::to_vec(&self.me).context("the registration")?;
-        let put = client.put(key.as_bytes(), value, Some(PutOptions::new().with_lease(lease))).await?;
-        let epoch = put.header().map_or(0, |h| h.revision());
-        telemetry::record_cluster_registration(epoch);
+        let (lease, epoch) = match self.still_registered(&mut client, &key).await? {
+            Some(kept) => kept,
+            None => {
+                let ttl_secs = self.ttl.as_secs().max(2) as i64;
+                let lease = client.lease_grant(ttl_secs, None).await.context("granting the registration's lease")?.id();
+                let value = serde_json::to_vec(&self.me).context("the registration")?;
+                let put = client.put(key.as_bytes(), value, Some(PutOptions::new().with_lease(lease))).await?;
+                let epoch = put.header().map_or(0, |h| h.revision());
+                self.lease = Some(lease);
+                telemetry::record_cluster_registration(epoch);
+                tracing::info!(key, epoch, lease, "registered in etcd");
+                (lease, epoch)
+            }
+        };
         telemetry::set_cluster_etcd_up(true);
-        tracing::info!(key, epoch, lease, "registered in etcd");
+        tracing::debug!(epoch, lease, "following the cluster in etcd");
         let (mut keeper, mut kept) = client.lease_keep_alive(lease).await.context("keeping the lease alive")?;
 
         let current = client.get(self.prefix.as_bytes(), Some(GetOptions::new().with_prefix())).await?;
@@ -188,6 +200,20 @@ impl Follower {
                 }
             }
         }
+    }
+
+    /// This node's registration from before an interruption, if it outlived it: its lease and
+    /// epoch.
+    async fn still_registered(&mut self, client: &mut Client, key: &str) -> anyhow::Result<Option<(i64, i64)>> {
+        let Some(lease) = self.lease else { return Ok(None) };
+        let alive = client.lease_time_to_live(lease, None).await.context("asking after the lease")?.ttl() > 0;
+        let current = client.get(key.as_bytes(), None).await.context("reading the registration")?;
+        let kept = current.kvs().first().filter(|kv| alive && kv.lease() == lease).map(|kv| (lease, kv.mod_revision()));
+        match kept {
+            Some((_, epoch)) => tracing::info!(key, epoch, lease, "still registered in etcd"),
+            None => self.lease = None,
+        }
+        Ok(kept)
     }
 
     /// `name` is registered as `kv`: a new peer, or a new epoch of a known one, gets a new link.

@@ -15,7 +15,7 @@ use dynamo_tiering::block::image::MAGIC;
 use dynamo_tiering::block::{BlockHash, ImageHeader};
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient};
-use dynamo_tiering::g4::wire::WireLimits;
+use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
@@ -24,6 +24,7 @@ fn client(secret: [u8; 32]) -> ClientConfig {
         secret: ClusterSecret::from_bytes(secret),
         me: PeerIdentity { cluster: "test".into(), node: "reader".into(), epoch: 1 },
         wire: WireLimits::default(),
+        integrity: Integrity::Mac,
         connect_timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(5),
     }

@@ -196,7 +196,7 @@ impl CostModel {
             };
         }
         if cost.g4_read.is_none() {
-            cost.g4_read = match (measured.g4_read.get(), cost.g2_read) {
+            cost.g4_read = match (measured.g4_read.get_within(G4_RATE_MAX_AGE), cost.g2_read) {
                 (Some(net), Some(link)) => Some(net.then(link)),
                 (net, _) => net,
             };
@@ -299,7 +299,7 @@ impl Measurements {
 /// A link's bandwidth as measured on real transfers: an exponentially weighted mean of bytes per
 /// second, so the cost model follows the machine as it is now.
 #[derive(Debug, Default)]
-pub struct MeasuredBandwidth(Mutex<Option<f64>>);
+pub struct MeasuredBandwidth(Mutex<Option<(f64, std::time::Instant)>>);
 
 impl MeasuredBandwidth {
     /// Folds one transfer of `bytes` in `elapsed` in.
@@ -310,17 +310,29 @@ impl MeasuredBandwidth {
         }
         let sample = bytes as f64 / secs;
         let mut bw = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        *bw = Some(match *bw {
-            Some(old) => 0.8 * old + 0.2 * sample,
+        let rate = match *bw {
+            Some((old, _)) => 0.8 * old + 0.2 * sample,
             None => sample,
-        });
+        };
+        *bw = Some((rate, std::time::Instant::now()));
     }
 
     /// The rate, once a transfer was timed.
     pub fn get(&self) -> Option<BytesPerSec> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).and_then(BytesPerSec::new)
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).and_then(|(rate, _)| BytesPerSec::new(rate))
+    }
+
+    /// The rate, if a transfer was timed within `age`: a link judged too slow to use is not
+    /// used, so nothing would measure it again; past `age` its rate is unknown once more, and
+    /// the next load tries it.
+    pub fn get_within(&self, age: Duration) -> Option<BytesPerSec> {
+        let bw = *self.0.lock().unwrap_or_else(|e| e.into_inner());
+        bw.filter(|(_, at)| at.elapsed() <= age).and_then(|(rate, _)| BytesPerSec::new(rate))
     }
 }
+
+/// How long a measured peer rate stands before the next load tries the link again.
+pub const G4_RATE_MAX_AGE: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {

@@ -12,7 +12,7 @@ use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::feed::Feed;
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, PeerClient, PeerError, ServerConfig, serve_peer};
-use dynamo_tiering::g4::wire::{Message, WireLimits};
+use dynamo_tiering::g4::wire::{Integrity, Message, WireLimits};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -40,6 +40,7 @@ async fn serve_one(source: FeedOnly, wire: WireLimits) -> (SocketAddr, JoinHandl
         secret: ClusterSecret::from_bytes([9; 32]),
         me: identity("server"),
         wire,
+        integrity: Integrity::Mac,
         holds: HoldLimits::default(),
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
@@ -56,6 +57,7 @@ async fn connect(addr: SocketAddr) -> PeerClient {
         secret: ClusterSecret::from_bytes([9; 32]),
         me: identity("client"),
         wire: WireLimits::default(),
+        integrity: Integrity::Mac,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(5),
     };

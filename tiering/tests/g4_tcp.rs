@@ -13,7 +13,7 @@ use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{
     BlockSource, ClientConfig, Fetched, PeerClient, PeerError, ServedPeer, ServerConfig, serve_peer,
 };
-use dynamo_tiering::g4::wire::{RefusalCode, WireLimits};
+use dynamo_tiering::g4::wire::{Integrity, RefusalCode, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -65,6 +65,7 @@ fn server_config(secret: u8, holds: HoldLimits) -> ServerConfig {
         secret: ClusterSecret::from_bytes([secret; 32]),
         me: identity("server"),
         wire: WireLimits::default(),
+        integrity: Integrity::Mac,
         holds,
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
@@ -76,6 +77,7 @@ fn client_config(secret: u8) -> ClientConfig {
         secret: ClusterSecret::from_bytes([secret; 32]),
         me: identity("client"),
         wire: WireLimits::default(),
+        integrity: Integrity::Mac,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(5),
     }
@@ -209,4 +211,33 @@ async fn a_hold_flood_is_refused_and_a_silent_readers_holds_expire() {
     assert!(matches!(err, PeerError::Refused { code: RefusalCode::Limit, .. }), "{err}");
     let err = server.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), "limit");
+}
+
+#[tokio::test]
+async fn checksum_integrity_moves_verified_images_and_still_rejects_corrupt_ones() {
+    let mut blocks = resident(&[1, 2], 8 << 10);
+    let mut bad = sealed(2, 8 << 10);
+    bad[HEADER_LEN + 7] ^= 0x01;
+    blocks.0.insert(BlockHash(2), Arc::new(bad));
+    let server = ServerConfig { integrity: Integrity::Checksum, ..server_config(1, HoldLimits::default()) };
+    let (addr, served) = serve_one(server, blocks).await;
+    let client = ClientConfig { integrity: Integrity::Checksum, ..client_config(1) };
+    let mut peer = PeerClient::connect(addr, &client).await.expect("both sides agree");
+    let held = peer.hold(&[BlockHash(1), BlockHash(2)], Duration::from_secs(5)).await.unwrap();
+    let fetched = peer.fetch(held.hold_id, &[BlockHash(1), BlockHash(2)]).await.unwrap();
+    assert_eq!(fetched[0].1, Fetched::Verified(sealed(1, 8 << 10)));
+    assert_eq!(fetched[1].1, Fetched::Rejected(ImageError::PayloadChecksum), "no MAC, still verified");
+    // Control frames keep their MACs: the connection goes on.
+    assert!(peer.ping().await.is_ok());
+    peer.goodbye().await.unwrap();
+    assert_eq!(served.await.unwrap().unwrap().images, 2);
+}
+
+#[tokio::test]
+async fn a_client_of_another_integrity_mode_is_refused() {
+    let (addr, served) = serve_one(server_config(1, HoldLimits::default()), resident(&[1], 64)).await;
+    let client = ClientConfig { integrity: Integrity::Checksum, ..client_config(1) };
+    assert!(PeerClient::connect(addr, &client).await.is_err());
+    let err = served.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), "integrity", "{err}");
 }

@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
-use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient, PeerError};
+use dynamo_tiering::block::ImageError;
+use dynamo_tiering::g2::SlotRef;
+use dynamo_tiering::g4::tcp::{ClientConfig, FetchedRef, PeerClient, PeerError};
 use dynamo_tiering::g4::wire::{Message, WireError};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, oneshot};
@@ -72,11 +74,36 @@ impl FetchError {
     }
 }
 
+/// Where a fetched image goes: copied into a slot of the caller's (a G2 slot), or `None` when
+/// there is no room for it.
+pub type Land = Box<dyn FnMut(&[u8]) -> Option<SlotRef> + Send>;
+
+/// What became of one block of a fetch.
+#[derive(Debug)]
+pub enum Arrival {
+    /// Verified and copied into the caller's slot.
+    Landed {
+        /// The slot.
+        slot: SlotRef,
+        /// Bytes of the image in it.
+        bytes: usize,
+    },
+    /// Verified, but the caller had no slot for it.
+    NoRoom,
+    /// The peer no longer held it.
+    Missing,
+    /// It failed verification and was dropped.
+    Rejected(ImageError),
+    /// Not landed: an earlier block of the fetch did not arrive, so the prefix ends before it.
+    Skipped,
+}
+
 /// One fetch, as a lane takes it.
 struct FetchJob {
     hashes: Vec<BlockHash>,
     deadline: tokio::time::Instant,
-    reply: oneshot::Sender<Result<Vec<(BlockHash, Fetched)>, FetchError>>,
+    land: Land,
+    reply: oneshot::Sender<Result<Vec<(BlockHash, Arrival)>, FetchError>>,
 }
 
 /// What the link's tasks share.
@@ -90,7 +117,23 @@ struct LinkState {
     name: Mutex<Option<String>>,
     /// Whether the index holds the peer's current snapshot and changes.
     synced: AtomicBool,
+    /// Taken around every change the feed makes to the index; `true` once the link is stopped,
+    /// after which the feed changes nothing (a task that is being aborted may still be between
+    /// two awaits).
+    stopped: Mutex<bool>,
     config: LinkConfig,
+}
+
+impl LinkState {
+    /// Runs `change` on the index unless the link is stopped; whether it ran.
+    fn index_change(&self, change: impl FnOnce()) -> bool {
+        let stopped = self.stopped.lock();
+        if *stopped {
+            return false;
+        }
+        change();
+        true
+    }
 }
 
 /// The link to one remote node: its feed and its lanes.
@@ -111,7 +154,14 @@ impl PeerLink {
     /// Starts the feed and the lanes to the block server at `addr`, on the current runtime.
     fn start(node: u16, addr: String, config: LinkConfig, index: Arc<PrefixIndex>) -> Self {
         let lanes = config.lanes.max(1);
-        let state = Arc::new(LinkState { node, addr, name: Mutex::new(None), synced: AtomicBool::new(false), config });
+        let state = Arc::new(LinkState {
+            node,
+            addr,
+            name: Mutex::new(None),
+            synced: AtomicBool::new(false),
+            stopped: Mutex::new(false),
+            config,
+        });
         let (jobs, rx) = mpsc::channel(state.config.max_inflight.max(1));
         let rx = Arc::new(tokio::sync::Mutex::new(rx));
         let mut tasks = vec![tokio::spawn(follow_feed(state.clone(), index))];
@@ -144,18 +194,20 @@ impl PeerLink {
         self.state.synced.load(Ordering::Relaxed)
     }
 
-    /// Holds, fetches and releases `hashes` on the peer within `deadline`: per hash, its verified
-    /// image, or why there is none.
+    /// Holds, fetches and releases `hashes` on the peer within `deadline`; each verified image is
+    /// handed to `land` on the lane (straight from the connection's buffer). Per hash, what
+    /// became of it.
     pub async fn fetch(
         &self,
         hashes: Vec<BlockHash>,
         deadline: Instant,
-    ) -> Result<Vec<(BlockHash, Fetched)>, FetchError> {
+        land: Land,
+    ) -> Result<Vec<(BlockHash, Arrival)>, FetchError> {
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(deadline);
         let (reply, answer) = oneshot::channel();
         let result = tokio::time::timeout_at(deadline, async {
-            self.jobs.send(FetchJob { hashes, deadline, reply }).await.map_err(|_| FetchError::Closed)?;
+            self.jobs.send(FetchJob { hashes, deadline, land, reply }).await.map_err(|_| FetchError::Closed)?;
             answer.await.map_err(|_| FetchError::Closed)?
         })
         .await
@@ -163,16 +215,32 @@ impl PeerLink {
         let outcome = result.as_ref().map_or_else(|e| e.kind(), |_| "ok");
         telemetry::record_peer_fetch(&self.state.addr, outcome, started.elapsed());
         if let Ok(blocks) = &result {
-            for (_, fetched) in blocks {
-                let (outcome, bytes) = match fetched {
-                    Fetched::Verified(image) => ("verified", image.len() as u64),
-                    Fetched::Missing => ("missing", 0),
-                    Fetched::Rejected(_) => ("rejected", 0),
+            for (_, arrival) in blocks {
+                let (outcome, bytes) = match arrival {
+                    Arrival::Landed { bytes, .. } => ("verified", *bytes as u64),
+                    Arrival::NoRoom => ("verified", 0),
+                    Arrival::Missing => ("missing", 0),
+                    Arrival::Skipped => ("skipped", 0),
+                    Arrival::Rejected(_) => ("rejected", 0),
                 };
                 telemetry::record_peer_block(&self.state.addr, outcome, bytes);
             }
         }
         result
+    }
+}
+
+impl PeerLink {
+    /// Stops the feed and the lanes, and drops what the peer served from `index`: from here on
+    /// the link changes nothing in the index, whoever still holds it.
+    fn stop(&self, index: &PrefixIndex) {
+        let mut stopped = self.state.stopped.lock();
+        *stopped = true;
+        for task in &self.tasks {
+            task.abort();
+        }
+        index.resync(SourceId::node_store(self.state.node), u64::MAX, &[], 0);
+        self.state.synced.store(false, Ordering::Relaxed);
     }
 }
 
@@ -200,16 +268,30 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
     let mut client: Option<PeerClient> = None;
     loop {
         let Some(job) = jobs.lock().await.recv().await else { return };
-        if job.reply.is_closed() {
+        let FetchJob { hashes, deadline, mut land, reply } = job;
+        if reply.is_closed() {
             continue;
         }
-        let FetchJob { hashes, deadline, reply } = job;
+        if tokio::time::Instant::now() >= deadline {
+            // Expired in the queue: the connection stays as it is for the next one.
+            let _ = reply.send(Err(FetchError::Deadline));
+            continue;
+        }
         let result = tokio::time::timeout_at(deadline, async {
-            let c = match &mut client {
-                Some(c) => c,
-                None => client.insert(connect(&state).await?),
-            };
-            fetch_on(c, &hashes, state.config.hold_ttl).await
+            // A pooled connection the server closed while idle fails at once: one more try on a
+            // fresh one.
+            for attempt in 0..2 {
+                let reused = client.is_some();
+                let c = match &mut client {
+                    Some(c) => c,
+                    None => client.insert(connect(&state).await?),
+                };
+                match fetch_on(c, &hashes, state.config.hold_ttl, &mut land).await {
+                    Err(PeerError::Io(_) | PeerError::Closed) if reused && attempt == 0 => client = None,
+                    done => return done,
+                }
+            }
+            unreachable!("the second attempt returns")
         })
         .await;
         let result = match result {
@@ -228,42 +310,73 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
     }
 }
 
-/// A hold, a fetch of what it holds, and its release.
+/// Holds, fetches (landing each verified image where `land` puts it) and releases `hashes`, at
+/// most a frame's worth of hashes at a time. Once a block does not arrive, the rest are not
+/// landed: the caller's prefix ends there.
 async fn fetch_on(
     client: &mut PeerClient,
     hashes: &[BlockHash],
     ttl: Duration,
-) -> Result<Vec<(BlockHash, Fetched)>, PeerError> {
-    let held = client.hold(hashes, ttl).await?;
-    let present: Vec<BlockHash> = held.blocks.iter().filter(|b| b.image_len.is_some()).map(|b| b.hash).collect();
-    let mut fetched = if present.is_empty() { Vec::new() } else { client.fetch(held.hold_id, &present).await? };
-    client.release(held.hold_id).await?;
-    // One answer per hash asked, in order: what was not held is missing.
-    let mut fetched = fetched.drain(..).peekable();
-    Ok(hashes
-        .iter()
-        .map(|&hash| match fetched.next_if(|(h, _)| *h == hash) {
-            Some(answer) => answer,
-            None => (hash, Fetched::Missing),
-        })
-        .collect())
+    land: &mut Land,
+) -> Result<Vec<(BlockHash, Arrival)>, PeerError> {
+    const MAX_HOLD: usize = 4096;
+    let mut out = Vec::with_capacity(hashes.len());
+    let mut cut = false;
+    for chunk in hashes.chunks(MAX_HOLD) {
+        if cut {
+            out.extend(chunk.iter().map(|&h| (h, Arrival::Skipped)));
+            continue;
+        }
+        let held = client.hold(chunk, ttl).await?;
+        // Blocks up to the first the peer no longer holds; the rest are past the cut.
+        let present: Vec<BlockHash> =
+            held.blocks.iter().take_while(|b| b.image_len.is_some()).map(|b| b.hash).collect();
+        let mut arrived = Vec::with_capacity(present.len());
+        if !present.is_empty() {
+            client
+                .fetch_each(held.hold_id, &present, |hash, fetched| {
+                    let arrival = match fetched {
+                        _ if cut => Arrival::Skipped,
+                        FetchedRef::Verified(image) => match land(image) {
+                            Some(slot) => Arrival::Landed { slot, bytes: image.len() },
+                            None => Arrival::NoRoom,
+                        },
+                        FetchedRef::Missing => Arrival::Missing,
+                        FetchedRef::Rejected(e) => Arrival::Rejected(e),
+                    };
+                    cut |= !matches!(arrival, Arrival::Landed { .. });
+                    arrived.push((hash, arrival));
+                })
+                .await?;
+        }
+        client.release(held.hold_id).await?;
+        cut |= present.len() < chunk.len();
+        out.extend(arrived);
+        out.extend(chunk[present.len()..].iter().map(|&h| (h, Arrival::Missing)));
+    }
+    Ok(out)
 }
 
 /// The feed: keeps the index's view of the peer's G2 equal to the peer's, or empty.
 async fn follow_feed(state: Arc<LinkState>, index: Arc<PrefixIndex>) {
     const FIRST_RETRY: Duration = Duration::from_millis(100);
     const LAST_RETRY: Duration = Duration::from_secs(5);
+    // A feed that held this long was healthy: the next failure retries at once. One that fails
+    // soon after each sync backs off, so a flapping peer cannot make the index take a snapshot
+    // and drop it every 100 ms.
+    const STABLE: Duration = Duration::from_secs(10);
     let source = SourceId::node_store(state.node);
     let mut retry = FIRST_RETRY;
     loop {
         let mut epoch = None;
+        let started = Instant::now();
         let ended = sync(&state, &index, &mut epoch).await;
-        if state.synced.swap(false, Ordering::Relaxed) {
+        if state.synced.swap(false, Ordering::Relaxed) && started.elapsed() >= STABLE {
             retry = FIRST_RETRY;
         }
         // Nothing the peer said can be counted on now: its blocks leave the index at once.
         if let Some(epoch) = epoch {
-            index.resync(source, epoch, &[], 0);
+            state.index_change(|| index.resync(source, epoch, &[], 0));
         }
         let kind = ended.kind();
         telemetry::record_peer_feed_ended(&state.addr, kind);
@@ -299,7 +412,9 @@ async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64
                     }));
                 }
                 Message::Synced { seq } => {
-                    index.resync(source, epoch, &snapshot, seq);
+                    if !state.index_change(|| index.resync(source, epoch, &snapshot, seq)) {
+                        return Err(PeerError::Closed);
+                    }
                     state.synced.store(true, Ordering::Relaxed);
                     tracing::info!(peer = %state.addr, blocks = snapshot.len(), "G4 feed synced");
                     break;
@@ -317,7 +432,10 @@ async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64
                 other => return Err(PeerError::Unexpected(other.name())),
             };
             let event = KvEvent { source, epoch, seq: kind.0, kind: kind.1 };
-            let applied = index.apply(&event);
+            let mut applied = Applied::Stale;
+            if !state.index_change(|| applied = index.apply(&event)) {
+                return Err(PeerError::Closed);
+            }
             telemetry::record_index_event(event.kind.as_str(), applied.as_str());
             match applied {
                 Applied::Applied | Applied::Stale => {}
@@ -351,20 +469,24 @@ impl RemoteTier {
 
     /// Starts a link to the block server at `addr`, on the current runtime.
     pub fn connect(&self, addr: String, config: LinkConfig) -> Arc<PeerLink> {
-        let mut node = self.next_node.fetch_add(1, Ordering::Relaxed);
-        if node == SourceId::NODE_STORE || node == self.own_node {
-            node = self.next_node.fetch_add(1, Ordering::Relaxed);
-        }
+        let mut links = self.links.write();
+        // A number no live link and not this node has (numbers of stopped links come round
+        // again after 65,535 links).
+        let node = loop {
+            let node = self.next_node.fetch_add(1, Ordering::Relaxed);
+            if node != SourceId::NODE_STORE && node != self.own_node && !links.contains_key(&node) {
+                break node;
+            }
+        };
         let link = Arc::new(PeerLink::start(node, addr, config, self.index.clone()));
-        self.links.write().insert(node, link.clone());
+        links.insert(node, link.clone());
         link
     }
 
     /// Stops the link to `node` and drops its blocks from the index.
     pub fn disconnect(&self, node: u16) {
         if let Some(link) = self.links.write().remove(&node) {
-            drop(link);
-            self.index.resync(SourceId::node_store(node), u64::MAX, &[], 0);
+            link.stop(&self.index);
         }
     }
 

@@ -48,10 +48,10 @@ use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{Sampling, SeededRng, TokenSet, sample_in};
 use dynamo_tiering::block::{
-    BlockHash, BlockHasher, BlockMap, HEADER_LEN, ImageSpec, Namespace, RetentionMeta, Salt, payload_mut, seal,
+    BlockHash, BlockHasher, BlockMap, HEADER_LEN, ImageHeader, ImageSpec, Namespace, RetentionMeta, Salt, payload_mut,
+    seal,
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
-use dynamo_tiering::g4::tcp::Fetched;
 use dynamo_tiering::pipeline::{self, Landed, Presence, Refusal};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
@@ -61,7 +61,7 @@ use super::run::{After, Run};
 use super::{Ticket, batch};
 
 use crate::leases::LeasedTiers;
-use crate::peer::FetchError;
+use crate::peer::{Arrival, FetchError, Land};
 use crate::telemetry::{
     Tier, record_corrupt_block, record_preemption, record_tier_error, record_transfer, record_write_lag,
     record_write_skipped,
@@ -461,10 +461,15 @@ fn fetch_budget(cost: &dynamo_tiering::cost::CostModel, from: usize, to: usize, 
     recompute.unwrap_or(ceiling).clamp(MIN_FETCH_BUDGET.min(ceiling), ceiling)
 }
 
-/// A verified image from a peer, copied into a fresh G2 slot; `None` if G2 has no room or the
-/// image does not fit a slot.
-fn land_in_g2(g2: &crate::tiers::G2Tier, image: &[u8], now: Millis) -> Option<SlotRef> {
-    let mut slot = g2.alloc(now)?;
+/// A verified image from a peer, copied into a fresh G2 slot; `None` if it is not of this node's
+/// layout (a peer of the same model with another KV dtype or block geometry: the hash, which
+/// names the model and the tokens, does not tell them apart), or G2 has no room.
+fn land_in_g2(tiers: &NodeTiers, image: &[u8], now: Millis) -> Option<SlotRef> {
+    let header = ImageHeader::decode_header_only(image).ok()?;
+    if header.layout != tiers.layout || image.len() != tiers.layout.image_bytes() {
+        return None;
+    }
+    let mut slot = tiers.g2.as_ref()?.alloc(now)?;
     let dst = slot.as_mut_slice();
     if image.len() > dst.len() {
         return None;
@@ -482,10 +487,13 @@ struct Lookup<'w, B: Backend> {
     images: Vec<SlotRef>,
     /// The blocks of the prefix the best peer holds (empty without one).
     remote: &'w [BlockHash],
+    /// Blocks asked about so far (each block's first question is `in_g1`).
+    asked: usize,
 }
 
 impl<B: Backend> pipeline::TierLookup for Lookup<'_, B> {
     fn in_g1(&mut self, hash: BlockHash) -> bool {
+        self.asked += 1;
         let Some(&page) = self.worker.by_hash.get(&hash) else { return false };
         self.worker.registry.acquire(hash, self.now).expect("resident");
         self.pages.push(page);
@@ -504,8 +512,10 @@ impl<B: Backend> pipeline::TierLookup for Lookup<'_, B> {
     }
 
     fn in_g4(&mut self, hash: BlockHash) -> bool {
-        // The peer's prefix is asked in order, block by block, from its start.
-        self.worker.tiers.g2.is_some() && self.remote.contains(&hash)
+        // The prefix is asked in order, block by block, from its start: the block asked about is
+        // the `asked`-th, and the peer holds it if its prefix reaches that far.
+        let at = self.asked.wrapping_sub(1);
+        self.worker.tiers.g2.is_some() && self.remote.get(at) == Some(&hash)
     }
 }
 
@@ -968,7 +978,8 @@ impl<B: Backend> Worker<B> {
         // The peer whose G2 holds the longest prefix (from the index its feed keeps), if any.
         let remote = tiers.g4.as_ref().and_then(|g4| g4.remote.locate(hashes));
         let remote_prefix = remote.as_ref().map_or(&[][..], |(_, blocks)| &hashes[..(*blocks).min(hashes.len())]);
-        let mut lookup = Lookup { worker: self, now, pages: Vec::new(), images: Vec::new(), remote: remote_prefix };
+        let mut lookup =
+            Lookup { worker: self, now, pages: Vec::new(), images: Vec::new(), remote: remote_prefix, asked: 0 };
         let sources = tiers.pipeline().plan_prefix(hashes, seq.run.tokens.len(), &tiers.cost_now(), &mut lookup);
         let Lookup { mut pages, mut images, .. } = lookup;
         let mut plan: Vec<Source> = Vec::with_capacity(sources.len());
@@ -1036,20 +1047,25 @@ impl<B: Backend> Worker<B> {
 
         // Peer fetches: one hold-fetch-release on the link, within the cost model's budget.
         let g4_blocks: Vec<usize> = (0..plan.len()).filter(|&i| matches!(plan[i], Source::G4)).collect();
-        if let (Some(&first), Some((link, _)), Some(g2)) = (g4_blocks.first(), remote.as_ref(), tiers.g2.as_ref()) {
+        if let (Some(&first), Some((link, _)), true) = (g4_blocks.first(), remote.as_ref(), tiers.g2.is_some()) {
             let wanted: Vec<BlockHash> = g4_blocks.iter().map(|&i| hashes[i]).collect();
             let started = Instant::now();
             let last = g4_blocks.last().copied().unwrap_or(first);
             let deadline = started + fetch_budget(&tiers.cost_now(), first * b, (last + 1) * b, link.request_timeout());
             let mut end = plan.len();
             let mut fetched_bytes = 0;
-            match link.fetch(wanted, deadline).await {
+            let landing = tiers.clone();
+            let land: Land = Box::new(move |image: &[u8]| land_in_g2(&landing, image, now));
+            match link.fetch(wanted, deadline, land).await {
                 Ok(blocks) => {
-                    for (&i, (_, fetched)) in g4_blocks.iter().zip(blocks) {
-                        let landed = match fetched {
-                            Fetched::Verified(image) => land_in_g2(g2, &image, now),
-                            Fetched::Missing => None,
-                            Fetched::Rejected(e) => {
+                    for (&i, (_, arrival)) in g4_blocks.iter().zip(blocks) {
+                        let landed = match arrival {
+                            Arrival::Landed { slot, bytes } => {
+                                fetched_bytes += bytes;
+                                Some(slot)
+                            }
+                            Arrival::NoRoom | Arrival::Missing | Arrival::Skipped => None,
+                            Arrival::Rejected(e) => {
                                 // Verified and dropped: never handed to the engine.
                                 seq.run.outcome.corrupt_blocks += 1;
                                 record_corrupt_block(Tier::G4);
@@ -1058,10 +1074,7 @@ impl<B: Backend> Worker<B> {
                             }
                         };
                         match landed {
-                            Some(image) if i < end => {
-                                fetched_bytes += image.as_slice().len();
-                                plan[i] = Source::Image { image, from: pipeline::Source::G4 };
-                            }
+                            Some(image) if i < end => plan[i] = Source::Image { image, from: pipeline::Source::G4 },
                             Some(_) => {}
                             None => end = end.min(i),
                         }

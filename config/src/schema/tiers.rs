@@ -72,6 +72,19 @@ config_enum! {
     }
 }
 
+config_enum! {
+    /// How G4 image frames are protected on the wire.
+    #[derive(Default)]
+    pub enum G4Integrity ("integrity") {
+        /// Every frame, images included, carries a MAC under the session key.
+        #[default]
+        Mac = "mac",
+        /// Control frames carry a MAC; images are verified by hash and checksums only (trusted
+        /// networks: catches accidents, not an attacker on the path).
+        Checksum = "checksum",
+    }
+}
+
 /// `[tiers]`: one table per tier.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -252,6 +265,10 @@ pub struct G4Config {
     pub enabled: bool,
     /// `"tcp"` or `"rdma"` (needs the `rdma` build feature). Default `"tcp"`.
     pub transport: Transport,
+    /// `"mac"`: every image frame carries a MAC (safe on any network); `"checksum"`: images are
+    /// verified by hash and checksums only (a trusted network; saves hashing every byte on both
+    /// ends). Every node of a cluster must use the same. Default `"mac"`.
+    pub integrity: G4Integrity,
     /// Address the block server listens on, `ip:port`. Default `"127.0.0.1:7100"`.
     pub listen: String,
     /// Peers' block-server addresses, `host:port`. Default `[]`.
@@ -283,6 +300,7 @@ impl Default for G4Config {
         G4Config {
             enabled: false,
             transport: Transport::Tcp,
+            integrity: G4Integrity::Mac,
             listen: "127.0.0.1:7100".to_owned(),
             peers: Vec::new(),
             request_timeout: HumanDuration::secs(2),

@@ -20,7 +20,7 @@
 
 use std::path::Path;
 
-use super::wire::{Mac, Message, Nonce, PROTOCOL_VERSION};
+use super::wire::{Integrity, Mac, Message, Nonce, PROTOCOL_VERSION};
 
 const KEY_CONTEXT: &str = "dynamo-node g4 session key v1";
 
@@ -119,6 +119,9 @@ pub enum AuthError {
     /// A message the handshake did not expect at this point.
     #[error("unexpected message during the handshake")]
     Unexpected,
+    /// The peer protects image frames otherwise ([`Integrity`]).
+    #[error("the peer's integrity mode (byte {0}) is not this node's")]
+    Integrity(u8),
 }
 
 impl AuthError {
@@ -129,6 +132,7 @@ impl AuthError {
             AuthError::Cluster(_) => "cluster",
             AuthError::BadMac => "bad_mac",
             AuthError::Unexpected => "unexpected",
+            AuthError::Integrity(_) => "integrity",
         }
     }
 }
@@ -208,14 +212,15 @@ pub struct ClientHandshake {
 }
 
 impl ClientHandshake {
-    /// Starts a handshake: the Hello to send.
-    pub fn start(secret: ClusterSecret, me: &PeerIdentity, nonce: Nonce) -> (Self, Message) {
+    /// Starts a handshake protecting image frames by `integrity`: the Hello to send.
+    pub fn start(secret: ClusterSecret, me: &PeerIdentity, nonce: Nonce, integrity: Integrity) -> (Self, Message) {
         let hello = Message::Hello {
             version: PROTOCOL_VERSION,
             cluster: me.cluster.clone(),
             node: me.node.clone(),
             epoch: me.epoch,
             nonce,
+            integrity: integrity.to_byte(),
         };
         (Self { secret, cluster: me.cluster.clone(), hello_body: hello.body() }, hello)
     }
@@ -243,19 +248,26 @@ pub struct ServerHandshake {
 }
 
 impl ServerHandshake {
-    /// Answers a Hello: the Challenge to send. A refusal is for a [`Message::Refused`].
+    /// Answers a Hello from a client that must protect image frames by `integrity`: the
+    /// Challenge to send. A refusal is for a [`Message::Refused`].
     pub fn respond(
         secret: ClusterSecret,
         me: &PeerIdentity,
         hello: &Message,
         nonce: Nonce,
+        integrity: Integrity,
     ) -> Result<(Self, Message), AuthError> {
-        let Message::Hello { version, cluster, node, epoch, .. } = hello else { return Err(AuthError::Unexpected) };
+        let Message::Hello { version, cluster, node, epoch, integrity: theirs, .. } = hello else {
+            return Err(AuthError::Unexpected);
+        };
         if *version != PROTOCOL_VERSION {
             return Err(AuthError::Version(*version));
         }
         if *cluster != me.cluster {
             return Err(AuthError::Cluster(cluster.clone()));
+        }
+        if Integrity::from_byte(*theirs) != Some(integrity) {
+            return Err(AuthError::Integrity(*theirs));
         }
         let mut transcript = hello.body();
         transcript.extend_from_slice(&server_part(&me.node, me.epoch, &nonce));
@@ -292,8 +304,8 @@ mod tests {
     #[test]
     fn peers_with_the_secret_agree_on_identities_and_a_session_key() {
         let (a, b) = ids();
-        let (client, hello) = ClientHandshake::start(secret(1), &a, [10; 32]);
-        let (server, challenge) = ServerHandshake::respond(secret(1), &b, &hello, [20; 32]).unwrap();
+        let (client, hello) = ClientHandshake::start(secret(1), &a, [10; 32], Integrity::Mac);
+        let (server, challenge) = ServerHandshake::respond(secret(1), &b, &hello, [20; 32], Integrity::Mac).unwrap();
         let (client_session, proof) = client.on_challenge(&challenge).unwrap();
         let server_session = server.on_proof(&proof).unwrap();
         assert_eq!(client_session.peer, b);
@@ -311,12 +323,12 @@ mod tests {
     fn a_wrong_secret_fails_on_either_side() {
         let (a, b) = ids();
         // The server does not know it: the client refuses the challenge.
-        let (client, hello) = ClientHandshake::start(secret(1), &a, [10; 32]);
-        let (_, challenge) = ServerHandshake::respond(secret(2), &b, &hello, [20; 32]).unwrap();
+        let (client, hello) = ClientHandshake::start(secret(1), &a, [10; 32], Integrity::Mac);
+        let (_, challenge) = ServerHandshake::respond(secret(2), &b, &hello, [20; 32], Integrity::Mac).unwrap();
         assert_eq!(client.on_challenge(&challenge).unwrap_err(), AuthError::BadMac);
         // The client does not know it: the server refuses the proof.
-        let (client, hello) = ClientHandshake::start(secret(2), &a, [10; 32]);
-        let (server, challenge) = ServerHandshake::respond(secret(1), &b, &hello, [20; 32]).unwrap();
+        let (client, hello) = ClientHandshake::start(secret(2), &a, [10; 32], Integrity::Mac);
+        let (server, challenge) = ServerHandshake::respond(secret(1), &b, &hello, [20; 32], Integrity::Mac).unwrap();
         assert_eq!(client.on_challenge(&challenge).unwrap_err(), AuthError::BadMac);
         let forged = Message::Proof { mac: [0; 32] };
         assert_eq!(server.on_proof(&forged).unwrap_err(), AuthError::BadMac);
@@ -326,19 +338,19 @@ mod tests {
     fn recorded_and_reflected_answers_do_not_pass() {
         let (a, b) = ids();
         // A challenge recorded from one connection fails a client with a fresh nonce.
-        let (_, hello_1) = ClientHandshake::start(secret(1), &a, [10; 32]);
-        let (_, recorded) = ServerHandshake::respond(secret(1), &b, &hello_1, [20; 32]).unwrap();
-        let (client_2, _) = ClientHandshake::start(secret(1), &a, [11; 32]);
+        let (_, hello_1) = ClientHandshake::start(secret(1), &a, [10; 32], Integrity::Mac);
+        let (_, recorded) = ServerHandshake::respond(secret(1), &b, &hello_1, [20; 32], Integrity::Mac).unwrap();
+        let (client_2, _) = ClientHandshake::start(secret(1), &a, [11; 32], Integrity::Mac);
         assert_eq!(client_2.on_challenge(&recorded).unwrap_err(), AuthError::BadMac);
         // The server's own MAC sent back as the proof.
-        let (server, challenge) = ServerHandshake::respond(secret(1), &b, &hello_1, [20; 32]).unwrap();
+        let (server, challenge) = ServerHandshake::respond(secret(1), &b, &hello_1, [20; 32], Integrity::Mac).unwrap();
         let Message::Challenge { mac, .. } = challenge else { unreachable!() };
         assert_eq!(server.on_proof(&Message::Proof { mac }).unwrap_err(), AuthError::BadMac);
         // A proof recorded from one connection fails a server with a fresh nonce.
-        let (client, hello) = ClientHandshake::start(secret(1), &a, [10; 32]);
-        let (_, challenge) = ServerHandshake::respond(secret(1), &b, &hello, [20; 32]).unwrap();
+        let (client, hello) = ClientHandshake::start(secret(1), &a, [10; 32], Integrity::Mac);
+        let (_, challenge) = ServerHandshake::respond(secret(1), &b, &hello, [20; 32], Integrity::Mac).unwrap();
         let (_, proof) = client.on_challenge(&challenge).unwrap();
-        let (server_2, _) = ServerHandshake::respond(secret(1), &b, &hello, [21; 32]).unwrap();
+        let (server_2, _) = ServerHandshake::respond(secret(1), &b, &hello, [21; 32], Integrity::Mac).unwrap();
         assert_eq!(server_2.on_proof(&proof).unwrap_err(), AuthError::BadMac);
     }
 
@@ -346,20 +358,42 @@ mod tests {
     fn another_cluster_or_version_is_refused_before_any_mac() {
         let (a, b) = ids();
         let other = PeerIdentity { cluster: "staging".into(), ..a.clone() };
-        let (_, hello) = ClientHandshake::start(secret(1), &other, [10; 32]);
+        let (_, hello) = ClientHandshake::start(secret(1), &other, [10; 32], Integrity::Mac);
         assert_eq!(
-            ServerHandshake::respond(secret(1), &b, &hello, [20; 32]).unwrap_err(),
+            ServerHandshake::respond(secret(1), &b, &hello, [20; 32], Integrity::Mac).unwrap_err(),
             AuthError::Cluster("staging".into())
         );
-        let Message::Hello { cluster, node, epoch, nonce, .. } = ClientHandshake::start(secret(1), &a, [10; 32]).1
+        let Message::Hello { cluster, node, epoch, nonce, .. } =
+            ClientHandshake::start(secret(1), &a, [10; 32], Integrity::Mac).1
         else {
             unreachable!()
         };
-        let future = Message::Hello { version: 9, cluster, node, epoch, nonce };
-        assert_eq!(ServerHandshake::respond(secret(1), &b, &future, [20; 32]).unwrap_err(), AuthError::Version(9));
+        let future =
+            Message::Hello { version: 9, cluster: cluster.clone(), node: node.clone(), epoch, nonce, integrity: 0 };
         assert_eq!(
-            ServerHandshake::respond(secret(1), &b, &Message::Goodbye, [20; 32]).unwrap_err(),
+            ServerHandshake::respond(secret(1), &b, &future, [20; 32], Integrity::Mac).unwrap_err(),
+            AuthError::Version(9)
+        );
+        assert_eq!(
+            ServerHandshake::respond(secret(1), &b, &Message::Goodbye, [20; 32], Integrity::Mac).unwrap_err(),
             AuthError::Unexpected
+        );
+        // A client that would not MAC its images is refused by a server that does, and the
+        // other way round; an unknown mode byte too.
+        let (_, checksum_only) = ClientHandshake::start(secret(1), &a, [10; 32], Integrity::Checksum);
+        assert_eq!(
+            ServerHandshake::respond(secret(1), &b, &checksum_only, [20; 32], Integrity::Mac).unwrap_err(),
+            AuthError::Integrity(1)
+        );
+        let (_, mac) = ClientHandshake::start(secret(1), &a, [10; 32], Integrity::Mac);
+        assert_eq!(
+            ServerHandshake::respond(secret(1), &b, &mac, [20; 32], Integrity::Checksum).unwrap_err(),
+            AuthError::Integrity(0)
+        );
+        let odd = Message::Hello { version: PROTOCOL_VERSION, cluster, node, epoch, nonce, integrity: 7 };
+        assert_eq!(
+            ServerHandshake::respond(secret(1), &b, &odd, [20; 32], Integrity::Mac).unwrap_err(),
+            AuthError::Integrity(7)
         );
     }
 

@@ -22,7 +22,8 @@ use super::auth::{AuthError, ClientHandshake, ClusterSecret, Direction, PeerIden
 use super::feed::{Feed, FeedChange, Subscription};
 use super::holds::{HoldError, HoldLimits, HoldTable};
 use super::wire::{
-    FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, Message, RefusalCode, WireError, WireLimits, image_frame_prefix,
+    FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, Integrity, Message, RefusalCode, WireError, WireLimits,
+    image_frame_prefix,
 };
 use crate::block::{BlockHash, ImageError, verify_image};
 
@@ -160,14 +161,31 @@ struct Conn {
     /// The image of an image frame being read.
     image: Vec<u8>,
     session: Option<Session>,
+    /// Whether image frames carry a MAC ([`Integrity::Mac`]).
+    mac_images: bool,
     sending: Direction,
     seq_out: u64,
     seq_in: u64,
 }
 
 impl Conn {
-    fn new(stream: TcpStream, limits: WireLimits, sending: Direction) -> Self {
-        Self { stream, limits, buf: Vec::new(), image: Vec::new(), session: None, sending, seq_out: 0, seq_in: 0 }
+    fn new(stream: TcpStream, limits: WireLimits, integrity: Integrity, sending: Direction) -> Self {
+        Self {
+            stream,
+            limits,
+            buf: Vec::new(),
+            image: Vec::new(),
+            session: None,
+            mac_images: integrity == Integrity::Mac,
+            sending,
+            seq_out: 0,
+            seq_in: 0,
+        }
+    }
+
+    /// The session, if image frames carry a MAC under it.
+    fn image_session(&self) -> Option<&Session> {
+        self.session.as_ref().filter(|_| self.mac_images)
     }
 
     fn receiving(&self) -> Direction {
@@ -185,8 +203,8 @@ impl Conn {
     fn step(&mut self) -> Result<Step, PeerError> {
         let Some(h) = self.buf.get(..FRAME_HEADER_LEN) else { return Ok(Step::Buf(FRAME_HEADER_LEN)) };
         let header = FrameHeader::parse(h.try_into().expect("header bytes"), &self.limits)?;
-        let trailer = self.trailer();
         if header.is_image() && header.len >= 16 {
+            let trailer = if self.image_session().is_some() { MAC_LEN } else { 0 };
             // The image goes straight into a buffer of its own: no copy out of the frame buffer.
             let prefix = FRAME_HEADER_LEN + 16;
             let image_len = header.len as usize - 16;
@@ -200,7 +218,7 @@ impl Conn {
             if self.buf.len() < prefix + trailer {
                 return Ok(Step::Buf(prefix + trailer));
             }
-            if let Some(session) = &self.session {
+            if let Some(session) = self.image_session() {
                 let mac: [u8; MAC_LEN] = self.buf[prefix..prefix + MAC_LEN].try_into().expect("MAC bytes");
                 if !session.verify_frame(self.receiving(), self.seq_in, &[&self.buf[..prefix], &self.image], &mac) {
                     return Err(PeerError::BadMac);
@@ -212,6 +230,7 @@ impl Conn {
             let image = std::mem::take(&mut self.image);
             return Ok(Step::Frame(Frame { req_id: header.req_id, message: Message::Image { hash, image } }));
         }
+        let trailer = self.trailer();
         let end = FRAME_HEADER_LEN + header.len as usize + trailer;
         if self.buf.len() < end {
             return Ok(Step::Buf(end));
@@ -265,7 +284,7 @@ impl Conn {
     /// An image frame written from the caller's slot, not copied into a frame first.
     async fn send_image(&mut self, req_id: u64, hash: BlockHash, image: &[u8]) -> Result<(), PeerError> {
         let prefix = image_frame_prefix(req_id, hash, image.len());
-        let mac = self.session.as_ref().map(|s| s.frame_mac(self.sending, self.seq_out, &[&prefix, image]));
+        let mac = self.image_session().map(|s| s.frame_mac(self.sending, self.seq_out, &[&prefix, image]));
         self.seq_out += 1;
         self.stream.write_all(&prefix).await?;
         self.stream.write_all(image).await?;
@@ -273,6 +292,14 @@ impl Conn {
             self.stream.write_all(&mac).await?;
         }
         Ok(())
+    }
+
+    /// Gives an image frame's buffer back for the next image (its pages are already faulted in).
+    fn reuse_image_buffer(&mut self, mut image: Vec<u8>) {
+        if self.image.is_empty() && image.capacity() > self.image.capacity() {
+            image.clear();
+            self.image = image;
+        }
     }
 
     /// Tells the peer why the connection ends, if it is worth telling; errors are moot by then.
@@ -292,6 +319,8 @@ pub struct ServerConfig {
     pub me: PeerIdentity,
     /// Frame limits.
     pub wire: WireLimits,
+    /// How image frames are protected; a client of another mode is refused.
+    pub integrity: Integrity,
     /// Hold limits per peer.
     pub holds: HoldLimits,
     /// The handshake must finish within this.
@@ -334,7 +363,7 @@ pub async fn serve_peer_into<S: BlockSource>(
     served: &mut ServedPeer,
 ) -> Result<(), PeerError> {
     tune_socket(&stream, config.idle_timeout)?;
-    let mut conn = Conn::new(stream, config.wire, Direction::ToClient);
+    let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToClient);
     let result = async {
         let session = tokio::time::timeout(config.handshake_timeout, server_handshake(&mut conn, config))
             .await
@@ -356,7 +385,8 @@ pub async fn serve_peer_into<S: BlockSource>(
 async fn server_handshake(conn: &mut Conn, config: &ServerConfig) -> Result<Session, PeerError> {
     let hello = conn.recv().await?;
     let nonce = super::auth::fresh_nonce();
-    let (pending, challenge) = ServerHandshake::respond(config.secret.clone(), &config.me, &hello.message, nonce)?;
+    let (pending, challenge) =
+        ServerHandshake::respond(config.secret.clone(), &config.me, &hello.message, nonce, config.integrity)?;
     conn.send(hello.req_id, challenge).await?;
     let proof = conn.recv().await?;
     Ok(pending.on_proof(&proof.message)?)
@@ -484,6 +514,8 @@ pub struct ClientConfig {
     pub me: PeerIdentity,
     /// Frame limits for what the server sends.
     pub wire: WireLimits,
+    /// How image frames are protected (the server must use the same mode).
+    pub integrity: Integrity,
     /// Connecting and the handshake must finish within this.
     pub connect_timeout: Duration,
     /// Each request's answer must come within this.
@@ -512,6 +544,17 @@ pub enum Fetched {
     Rejected(ImageError),
 }
 
+/// One block of [`PeerClient::fetch_each`]: like [`Fetched`], with the image borrowed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum FetchedRef<'a> {
+    /// The image, verified against the hash asked for and its checksums.
+    Verified(&'a [u8]),
+    /// The server no longer held it (the hold ran out).
+    Missing,
+    /// The image failed verification and was dropped.
+    Rejected(ImageError),
+}
+
 /// The client side of one authenticated connection.
 pub struct PeerClient {
     conn: Conn,
@@ -532,9 +575,9 @@ impl PeerClient {
         tokio::time::timeout(config.connect_timeout, async {
             let stream = TcpStream::connect(addr).await?;
             tune_socket(&stream, config.request_timeout.max(Duration::from_secs(1)))?;
-            let mut conn = Conn::new(stream, config.wire, Direction::ToServer);
+            let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToServer);
             let (pending, hello) =
-                ClientHandshake::start(config.secret.clone(), &config.me, super::auth::fresh_nonce());
+                ClientHandshake::start(config.secret.clone(), &config.me, super::auth::fresh_nonce(), config.integrity);
             conn.send(1, hello).await?;
             let challenge = conn.recv().await?;
             let (session, proof) = match pending.on_challenge(&challenge.message) {
@@ -589,26 +632,49 @@ impl PeerClient {
 
     /// Fetches held blocks; each image is verified against the hash asked for before it is returned.
     pub async fn fetch(&mut self, hold_id: u64, hashes: &[BlockHash]) -> Result<Vec<(BlockHash, Fetched)>, PeerError> {
+        let mut out = Vec::with_capacity(hashes.len());
+        self.fetch_each(hold_id, hashes, |hash, fetched| {
+            out.push((
+                hash,
+                match fetched {
+                    FetchedRef::Verified(image) => Fetched::Verified(image.to_vec()),
+                    FetchedRef::Missing => Fetched::Missing,
+                    FetchedRef::Rejected(e) => Fetched::Rejected(e),
+                },
+            ))
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Fetches held blocks and hands each to `each`, in the order asked, once verified against the
+    /// hash asked for: the image is borrowed from the connection's buffer, which the next image
+    /// reuses, so a caller that copies it where it belongs (a G2 slot) allocates nothing per image.
+    pub async fn fetch_each(
+        &mut self,
+        hold_id: u64,
+        hashes: &[BlockHash],
+        mut each: impl FnMut(BlockHash, FetchedRef<'_>),
+    ) -> Result<(), PeerError> {
         let req = self.request_id();
         self.conn.send(req, Message::Fetch { hold_id, hashes: hashes.to_vec() }).await?;
-        let mut out = Vec::with_capacity(hashes.len());
         for &asked in hashes {
             let Message::Image { hash, image } = self.answer(req).await? else {
                 return Err(PeerError::Unexpected("a frame other than an image"));
             };
-            let fetched = if hash != asked {
-                Fetched::Rejected(ImageError::HashMismatch { expected: asked, found: hash })
+            if hash != asked {
+                each(asked, FetchedRef::Rejected(ImageError::HashMismatch { expected: asked, found: hash }));
             } else if image.is_empty() {
-                Fetched::Missing
+                each(asked, FetchedRef::Missing);
             } else {
                 match verify_image(&image, asked) {
-                    Ok(_) => Fetched::Verified(image),
-                    Err(e) => Fetched::Rejected(e),
+                    Ok(_) => each(asked, FetchedRef::Verified(&image)),
+                    Err(e) => each(asked, FetchedRef::Rejected(e)),
                 }
-            };
-            out.push((asked, fetched));
+            }
+            self.conn.reuse_image_buffer(image);
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Unpins a hold.

@@ -13,8 +13,43 @@
 
 use crate::block::BlockHash;
 
-/// The protocol version a [`Message::Hello`] offers; a server refuses any other.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version a [`Message::Hello`] offers; a server refuses any other. Version 2 added
+/// the feed (subscribe, snapshot, changes) and the integrity mode of image frames.
+pub const PROTOCOL_VERSION: u16 = 2;
+
+/// How image frames are protected after the handshake; both sides of a connection must agree.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Integrity {
+    /// Every frame, images included, carries a MAC under the session key: safe against anyone
+    /// on the path. The default.
+    #[default]
+    Mac,
+    /// Control frames carry a MAC; an image frame is checked by the reader against the hash it
+    /// asked for and the image's own checksums only. That catches accidents, unauthenticated
+    /// peers and stale blocks, not an attacker on the path who rewrites payloads: for trusted
+    /// fabrics (as RDMA reads are, which no MAC covers either), where it saves hashing every byte
+    /// twice.
+    Checksum,
+}
+
+impl Integrity {
+    /// The byte a Hello carries.
+    pub fn to_byte(self) -> u8 {
+        match self {
+            Integrity::Mac => 0,
+            Integrity::Checksum => 1,
+        }
+    }
+
+    /// The mode a Hello's byte names, if any.
+    pub fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(Integrity::Mac),
+            1 => Some(Integrity::Checksum),
+            _ => None,
+        }
+    }
+}
 
 /// Bytes of a frame header: body length, kind, request id.
 pub const FRAME_HEADER_LEN: usize = 4 + 1 + 8;
@@ -70,6 +105,9 @@ pub enum Message {
         epoch: u64,
         /// Fresh per connection.
         nonce: Nonce,
+        /// How image frames are protected ([`Integrity::to_byte`]); the server refuses a mode
+        /// other than its own.
+        integrity: u8,
     },
     /// Server → client: who the server is, its nonce, and its proof of the secret.
     Challenge {
@@ -355,12 +393,13 @@ impl Message {
             out.extend_from_slice(&parent.unwrap_or(BlockHash(0)).to_le_bytes());
         }
         match self {
-            Message::Hello { version, cluster, node, epoch, nonce } => {
+            Message::Hello { version, cluster, node, epoch, nonce, integrity } => {
                 out.extend_from_slice(&version.to_le_bytes());
                 name(out, cluster, MAX_NAME_LEN);
                 name(out, node, MAX_NAME_LEN);
                 out.extend_from_slice(&epoch.to_le_bytes());
                 out.extend_from_slice(nonce);
+                out.push(*integrity);
             }
             Message::Challenge { node, epoch, nonce, mac } => {
                 name(out, node, MAX_NAME_LEN);
@@ -602,6 +641,7 @@ fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message,
             node: r.string("node", MAX_NAME_LEN)?,
             epoch: r.u64()?,
             nonce: r.array()?,
+            integrity: r.array::<1>()?[0],
         },
         kind::CHALLENGE => Message::Challenge {
             node: r.string("node", MAX_NAME_LEN)?,
@@ -728,7 +768,14 @@ mod tests {
     fn every_message() -> Vec<Message> {
         let h = |n: u128| BlockHash(n * 0x1234_5678_9abc_def0_1122_3344_5566_7788);
         vec![
-            Message::Hello { version: 1, cluster: "prod".into(), node: "node-a".into(), epoch: 7, nonce: [3; 32] },
+            Message::Hello {
+                version: 1,
+                cluster: "prod".into(),
+                node: "node-a".into(),
+                epoch: 7,
+                nonce: [3; 32],
+                integrity: 1,
+            },
             Message::Challenge { node: "node-b".into(), epoch: 9, nonce: [4; 32], mac: [5; 32] },
             Message::Proof { mac: [6; 32] },
             Message::Refused { code: RefusalCode::Auth, text: "wrong secret".into() },
