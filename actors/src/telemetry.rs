@@ -68,7 +68,7 @@
 //! | `dynamo_node_peer_fetch_seconds` | histogram | `peer`, `transport` | one fetch from a peer: hold, images, release |
 //! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped), `skipped` (past a block that did not arrive) |
 //! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
-//! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once) |
+//! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once): the error's kind (`timeout`, `closed`, …), or `peer_left` when membership dropped the peer |
 //! | `dynamo_node_cluster_members` | gauge | | peers in this node's view of the cluster (etcd membership) |
 //! | `dynamo_node_cluster_etcd_up` | gauge | | 1 while registered in etcd and following it |
 //! | `dynamo_node_cluster_registrations_total` | counter | | registrations in etcd (more than one: re-registered under a new epoch) |

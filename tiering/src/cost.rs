@@ -317,6 +317,19 @@ impl MeasuredBandwidth {
         *bw = Some((rate, std::time::Instant::now()));
     }
 
+    /// A transfer that did not finish moving `bytes` in `elapsed` (it ran out of time): the link's
+    /// rate is at most that now, whatever it was before.
+    pub fn cap(&self, bytes: usize, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        if secs <= 0.0 || bytes == 0 {
+            return;
+        }
+        let bound = bytes as f64 / secs;
+        let mut bw = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let rate = bw.map_or(bound, |(old, _)| old.min(bound));
+        *bw = Some((rate, std::time::Instant::now()));
+    }
+
     /// The rate, once a transfer was timed.
     pub fn get(&self) -> Option<BytesPerSec> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).and_then(|(rate, _)| BytesPerSec::new(rate))

@@ -240,7 +240,9 @@ impl PeerLink {
             task.abort();
         }
         index.resync(SourceId::node_store(self.state.node), u64::MAX, &[], 0);
-        self.state.synced.store(false, Ordering::Relaxed);
+        if self.state.synced.swap(false, Ordering::Relaxed) {
+            telemetry::record_peer_feed_ended(&self.state.addr, "peer_left");
+        }
     }
 }
 

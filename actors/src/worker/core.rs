@@ -1087,7 +1087,7 @@ impl<B: Backend> Worker<B> {
                         // The link moved less than this in the time: its rate is at most that, and
                         // the cost model recomputes rather than wait on it again.
                         let wanted = g4_blocks.len() * tiers.layout.image_bytes();
-                        tiers.measured.g4_read.observe(wanted, started.elapsed());
+                        tiers.measured.g4_read.cap(wanted, started.elapsed());
                     }
                     end = first;
                 }
