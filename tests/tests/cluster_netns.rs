@@ -138,7 +138,7 @@ fn start_node(hosts: &Hosts, host: usize, name: &str, etcd: &str) -> Node {
     let file = dir.path().join("node.toml");
     std::fs::write(&file, toml).unwrap();
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &hosts.ns(&["a", "b"][host]), node_binary().to_str().unwrap(), "serve"])
+    cmd.args(["netns", "exec", &hosts.ns(["a", "b"][host]), node_binary().to_str().unwrap(), "serve"])
         .args(["--http", &format!("{addr}:0"), "--metrics", &format!("{addr}:0"), "--data-dir"])
         .arg(dir.path())
         .arg("--config")
