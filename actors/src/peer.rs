@@ -26,8 +26,10 @@ use tokio::task::JoinHandle;
 use crate::telemetry;
 use crate::tiers::NodeTiers;
 
+mod history;
 mod link;
 
+pub use history::{HistoryEntry, LoadHistory};
 pub use link::{Arrival, FetchError, Land, LinkConfig, PeerLink, RemoteTier};
 
 /// Most peer connections served at once; more wait to be accepted. Each peer keeps its feed and
@@ -197,6 +199,7 @@ pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> R
         hold_ttl: g4.hold_ttl.as_duration(),
         heartbeat: g4.heartbeat.as_duration(),
         max_snapshot_blocks: MAX_SNAPSHOT_BLOCKS,
+        history: None,
     })
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
-use dynamo_actors::peer::{BlockServer, connect_peers, link_config};
+use dynamo_actors::peer::{BlockServer, LoadHistory, connect_peers, link_config};
 use dynamo_config::MembershipKind;
 
 #[cfg(feature = "etcd")]
@@ -238,6 +238,16 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
             .and_then(|server| {
                 let links = link_config(&cfg.tiers.g4, &cfg.node.name, epoch, max_image)?;
                 Ok((server, links))
+            })
+            .map_err(anyhow::Error::new)
+            .and_then(|(server, mut links)| {
+                if cfg.tiers.g4.history {
+                    let path = cfg.node.data_dir.join("g4-history.jsonl");
+                    let history = LoadHistory::open(&path)
+                        .with_context(|| format!("cannot open the G4 history {} (tiers.g4.history)", path.display()))?;
+                    links.history = Some(Arc::new(history));
+                }
+                Ok((server, links))
             });
         match started {
             Ok((server, links)) => {
@@ -285,7 +295,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
                     poller.abort();
                 }
                 serving.shutdown().await;
-                return Err(anyhow::Error::new(e).context("cannot start the G4 block server (tiers.g4)"));
+                return Err(e.context("cannot start G4 (tiers.g4)"));
             }
         }
     } else {

@@ -6,6 +6,7 @@
 //! The hits show as G4 in B's `cached_tokens` and metrics. Then A is killed with SIGKILL: B drops
 //! A's blocks and recomputes, with the same answers and no error.
 
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +29,7 @@ fn g4_config_with(secret: &std::path::Path, peers: &[String], heartbeat: &str) -
     let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
     format!(
         "[tiers.g3]\ncapacity_per_path = \"64MiB\"\n\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\n\
-         cluster = \"test\"\nsecret_file = \"{}\"\nheartbeat = \"{heartbeat}\"\npeers = [{}]\n",
+         cluster = \"test\"\nsecret_file = \"{}\"\nheartbeat = \"{heartbeat}\"\nhistory = true\npeers = [{}]\n",
         secret.display(),
         peers.join(", ")
     )
@@ -104,6 +105,9 @@ async fn a_node_loads_the_prefix_its_peer_computed_and_recomputes_when_the_peer_
     assert!(verified >= fetched, "verified blocks {verified}, cached blocks {fetched}");
     let served = a.metric("dynamo_node_peer_served_bytes_total").await;
     assert!(served > 0.0, "A served its images");
+    let history = check_history(&dir_b, &dir_a).await;
+    let loaded = history.iter().filter(|e| e["outcome"] == "verified").count();
+    assert_eq!(loaded as f64, fetched, "one verified line per block loaded");
 
     // A dies without a word. B recomputes the second prompt: the same answer, no error.
     let mut a = a;
@@ -154,6 +158,9 @@ async fn images_that_fail_verification_are_dropped_and_recomputed() {
     assert_eq!(verified, 0.0);
     let corrupt = metric_sum(&b, "dynamo_node_kv_corrupt_blocks_total{", "tier=\"g4\"").await;
     assert_eq!(corrupt, rejected, "each counted as a corrupt G4 block");
+    let history = check_history(&dir_b, &dir_a).await;
+    assert!(history.iter().all(|e| e["outcome"] == "rejected" || e["outcome"] == "skipped"), "{history:?}");
+    assert!(history.iter().any(|e| e["outcome"] == "rejected"));
     assert_eq!(b.stop(), 0);
 }
 
@@ -181,6 +188,8 @@ async fn a_link_too_slow_for_its_budget_is_recomputed_and_then_not_tried() {
     assert!(started.elapsed() < Duration::from_secs(3), "not held up by the link: {:?}", started.elapsed());
     let deadline = metric_sum(&b, "dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
     assert_eq!(deadline, 1.0, "one fetch ran out of budget");
+    let history = check_history(&dir_b, &dir_a).await;
+    assert!(!history.is_empty() && history.iter().all(|e| e["outcome"] == "deadline"), "{history:?}");
 
     // Having seen the link's rate, the cost model recomputes without trying it again.
     let (b_beta, _, cached) = ask(&b, &beta).await;
@@ -218,4 +227,54 @@ async fn delaying_forwarder(to: String, delay: Duration) -> String {
         }
     });
     addr
+}
+
+/// The Jepsen-style check of `reader`'s G4 history (`tiers.g4.history`) against the truth, the
+/// images `server` holds in its G3 store (the same sealed images its G2 serves): no block was
+/// loaded whose digest is not the server's for that hash, and no fetch outlived its budget (plus
+/// 100 ms of scheduling slack). The history's entries.
+async fn check_history(reader: &tempfile::TempDir, server: &tempfile::TempDir) -> Vec<serde_json::Value> {
+    let path = reader.path().join("g4-history.jsonl");
+    let mut entries: Vec<serde_json::Value> = Vec::new();
+    let mut truth = HashMap::new();
+    for _ in 0..100 {
+        // The history's writer and the server's G3 write-through both run behind the requests.
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        entries = text.lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+        truth = images_on_disk(&server.path().join("g3").join("store.0"));
+        let loaded = |e: &&serde_json::Value| e["outcome"] == "verified";
+        if !entries.is_empty() && entries.iter().filter(loaded).all(|e| truth.contains_key(e["hash"].as_str().unwrap()))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for e in &entries {
+        let took = e["t1_ms"].as_u64().unwrap() - e["t0_ms"].as_u64().unwrap();
+        assert!(took <= e["budget_ms"].as_u64().unwrap() + 100, "a fetch outlived its budget: {e}");
+        if e["outcome"] == "verified" {
+            let hash = e["hash"].as_str().unwrap();
+            let digest = format!("{:016x}", truth.get(hash).unwrap_or_else(|| panic!("{hash} is not the server's")));
+            assert_eq!(e["digest"].as_str(), Some(digest.as_str()), "a loaded image is not the server's: {e}");
+        }
+    }
+    entries
+}
+
+/// Every sealed image in a G3 store file: hash (32 hex digits) → the image's xxh3-64.
+fn images_on_disk(path: &std::path::Path) -> HashMap<String, u64> {
+    use dynamo_tiering::block::ImageHeader;
+    use dynamo_tiering::block::image::MAGIC;
+    let data = std::fs::read(path).unwrap_or_default();
+    let mut out = HashMap::new();
+    for at in (0..data.len()).step_by(4096) {
+        if data[at..].starts_with(&MAGIC)
+            && let Ok(header) = ImageHeader::decode_header_only(&data[at..])
+            && at + header.image_bytes() <= data.len()
+        {
+            let image = &data[at..at + header.image_bytes()];
+            out.insert(header.hash.to_string(), xxhash_rust::xxh3::xxh3_64(image));
+        }
+    }
+    out
 }

@@ -29,6 +29,7 @@ use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use super::history::{HistoryEntry, LoadHistory};
 use crate::index::{Applied, KvEvent, KvEventKind, Matches, PrefixIndex, SnapshotRun, SourceId, WorkerViews};
 use crate::telemetry;
 
@@ -47,6 +48,8 @@ pub struct LinkConfig {
     pub heartbeat: Duration,
     /// Most blocks a peer's snapshot may list.
     pub max_snapshot_blocks: usize,
+    /// Where every block asked of a peer is written down (`tiers.g4.history`).
+    pub history: Option<Arc<LoadHistory>>,
 }
 
 /// Why a fetch from a peer failed as a whole.
@@ -87,6 +90,8 @@ pub enum Arrival {
         slot: SlotRef,
         /// Bytes of the image in it.
         bytes: usize,
+        /// The image's xxh3-64, when the link keeps a history.
+        digest: Option<u64>,
     },
     /// Verified, but the caller had no slot for it.
     NoRoom,
@@ -115,6 +120,8 @@ struct LinkState {
     addr: String,
     /// Its name, once it proved it.
     name: Mutex<Option<String>>,
+    /// Its epoch, as it proved it on the last connection.
+    epoch: std::sync::atomic::AtomicU64,
     /// Whether the index holds the peer's current snapshot and changes.
     synced: AtomicBool,
     /// Taken around every change the feed makes to the index; `true` once the link is stopped,
@@ -158,6 +165,7 @@ impl PeerLink {
             node,
             addr,
             name: Mutex::new(None),
+            epoch: std::sync::atomic::AtomicU64::new(0),
             synced: AtomicBool::new(false),
             stopped: Mutex::new(false),
             config,
@@ -204,6 +212,8 @@ impl PeerLink {
         land: Land,
     ) -> Result<Vec<(BlockHash, Arrival)>, FetchError> {
         let started = Instant::now();
+        let budget = deadline.saturating_duration_since(started);
+        let asked = if self.state.config.history.is_some() { hashes.clone() } else { Vec::new() };
         let deadline = tokio::time::Instant::from_std(deadline);
         let (reply, answer) = oneshot::channel();
         let result = tokio::time::timeout_at(deadline, async {
@@ -226,7 +236,52 @@ impl PeerLink {
                 telemetry::record_peer_block(&self.state.addr, outcome, bytes);
             }
         }
+        if let Some(history) = &self.state.config.history {
+            self.write_history(history, &asked, started, budget, &result);
+        }
         result
+    }
+
+    /// Writes one history line per block asked.
+    fn write_history(
+        &self,
+        history: &LoadHistory,
+        asked: &[BlockHash],
+        started: Instant,
+        budget: Duration,
+        result: &Result<Vec<(BlockHash, Arrival)>, FetchError>,
+    ) {
+        let now_ms = crate::worker::unix_millis();
+        let elapsed = started.elapsed().as_millis() as u64;
+        let entry = HistoryEntry {
+            t0_ms: now_ms.saturating_sub(elapsed),
+            t1_ms: now_ms,
+            budget_ms: budget.as_millis() as u64,
+            peer: &self.state.addr,
+            epoch: self.state.epoch.load(Ordering::Relaxed),
+            hash: BlockHash(0),
+            outcome: "",
+            digest: None,
+        };
+        match result {
+            Ok(blocks) => {
+                for (hash, arrival) in blocks {
+                    let (outcome, digest) = match arrival {
+                        Arrival::Landed { digest, .. } => ("verified", *digest),
+                        Arrival::NoRoom => ("no_room", None),
+                        Arrival::Missing => ("missing", None),
+                        Arrival::Skipped => ("skipped", None),
+                        Arrival::Rejected(_) => ("rejected", None),
+                    };
+                    history.record(&HistoryEntry { hash: *hash, outcome, digest, ..entry });
+                }
+            }
+            Err(e) => {
+                for &hash in asked {
+                    history.record(&HistoryEntry { hash, outcome: e.kind(), ..entry });
+                }
+            }
+        }
     }
 }
 
@@ -262,6 +317,7 @@ async fn connect(state: &LinkState) -> Result<PeerClient, PeerError> {
         .ok_or_else(|| PeerError::Io(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))?;
     let client = PeerClient::connect(addr, &state.config.client).await?;
     *state.name.lock() = Some(client.peer().node.clone());
+    state.epoch.store(client.peer().epoch, Ordering::Relaxed);
     Ok(client)
 }
 
@@ -271,6 +327,7 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
     loop {
         let Some(job) = jobs.lock().await.recv().await else { return };
         let FetchJob { hashes, deadline, mut land, reply } = job;
+        let digests = state.config.history.is_some();
         if reply.is_closed() {
             continue;
         }
@@ -288,7 +345,7 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
                     Some(c) => c,
                     None => client.insert(connect(&state).await?),
                 };
-                match fetch_on(c, &hashes, state.config.hold_ttl, &mut land).await {
+                match fetch_on(c, &hashes, state.config.hold_ttl, &mut land, digests).await {
                     Err(PeerError::Io(_) | PeerError::Closed) if reused && attempt == 0 => client = None,
                     done => return done,
                 }
@@ -320,6 +377,7 @@ async fn fetch_on(
     hashes: &[BlockHash],
     ttl: Duration,
     land: &mut Land,
+    digests: bool,
 ) -> Result<Vec<(BlockHash, Arrival)>, PeerError> {
     const MAX_HOLD: usize = 4096;
     let mut out = Vec::with_capacity(hashes.len());
@@ -340,7 +398,11 @@ async fn fetch_on(
                     let arrival = match fetched {
                         _ if cut => Arrival::Skipped,
                         FetchedRef::Verified(image) => match land(image) {
-                            Some(slot) => Arrival::Landed { slot, bytes: image.len() },
+                            Some(slot) => Arrival::Landed {
+                                slot,
+                                bytes: image.len(),
+                                digest: digests.then(|| xxhash_rust::xxh3::xxh3_64(image)),
+                            },
                             None => Arrival::NoRoom,
                         },
                         FetchedRef::Missing => Arrival::Missing,

@@ -1060,7 +1060,7 @@ impl<B: Backend> Worker<B> {
                 Ok(blocks) => {
                     for (&i, (_, arrival)) in g4_blocks.iter().zip(blocks) {
                         let landed = match arrival {
-                            Arrival::Landed { slot, bytes } => {
+                            Arrival::Landed { slot, bytes, .. } => {
                                 fetched_bytes += bytes;
                                 Some(slot)
                             }

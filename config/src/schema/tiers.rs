@@ -293,6 +293,10 @@ pub struct G4Config {
     pub hold_ttl: HumanDuration,
     /// Most holds one peer may have open. Default `64`.
     pub max_holds_per_peer: usize,
+    /// Write every block asked of a peer to `<node.data_dir>/g4-history.jsonl`: when, which
+    /// peer and epoch, the hash, what became of it and the digest of what was loaded. Default
+    /// `false`.
+    pub history: bool,
 }
 
 impl Default for G4Config {
@@ -311,6 +315,7 @@ impl Default for G4Config {
             secret_file: None,
             hold_ttl: HumanDuration::secs(10),
             max_holds_per_peer: 64,
+            history: false,
         }
     }
 }
