@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::block::ImageError;
-use dynamo_tiering::g2::SlotRef;
-use dynamo_tiering::g4::tcp::{ClientConfig, FetchedRef, PeerClient, PeerError};
+use dynamo_tiering::g2::{SlotMut, SlotRef};
+use dynamo_tiering::g4::tcp::{ClientConfig, FetchedSlot, PeerClient, PeerError};
 use dynamo_tiering::g4::wire::{Message, WireError};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, oneshot};
@@ -77,14 +77,14 @@ impl FetchError {
     }
 }
 
-/// Where a fetched image goes: copied into a slot of the caller's (a G2 slot), or `None` when
-/// there is no room for it.
-pub type Land = Box<dyn FnMut(&[u8]) -> Option<SlotRef> + Send>;
+/// Where fetched images go: a fresh slot of the caller's (a G2 slot) for each, into which the
+/// image is read straight from the socket; `None` when there is no room.
+pub type Land = Box<dyn FnMut() -> Option<SlotMut> + Send>;
 
 /// What became of one block of a fetch.
 #[derive(Debug)]
 pub enum Arrival {
-    /// Verified and copied into the caller's slot.
+    /// Verified, in the caller's slot.
     Landed {
         /// The slot.
         slot: SlotRef,
@@ -393,25 +393,32 @@ async fn fetch_on(
             held.blocks.iter().take_while(|b| b.image_len.is_some()).map(|b| b.hash).collect();
         let mut arrived = Vec::with_capacity(present.len());
         if !present.is_empty() {
+            // Past the cut no slot is taken: what arrives there is read and dropped.
+            let cut_at = AtomicBool::new(cut);
             client
-                .fetch_each(held.hold_id, &present, |hash, fetched| {
-                    let arrival = match fetched {
-                        _ if cut => Arrival::Skipped,
-                        FetchedRef::Verified(image) => match land(image) {
-                            Some(slot) => Arrival::Landed {
-                                slot,
-                                bytes: image.len(),
-                                digest: digests.then(|| xxhash_rust::xxh3::xxh3_64(image)),
-                            },
-                            None => Arrival::NoRoom,
-                        },
-                        FetchedRef::Missing => Arrival::Missing,
-                        FetchedRef::Rejected(e) => Arrival::Rejected(e),
-                    };
-                    cut |= !matches!(arrival, Arrival::Landed { .. });
-                    arrived.push((hash, arrival));
-                })
+                .fetch_into(
+                    held.hold_id,
+                    &present,
+                    || if cut_at.load(Ordering::Relaxed) { None } else { land() },
+                    |hash, fetched| {
+                        let arrival = match fetched {
+                            _ if cut_at.load(Ordering::Relaxed) => Arrival::Skipped,
+                            FetchedSlot::Verified { slot, len } => {
+                                let digest = digests.then(|| xxhash_rust::xxh3::xxh3_64(&slot.as_slice()[..len]));
+                                Arrival::Landed { slot: slot.freeze(), bytes: len, digest }
+                            }
+                            FetchedSlot::NoRoom => Arrival::NoRoom,
+                            FetchedSlot::Missing => Arrival::Missing,
+                            FetchedSlot::Rejected(e) => Arrival::Rejected(e),
+                        };
+                        if !matches!(arrival, Arrival::Landed { .. }) {
+                            cut_at.store(true, Ordering::Relaxed);
+                        }
+                        arrived.push((hash, arrival));
+                    },
+                )
                 .await?;
+            cut = cut_at.load(Ordering::Relaxed);
         }
         client.release(held.hold_id).await?;
         cut |= present.len() < chunk.len();

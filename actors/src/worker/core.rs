@@ -461,21 +461,12 @@ fn fetch_budget(cost: &dynamo_tiering::cost::CostModel, from: usize, to: usize, 
     recompute.unwrap_or(ceiling).clamp(MIN_FETCH_BUDGET.min(ceiling), ceiling)
 }
 
-/// A verified image from a peer, copied into a fresh G2 slot; `None` if it is not of this node's
-/// layout (a peer of the same model with another KV dtype or block geometry: the hash, which
-/// names the model and the tokens, does not tell them apart), or G2 has no room.
-fn land_in_g2(tiers: &NodeTiers, image: &[u8], now: Millis) -> Option<SlotRef> {
-    let header = ImageHeader::decode_header_only(image).ok()?;
-    if header.layout != tiers.layout || image.len() != tiers.layout.image_bytes() {
-        return None;
-    }
-    let mut slot = tiers.g2.as_ref()?.alloc(now)?;
-    let dst = slot.as_mut_slice();
-    if image.len() > dst.len() {
-        return None;
-    }
-    dst[..image.len()].copy_from_slice(image);
-    Some(slot.freeze())
+/// Whether a verified image of `bytes` from a peer, in `slot`, is of this node's layout: a peer of
+/// the same model with another KV dtype or block geometry names its blocks the same (the hash
+/// covers the model and the tokens), and its images are not this node's to load.
+fn of_this_layout(tiers: &NodeTiers, slot: &SlotRef, bytes: usize) -> bool {
+    bytes == tiers.layout.image_bytes()
+        && ImageHeader::decode_header_only(slot.as_slice()).is_ok_and(|header| header.layout == tiers.layout)
 }
 
 /// The real executor's answers while the pipeline plans a prefix: a G1 block found is acquired
@@ -1055,15 +1046,16 @@ impl<B: Backend> Worker<B> {
             let mut end = plan.len();
             let mut fetched_bytes = 0;
             let landing = tiers.clone();
-            let land: Land = Box::new(move |image: &[u8]| land_in_g2(&landing, image, now));
+            let land: Land = Box::new(move || landing.g2.as_ref()?.alloc(now));
             match link.fetch(wanted, deadline, land).await {
                 Ok(blocks) => {
                     for (&i, (_, arrival)) in g4_blocks.iter().zip(blocks) {
                         let landed = match arrival {
-                            Arrival::Landed { slot, bytes, .. } => {
+                            Arrival::Landed { slot, bytes, .. } if of_this_layout(&tiers, &slot, bytes) => {
                                 fetched_bytes += bytes;
                                 Some(slot)
                             }
+                            Arrival::Landed { .. } => None,
                             Arrival::NoRoom | Arrival::Missing | Arrival::Skipped => None,
                             Arrival::Rejected(e) => {
                                 // Verified and dropped: never handed to the engine.

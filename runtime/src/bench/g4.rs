@@ -9,8 +9,8 @@
 //! `--passes` times and the median counts; the report gives GB/s for both and their ratio. Both
 //! sides run in this process over loopback, over `--lanes` connections side by side. The protocol
 //! runs twice: with every image frame MACed (`tiers.g4.integrity = "mac"`) and with images
-//! verified by their checksums only (`"checksum"`); each lands its images in a reused buffer, as
-//! a node copies them into G2 slots.
+//! verified by their checksums only (`"checksum"`); each reads its images straight into slots of
+//! a pinned host pool, as a node reads them into G2 slots.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -20,9 +20,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use clap::Args;
 use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, Salt, seal};
+use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::holds::HoldLimits;
-use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, FetchedRef, PeerClient, ServerConfig, serve_peer};
+use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, FetchedSlot, PeerClient, ServerConfig, serve_peer};
 use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -221,8 +222,14 @@ async fn protocol_passes(
         peers.push(PeerClient::connect(addr, &client).await.context("connect to the bench server")?);
     }
     let ping = peers[0].ping().await?;
-    // Each lane takes every `lanes`-th batch; images land in one reused buffer per lane, as a node
-    // copies each into a G2 slot.
+    // Each lane takes every `lanes`-th batch; images are read straight into slots of a pinned
+    // host pool, as a node's are into G2 slots, and the slots go back to the pool once counted.
+    let slots = (args.batch * lanes * 2) as u64;
+    let pool = HostPool::new(HostPoolOptions::with_capacity(
+        slots * align_up(HEADER_LEN + payload) as u64,
+        HEADER_LEN + payload,
+        MlockPolicy::Try,
+    ))?;
     let batches: Vec<Vec<BlockHash>> = hashes.chunks(args.batch).map(<[BlockHash]>::to_vec).collect();
     let mut passes = Vec::new();
     for _ in 0..args.passes {
@@ -230,19 +237,21 @@ async fn protocol_passes(
         let mut tasks = Vec::new();
         for (lane, mut peer) in std::mem::take(&mut peers).into_iter().enumerate() {
             let mine: Vec<Vec<BlockHash>> = batches.iter().skip(lane).step_by(lanes).cloned().collect();
+            let pool = pool.clone();
             tasks.push(tokio::spawn(async move {
-                let mut landing = vec![0u8; HEADER_LEN + payload];
                 let mut verified = 0u64;
                 let mut failed = None;
                 for chunk in &mine {
                     let held = peer.hold(chunk, Duration::from_secs(10)).await?;
-                    peer.fetch_each(held.hold_id, chunk, |hash, fetched| match fetched {
-                        FetchedRef::Verified(image) => {
-                            landing[..image.len()].copy_from_slice(image);
-                            verified += image.len() as u64;
-                        }
-                        other => failed = Some(format!("block {hash}: {other:?}")),
-                    })
+                    peer.fetch_into(
+                        held.hold_id,
+                        chunk,
+                        || pool.try_alloc(),
+                        |hash, fetched| match fetched {
+                            FetchedSlot::Verified { len, .. } => verified += len as u64,
+                            other => failed = Some(format!("block {hash}: {other:?}")),
+                        },
+                    )
                     .await?;
                     peer.release(held.hold_id).await?;
                 }

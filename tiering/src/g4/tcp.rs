@@ -26,6 +26,7 @@ use super::wire::{
     image_frame_prefix,
 };
 use crate::block::{BlockHash, ImageError, verify_image};
+use crate::g2::SlotMut;
 
 const MAC_LEN: usize = 32;
 
@@ -151,7 +152,13 @@ enum Step {
     Buf(usize),
     /// Read until the image buffer holds this many bytes.
     Image(usize),
+    /// Read until the caller's slot holds this many bytes.
+    Slot(usize),
 }
+
+/// Where a reader puts an image frame's image: a slot of the caller's (a G2 slot), or `None` to
+/// read it into the connection's own buffer.
+type SlotAlloc<'a> = &'a mut (dyn FnMut() -> Option<SlotMut> + Send);
 
 /// One side of a connection: framing, and the MACs once the handshake is done.
 struct Conn {
@@ -160,6 +167,13 @@ struct Conn {
     buf: Vec<u8>,
     /// The image of an image frame being read.
     image: Vec<u8>,
+    /// The image of an image frame being read into a caller's slot, and the bytes in it so far.
+    slot_image: Option<(SlotMut, usize)>,
+    /// Whether the image frame being read has its destination chosen.
+    image_placed: bool,
+    /// The last image frame's image, when it went into a caller's slot (its frame then carries
+    /// an empty image): the slot and the image's length.
+    landed: Option<(SlotMut, usize)>,
     session: Option<Session>,
     /// Whether image frames carry a MAC ([`Integrity::Mac`]).
     mac_images: bool,
@@ -175,6 +189,9 @@ impl Conn {
             limits,
             buf: Vec::new(),
             image: Vec::new(),
+            slot_image: None,
+            image_placed: false,
+            landed: None,
             session: None,
             mac_images: integrity == Integrity::Mac,
             sending,
@@ -199,8 +216,9 @@ impl Conn {
         if self.session.is_some() { MAC_LEN } else { 0 }
     }
 
-    /// What the next frame needs read, or the frame.
-    fn step(&mut self) -> Result<Step, PeerError> {
+    /// What the next frame needs read, or the frame. An image goes into a slot from `alloc` when
+    /// it gives one large enough.
+    fn step(&mut self, alloc: SlotAlloc<'_>) -> Result<Step, PeerError> {
         let Some(h) = self.buf.get(..FRAME_HEADER_LEN) else { return Ok(Step::Buf(FRAME_HEADER_LEN)) };
         let header = FrameHeader::parse(h.try_into().expect("header bytes"), &self.limits)?;
         if header.is_image() && header.len >= 16 {
@@ -211,23 +229,49 @@ impl Conn {
             if self.buf.len() < prefix {
                 return Ok(Step::Buf(prefix));
             }
-            if self.image.len() < image_len {
-                self.image.reserve_exact(image_len - self.image.len());
-                return Ok(Step::Image(image_len));
+            if !self.image_placed {
+                // Once per frame: a slot of the caller's if it has one that fits, else our buffer.
+                self.image_placed = true;
+                if image_len > 0
+                    && let Some(slot) = alloc()
+                    && slot.as_slice().len() >= image_len
+                {
+                    self.slot_image = Some((slot, 0));
+                }
+            }
+            match &self.slot_image {
+                Some((_, filled)) if *filled < image_len => return Ok(Step::Slot(image_len)),
+                Some(_) => {}
+                None if self.image.len() < image_len => {
+                    self.image.reserve_exact(image_len - self.image.len());
+                    return Ok(Step::Image(image_len));
+                }
+                None => {}
             }
             if self.buf.len() < prefix + trailer {
                 return Ok(Step::Buf(prefix + trailer));
             }
             if let Some(session) = self.image_session() {
                 let mac: [u8; MAC_LEN] = self.buf[prefix..prefix + MAC_LEN].try_into().expect("MAC bytes");
-                if !session.verify_frame(self.receiving(), self.seq_in, &[&self.buf[..prefix], &self.image], &mac) {
+                let image = match &self.slot_image {
+                    Some((slot, _)) => &slot.as_slice()[..image_len],
+                    None => &self.image[..],
+                };
+                if !session.verify_frame(self.receiving(), self.seq_in, &[&self.buf[..prefix], image], &mac) {
                     return Err(PeerError::BadMac);
                 }
             }
             let hash = BlockHash::from_le_bytes(self.buf[FRAME_HEADER_LEN..prefix].try_into().expect("hash bytes"));
             self.buf.clear();
             self.seq_in += 1;
-            let image = std::mem::take(&mut self.image);
+            self.image_placed = false;
+            let image = match self.slot_image.take() {
+                Some((slot, _)) => {
+                    self.landed = Some((slot, image_len));
+                    Vec::new()
+                }
+                None => std::mem::take(&mut self.image),
+            };
             return Ok(Step::Frame(Frame { req_id: header.req_id, message: Message::Image { hash, image } }));
         }
         let trailer = self.trailer();
@@ -254,11 +298,26 @@ impl Conn {
     /// The next frame. Cancel-safe: bytes read stay in the buffers for the next call, and no read
     /// goes past the frame a checked header announced.
     async fn recv(&mut self) -> Result<Frame, PeerError> {
+        self.recv_with(&mut || None).await
+    }
+
+    /// [`Conn::recv`], reading an image frame's image into a slot from `alloc` when it gives one
+    /// (then [`Conn::landed`] holds it and the frame's image is empty).
+    async fn recv_with(&mut self, alloc: SlotAlloc<'_>) -> Result<Frame, PeerError> {
         loop {
-            let (target, want) = match self.step()? {
+            let (target, want) = match self.step(alloc)? {
                 Step::Frame(frame) => return Ok(frame),
                 Step::Buf(want) => (&mut self.buf, want),
                 Step::Image(want) => (&mut self.image, want),
+                Step::Slot(want) => {
+                    let (slot, filled) = self.slot_image.as_mut().expect("an image in a slot");
+                    let n = self.stream.read(&mut slot.as_mut_slice()[*filled..want]).await?;
+                    if n == 0 {
+                        return Err(PeerError::Closed);
+                    }
+                    *filled += n;
+                    continue;
+                }
             };
             if target.len() < want {
                 target.reserve_exact(want - target.len());
@@ -555,6 +614,24 @@ pub enum FetchedRef<'a> {
     Rejected(ImageError),
 }
 
+/// One block of [`PeerClient::fetch_into`].
+#[derive(Debug)]
+pub enum FetchedSlot {
+    /// The image, verified, in the caller's slot: its first `len` bytes.
+    Verified {
+        /// The slot.
+        slot: SlotMut,
+        /// Bytes of the image.
+        len: usize,
+    },
+    /// Verified, but the caller had no slot for it.
+    NoRoom,
+    /// The server no longer held it (the hold ran out).
+    Missing,
+    /// The image failed verification and was dropped.
+    Rejected(ImageError),
+}
+
 /// The client side of one authenticated connection.
 pub struct PeerClient {
     conn: Conn,
@@ -603,7 +680,11 @@ impl PeerClient {
     }
 
     async fn answer(&mut self, req_id: u64) -> Result<Message, PeerError> {
-        let frame = tokio::time::timeout(self.request_timeout, self.conn.recv())
+        self.answer_with(req_id, &mut || None).await
+    }
+
+    async fn answer_with(&mut self, req_id: u64, alloc: SlotAlloc<'_>) -> Result<Message, PeerError> {
+        let frame = tokio::time::timeout(self.request_timeout, self.conn.recv_with(alloc))
             .await
             .map_err(|_| PeerError::Timeout("request"))??;
         if frame.req_id != req_id {
@@ -673,6 +754,45 @@ impl PeerClient {
                 }
             }
             self.conn.reuse_image_buffer(image);
+        }
+        Ok(())
+    }
+
+    /// Fetches held blocks straight into slots from `alloc` (G2 slots on a node: the bytes are
+    /// read from the socket into the slot, not copied after), and hands each to `each`, in the
+    /// order asked, once verified against the hash asked for. An image `alloc` had no slot for is
+    /// read and verified all the same, and reported [`FetchedSlot::NoRoom`].
+    pub async fn fetch_into(
+        &mut self,
+        hold_id: u64,
+        hashes: &[BlockHash],
+        mut alloc: impl FnMut() -> Option<SlotMut> + Send,
+        mut each: impl FnMut(BlockHash, FetchedSlot),
+    ) -> Result<(), PeerError> {
+        let req = self.request_id();
+        self.conn.send(req, Message::Fetch { hold_id, hashes: hashes.to_vec() }).await?;
+        for &asked in hashes {
+            let Message::Image { hash, image } = self.answer_with(req, &mut alloc).await? else {
+                return Err(PeerError::Unexpected("a frame other than an image"));
+            };
+            let landed = self.conn.landed.take();
+            let fetched = if hash != asked {
+                FetchedSlot::Rejected(ImageError::HashMismatch { expected: asked, found: hash })
+            } else if let Some((slot, len)) = landed {
+                match verify_image(&slot.as_slice()[..len], asked) {
+                    Ok(_) => FetchedSlot::Verified { slot, len },
+                    Err(e) => FetchedSlot::Rejected(e),
+                }
+            } else if image.is_empty() {
+                FetchedSlot::Missing
+            } else {
+                match verify_image(&image, asked) {
+                    Ok(_) => FetchedSlot::NoRoom,
+                    Err(e) => FetchedSlot::Rejected(e),
+                }
+            };
+            self.conn.reuse_image_buffer(image);
+            each(asked, fetched);
         }
         Ok(())
     }
