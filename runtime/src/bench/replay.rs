@@ -89,7 +89,8 @@ pub struct ReplayArgs {
     /// eviction, write-through to G2+G3), plus the baseline with all three at their simplest:
     /// `routing`, `eviction`, `write-through`, `preamble`, `priority` (a fifth of the sessions
     /// at a high agent-hint priority, honoured vs ignored), `leases` (`cache_control` on every
-    /// session's system prompt vs none).
+    /// session's system prompt vs none), `g4` (with `--nodes`: nodes loading each other's G2 vs
+    /// the same nodes without it).
     #[arg(long, value_delimiter = ',', default_value = "routing,eviction,write-through", value_parser = parse_axis)]
     pub compare: Vec<Axis>,
     /// Run the best configuration once per capacity instead: `g1=40GiB,80GiB` or
@@ -174,6 +175,9 @@ pub enum Axis {
     /// `cache_control` on every session's system prompt (a [`LEASE_TTL`] lease, run again by
     /// each hit, on system prompts of at least `frontend.cache_min_tokens`) vs none.
     Leases,
+    /// The nodes of `--nodes` loading each other's G2 (G4) vs the same nodes without it (each
+    /// recomputes what only another node holds; the router does not count other nodes' blocks).
+    G4,
 }
 
 /// The TTL of the leases of `--compare leases`: Anthropic's default `ephemeral` one, as Claude
@@ -196,7 +200,10 @@ fn parse_axis(s: &str) -> Result<Axis, String> {
         "preamble" => Ok(Axis::Preamble),
         "priority" => Ok(Axis::Priority),
         "leases" => Ok(Axis::Leases),
-        other => Err(format!("unknown axis `{other}` (routing, eviction, write-through, preamble, priority, leases)")),
+        "g4" => Ok(Axis::G4),
+        other => {
+            Err(format!("unknown axis `{other}` (routing, eviction, write-through, preamble, priority, leases, g4)"))
+        }
     }
 }
 
@@ -219,6 +226,8 @@ struct Policy {
     priorities: bool,
     /// What every request marks with `cache_control`.
     leased: Leased,
+    /// Nodes load each other's G2.
+    g4: bool,
 }
 
 /// The `cache_control` breakpoints of `--compare leases`.
@@ -240,6 +249,7 @@ impl Policy {
         preamble_kept: false,
         priorities: false,
         leased: Leased::No,
+        g4: true,
     };
     const BASELINE: Policy = Policy {
         routing: RoutingPolicy::RoundRobin,
@@ -248,6 +258,7 @@ impl Policy {
         preamble_kept: false,
         priorities: false,
         leased: Leased::No,
+        g4: true,
     };
 
     fn name(&self) -> String {
@@ -258,8 +269,9 @@ impl Policy {
             Leased::System => "+leased-system",
             Leased::Conversation => "+leased-conversation",
         };
+        let g4 = if self.g4 { "" } else { "+no-g4" };
         format!(
-            "{}+{}+{}{preamble}{priorities}{leased}",
+            "{}+{}+{}{preamble}{priorities}{leased}{g4}",
             policy_name(self.routing),
             self.eviction_name(),
             self.write_through_name()
@@ -309,6 +321,7 @@ impl Policy {
                         push(Policy { leased, ..Policy::BEST });
                     }
                 }
+                Axis::G4 => push(Policy { g4: false, ..Policy::BEST }),
             }
         }
         if !axes.is_empty() {
@@ -998,7 +1011,9 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
             )
         })
         .collect();
-    SimNode::connect(&nodes);
+    if policy.g4 {
+        SimNode::connect(&nodes);
+    }
     let g1_blocks = setup.blocks(setup.g1);
     let factory_nodes = nodes.clone();
     let per_node = setup.workers;
@@ -1011,7 +1026,12 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         Ok(Box::new(engine.with_batch(batch_tokens, max_running)) as Box<dyn Engine>)
     });
     // The router ranks workers with the same cost model the simulated workers decide with.
-    let routing = Routing { salt, block_tokens: setup.block_tokens, cost: setup.timing.cost_model(setup.block_tokens) };
+    let mut cost = setup.timing.cost_model(setup.block_tokens);
+    if !policy.g4 {
+        // Without G4 no load from another node is ever worth it: the router counts none.
+        cost.g4_read = dynamo_tiering::cost::BytesPerSec::new(1.0);
+    }
+    let routing = Routing { salt, block_tokens: setup.block_tokens, cost };
     let engines = EngineSet {
         workers: setup.workers * setup.nodes,
         factory,
