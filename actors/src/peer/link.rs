@@ -493,15 +493,30 @@ async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64
                 other => return Err(PeerError::Unexpected(other.name())),
             }
         }
+        // What the peer says it holds, counted as it goes (an over-count when it stores a block
+        // twice): one peer never fills more of the index than a snapshot may.
+        let mut held = snapshot.len();
         drop(snapshot);
         loop {
             let kind = match feed.next().await? {
                 Message::Stored { seq, parent, hashes } => {
+                    held += hashes.len();
                     (seq, KvEventKind::Stored { hashes, parent, tier: TierName::G2 })
                 }
-                Message::Removed { seq, hashes } => (seq, KvEventKind::Removed { hashes, tier: TierName::G2 }),
+                Message::Removed { seq, hashes } => {
+                    held = held.saturating_sub(hashes.len());
+                    (seq, KvEventKind::Removed { hashes, tier: TierName::G2 })
+                }
                 other => return Err(PeerError::Unexpected(other.name())),
             };
+            if held > state.config.max_snapshot_blocks {
+                // Resubscribing takes a fresh snapshot, itself within the bound.
+                return Err(PeerError::Wire(WireError::TooMany {
+                    what: "blocks held by one peer",
+                    n: held as u64,
+                    max: state.config.max_snapshot_blocks as u64,
+                }));
+            }
             let event = KvEvent { source, epoch, seq: kind.0, kind: kind.1 };
             let mut applied = Applied::Stale;
             if !state.index_change(|| applied = index.apply(&event)) {
