@@ -19,18 +19,23 @@ use dynamo_tiering::g4::feed::Feed;
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, PeerError, ServedPeer, ServerConfig, serve_peer_into};
 use dynamo_tiering::g4::wire::{Integrity, WireLimits};
+use dynamo_tiering::registry::BlockMeta;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-use crate::telemetry;
+use crate::telemetry::{self, Tier};
 use crate::tiers::NodeTiers;
+use crate::worker::unix_millis;
 
 mod history;
 mod link;
 
 pub use history::{HistoryEntry, LoadHistory};
 pub use link::{Arrival, FetchError, Land, LinkConfig, PeerLink, RemoteTier};
+
+/// Most G3 blocks one hold reads into G2 for a peer.
+const MAX_STAGED: usize = 1024;
 
 /// Most peer connections served at once; more wait to be accepted. Each peer keeps its feed and
 /// `tiers.g4.lanes` connections open.
@@ -94,6 +99,52 @@ impl BlockSource for G2Blocks {
 
     fn sent(&self, bytes: usize) {
         telemetry::record_peer_served(bytes as u64);
+    }
+
+    /// Reads the held blocks that are in G3 but not in G2 into G2 slots, all in flight together
+    /// (at most [`MAX_STAGED`] a hold), verified by the store, and admits them to G2 with the
+    /// retention their images carry.
+    fn stage<'a>(&'a self, hashes: &'a [BlockHash]) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let tiers = &self.0;
+            let (Some(g2), Some(g3)) = (tiers.g2.as_ref(), tiers.g3.as_ref()) else { return };
+            if !g3.usable() {
+                return;
+            }
+            let now = unix_millis();
+            let wanted = hashes.iter().copied().filter(|&h| g2.peek(h).is_none() && g3.store.contains(h));
+            let reads = wanted.take(MAX_STAGED).map(|hash| {
+                let dst = g2.alloc(now);
+                async move {
+                    match dst {
+                        Some(dst) => Some((hash, g3.store.read(hash, dst).await)),
+                        None => None,
+                    }
+                }
+            });
+            for (hash, read) in futures::future::join_all(reads).await.into_iter().flatten() {
+                match read {
+                    Ok(image) => {
+                        let Ok(header) = ImageHeader::decode_header_only(image.as_slice()) else { continue };
+                        let meta = BlockMeta {
+                            parent: header.parent,
+                            region: header.retention.region,
+                            priority: header.retention.priority,
+                            retain_until: 0,
+                        };
+                        g3.health.record_ok();
+                        g2.admit(hash, meta, image, now);
+                    }
+                    Err(failure) => {
+                        g3.health.record_error(&failure.error);
+                        telemetry::record_tier_error(Tier::G3, failure.error.kind());
+                        if failure.error.kind() == "corrupt" {
+                            g3.forget(hash);
+                        }
+                    }
+                }
+            }
+        })
     }
 
     fn feed(&self) -> Option<&Feed> {

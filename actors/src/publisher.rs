@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
-use dynamo_tiering::g4::feed::Feed;
+use dynamo_tiering::g4::feed::{Feed, FeedTier};
 use parking_lot::Mutex;
 
 use crate::index::{Applied, IndexWriter, KvEvent, KvEventKind, OnApplied, PrefixIndex, SourceId};
@@ -57,8 +57,8 @@ impl KvPublisher {
         }
     }
 
-    /// Also tells `feed` every change of G2 (what the block server serves to peers), in the
-    /// order the index gets them.
+    /// Also tells `feed` every change of G2 and G3 (what the block server serves to peers), in
+    /// the order the index gets them.
     pub fn with_feed(mut self, feed: Arc<Feed>) -> Self {
         self.feed = Some(feed);
         self
@@ -86,10 +86,23 @@ impl KvPublisher {
         if let Some(feed) = &self.feed
             && source.is_node_store()
         {
+            let feed_tier = |tier: &TierName| match tier {
+                TierName::G2 => Some(FeedTier::G2),
+                TierName::G3 => Some(FeedTier::G3),
+                _ => None,
+            };
             match &kind {
-                KvEventKind::Stored { hashes, parent, tier: TierName::G2 } => feed.stored(*parent, hashes),
-                KvEventKind::Removed { hashes, tier: TierName::G2 } => feed.removed(hashes),
-                _ => {}
+                KvEventKind::Stored { hashes, parent, tier } => {
+                    if let Some(tier) = feed_tier(tier) {
+                        feed.stored_in(tier, *parent, hashes);
+                    }
+                }
+                KvEventKind::Removed { hashes, tier } => {
+                    if let Some(tier) = feed_tier(tier) {
+                        feed.removed_from(tier, hashes);
+                    }
+                }
+                KvEventKind::Cleared => {}
             }
         }
         let seq = seqs.entry(source).or_insert(0);

@@ -26,9 +26,13 @@ fn g4_config(secret: &std::path::Path, peers: &[String]) -> String {
 }
 
 fn g4_config_with(secret: &std::path::Path, peers: &[String], heartbeat: &str) -> String {
+    g4_config_on(secret, peers, heartbeat, "127.0.0.1:0")
+}
+
+fn g4_config_on(secret: &std::path::Path, peers: &[String], heartbeat: &str, listen: &str) -> String {
     let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
     format!(
-        "[tiers.g3]\ncapacity_per_path = \"64MiB\"\n\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\n\
+        "[tiers.g3]\ncapacity_per_path = \"64MiB\"\n\n[tiers.g4]\nenabled = true\nlisten = \"{listen}\"\n\
          cluster = \"test\"\nsecret_file = \"{}\"\nheartbeat = \"{heartbeat}\"\nhistory = true\npeers = [{}]\n",
         secret.display(),
         peers.join(", ")
@@ -277,4 +281,41 @@ fn images_on_disk(path: &std::path::Path) -> HashMap<String, u64> {
         }
     }
     out
+}
+
+#[tokio::test]
+async fn a_restarted_peer_serves_what_its_g3_recovered() {
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let secret = [0x45; 32];
+    // A fixed address, so that B finds A again after its restart.
+    let listen = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let a_config = g4_config_on(&secret_file(&dir_a, secret), &[], "200ms", &listen);
+    let a = Node::start_in(dir_a.clone(), &a_config);
+    let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), &[listen.clone()]));
+
+    // A computes, writes through to G3 and stops; its G2 is gone with the process.
+    let alpha = prompt("alpha");
+    let (a_alpha, prompt_tokens, _) = ask(&a, &alpha).await;
+    let blocks = (prompt_tokens / 32) as usize;
+    assert_eq!(a.stop(), 0);
+    let on_disk = images_on_disk(&dir_a.path().join("g3").join("store.0")).len();
+    assert!(on_disk >= blocks, "A's G3 holds the prompt: {on_disk} of {blocks} blocks");
+
+    // Restarted, A recovers its G3 and advertises it; B loads from it (A reads each held block
+    // from disk into G2 first) with the answer A gave before.
+    let a = Node::start_in(dir_a.clone(), &a_config);
+    assert!(a.announced.iter().any(|l| l.contains("recovered")), "{:?}", a.announced);
+    let known = wait_for(&b, "dynamo_node_index_blocks", |v| v >= blocks as f64).await;
+    assert!(known >= blocks as f64, "B knows what A recovered: {known}");
+    let (b_alpha, _, cached) = ask(&b, &alpha).await;
+    assert_eq!(b_alpha, a_alpha, "the same tokens from a recovered block");
+    assert!(cached as usize >= (blocks - 1) * 32, "cached {cached} of {prompt_tokens}");
+    assert_eq!(b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await, cached as f64);
+    let history = check_history(&dir_b, &dir_a).await;
+    assert!(history.iter().any(|e| e["outcome"] == "verified"));
+    assert_eq!(b.stop(), 0);
+    assert_eq!(a.stop(), 0);
 }

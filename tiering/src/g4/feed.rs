@@ -7,9 +7,11 @@
 //! that misses a change (a gap, a dropped connection, a subscriber too slow for the feed's buffer)
 //! simply subscribes again and starts from a fresh snapshot.
 //!
-//! The feed keeps the set of servable blocks with their parents itself (32 bytes a block), so a
-//! snapshot is consistent with its sequence number by construction: both are taken under the lock
-//! that orders the changes.
+//! A block is servable while the node's G2 or its G3 holds it (a G3 block is read into G2 when a
+//! peer holds it). The feed keeps the set of servable blocks with their parents and tiers itself
+//! (about 40 bytes a block), so a snapshot is consistent with its sequence number by construction:
+//! both are taken under the lock that orders the changes; and a block that moves between the
+//! tiers (evicted from G2, still in G3) changes nothing a subscriber sees.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -58,10 +60,29 @@ pub struct Subscription {
     pub changes: broadcast::Receiver<FeedEvent>,
 }
 
+/// The tiers a servable block can be in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FeedTier {
+    /// Host memory: served at once.
+    G2,
+    /// Local disk: read into G2 when a peer holds it.
+    G3,
+}
+
+impl FeedTier {
+    fn bit(self) -> u8 {
+        match self {
+            FeedTier::G2 => 1,
+            FeedTier::G3 => 2,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     seq: u64,
-    blocks: HashMap<BlockHash, Option<BlockHash>>,
+    /// Servable blocks: parent, and the tiers holding them (bits of [`FeedTier::bit`]).
+    blocks: HashMap<BlockHash, (Option<BlockHash>, u8)>,
 }
 
 /// The servable blocks of one node, and their changes for subscribers.
@@ -78,28 +99,62 @@ impl Feed {
         Self { inner: Mutex::new(Inner::default()), changes }
     }
 
-    /// `hashes`, one chain after `parent`, are now servable. A chain longer than
-    /// [`MAX_CHANGE_HASHES`] becomes several changes, so each fits one frame.
+    /// `hashes`, one chain after `parent`, are now in G2.
     pub fn stored(&self, parent: Option<BlockHash>, hashes: &[BlockHash]) {
+        self.stored_in(FeedTier::G2, parent, hashes);
+    }
+
+    /// `hashes` are no longer in G2.
+    pub fn removed(&self, hashes: &[BlockHash]) {
+        self.removed_from(FeedTier::G2, hashes);
+    }
+
+    /// `hashes`, one chain after `parent`, are now in `tier`. Those that were not servable
+    /// before become so: one change per run of them (a run's parent is the block before it), at
+    /// most [`MAX_CHANGE_HASHES`] blocks a change, so each fits one frame.
+    pub fn stored_in(&self, tier: FeedTier, parent: Option<BlockHash>, hashes: &[BlockHash]) {
         let mut inner = self.inner.lock();
         let mut p = parent;
-        for chunk in hashes.chunks(MAX_CHANGE_HASHES) {
-            let first_parent = p;
-            for &h in chunk {
-                inner.blocks.insert(h, p);
-                p = Some(h);
+        let mut run: Vec<BlockHash> = Vec::new();
+        let mut run_parent = parent;
+        for &h in hashes {
+            let entry = inner.blocks.entry(h).or_insert((p, 0));
+            let new = entry.1 == 0;
+            entry.1 |= tier.bit();
+            if new && run.len() < MAX_CHANGE_HASHES {
+                if run.is_empty() {
+                    run_parent = p;
+                }
+                run.push(h);
+            } else if !run.is_empty() {
+                let hashes = std::mem::take(&mut run).into();
+                self.emit(&mut inner, FeedChange::Stored { parent: run_parent, hashes });
+                if new {
+                    run_parent = p;
+                    run.push(h);
+                }
             }
-            self.emit(&mut inner, FeedChange::Stored { parent: first_parent, hashes: chunk.into() });
+            p = Some(h);
+        }
+        if !run.is_empty() {
+            self.emit(&mut inner, FeedChange::Stored { parent: run_parent, hashes: run.into() });
         }
     }
 
-    /// `hashes` are no longer servable.
-    pub fn removed(&self, hashes: &[BlockHash]) {
+    /// `hashes` are no longer in `tier`; those no tier holds now are no longer servable.
+    pub fn removed_from(&self, tier: FeedTier, hashes: &[BlockHash]) {
         let mut inner = self.inner.lock();
-        for chunk in hashes.chunks(MAX_CHANGE_HASHES) {
-            for h in chunk {
-                inner.blocks.remove(h);
+        let mut gone = Vec::new();
+        for h in hashes {
+            if let Some(entry) = inner.blocks.get_mut(h) {
+                entry.1 &= !tier.bit();
+                if entry.1 == 0 {
+                    inner.blocks.remove(h);
+                    gone.push(*h);
+                }
             }
+        }
+        for chunk in gone.chunks(MAX_CHANGE_HASHES) {
             self.emit(&mut inner, FeedChange::Removed { hashes: chunk.into() });
         }
     }
@@ -115,7 +170,7 @@ impl Feed {
     pub fn subscribe(&self) -> Subscription {
         let inner = self.inner.lock();
         let changes = self.changes.subscribe();
-        let snapshot = inner.blocks.iter().map(|(&h, &p)| (h, p)).collect();
+        let snapshot = inner.blocks.iter().map(|(&h, &(p, _))| (h, p)).collect();
         Subscription { snapshot, seq: inner.seq, changes }
     }
 
@@ -160,10 +215,11 @@ mod tests {
         feed.stored(Some(h(2)), &[h(3)]);
         feed.removed(&[h(1)]);
         feed.removed(&[]);
+        feed.removed(&[h(77)]);
         assert_eq!(first.changes.try_recv().unwrap().seq, 2);
         let removed = first.changes.try_recv().unwrap();
         assert_eq!(removed, FeedEvent { seq: 3, change: FeedChange::Removed { hashes: vec![h(1)].into() } });
-        assert!(first.changes.try_recv().is_err(), "an empty change is not sent");
+        assert!(first.changes.try_recv().is_err(), "an empty change is not sent, nor one of unknown blocks");
 
         // A later subscriber's snapshot is the same set, at the later number.
         let second = feed.subscribe();
@@ -187,6 +243,38 @@ mod tests {
         let last = *hashes.last().unwrap();
         assert_eq!(second.change, FeedChange::Stored { parent: Some(last), hashes: chain[MAX_CHANGE_HASHES..].into() });
         assert_eq!(second.seq, 2);
+    }
+
+    #[test]
+    fn a_block_in_either_tier_is_servable_and_moving_between_them_changes_nothing() {
+        let feed = Feed::new(16);
+        let h = BlockHash;
+        let mut sub = feed.subscribe();
+        feed.stored_in(FeedTier::G3, None, &[h(1), h(2), h(3)]);
+        // G2 takes blocks 2..4: only 4 is new, its parent 3.
+        feed.stored_in(FeedTier::G2, Some(h(1)), &[h(2), h(3), h(4)]);
+        // G2 drops 2 and 4: 2 is still in G3, 4 goes.
+        feed.removed_from(FeedTier::G2, &[h(2), h(4)]);
+        let changes: Vec<FeedChange> = std::iter::from_fn(|| sub.changes.try_recv().ok()).map(|e| e.change).collect();
+        assert_eq!(
+            changes,
+            vec![
+                FeedChange::Stored { parent: None, hashes: vec![h(1), h(2), h(3)].into() },
+                FeedChange::Stored { parent: Some(h(3)), hashes: vec![h(4)].into() },
+                FeedChange::Removed { hashes: vec![h(4)].into() },
+            ]
+        );
+        assert_eq!(feed.len(), 3);
+        // New blocks between known ones come as separate runs, each after its own parent.
+        feed.stored_in(FeedTier::G2, None, &[h(1), h(10), h(2), h(11)]);
+        let changes: Vec<FeedChange> = std::iter::from_fn(|| sub.changes.try_recv().ok()).map(|e| e.change).collect();
+        assert_eq!(
+            changes,
+            vec![
+                FeedChange::Stored { parent: Some(h(1)), hashes: vec![h(10)].into() },
+                FeedChange::Stored { parent: Some(h(2)), hashes: vec![h(11)].into() },
+            ]
+        );
     }
 
     #[test]

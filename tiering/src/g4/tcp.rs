@@ -41,6 +41,12 @@ pub trait BlockSource {
     /// `bytes` of an image were sent to a peer (for metrics that count as bytes go).
     fn sent(&self, _bytes: usize) {}
 
+    /// Makes resident, before a hold resolves them, those of `hashes` that are not but can be
+    /// (on a node: blocks in G3, read into G2 slots). By default there is nothing to bring in.
+    fn stage<'a>(&'a self, _hashes: &'a [BlockHash]) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(std::future::ready(()))
+    }
+
     /// The feed of what it can serve, for peers that subscribe; `None` refuses subscriptions.
     fn feed(&self) -> Option<&Feed> {
         None
@@ -474,6 +480,7 @@ async fn serve_frames<S: BlockSource>(
             holds.expire(now);
             match frame.message {
                 Message::Hold { hashes, ttl_ms } => {
+                    source.stage(&hashes).await;
                     let found: Vec<(BlockHash, S::Handle)> =
                         hashes.iter().filter_map(|&h| source.resolve(h).map(|slot| (h, slot))).collect();
                     let lens: Vec<(BlockHash, u32)> =
