@@ -294,7 +294,7 @@ async fn a_restarted_peer_serves_what_its_g3_recovered() {
     };
     let a_config = g4_config_on(&secret_file(&dir_a, secret), &[], "200ms", &listen);
     let a = Node::start_in(dir_a.clone(), &a_config);
-    let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), &[listen.clone()]));
+    let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), std::slice::from_ref(&listen)));
 
     // A computes, writes through to G3 and stops; its G2 is gone with the process.
     let alpha = prompt("alpha");
