@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::block::ImageError;
+use dynamo_tiering::cost::{BytesPerSec, G4_RATE_MAX_AGE, MeasuredBandwidth};
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::g4::tcp::{ClientConfig, FetchedSlot, PeerClient, PeerError};
 use dynamo_tiering::g4::wire::{Message, WireError};
@@ -124,6 +125,8 @@ struct LinkState {
     epoch: std::sync::atomic::AtomicU64,
     /// Whether the index holds the peer's current snapshot and changes.
     synced: AtomicBool,
+    /// The link's rate as real fetches measured it.
+    measured: MeasuredBandwidth,
     /// Taken around every change the feed makes to the index; `true` once the link is stopped,
     /// after which the feed changes nothing (a task that is being aborted may still be between
     /// two awaits).
@@ -167,6 +170,7 @@ impl PeerLink {
             name: Mutex::new(None),
             epoch: std::sync::atomic::AtomicU64::new(0),
             synced: AtomicBool::new(false),
+            measured: MeasuredBandwidth::default(),
             stopped: Mutex::new(false),
             config,
         });
@@ -190,6 +194,16 @@ impl PeerLink {
     /// Its name, once a connection authenticated it.
     pub fn name(&self) -> Option<String> {
         self.state.name.lock().clone()
+    }
+
+    /// What real fetches measured of this link (fed by the worker that timed them).
+    pub fn measured(&self) -> &MeasuredBandwidth {
+        &self.state.measured
+    }
+
+    /// This link's rate, if a fetch measured it within [`G4_RATE_MAX_AGE`].
+    pub fn rate(&self) -> Option<BytesPerSec> {
+        self.state.measured.get_within(G4_RATE_MAX_AGE)
     }
 
     /// The longest any fetch may take (`tiers.g4.request_timeout`).

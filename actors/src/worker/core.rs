@@ -971,7 +971,12 @@ impl<B: Backend> Worker<B> {
         let remote_prefix = remote.as_ref().map_or(&[][..], |(_, blocks)| &hashes[..(*blocks).min(hashes.len())]);
         let mut lookup =
             Lookup { worker: self, now, pages: Vec::new(), images: Vec::new(), remote: remote_prefix, asked: 0 };
-        let sources = tiers.pipeline().plan_prefix(hashes, seq.run.tokens.len(), &tiers.cost_now(), &mut lookup);
+        // A load from the peer is priced at that link's own measured rate, where it has one.
+        let mut cost = tiers.cost_now();
+        if let Some(rate) = remote.as_ref().and_then(|(link, _)| link.rate()) {
+            cost.g4_read = Some(cost.g2_read.map_or(rate, |host| rate.then(host)));
+        }
+        let sources = tiers.pipeline().plan_prefix(hashes, seq.run.tokens.len(), &cost, &mut lookup);
         let Lookup { mut pages, mut images, .. } = lookup;
         let mut plan: Vec<Source> = Vec::with_capacity(sources.len());
         let (mut pages, mut images) = (pages.drain(..), images.drain(..));
@@ -1080,6 +1085,7 @@ impl<B: Backend> Worker<B> {
                         // the cost model recomputes rather than wait on it again.
                         let wanted = g4_blocks.len() * tiers.layout.image_bytes();
                         tiers.measured.g4_read.cap(wanted, started.elapsed());
+                        link.measured().cap(wanted, started.elapsed());
                     }
                     end = first;
                 }
@@ -1088,6 +1094,7 @@ impl<B: Backend> Worker<B> {
             if fetched_bytes > 0 {
                 record_transfer(Tier::G4, Tier::G2, fetched_bytes as u64, elapsed);
                 tiers.measured.g4_read.observe(fetched_bytes, elapsed);
+                link.measured().observe(fetched_bytes, elapsed);
             }
             for (source, &hash) in plan.drain(end..).zip(&hashes[end..]) {
                 if let Source::G1(_) = source {
