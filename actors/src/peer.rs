@@ -101,9 +101,9 @@ impl BlockSource for G2Blocks {
         telemetry::record_peer_served(bytes as u64);
     }
 
-    /// Reads the held blocks that are in G3 but not in G2 into G2 slots, all in flight together
-    /// (at most [`MAX_STAGED`] a hold), verified by the store, and admits them to G2 with the
-    /// retention their images carry.
+    /// Reads the blocks asked for that are in G3 but not in G2 into G2 slots, in prefix order up
+    /// to the first block neither tier has, all in flight together (at most [`MAX_STAGED`] a
+    /// hold), verified by the store, and admits them to G2 with the retention their images carry.
     fn stage<'a>(&'a self, hashes: &'a [BlockHash]) -> futures::future::BoxFuture<'a, ()> {
         Box::pin(async move {
             let tiers = &self.0;
@@ -112,7 +112,8 @@ impl BlockSource for G2Blocks {
                 return;
             }
             let now = unix_millis();
-            let wanted = hashes.iter().copied().filter(|&h| g2.peek(h).is_none() && g3.store.contains(h));
+            // In prefix order up to the first block neither tier has: the reader's prefix ends there.
+            let wanted = hashes.iter().copied().filter(|&h| g2.peek(h).is_none()).take_while(|&h| g3.store.contains(h));
             let reads = wanted.take(MAX_STAGED).map(|hash| {
                 let dst = g2.alloc(now);
                 async move {

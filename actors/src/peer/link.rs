@@ -402,9 +402,10 @@ async fn fetch_on(
             continue;
         }
         let held = client.hold(chunk, ttl).await?;
-        // Blocks up to the first the peer no longer holds; the rest are past the cut.
+        // Blocks up to the first the peer no longer holds; the rest are past the cut. (The hold
+        // answers each hash asked in its place.)
         let present: Vec<BlockHash> =
-            held.blocks.iter().take_while(|b| b.image_len.is_some()).map(|b| b.hash).collect();
+            chunk.iter().zip(&held.blocks).take_while(|(_, b)| b.image_len.is_some()).map(|(&h, _)| h).collect();
         let mut arrived = Vec::with_capacity(present.len());
         if !present.is_empty() {
             // Past the cut no slot is taken: what arrives there is read and dropped.
@@ -507,8 +508,8 @@ async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64
                 other => return Err(PeerError::Unexpected(other.name())),
             }
         }
-        // What the peer says it holds, counted as it goes (an over-count when it stores a block
-        // twice): one peer never fills more of the index than a snapshot may.
+        // What the peer has said it holds since the snapshot, counted as it goes: one peer never
+        // fills more of the index than a snapshot may.
         let mut held = snapshot.len();
         drop(snapshot);
         loop {
@@ -517,10 +518,9 @@ async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64
                     held += hashes.len();
                     (seq, KvEventKind::Stored { hashes, parent, tier: TierName::G2 })
                 }
-                Message::Removed { seq, hashes } => {
-                    held = held.saturating_sub(hashes.len());
-                    (seq, KvEventKind::Removed { hashes, tier: TierName::G2 })
-                }
+                // Removals are not counted down (a peer could remove what it never stored): the
+                // count only grows, and past the bound a fresh snapshot counts anew.
+                Message::Removed { seq, hashes } => (seq, KvEventKind::Removed { hashes, tier: TierName::G2 }),
                 other => return Err(PeerError::Unexpected(other.name())),
             };
             if held > state.config.max_snapshot_blocks {

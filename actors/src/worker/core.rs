@@ -464,9 +464,11 @@ fn fetch_budget(cost: &dynamo_tiering::cost::CostModel, from: usize, to: usize, 
 /// Whether a verified image of `bytes` from a peer, in `slot`, is of this node's layout: a peer of
 /// the same model with another KV dtype or block geometry names its blocks the same (the hash
 /// covers the model and the tokens), and its images are not this node's to load.
-fn of_this_layout(tiers: &NodeTiers, slot: &SlotRef, bytes: usize) -> bool {
+/// It must also be the block asked for in its place.
+fn of_this_layout(tiers: &NodeTiers, slot: &SlotRef, bytes: usize, hash: BlockHash) -> bool {
     bytes == tiers.layout.image_bytes()
-        && ImageHeader::decode_header_only(slot.as_slice()).is_ok_and(|header| header.layout == tiers.layout)
+        && ImageHeader::decode_header_only(slot.as_slice())
+            .is_ok_and(|header| header.layout == tiers.layout && header.hash == hash)
 }
 
 /// The real executor's answers while the pipeline plans a prefix: a G1 block found is acquired
@@ -1056,7 +1058,7 @@ impl<B: Backend> Worker<B> {
                 Ok(blocks) => {
                     for (&i, (_, arrival)) in g4_blocks.iter().zip(blocks) {
                         let landed = match arrival {
-                            Arrival::Landed { slot, bytes, .. } if of_this_layout(&tiers, &slot, bytes) => {
+                            Arrival::Landed { slot, bytes, .. } if of_this_layout(&tiers, &slot, bytes, hashes[i]) => {
                                 fetched_bytes += bytes;
                                 Some(slot)
                             }
@@ -1093,8 +1095,11 @@ impl<B: Backend> Worker<B> {
             let elapsed = started.elapsed();
             if fetched_bytes > 0 {
                 record_transfer(Tier::G4, Tier::G2, fetched_bytes as u64, elapsed);
-                tiers.measured.g4_read.observe(fetched_bytes, elapsed);
-                link.measured().observe(fetched_bytes, elapsed);
+                // A fetch cut short moved bytes it did not land: its rate says little.
+                if end == plan.len() {
+                    tiers.measured.g4_read.observe(fetched_bytes, elapsed);
+                    link.measured().observe(fetched_bytes, elapsed);
+                }
             }
             for (source, &hash) in plan.drain(end..).zip(&hashes[end..]) {
                 if let Source::G1(_) = source {

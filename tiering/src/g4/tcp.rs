@@ -480,20 +480,26 @@ async fn serve_frames<S: BlockSource>(
             holds.expire(now);
             match frame.message {
                 Message::Hold { hashes, ttl_ms } => {
-                    source.stage(&hashes).await;
-                    let found: Vec<(BlockHash, S::Handle)> =
-                        hashes.iter().filter_map(|&h| source.resolve(h).map(|slot| (h, slot))).collect();
-                    let lens: Vec<(BlockHash, u32)> =
-                        found.iter().map(|(h, s)| (*h, s.as_ref().len() as u32)).collect();
-                    let (hold_id, ttl) = holds.open(found, Duration::from_millis(ttl_ms.into()), now)?;
-                    served.holds += 1;
+                    // What is resident is taken first, so bringing the rest in cannot push it out.
+                    let mut found: Vec<Option<S::Handle>> = hashes.iter().map(|&h| source.resolve(h)).collect();
+                    let missing: Vec<BlockHash> =
+                        hashes.iter().zip(&found).filter(|(_, f)| f.is_none()).map(|(&h, _)| h).collect();
+                    if !missing.is_empty() {
+                        source.stage(&missing).await;
+                        for (&h, f) in hashes.iter().zip(found.iter_mut()) {
+                            if f.is_none() {
+                                *f = source.resolve(h);
+                            }
+                        }
+                    }
                     let blocks = hashes
                         .iter()
-                        .map(|&hash| HeldBlock {
-                            hash,
-                            image_len: lens.iter().find(|(h, _)| *h == hash).map(|(_, l)| *l),
-                        })
+                        .zip(&found)
+                        .map(|(&hash, f)| HeldBlock { hash, image_len: f.as_ref().map(|s| s.as_ref().len() as u32) })
                         .collect();
+                    let found = hashes.iter().zip(found).filter_map(|(&h, f)| f.map(|f| (h, f))).collect();
+                    let (hold_id, ttl) = holds.open(found, Duration::from_millis(ttl_ms.into()), now)?;
+                    served.holds += 1;
                     let ttl_ms = ttl.as_millis() as u32;
                     conn.send(frame.req_id, Message::Held { hold_id, ttl_ms, blocks }).await?;
                 }
@@ -711,7 +717,11 @@ impl PeerClient {
         let ttl_ms = ttl.as_millis().min(u32::MAX as u128) as u32;
         self.conn.send(req, Message::Hold { hashes: hashes.to_vec(), ttl_ms }).await?;
         match self.answer(req).await? {
-            Message::Held { hold_id, ttl_ms, blocks } if blocks.len() == hashes.len() => {
+            // One answer per hash, each naming the hash asked in its place: a server cannot answer
+            // for one block with another.
+            Message::Held { hold_id, ttl_ms, blocks }
+                if blocks.len() == hashes.len() && blocks.iter().zip(hashes).all(|(b, h)| b.hash == *h) =>
+            {
                 Ok(Held { hold_id, ttl: Duration::from_millis(ttl_ms.into()), blocks })
             }
             other => Err(PeerError::Unexpected(other.name())),
