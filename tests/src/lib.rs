@@ -94,6 +94,69 @@ pub fn spawn_logging_until_ready(
     (child, lines)
 }
 
+/// A single-member etcd (Debian's `etcd-server`) for the membership tests; killed when dropped.
+#[derive(Debug)]
+pub struct Etcd {
+    child: Child,
+    /// Its client URL, `http://IP:PORT`.
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Etcd {
+    /// Starts etcd serving clients on `ip:client_port` (peers on `ip:peer_port`), run through
+    /// `wrapper` (e.g. `ip netns exec NS`; empty for none), and waits until it is healthy.
+    pub async fn start(wrapper: &[&str], ip: &str, client_port: u16, peer_port: u16) -> Etcd {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("http://{ip}:{client_port}");
+        let peer = format!("http://{ip}:{peer_port}");
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg("etcd");
+                cmd
+            }
+            None => Command::new("etcd"),
+        };
+        cmd.args(["--name", "t", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("t={peer}"), "--log-level", "error"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        let child = cmd.spawn().expect("etcd (apt-get install etcd-server)");
+        let etcd = Etcd { child, url, _dir: dir };
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(resp) = reqwest::get(format!("{}/health", etcd.url)).await
+                && resp.text().await.is_ok_and(|t| t.contains("true"))
+            {
+                return etcd;
+            }
+            assert!(started.elapsed() < std::time::Duration::from_secs(20), "etcd not healthy in 20 s");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// A loopback port free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// A prompt of 120 numbered lines about `topic` (some 1,300 tokens: 40-odd blocks).
+pub fn long_prompt(topic: &str) -> String {
+    (0..120).map(|i| format!("{topic} line {i}; ")).collect()
+}
+
 /// A running `dynamo-node serve` on its defaults plus a config file, with the API and metrics on
 /// free loopback ports; killed when dropped.
 #[derive(Debug)]
@@ -195,6 +258,53 @@ impl Node {
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
             .unwrap_or(0.0)
+    }
+
+    /// The sum of every series of `prefix` (a metric name and `{`) whose labels contain `label`.
+    pub async fn metric_sum(&self, prefix: &str, label: &str) -> f64 {
+        let text =
+            reqwest::get(format!("http://{}/metrics", self.metrics)).await.expect("scrape").text().await.expect("body");
+        text.lines()
+            .filter(|l| l.starts_with(prefix) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Polls [`Node::metric`] of `series` until `done` holds for it, for `limit` at most; its last
+    /// value.
+    pub async fn wait_for_metric(&self, series: &str, limit: std::time::Duration, done: impl Fn(f64) -> bool) -> f64 {
+        let started = std::time::Instant::now();
+        loop {
+            let value = self.metric(series).await;
+            if done(value) || started.elapsed() > limit {
+                return value;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
+    /// [`Node::greedy`] for [`long_prompt`]`(topic)`, with the prompt's complete blocks (of 32
+    /// tokens) instead of its tokens.
+    pub async fn greedy_topic(&self, topic: &str) -> (String, f64, u64) {
+        let (text, prompt_tokens, cached) = self.greedy(&long_prompt(topic)).await;
+        (text, (prompt_tokens / 32) as f64, cached)
+    }
+
+    /// A greedy chat completion of 12 tokens for `prompt`: the answer, the prompt's tokens and
+    /// how many of them were cached.
+    pub async fn greedy(&self, prompt: &str) -> (String, u64, u64) {
+        let body = serde_json::json!({
+            "model": "tiny",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 12,
+            "temperature": 0
+        });
+        let (status, body) = self.chat(body).await;
+        assert_eq!(status, 200, "{body}");
+        let text = body["choices"][0]["message"]["content"].as_str().expect("content").to_owned();
+        let usage = &body["usage"];
+        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        (text, usage["prompt_tokens"].as_u64().expect("prompt_tokens"), cached)
     }
 
     /// Sends SIGTERM, waits, and returns the exit code.

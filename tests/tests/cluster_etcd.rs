@@ -8,58 +8,10 @@
 //! `etcd-server` and runs it.
 
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dynamo_tests::Node;
-use serde_json::json;
-
-struct Etcd {
-    child: Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-async fn start_etcd() -> Etcd {
-    let dir = tempfile::tempdir().unwrap();
-    let (client, peer) = (free_port(), free_port());
-    let url = format!("http://127.0.0.1:{client}");
-    let peer_url = format!("http://127.0.0.1:{peer}");
-    let child = Command::new("etcd")
-        .args(["--name", "t", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
-        .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-        .args(["--initial-cluster", &format!("t={peer_url}"), "--log-level", "error"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("etcd (apt-get install etcd-server)");
-    let etcd = Etcd { child, url, _dir: dir };
-    let started = Instant::now();
-    loop {
-        let health = reqwest::get(format!("{}/health", etcd.url)).await;
-        if let Ok(resp) = health
-            && resp.text().await.is_ok_and(|t| t.contains("true"))
-        {
-            return etcd;
-        }
-        assert!(started.elapsed() < Duration::from_secs(20), "etcd not healthy in 20 s");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+use dynamo_tests::{Etcd, Node, free_port};
 
 fn config(dir: &tempfile::TempDir, name: &str, etcd: &str) -> String {
     let secret = dir.path().join("g4.secret");
@@ -73,52 +25,28 @@ fn config(dir: &tempfile::TempDir, name: &str, etcd: &str) -> String {
     )
 }
 
-/// The answer, the prompt's complete blocks, and its cached tokens.
-async fn ask(node: &Node, topic: &str) -> (String, f64, u64) {
-    let prompt: String = (0..120).map(|i| format!("{topic} line {i}; ")).collect();
-    let (status, body) = node
-        .chat(json!({"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0}))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let text = body["choices"][0]["message"]["content"].as_str().expect("content").to_owned();
-    let blocks = (body["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens") / 32) as f64;
-    (text, blocks, body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
-}
-
-/// Polls `series` on `node` until `done` holds (within `limit`); its last value.
-async fn wait_for(node: &Node, series: &str, limit: Duration, done: impl Fn(f64) -> bool) -> f64 {
-    let started = Instant::now();
-    loop {
-        let value = node.metric(series).await;
-        if done(value) || started.elapsed() > limit {
-            return value;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 const G4_HITS: &str = "dynamo_node_kv_hit_tokens_total{tier=\"g4\"}";
 
 #[tokio::test]
 #[ignore = "needs etcd (Debian's etcd-server); .ci/run installs it and runs this test"]
 async fn nodes_find_each_other_in_etcd_and_a_paused_node_returns_under_a_new_epoch() {
-    let etcd = start_etcd().await;
+    let etcd = Etcd::start(&[], "127.0.0.1", free_port(), free_port()).await;
     let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
     let a = Node::start_in(dir_a.clone(), &config(&dir_a, "node-a", &etcd.url));
     let b = Node::start_in(dir_b.clone(), &config(&dir_b, "node-b", &etcd.url));
     let limit = Duration::from_secs(15);
     for node in [&a, &b] {
-        let members = wait_for(node, "dynamo_node_cluster_members", limit, |v| v == 1.0).await;
+        let members = node.wait_for_metric("dynamo_node_cluster_members", limit, |v| v == 1.0).await;
         assert_eq!(members, 1.0, "each node sees the other");
     }
     let epoch = a.metric("dynamo_node_cluster_epoch").await;
     assert!(epoch > 0.0);
 
     // A computes; B loads A's prefix over G4, with A's answer.
-    let (a_alpha, blocks, _) = ask(&a, "alpha").await;
-    let (a_beta, _, _) = ask(&a, "beta").await;
-    wait_for(&b, "dynamo_node_index_blocks", limit, |v| v >= 2.0 * blocks).await;
-    let (b_alpha, _, cached) = ask(&b, "alpha").await;
+    let (a_alpha, blocks, _) = a.greedy_topic("alpha").await;
+    let (a_beta, _, _) = a.greedy_topic("beta").await;
+    b.wait_for_metric("dynamo_node_index_blocks", limit, |v| v >= 2.0 * blocks).await;
+    let (b_alpha, _, cached) = b.greedy_topic("alpha").await;
     assert_eq!(b_alpha, a_alpha);
     let hits = b.metric(G4_HITS).await;
     assert!(cached > 0 && hits == cached as f64, "cached {cached}, G4 hits {hits}");
@@ -126,10 +54,10 @@ async fn nodes_find_each_other_in_etcd_and_a_paused_node_returns_under_a_new_epo
     // A is paused past its lease: B's view drops it, and B recomputes at once rather than wait on
     // a node that cannot answer.
     a.signal(libc::SIGSTOP);
-    let members = wait_for(&b, "dynamo_node_cluster_members", limit, |v| v == 0.0).await;
+    let members = b.wait_for_metric("dynamo_node_cluster_members", limit, |v| v == 0.0).await;
     assert_eq!(members, 0.0, "the paused node left B's view");
     let started = Instant::now();
-    let (b_beta, _, cached) = ask(&b, "beta").await;
+    let (b_beta, _, cached) = b.greedy_topic("beta").await;
     assert_eq!(b_beta, a_beta, "recomputed, the same tokens");
     assert_eq!(cached, 0);
     assert_eq!(b.metric(G4_HITS).await, hits, "no hit from a node out of the view");
@@ -137,25 +65,25 @@ async fn nodes_find_each_other_in_etcd_and_a_paused_node_returns_under_a_new_epo
 
     // Resumed, A registers again under a new epoch, and B loads from it again.
     a.signal(libc::SIGCONT);
-    let registrations = wait_for(&a, "dynamo_node_cluster_registrations_total", limit, |v| v >= 2.0).await;
+    let registrations = a.wait_for_metric("dynamo_node_cluster_registrations_total", limit, |v| v >= 2.0).await;
     assert!(registrations >= 2.0, "A registered again");
     assert!(a.metric("dynamo_node_cluster_epoch").await > epoch, "under a new epoch");
-    let members = wait_for(&b, "dynamo_node_cluster_members", limit, |v| v == 1.0).await;
+    let members = b.wait_for_metric("dynamo_node_cluster_members", limit, |v| v == 1.0).await;
     assert_eq!(members, 1.0, "A is back in B's view");
     let known = b.metric("dynamo_node_index_blocks").await;
-    let (a_gamma, _, _) = ask(&a, "gamma").await;
+    let (a_gamma, _, _) = a.greedy_topic("gamma").await;
     // B's feed from A's new epoch brings A's new blocks shortly after A answers.
-    wait_for(&b, "dynamo_node_index_blocks", limit, |v| v >= known + blocks).await;
-    let (b_gamma, _, cached) = ask(&b, "gamma").await;
+    b.wait_for_metric("dynamo_node_index_blocks", limit, |v| v >= known + blocks).await;
+    let (b_gamma, _, cached) = b.greedy_topic("gamma").await;
     assert_eq!(b_gamma, a_gamma);
     assert!(cached > 0 && b.metric(G4_HITS).await > hits, "loaded from A's new epoch");
 
     // etcd goes away: the nodes keep their view and serve.
     drop(etcd);
-    let up = wait_for(&b, "dynamo_node_cluster_etcd_up", limit, |v| v == 0.0).await;
+    let up = b.wait_for_metric("dynamo_node_cluster_etcd_up", limit, |v| v == 0.0).await;
     assert_eq!(up, 0.0, "B noticed etcd is gone");
     assert_eq!(b.metric("dynamo_node_cluster_members").await, 1.0, "and kept its view");
-    let (again, _, _) = ask(&b, "alpha").await;
+    let (again, _, _) = b.greedy_topic("alpha").await;
     assert_eq!(again, a_alpha);
     assert_eq!(b.stop(), 0);
     assert_eq!(a.stop(), 0);
@@ -168,7 +96,7 @@ async fn nodes_find_each_other_in_etcd_and_a_paused_node_returns_under_a_new_epo
 fn without_the_etcd_feature_etcd_membership_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let toml = config(&dir, "node-a", "http://127.0.0.1:9");
-    let out = Node::command(&dir, &toml).stdin(Stdio::null()).output().expect("run the node");
+    let out = Node::command(&dir, &toml).stdin(std::process::Stdio::null()).output().expect("run the node");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("built with the `etcd` feature"), "{stderr}");

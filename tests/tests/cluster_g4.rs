@@ -11,8 +11,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dynamo_tests::Node;
-use serde_json::json;
+use dynamo_tests::{Node, long_prompt};
+
+/// How long a test waits for a metric to show what it expects.
+const LIMIT: Duration = Duration::from_secs(10);
 
 fn secret_file(dir: &tempfile::TempDir, secret: [u8; 32]) -> std::path::PathBuf {
     let path = dir.path().join("g4.secret");
@@ -48,39 +50,6 @@ fn g4_addr(node: &Node) -> String {
         .to_owned()
 }
 
-fn prompt(topic: &str) -> String {
-    (0..120).map(|i| format!("{topic} line {i}; ")).collect()
-}
-
-async fn ask(node: &Node, prompt: &str) -> (String, u64, u64) {
-    let (status, body) = node
-        .chat(json!({
-            "model": "tiny",
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 12,
-            "temperature": 0
-        }))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let text = body["choices"][0]["message"]["content"].as_str().expect("content").to_owned();
-    let usage = &body["usage"];
-    let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
-    (text, usage["prompt_tokens"].as_u64().expect("prompt_tokens"), cached)
-}
-
-/// Polls `series` on `node` until `done` holds for it (10 s at most); its last value.
-async fn wait_for(node: &Node, series: &str, done: impl Fn(f64) -> bool) -> f64 {
-    let mut value = node.metric(series).await;
-    for _ in 0..100 {
-        if done(value) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        value = node.metric(series).await;
-    }
-    value
-}
-
 #[tokio::test]
 async fn a_node_loads_the_prefix_its_peer_computed_and_recomputes_when_the_peer_dies() {
     let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
@@ -90,21 +59,21 @@ async fn a_node_loads_the_prefix_its_peer_computed_and_recomputes_when_the_peer_
     assert!(b.announced.iter().any(|l| l.starts_with("G4 peers: ")), "{:?}", b.announced);
 
     // A computes two prompts; B's index learns A's blocks from A's feed.
-    let (first, second) = (prompt("alpha"), prompt("beta"));
-    let (a_first, prompt_tokens, a_cached) = ask(&a, &first).await;
+    let (first, second) = (long_prompt("alpha"), long_prompt("beta"));
+    let (a_first, prompt_tokens, a_cached) = a.greedy(&first).await;
     assert_eq!(a_cached, 0, "nothing was cached anywhere yet");
-    let (a_second, _, _) = ask(&a, &second).await;
+    let (a_second, _, _) = a.greedy(&second).await;
     let blocks = (prompt_tokens / 32) as f64;
-    let known = wait_for(&b, "dynamo_node_index_blocks", |v| v >= 2.0 * blocks).await;
+    let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= 2.0 * blocks).await;
     assert!(known >= 2.0 * blocks, "B's index knows A's blocks: {known} of {}", 2.0 * blocks);
 
     // B loads the first prompt's prefix from A: the same answer, the hits counted as G4.
-    let (b_first, _, b_cached) = ask(&b, &first).await;
+    let (b_first, _, b_cached) = b.greedy(&first).await;
     assert_eq!(b_first, a_first, "loading from a peer must not change a token");
     assert!(b_cached as f64 >= (blocks - 1.0) * 32.0, "cached {b_cached} of {prompt_tokens} prompt tokens");
     let g4_hits = b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await;
     assert_eq!(g4_hits, b_cached as f64, "every cached token came from the peer");
-    let verified = metric_sum(&b, "dynamo_node_peer_fetched_blocks_total{", "outcome=\"verified\"").await;
+    let verified = b.metric_sum("dynamo_node_peer_fetched_blocks_total{", "outcome=\"verified\"").await;
     let fetched = (b_cached / 32) as f64;
     assert!(verified >= fetched, "verified blocks {verified}, cached blocks {fetched}");
     let served = a.metric("dynamo_node_peer_served_bytes_total").await;
@@ -117,24 +86,15 @@ async fn a_node_loads_the_prefix_its_peer_computed_and_recomputes_when_the_peer_
     let mut a = a;
     a.child.kill().unwrap();
     a.child.wait().unwrap();
-    let (b_second, _, b_cached) = ask(&b, &second).await;
+    let (b_second, _, b_cached) = b.greedy(&second).await;
     assert_eq!(b_second, a_second, "a dead peer costs a recompute, never a token");
     assert_eq!(b_cached, 0, "nothing of the second prompt is cached on B");
     let g4_after = b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await;
     assert_eq!(g4_after, g4_hits, "no hit from a dead peer");
     // B noticed: the feed ended (and A's blocks left its index with it).
-    let ended = wait_for(&b, "dynamo_node_peer_feed_ended_total", |v| v >= 1.0).await;
+    let ended = b.wait_for_metric("dynamo_node_peer_feed_ended_total", LIMIT, |v| v >= 1.0).await;
     assert!(ended >= 1.0, "B noticed the feed end");
     assert_eq!(b.stop(), 0);
-}
-
-/// The sum of every series of `prefix` whose labels contain `label`.
-async fn metric_sum(node: &Node, prefix: &str, label: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", node.metrics)).await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(prefix) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test]
@@ -148,19 +108,19 @@ async fn images_that_fail_verification_are_dropped_and_recomputed() {
     let a = Node::start_command(cmd, dir_a.clone());
     let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), &[g4_addr(&a)]));
 
-    let alpha = prompt("alpha");
-    let (a_alpha, prompt_tokens, _) = ask(&a, &alpha).await;
+    let alpha = long_prompt("alpha");
+    let (a_alpha, prompt_tokens, _) = a.greedy(&alpha).await;
     let blocks = (prompt_tokens / 32) as f64;
-    wait_for(&b, "dynamo_node_index_blocks", |v| v >= blocks).await;
-    let (b_alpha, _, cached) = ask(&b, &alpha).await;
+    b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= blocks).await;
+    let (b_alpha, _, cached) = b.greedy(&alpha).await;
     assert_eq!(b_alpha, a_alpha, "recomputed, the same tokens");
     assert_eq!(cached, 0, "no corrupt block was used");
     assert_eq!(b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await, 0.0);
-    let rejected = metric_sum(&b, "dynamo_node_peer_fetched_blocks_total{", "outcome=\"rejected\"").await;
+    let rejected = b.metric_sum("dynamo_node_peer_fetched_blocks_total{", "outcome=\"rejected\"").await;
     assert!(rejected >= 1.0, "the corrupt images were rejected: {rejected}");
-    let verified = metric_sum(&b, "dynamo_node_peer_fetched_blocks_total{", "outcome=\"verified\"").await;
+    let verified = b.metric_sum("dynamo_node_peer_fetched_blocks_total{", "outcome=\"verified\"").await;
     assert_eq!(verified, 0.0);
-    let corrupt = metric_sum(&b, "dynamo_node_kv_corrupt_blocks_total{", "tier=\"g4\"").await;
+    let corrupt = b.metric_sum("dynamo_node_kv_corrupt_blocks_total{", "tier=\"g4\"").await;
     assert_eq!(corrupt, rejected, "each counted as a corrupt G4 block");
     let history = check_history(&dir_b, &dir_a).await;
     assert!(history.iter().all(|e| e["outcome"] == "rejected" || e["outcome"] == "skipped"), "{history:?}");
@@ -177,29 +137,29 @@ async fn a_link_too_slow_for_its_budget_is_recomputed_and_then_not_tried() {
     let slow = delaying_forwarder(g4_addr(&a), Duration::from_millis(300)).await;
     let b = Node::start_in(dir_b.clone(), &g4_config_with(&secret_file(&dir_b, secret), &[slow], "1s"));
 
-    let (alpha, beta) = (prompt("alpha"), prompt("beta"));
-    let (a_alpha, prompt_tokens, _) = ask(&a, &alpha).await;
-    let (a_beta, _, _) = ask(&a, &beta).await;
+    let (alpha, beta) = (long_prompt("alpha"), long_prompt("beta"));
+    let (a_alpha, prompt_tokens, _) = a.greedy(&alpha).await;
+    let (a_beta, _, _) = a.greedy(&beta).await;
     let blocks = (prompt_tokens / 32) as f64;
-    let known = wait_for(&b, "dynamo_node_index_blocks", |v| v >= 2.0 * blocks).await;
+    let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= 2.0 * blocks).await;
     assert!(known >= 2.0 * blocks, "B knows A's blocks through the slow link: {known}");
 
     // The first fetch runs past its budget: cancelled, recomputed, the same tokens.
     let started = std::time::Instant::now();
-    let (b_alpha, _, cached) = ask(&b, &alpha).await;
+    let (b_alpha, _, cached) = b.greedy(&alpha).await;
     assert_eq!(b_alpha, a_alpha);
     assert_eq!(cached, 0);
     assert!(started.elapsed() < Duration::from_secs(3), "not held up by the link: {:?}", started.elapsed());
-    let deadline = metric_sum(&b, "dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
+    let deadline = b.metric_sum("dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
     assert_eq!(deadline, 1.0, "one fetch ran out of budget");
     let history = check_history(&dir_b, &dir_a).await;
     assert!(!history.is_empty() && history.iter().all(|e| e["outcome"] == "deadline"), "{history:?}");
 
     // Having seen the link's rate, the cost model recomputes without trying it again.
-    let (b_beta, _, cached) = ask(&b, &beta).await;
+    let (b_beta, _, cached) = b.greedy(&beta).await;
     assert_eq!(b_beta, a_beta);
     assert_eq!(cached, 0);
-    let fetches = metric_sum(&b, "dynamo_node_peer_fetches_total{", "").await;
+    let fetches = b.metric_sum("dynamo_node_peer_fetches_total{", "").await;
     assert_eq!(fetches, 1.0, "no second fetch over a link slower than recomputing");
     assert_eq!(b.stop(), 0);
 }
@@ -297,8 +257,8 @@ async fn a_restarted_peer_serves_what_its_g3_recovered() {
     let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), std::slice::from_ref(&listen)));
 
     // A computes, writes through to G3 and stops; its G2 is gone with the process.
-    let alpha = prompt("alpha");
-    let (a_alpha, prompt_tokens, _) = ask(&a, &alpha).await;
+    let alpha = long_prompt("alpha");
+    let (a_alpha, prompt_tokens, _) = a.greedy(&alpha).await;
     let blocks = (prompt_tokens / 32) as usize;
     assert_eq!(a.stop(), 0);
     let on_disk = images_on_disk(&dir_a.path().join("g3").join("store.0")).len();
@@ -308,9 +268,9 @@ async fn a_restarted_peer_serves_what_its_g3_recovered() {
     // from disk into G2 first) with the answer A gave before.
     let a = Node::start_in(dir_a.clone(), &a_config);
     assert!(a.announced.iter().any(|l| l.contains("recovered")), "{:?}", a.announced);
-    let known = wait_for(&b, "dynamo_node_index_blocks", |v| v >= blocks as f64).await;
+    let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= blocks as f64).await;
     assert!(known >= blocks as f64, "B knows what A recovered: {known}");
-    let (b_alpha, _, cached) = ask(&b, &alpha).await;
+    let (b_alpha, _, cached) = b.greedy(&alpha).await;
     assert_eq!(b_alpha, a_alpha, "the same tokens from a recovered block");
     assert!(cached as usize >= (blocks - 1) * 32, "cached {cached} of {prompt_tokens}");
     assert_eq!(b.metric("dynamo_node_kv_hit_tokens_total{tier=\"g4\"}").await, cached as f64);

@@ -9,12 +9,11 @@
 //! node built with the `etcd` feature; `.ci/run` runs it.
 
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dynamo_tests::{Node, node_binary};
-use serde_json::json;
+use dynamo_tests::{Etcd, Node, node_binary};
 
 /// Namespaces `<prefix>-a`, `-b`, `-c` on a bridge, 10.79.<n>.1..3/24; removed on drop.
 struct Hosts {
@@ -88,41 +87,6 @@ fn can_make_namespaces() -> bool {
     root && Command::new("ip").args(["netns", "list"]).output().is_ok_and(|o| o.status.success())
 }
 
-struct Etcd(Child);
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-async fn start_etcd(hosts: &Hosts, dir: &tempfile::TempDir) -> (Etcd, String) {
-    let addr = hosts.addr(2);
-    let (url, peer) = (format!("http://{addr}:2379"), format!("http://{addr}:2380"));
-    let child = Command::new("ip")
-        .args(["netns", "exec", &hosts.ns("c"), "etcd", "--name", "c", "--data-dir"])
-        .arg(dir.path().join("etcd"))
-        .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
-        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-        .args(["--initial-cluster", &format!("c={peer}"), "--log-level", "error"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("etcd");
-    let etcd = Etcd(child);
-    let started = Instant::now();
-    loop {
-        if let Ok(resp) = reqwest::get(format!("{url}/health")).await
-            && resp.text().await.is_ok_and(|t| t.contains("true"))
-        {
-            return (etcd, url);
-        }
-        assert!(started.elapsed() < Duration::from_secs(20), "etcd not healthy in 20 s");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn start_node(hosts: &Hosts, host: usize, name: &str, etcd: &str) -> Node {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let secret = dir.path().join("g4.secret");
@@ -146,37 +110,6 @@ fn start_node(hosts: &Hosts, host: usize, name: &str, etcd: &str) -> Node {
     Node::start_command(cmd, dir)
 }
 
-/// The answer, the prompt's complete blocks, and its cached tokens.
-async fn ask(node: &Node, topic: &str) -> (String, f64, u64) {
-    let prompt: String = (0..120).map(|i| format!("{topic} line {i}; ")).collect();
-    let (status, body) = node
-        .chat(json!({"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0}))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let text = body["choices"][0]["message"]["content"].as_str().expect("content").to_owned();
-    let blocks = (body["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens") / 32) as f64;
-    (text, blocks, body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
-}
-
-async fn wait_for(node: &Node, series: &str, limit: Duration, done: impl Fn(f64) -> bool) -> f64 {
-    let started = Instant::now();
-    loop {
-        let value = node.metric(series).await;
-        if done(value) || started.elapsed() > limit {
-            return value;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn metric_sum(node: &Node, prefix: &str, label: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", node.metrics)).await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(prefix) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 const G4_HITS: &str = "dynamo_node_kv_hit_tokens_total{tier=\"g4\"}";
 
 #[tokio::test]
@@ -184,20 +117,22 @@ const G4_HITS: &str = "dynamo_node_kv_hit_tokens_total{tier=\"g4\"}";
 async fn nodes_on_separate_hosts_share_kv_survive_a_silent_partition_and_avoid_a_slow_link() {
     assert!(can_make_namespaces(), "this test makes network namespaces: run it as root");
     let hosts = Hosts::new();
-    let dir = tempfile::tempdir().unwrap();
-    let (_etcd, etcd) = start_etcd(&hosts, &dir).await;
+    let etcd_ns = hosts.ns("c");
+    let etcd = Etcd::start(&["ip", "netns", "exec", &etcd_ns], &hosts.addr(2), 2379, 2380).await;
+    let etcd_guard = etcd;
+    let etcd = etcd_guard.url.clone();
     let a = start_node(&hosts, 0, "node-a", &etcd);
     let b = start_node(&hosts, 1, "node-b", &etcd);
     let limit = Duration::from_secs(20);
     for node in [&a, &b] {
-        assert_eq!(wait_for(node, "dynamo_node_cluster_members", limit, |v| v == 1.0).await, 1.0);
+        assert_eq!(node.wait_for_metric("dynamo_node_cluster_members", limit, |v| v == 1.0).await, 1.0);
     }
 
     // B loads what A computed, across the bridge.
-    let (a_alpha, blocks, _) = ask(&a, "alpha").await;
-    let (a_beta, _, _) = ask(&a, "beta").await;
-    wait_for(&b, "dynamo_node_index_blocks", limit, |v| v >= 2.0 * blocks).await;
-    let (b_alpha, _, cached) = ask(&b, "alpha").await;
+    let (a_alpha, blocks, _) = a.greedy_topic("alpha").await;
+    let (a_beta, _, _) = a.greedy_topic("beta").await;
+    b.wait_for_metric("dynamo_node_index_blocks", limit, |v| v >= 2.0 * blocks).await;
+    let (b_alpha, _, cached) = b.greedy_topic("alpha").await;
     assert_eq!(b_alpha, a_alpha);
     let hits = b.metric(G4_HITS).await;
     assert!(cached > 0 && hits == cached as f64, "cached {cached}, G4 hits {hits}");
@@ -206,12 +141,12 @@ async fn nodes_on_separate_hosts_share_kv_survive_a_silent_partition_and_avoid_a
     // from its own compute at once.
     let epoch = a.metric("dynamo_node_cluster_epoch").await;
     hosts.set_link("a", false);
-    let ended = wait_for(&b, "dynamo_node_peer_feed_ended_total", limit, |v| v >= 1.0).await;
+    let ended = b.wait_for_metric("dynamo_node_peer_feed_ended_total", limit, |v| v >= 1.0).await;
     assert!(ended >= 1.0, "B's feed from A ended");
-    let members = wait_for(&b, "dynamo_node_cluster_members", limit, |v| v == 0.0).await;
+    let members = b.wait_for_metric("dynamo_node_cluster_members", limit, |v| v == 0.0).await;
     assert_eq!(members, 0.0, "A left B's view with its lease");
     let started = Instant::now();
-    let (b_beta, _, cached) = ask(&b, "beta").await;
+    let (b_beta, _, cached) = b.greedy_topic("beta").await;
     assert_eq!(b_beta, a_beta);
     assert_eq!(cached, 0);
     assert_eq!(b.metric(G4_HITS).await, hits, "nothing from a partitioned node");
@@ -219,13 +154,13 @@ async fn nodes_on_separate_hosts_share_kv_survive_a_silent_partition_and_avoid_a
 
     // The link heals: A registers again under a new epoch, and B loads from it again.
     hosts.set_link("a", true);
-    let members = wait_for(&b, "dynamo_node_cluster_members", limit, |v| v == 1.0).await;
+    let members = b.wait_for_metric("dynamo_node_cluster_members", limit, |v| v == 1.0).await;
     assert_eq!(members, 1.0, "A is back in B's view");
     assert!(a.metric("dynamo_node_cluster_epoch").await > epoch, "under a new epoch");
     let known = b.metric("dynamo_node_index_blocks").await;
-    let (a_gamma, _, _) = ask(&a, "gamma").await;
-    wait_for(&b, "dynamo_node_index_blocks", limit, |v| v >= known + blocks).await;
-    let (b_gamma, _, cached) = ask(&b, "gamma").await;
+    let (a_gamma, _, _) = a.greedy_topic("gamma").await;
+    b.wait_for_metric("dynamo_node_index_blocks", limit, |v| v >= known + blocks).await;
+    let (b_gamma, _, cached) = b.greedy_topic("gamma").await;
     assert_eq!(b_gamma, a_gamma);
     let hits_after_heal = b.metric(G4_HITS).await;
     assert!(cached > 0 && hits_after_heal > hits, "loaded from A's new epoch");
@@ -238,22 +173,18 @@ async fn nodes_on_separate_hosts_share_kv_survive_a_silent_partition_and_avoid_a
         .status()
         .expect("tc");
     assert!(shaped.success(), "tc tbf");
-    let (a_delta, _, _) = ask(&a, "delta").await;
-    let (a_eps, _, _) = ask(&a, "epsilon").await;
-    wait_for(&b, "dynamo_node_index_blocks", limit, |v| v >= known + 3.0 * blocks).await;
-    let deadlines = metric_sum(&b, "dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
-    let (b_delta, _, _) = ask(&b, "delta").await;
+    let (a_delta, _, _) = a.greedy_topic("delta").await;
+    let (a_eps, _, _) = a.greedy_topic("epsilon").await;
+    b.wait_for_metric("dynamo_node_index_blocks", limit, |v| v >= known + 3.0 * blocks).await;
+    let deadlines = b.metric_sum("dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
+    let (b_delta, _, _) = b.greedy_topic("delta").await;
     assert_eq!(b_delta, a_delta);
     assert_eq!(b.metric(G4_HITS).await, hits_after_heal, "nothing loaded over the slow link");
-    let after = metric_sum(&b, "dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
+    let after = b.metric_sum("dynamo_node_peer_fetches_total{", "outcome=\"deadline\"").await;
     assert_eq!(after, deadlines + 1.0, "the fetch ran out of its budget");
-    let fetches = metric_sum(&b, "dynamo_node_peer_fetches_total{", "").await;
-    let (b_eps, _, _) = ask(&b, "epsilon").await;
+    let fetches = b.metric_sum("dynamo_node_peer_fetches_total{", "").await;
+    let (b_eps, _, _) = b.greedy_topic("epsilon").await;
     assert_eq!(b_eps, a_eps);
-    assert_eq!(
-        metric_sum(&b, "dynamo_node_peer_fetches_total{", "").await,
-        fetches,
-        "the slow link is not tried again"
-    );
+    assert_eq!(b.metric_sum("dynamo_node_peer_fetches_total{", "").await, fetches, "the slow link is not tried again");
     drop((a, b));
 }
