@@ -225,71 +225,9 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     } else {
         None
     };
-    #[cfg(feature = "etcd")]
-    let mut membership = None;
-    #[cfg(not(feature = "etcd"))]
-    let membership: Option<std::convert::Infallible> = None;
-    let block_server = if cfg.tiers.g4.enabled {
-        // Until membership gives one, the epoch is the start time: a restarted node is a new epoch.
-        let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let max_image = serving.tiers.layout.image_bytes();
-        let started = BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone())
-            .await
-            .and_then(|server| {
-                let links = link_config(&cfg.tiers.g4, &cfg.node.name, epoch, max_image)?;
-                Ok((server, links))
-            })
-            .map_err(anyhow::Error::new)
-            .and_then(|(server, mut links)| {
-                if cfg.tiers.g4.history {
-                    let path = cfg.node.data_dir.join("g4-history.jsonl");
-                    let history = LoadHistory::open(&path)
-                        .with_context(|| format!("cannot open the G4 history {} (tiers.g4.history)", path.display()))?;
-                    links.history = Some(Arc::new(history));
-                }
-                Ok((server, links))
-            });
-        match started {
-            Ok((server, links)) => {
-                if let Some(g4) = &serving.tiers.g4 {
-                    match cfg.cluster.membership {
-                        MembershipKind::Static => {
-                            connect_peers(&cfg.tiers.g4, &links, &g4.remote);
-                        }
-                        #[cfg(not(feature = "etcd"))]
-                        MembershipKind::Etcd => {
-                            drop((server, links));
-                            if let Some(poller) = poller {
-                                poller.abort();
-                            }
-                            serving.shutdown().await;
-                            anyhow::bail!(
-                                "cluster.membership = \"etcd\" needs a binary built with the `etcd` feature \
-                                 (`cargo build --release -p dynamo-node --features etcd`, which needs protoc)"
-                            );
-                        }
-                        #[cfg(feature = "etcd")]
-                        MembershipKind::Etcd => {
-                            let me = Registration {
-                                addr: cfg.cluster.advertise.clone().unwrap_or_else(|| server.local_addr().to_string()),
-                                transports: vec!["tcp".to_owned()],
-                                g2_bytes: plan.g2.as_ref().map_or(0, |(g2, _)| g2.capacity),
-                                g3_bytes: plan.g3.as_ref().map_or(0, |g3| g3.capacity_per_path * g3.paths.len() as u64),
-                                protocol: dynamo_tiering::g4::wire::PROTOCOL_VERSION,
-                            };
-                            membership = Some(Membership::start_etcd(
-                                &cfg.cluster,
-                                &cfg.tiers.g4.cluster,
-                                &cfg.node.name,
-                                me,
-                                g4.remote.clone(),
-                                links,
-                            ));
-                        }
-                    }
-                }
-                Some(server)
-            }
+    let (block_server, membership) = if cfg.tiers.g4.enabled {
+        match start_g4(cfg, &plan, &serving).await {
+            Ok((server, membership)) => (Some(server), membership),
             Err(e) => {
                 if let Some(poller) = poller {
                     poller.abort();
@@ -299,7 +237,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
             }
         }
     } else {
-        None
+        (None, None)
     };
     let state = match &recorder {
         Some(recorder) => state.with_recorder(recorder.clone()),
@@ -371,6 +309,66 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         #[cfg(feature = "etcd")]
         membership,
     })
+}
+
+/// What follows the cluster for a node: etcd membership, or nothing (static peers, or a build
+/// without the `etcd` feature, which refuses etcd membership at start).
+#[cfg(feature = "etcd")]
+type ClusterMembership = Membership;
+#[cfg(not(feature = "etcd"))]
+type ClusterMembership = std::convert::Infallible;
+
+/// Starts G4: the block server, the load history if asked for, and the links to the peers that
+/// `cluster.membership` names (the static list at once, etcd's as they register).
+async fn start_g4(
+    cfg: &NodeConfig,
+    plan: &ResolvedTiers,
+    serving: &Serving,
+) -> anyhow::Result<(BlockServer, Option<ClusterMembership>)> {
+    // Until membership gives one, the epoch is the start time: a restarted node is a new epoch.
+    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let max_image = serving.tiers.layout.image_bytes();
+    let server = BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone()).await?;
+    let mut links = link_config(&cfg.tiers.g4, &cfg.node.name, epoch, max_image)?;
+    if cfg.tiers.g4.history {
+        let path = cfg.node.data_dir.join("g4-history.jsonl");
+        let history = LoadHistory::open(&path)
+            .with_context(|| format!("cannot open the G4 history {} (tiers.g4.history)", path.display()))?;
+        links.history = Some(Arc::new(history));
+    }
+    let Some(g4) = &serving.tiers.g4 else { return Ok((server, None)) };
+    #[cfg(not(feature = "etcd"))]
+    let _ = plan; // what a registration in etcd would tell peers
+    let membership = match cfg.cluster.membership {
+        MembershipKind::Static => {
+            connect_peers(&cfg.tiers.g4, &links, &g4.remote);
+            None
+        }
+        #[cfg(not(feature = "etcd"))]
+        MembershipKind::Etcd => anyhow::bail!(
+            "cluster.membership = \"etcd\" needs a binary built with the `etcd` feature \
+             (`cargo build --release -p dynamo-node --features etcd`, which needs protoc)"
+        ),
+        #[cfg(feature = "etcd")]
+        MembershipKind::Etcd => {
+            let me = Registration {
+                addr: cfg.cluster.advertise.clone().unwrap_or_else(|| server.local_addr().to_string()),
+                transports: vec!["tcp".to_owned()],
+                g2_bytes: plan.g2.as_ref().map_or(0, |(g2, _)| g2.capacity),
+                g3_bytes: plan.g3.as_ref().map_or(0, |g3| g3.capacity_per_path * g3.paths.len() as u64),
+                protocol: dynamo_tiering::g4::wire::PROTOCOL_VERSION,
+            };
+            Some(Membership::start_etcd(
+                &cfg.cluster,
+                &cfg.tiers.g4.cluster,
+                &cfg.node.name,
+                me,
+                g4.remote.clone(),
+                links,
+            ))
+        }
+    };
+    Ok((server, membership))
 }
 
 /// Runs the node until SIGINT or SIGTERM.

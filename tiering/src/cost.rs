@@ -304,29 +304,23 @@ pub struct MeasuredBandwidth(Mutex<Option<(f64, std::time::Instant)>>);
 impl MeasuredBandwidth {
     /// Folds one transfer of `bytes` in `elapsed` in.
     pub fn observe(&self, bytes: usize, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        if secs <= 0.0 || bytes == 0 {
-            return;
-        }
-        let sample = bytes as f64 / secs;
-        let mut bw = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let rate = match *bw {
-            Some((old, _)) => 0.8 * old + 0.2 * sample,
-            None => sample,
-        };
-        *bw = Some((rate, std::time::Instant::now()));
+        self.fold(bytes, elapsed, |old, sample| old.map_or(sample, |old| 0.8 * old + 0.2 * sample));
     }
 
     /// A transfer that did not finish moving `bytes` in `elapsed` (it ran out of time): the link's
     /// rate is at most that now, whatever it was before.
     pub fn cap(&self, bytes: usize, elapsed: Duration) {
+        self.fold(bytes, elapsed, |old, bound| old.map_or(bound, |old| old.min(bound)));
+    }
+
+    /// Sets the rate to `next(old rate, this transfer's bytes per second)`, stamped now.
+    fn fold(&self, bytes: usize, elapsed: Duration, next: impl FnOnce(Option<f64>, f64) -> f64) {
         let secs = elapsed.as_secs_f64();
         if secs <= 0.0 || bytes == 0 {
             return;
         }
-        let bound = bytes as f64 / secs;
         let mut bw = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let rate = bw.map_or(bound, |(old, _)| old.min(bound));
+        let rate = next(bw.map(|(old, _)| old), bytes as f64 / secs);
         *bw = Some((rate, std::time::Instant::now()));
     }
 
