@@ -11,13 +11,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dynamo_config::{G4Config, G4Integrity};
+use dynamo_config::{G4Config, G4Integrity, Transport};
 use dynamo_tiering::block::{BlockHash, ImageHeader};
 use dynamo_tiering::g2::SlotRef;
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity, SecretError};
 use dynamo_tiering::g4::feed::Feed;
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, PeerError, ServedPeer, ServerConfig, serve_peer_into};
+use dynamo_tiering::g4::transport::{RdmaNode, RdmaOptions, RemoteAccess};
 use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use dynamo_tiering::registry::BlockMeta;
 use tokio::net::TcpListener;
@@ -181,13 +182,15 @@ pub struct BlockServer {
 }
 
 impl BlockServer {
-    /// Binds `tiers.g4.listen` and serves `tiers`' G2 to peers that prove the secret.
+    /// Binds `tiers.g4.listen` and serves `tiers`' G2 to peers that prove the secret; with
+    /// `rdma`, peers that ask may read held images by RDMA.
     pub async fn start(
         g4: &G4Config,
         node: &str,
         epoch: u64,
         max_image: usize,
         tiers: Arc<NodeTiers>,
+        rdma: Option<Arc<RdmaNode>>,
     ) -> Result<Self, BlockServerError> {
         let secret = ClusterSecret::from_file(g4.secret_file.as_deref().ok_or(BlockServerError::NoSecret)?)?;
         let listener = TcpListener::bind(&g4.listen)
@@ -207,6 +210,7 @@ impl BlockServer {
             },
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
+            rdma: rdma.map(|r| r as Arc<dyn RemoteAccess>),
         });
         let source = Arc::new(G2Blocks(tiers));
         let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -252,7 +256,28 @@ pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> R
         heartbeat: g4.heartbeat.as_duration(),
         max_snapshot_blocks: MAX_SNAPSHOT_BLOCKS,
         history: None,
+        rdma: None,
     })
+}
+
+/// This node's RDMA when `tiers.g4.transport = "rdma"`: its device, with G2 registered. Without
+/// a device (or a build without the `rdma` feature) it says so and the node uses TCP.
+pub fn open_rdma(g4: &G4Config, tiers: &NodeTiers) -> Option<Arc<RdmaNode>> {
+    if g4.transport != Transport::Rdma {
+        telemetry::set_peer_rdma(false);
+        return None;
+    }
+    let Some(g2) = &tiers.g2 else {
+        tracing::warn!("tiers.g4.transport = \"rdma\" needs G2 to register: G4 uses TCP");
+        telemetry::set_peer_rdma(false);
+        return None;
+    };
+    let options = RdmaOptions { device: g4.rdma_device.clone(), gid_index: g4.rdma_gid_index };
+    let rdma = RdmaNode::open(g2.pool.region(), &options)
+        .inspect_err(|e| tracing::warn!("tiers.g4.transport = \"rdma\", but {e}: G4 uses TCP"))
+        .ok();
+    telemetry::set_peer_rdma(rdma.is_some());
+    rdma
 }
 
 /// Starts a link to every peer of `tiers.g4.peers` into `remote` (static membership). Returns

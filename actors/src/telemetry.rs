@@ -68,6 +68,7 @@
 //! | `dynamo_node_peer_fetch_seconds` | histogram | `peer`, `transport` | one fetch from a peer: hold, images, release |
 //! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped), `skipped` (past a block that did not arrive) |
 //! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
+//! | `dynamo_node_peer_rdma` | gauge | | 1 when this node's lanes may use RDMA (`tiers.g4.transport = "rdma"` and a device opened), 0 when they use TCP only |
 //! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once): the error's kind (`timeout`, `closed`, …), or `peer_left` when membership dropped the peer |
 //! | `dynamo_node_cluster_members` | gauge | | peers in this node's view of the cluster (etcd membership) |
 //! | `dynamo_node_cluster_etcd_up` | gauge | | 1 while registered in etcd and following it |
@@ -205,6 +206,8 @@ pub mod names {
     pub const PEER_FETCHED_BYTES: &str = "dynamo_node_peer_fetched_bytes_total";
     /// Counter `{peer, reason}`: feeds from peers that ended (their blocks left the index).
     pub const PEER_FEED_ENDED: &str = "dynamo_node_peer_feed_ended_total";
+    /// Gauge: whether this node's lanes may use RDMA.
+    pub const PEER_RDMA: &str = "dynamo_node_peer_rdma";
     /// Gauge: peers in this node's view of the cluster (etcd membership).
     pub const CLUSTER_MEMBERS: &str = "dynamo_node_cluster_members";
     /// Gauge: 1 while the node is registered in etcd and following it, 0 otherwise.
@@ -255,6 +258,7 @@ pub fn describe() {
     describe_counter!(PEER_FETCHED_BLOCKS, Unit::Count, "Blocks asked of peers: verified, missing or rejected.");
     describe_counter!(PEER_FETCHED_BYTES, Unit::Bytes, "Verified block-image bytes fetched from peers.");
     describe_counter!(PEER_FEED_ENDED, Unit::Count, "Feeds from peers that ended; their blocks left the index.");
+    describe_gauge!(PEER_RDMA, "1 when this node's G4 lanes may use RDMA, 0 when they use TCP only.");
     describe_gauge!(CLUSTER_MEMBERS, Unit::Count, "Peers in this node's view of the cluster.");
     describe_gauge!(CLUSTER_ETCD_UP, Unit::Count, "1 while registered in etcd and following it.");
     describe_counter!(CLUSTER_REGISTRATIONS, Unit::Count, "Registrations of this node in etcd.");
@@ -390,19 +394,26 @@ pub fn record_peer_served(bytes: u64) {
     counter!(names::PEER_SERVED_BYTES).increment(bytes);
 }
 
-/// A fetch from the peer at `peer` ended (`outcome`: `ok`, or the error's kind) after `elapsed`.
-pub fn record_peer_fetch(peer: &str, outcome: &'static str, elapsed: std::time::Duration) {
-    counter!(names::PEER_FETCHES, "peer" => peer.to_owned(), "transport" => "tcp", "outcome" => outcome).increment(1);
-    histogram!(names::PEER_FETCH_SECONDS, "peer" => peer.to_owned(), "transport" => "tcp")
+/// A fetch from the peer at `peer` over `transport` (`tcp`, `rdma`) ended (`outcome`: `ok`, or
+/// the error's kind) after `elapsed`.
+pub fn record_peer_fetch(peer: &str, transport: &'static str, outcome: &'static str, elapsed: std::time::Duration) {
+    counter!(names::PEER_FETCHES, "peer" => peer.to_owned(), "transport" => transport, "outcome" => outcome)
+        .increment(1);
+    histogram!(names::PEER_FETCH_SECONDS, "peer" => peer.to_owned(), "transport" => transport)
         .record(elapsed.as_secs_f64());
 }
 
-/// One block of a fetch from `peer` (`outcome`: `verified`, `missing`, `rejected` — failed
-/// verification and was dropped), of `bytes` image bytes.
-pub fn record_peer_block(peer: &str, outcome: &'static str, bytes: u64) {
-    counter!(names::PEER_FETCHED_BLOCKS, "peer" => peer.to_owned(), "transport" => "tcp", "outcome" => outcome)
+/// One block of a fetch from `peer` over `transport` (`outcome`: `verified`, `missing`,
+/// `rejected` — failed verification and was dropped), of `bytes` image bytes.
+pub fn record_peer_block(peer: &str, transport: &'static str, outcome: &'static str, bytes: u64) {
+    counter!(names::PEER_FETCHED_BLOCKS, "peer" => peer.to_owned(), "transport" => transport, "outcome" => outcome)
         .increment(1);
-    counter!(names::PEER_FETCHED_BYTES, "peer" => peer.to_owned(), "transport" => "tcp").increment(bytes);
+    counter!(names::PEER_FETCHED_BYTES, "peer" => peer.to_owned(), "transport" => transport).increment(bytes);
+}
+
+/// Whether this node's G4 lanes may use RDMA.
+pub fn set_peer_rdma(available: bool) {
+    gauge!(names::PEER_RDMA).set(if available { 1.0 } else { 0.0 });
 }
 
 /// The feed from `peer` ended (`reason`: the error's kind); its blocks left the index.

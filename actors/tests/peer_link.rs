@@ -44,6 +44,7 @@ async fn server(feed: Arc<Feed>) -> String {
         holds: HoldLimits::default(),
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
+        rdma: None,
     });
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
@@ -69,6 +70,7 @@ fn link_config(max_snapshot_blocks: usize) -> LinkConfig {
         hold_ttl: Duration::from_secs(5),
         heartbeat: Duration::from_millis(100),
         max_snapshot_blocks,
+        rdma: None,
         history: None,
     }
 }

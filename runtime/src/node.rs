@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
-use dynamo_actors::peer::{BlockServer, LoadHistory, connect_peers, link_config};
+use dynamo_actors::peer::{BlockServer, LoadHistory, connect_peers, link_config, open_rdma};
 use dynamo_config::MembershipKind;
 
 #[cfg(feature = "etcd")]
@@ -328,8 +328,12 @@ async fn start_g4(
     // Until membership gives one, the epoch is the start time: a restarted node is a new epoch.
     let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let max_image = serving.tiers.layout.image_bytes();
-    let server = BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone()).await?;
+    let rdma = open_rdma(&cfg.tiers.g4, &serving.tiers);
+    let server =
+        BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone(), rdma.clone())
+            .await?;
     let mut links = link_config(&cfg.tiers.g4, &cfg.node.name, epoch, max_image)?;
+    links.rdma = rdma;
     if cfg.tiers.g4.history {
         let path = cfg.node.data_dir.join("g4-history.jsonl");
         let history = LoadHistory::open(&path)
@@ -353,7 +357,10 @@ async fn start_g4(
         MembershipKind::Etcd => {
             let me = Registration {
                 addr: cfg.cluster.advertise.clone().unwrap_or_else(|| server.local_addr().to_string()),
-                transports: vec!["tcp".to_owned()],
+                transports: std::iter::once("tcp")
+                    .chain(links.rdma.as_ref().map(|_| "rdma"))
+                    .map(str::to_owned)
+                    .collect(),
                 g2_bytes: plan.g2.as_ref().map_or(0, |(g2, _)| g2.capacity),
                 g3_bytes: plan.g3.as_ref().map_or(0, |g3| g3.capacity_per_path * g3.paths.len() as u64),
                 protocol: dynamo_tiering::g4::wire::PROTOCOL_VERSION,

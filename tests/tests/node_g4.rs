@@ -4,6 +4,9 @@
 //! The test finds the node's block hashes where an operator could: in the G3 store, whose slots
 //! hold the same sealed images that G2 holds. It holds and fetches them over the protocol, and
 //! the images it receives are verified and equal, byte for byte, to the ones on disk.
+//!
+//! The node asks for `transport = "rdma"` on a machine (and a build) without RDMA: it says so at
+//! start, declines a peer's queue pair, and serves over TCP all the same.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
@@ -15,7 +18,7 @@ use dynamo_tiering::block::image::MAGIC;
 use dynamo_tiering::block::{BlockHash, ImageHeader};
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient};
-use dynamo_tiering::g4::wire::{Integrity, WireLimits};
+use dynamo_tiering::g4::wire::{Integrity, RdmaEndpoint, WireLimits};
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
@@ -53,10 +56,13 @@ async fn a_node_serves_its_blocks_to_a_peer_with_the_secret_and_to_no_one_else()
     std::fs::set_permissions(&secret_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let config = format!(
         "[tiers.g3]\ncapacity_per_path = \"64MiB\"\n\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\n\
-         cluster = \"test\"\nsecret_file = \"{}\"\n",
+         cluster = \"test\"\nsecret_file = \"{}\"\ntransport = \"rdma\"\n",
         secret_file.display()
     );
-    let node = Node::start_in(dir.clone(), &config);
+    let node = Node::start_logging(dir.clone(), &config, "node.log");
+    let log = std::fs::read_to_string(dir.path().join("node.log")).unwrap();
+    assert!(log.contains("tiers.g4.transport = \"rdma\", but") && log.contains("G4 uses TCP"), "{log}");
+    assert_eq!(node.metric("dynamo_node_peer_rdma").await, 0.0);
     let g4: SocketAddr = node
         .announced
         .iter()
@@ -82,9 +88,12 @@ async fn a_node_serves_its_blocks_to_a_peer_with_the_secret_and_to_no_one_else()
     assert!(on_disk.len() >= 4, "blocks written through to G3: {}", on_disk.len());
     let hashes: Vec<BlockHash> = on_disk.iter().map(|(h, _)| *h).collect();
 
-    // A peer with the secret holds and fetches them: verified, and the very images on disk.
+    // A peer with the secret holds and fetches them: verified, and the very images on disk. Its
+    // queue pair is declined first: the node has no RDMA.
     let mut peer = PeerClient::connect(g4, &client(secret)).await.expect("authenticated");
     assert_eq!(peer.peer().cluster, "test");
+    let declined = peer.rdma_connect(RdmaEndpoint::default()).await.unwrap();
+    assert!(declined.is_err(), "{declined:?}");
     let unknown = BlockHash(12345);
     let asked: Vec<BlockHash> = hashes.iter().copied().chain([unknown]).collect();
     let held = peer.hold(&asked, Duration::from_secs(5)).await.unwrap();

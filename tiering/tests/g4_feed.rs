@@ -44,6 +44,7 @@ async fn serve_one(source: FeedOnly, wire: WireLimits) -> (SocketAddr, JoinHandl
         holds: HoldLimits::default(),
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
+        rdma: None,
     };
     let task = tokio::spawn(async move {
         let (stream, _) = listener.accept().await.unwrap();

@@ -8,12 +8,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageError, ImageSpec, RetentionMeta, Salt, seal};
+use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy};
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{
-    BlockSource, ClientConfig, Fetched, PeerClient, PeerError, ServedPeer, ServerConfig, serve_peer,
+    BlockSource, ClientConfig, Fetched, FetchedSlot, PeerClient, PeerError, ServedPeer, ServerConfig, serve_peer,
 };
-use dynamo_tiering::g4::wire::{Integrity, RefusalCode, WireLimits};
+use dynamo_tiering::g4::transport::{Accepted, Lane, RemoteAccess, Transport};
+#[cfg(not(feature = "rdma"))]
+use dynamo_tiering::g4::transport::{RdmaNode, RdmaOptions, RdmaUnavailable};
+use dynamo_tiering::g4::wire::{Integrity, RdmaEndpoint, RefusalCode, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -69,6 +73,7 @@ fn server_config(secret: u8, holds: HoldLimits) -> ServerConfig {
         holds,
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
+        rdma: None,
     }
 }
 
@@ -240,4 +245,122 @@ async fn a_client_of_another_integrity_mode_is_refused() {
     assert!(PeerClient::connect(addr, &client).await.is_err());
     let err = served.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), "integrity", "{err}");
+}
+
+/// A server's side of RDMA without a device: grants a made-up queue pair and places only the
+/// images it was told are registered, and counts the queue pairs it closed.
+#[derive(Debug, Default)]
+struct FakeAccess {
+    registered: Vec<(usize, usize)>,
+    closed: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct Closes(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Closes {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl RemoteAccess for FakeAccess {
+    fn accept(&self, peer: &RdmaEndpoint) -> Result<Accepted, String> {
+        let endpoint = RdmaEndpoint { qpn: peer.qpn + 1, ..*peer };
+        Ok(Accepted { endpoint, rkey: 0x5eed, keep: Box::new(Closes(self.closed.clone())) })
+    }
+
+    fn place(&self, image: &[u8]) -> Option<u64> {
+        let at = image.as_ptr() as usize;
+        self.registered.iter().any(|&(start, len)| at == start && image.len() == len).then_some(at as u64)
+    }
+}
+
+#[tokio::test]
+async fn rdma_places_are_given_only_on_a_connection_whose_queue_pair_was_accepted() {
+    let blocks = resident(&[1, 2, 3], 4096);
+    let image = |h: u128| blocks.0[&BlockHash(h)].clone();
+    // Blocks 1 and 3 lie in the "registered region"; block 2 does not, so it cannot be read remotely.
+    let access = FakeAccess {
+        registered: [1, 3].iter().map(|&h| (image(h).as_ptr() as usize, image(h).len())).collect(),
+        closed: Arc::default(),
+    };
+    let (place_1, place_3) = (image(1).as_ptr() as u64, image(3).as_ptr() as u64);
+    let closed = access.closed.clone();
+    let config = ServerConfig { rdma: Some(Arc::new(access)), ..server_config(1, HoldLimits::default()) };
+
+    // Asking for places before the queue pair is accepted breaks the protocol.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let blocks = Arc::new(blocks);
+    let server = {
+        let (config, blocks) = (config.clone(), blocks.clone());
+        tokio::spawn(async move {
+            let mut outcomes = Vec::new();
+            for _ in 0..2 {
+                let (stream, _) = listener.accept().await.unwrap();
+                outcomes.push(serve_peer(stream, &config, &*blocks).await);
+            }
+            outcomes
+        })
+    };
+    let mut early = PeerClient::connect(addr, &client_config(1)).await.unwrap();
+    let refused = early.hold_at(&[BlockHash(1)], Duration::from_secs(5)).await.unwrap_err();
+    assert!(matches!(refused, PeerError::Refused { code: RefusalCode::Protocol, .. }), "{refused}");
+
+    let mut client = PeerClient::connect(addr, &client_config(1)).await.unwrap();
+    let mine = RdmaEndpoint { lid: 7, gid: [2; 16], qpn: 100, psn: 5 };
+    let (theirs, rkey) = client.rdma_connect(mine).await.unwrap().expect("accepted");
+    assert_eq!((theirs.qpn, rkey), (101, 0x5eed));
+    let asked = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(9)];
+    let (hold_id, _, places) = client.hold_at(&asked, Duration::from_secs(5)).await.unwrap();
+    let places: Vec<_> = places.iter().map(|p| (p.hash, p.place)).collect();
+    let len = (HEADER_LEN + 4096) as u32;
+    assert_eq!(
+        places,
+        [
+            (BlockHash(1), Some((place_1, len))),
+            (BlockHash(2), None),
+            (BlockHash(3), Some((place_3, len))),
+            (BlockHash(9), None)
+        ]
+    );
+    client.release(hold_id).await.unwrap();
+    client.goodbye().await.unwrap();
+
+    let outcomes = server.await.unwrap();
+    assert!(matches!(outcomes[0], Err(PeerError::Unexpected("hold_at"))), "{:?}", outcomes[0]);
+    assert_eq!(outcomes[1].as_ref().expect("a clean goodbye").holds, 1);
+    assert_eq!(closed.load(std::sync::atomic::Ordering::SeqCst), 1, "the queue pair closes with its connection");
+}
+
+#[tokio::test]
+async fn a_server_without_rdma_declines_and_the_lane_carries_frames() {
+    let (addr, _server) = serve_one(server_config(1, HoldLimits::default()), resident(&[1, 2], 4096)).await;
+    let mut client = PeerClient::connect(addr, &client_config(1)).await.unwrap();
+    let declined = client.rdma_connect(RdmaEndpoint::default()).await.unwrap();
+    assert!(declined.is_err_and(|why| why.contains("no RDMA")));
+    // The same connection, as a TCP lane through the transport trait.
+    let mut lane: Box<dyn Lane> = Box::new(client);
+    assert_eq!(lane.transport(), Transport::Tcp);
+    let pool = HostPool::new(HostPoolOptions::with_capacity(64 << 10, 8192, MlockPolicy::Off)).unwrap();
+    let held = lane.hold(&[BlockHash(1), BlockHash(2)], Duration::from_secs(5)).await.unwrap();
+    let mut landed = Vec::new();
+    lane.fetch_into(held.hold_id, &[BlockHash(1), BlockHash(2)], &mut || pool.try_alloc(), &mut |hash, fetched| {
+        landed.push(match fetched {
+            FetchedSlot::Verified { slot, len } => (hash, slot.as_slice()[..len].to_vec()),
+            other => panic!("{hash}: {other:?}"),
+        })
+    })
+    .await
+    .unwrap();
+    assert_eq!(landed, [(BlockHash(1), sealed(1, 4096)), (BlockHash(2), sealed(2, 4096))]);
+    lane.release(held.hold_id).await.unwrap();
+}
+
+#[cfg(not(feature = "rdma"))]
+#[test]
+fn a_build_without_the_rdma_feature_has_no_rdma() {
+    let pool = HostPool::new(HostPoolOptions::with_capacity(64 << 10, 8192, MlockPolicy::Off)).unwrap();
+    let err = RdmaNode::open(pool.region(), &RdmaOptions::default()).unwrap_err();
+    assert!(matches!(err, RdmaUnavailable::NotBuilt), "{err}");
 }

@@ -25,6 +25,7 @@ use dynamo_tiering::block::ImageError;
 use dynamo_tiering::cost::{BytesPerSec, G4_RATE_MAX_AGE, MeasuredBandwidth};
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::g4::tcp::{ClientConfig, FetchedSlot, PeerClient, PeerError};
+use dynamo_tiering::g4::transport::{Lane, RdmaNode, Transport, connect_lane};
 use dynamo_tiering::g4::wire::{Message, WireError};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, oneshot};
@@ -51,6 +52,9 @@ pub struct LinkConfig {
     pub max_snapshot_blocks: usize,
     /// Where every block asked of a peer is written down (`tiers.g4.history`).
     pub history: Option<Arc<LoadHistory>>,
+    /// This node's RDMA, when it has a device (`tiers.g4.transport = "rdma"`): lanes to peers that
+    /// accept it read images by RDMA; `None` keeps every lane on TCP.
+    pub rdma: Option<Arc<RdmaNode>>,
 }
 
 /// Why a fetch from a peer failed as a whole.
@@ -125,6 +129,8 @@ struct LinkState {
     epoch: std::sync::atomic::AtomicU64,
     /// Whether the index holds the peer's current snapshot and changes.
     synced: AtomicBool,
+    /// Whether the lanes' last connection came up as RDMA (else TCP).
+    rdma: AtomicBool,
     /// The link's rate as real fetches measured it.
     measured: MeasuredBandwidth,
     /// Taken around every change the feed makes to the index; `true` once the link is stopped,
@@ -170,6 +176,7 @@ impl PeerLink {
             name: Mutex::new(None),
             epoch: std::sync::atomic::AtomicU64::new(0),
             synced: AtomicBool::new(false),
+            rdma: AtomicBool::new(false),
             measured: MeasuredBandwidth::default(),
             stopped: Mutex::new(false),
             config,
@@ -211,6 +218,11 @@ impl PeerLink {
         self.state.config.client.request_timeout
     }
 
+    /// What carried the lanes' last connection.
+    pub fn transport(&self) -> Transport {
+        if self.state.rdma.load(Ordering::Relaxed) { Transport::Rdma } else { Transport::Tcp }
+    }
+
     /// Whether the index holds what the peer serves now.
     pub fn is_synced(&self) -> bool {
         self.state.synced.load(Ordering::Relaxed)
@@ -237,7 +249,8 @@ impl PeerLink {
         .await
         .unwrap_or(Err(FetchError::Deadline));
         let outcome = result.as_ref().map_or_else(|e| e.kind(), |_| "ok");
-        telemetry::record_peer_fetch(&self.state.addr, outcome, started.elapsed());
+        let transport = self.transport().as_str();
+        telemetry::record_peer_fetch(&self.state.addr, transport, outcome, started.elapsed());
         if let Ok(blocks) = &result {
             for (_, arrival) in blocks {
                 let (outcome, bytes) = match arrival {
@@ -247,7 +260,7 @@ impl PeerLink {
                     Arrival::Skipped => ("skipped", 0),
                     Arrival::Rejected(_) => ("rejected", 0),
                 };
-                telemetry::record_peer_block(&self.state.addr, outcome, bytes);
+                telemetry::record_peer_block(&self.state.addr, transport, outcome, bytes);
             }
         }
         if let Some(history) = &self.state.config.history {
@@ -323,21 +336,34 @@ impl Drop for PeerLink {
     }
 }
 
-/// Connects to the peer at `addr` (a `host:port` resolved at each attempt).
-async fn connect(state: &LinkState) -> Result<PeerClient, PeerError> {
-    let addr = tokio::net::lookup_host(&state.addr)
+/// The address of the peer at `addr` (a `host:port` resolved at each attempt).
+async fn resolve(state: &LinkState) -> Result<std::net::SocketAddr, PeerError> {
+    tokio::net::lookup_host(&state.addr)
         .await?
         .next()
-        .ok_or_else(|| PeerError::Io(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))?;
-    let client = PeerClient::connect(addr, &state.config.client).await?;
+        .ok_or_else(|| PeerError::Io(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+}
+
+/// Connects to the peer (for the feed).
+async fn connect(state: &LinkState) -> Result<PeerClient, PeerError> {
+    let client = PeerClient::connect(resolve(state).await?, &state.config.client).await?;
     *state.name.lock() = Some(client.peer().node.clone());
     state.epoch.store(client.peer().epoch, Ordering::Relaxed);
     Ok(client)
 }
 
+/// Connects a lane to the peer: RDMA where both ends have it, TCP otherwise.
+async fn connect_lane_to(state: &LinkState) -> Result<Box<dyn Lane>, PeerError> {
+    let lane = connect_lane(resolve(state).await?, &state.config.client, state.config.rdma.as_ref()).await?;
+    *state.name.lock() = Some(lane.peer().node.clone());
+    state.epoch.store(lane.peer().epoch, Ordering::Relaxed);
+    state.rdma.store(lane.transport() == Transport::Rdma, Ordering::Relaxed);
+    Ok(lane)
+}
+
 /// One lane: takes fetches from the link's queue and carries each out on its connection.
 async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<FetchJob>>>) {
-    let mut client: Option<PeerClient> = None;
+    let mut client: Option<Box<dyn Lane>> = None;
     loop {
         let Some(job) = jobs.lock().await.recv().await else { return };
         let FetchJob { hashes, deadline, mut land, reply } = job;
@@ -357,7 +383,7 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
                 let reused = client.is_some();
                 let c = match &mut client {
                     Some(c) => c,
-                    None => client.insert(connect(&state).await?),
+                    None => client.insert(connect_lane_to(&state).await?),
                 };
                 match fetch_on(c, &hashes, state.config.hold_ttl, &mut land, digests).await {
                     Err(PeerError::Io(_) | PeerError::Closed) if reused && attempt == 0 => client = None,
@@ -387,7 +413,7 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
 /// most a frame's worth of hashes at a time. Once a block does not arrive, the rest are not
 /// landed: the caller's prefix ends there.
 async fn fetch_on(
-    client: &mut PeerClient,
+    client: &mut Box<dyn Lane>,
     hashes: &[BlockHash],
     ttl: Duration,
     land: &mut Land,
@@ -414,8 +440,8 @@ async fn fetch_on(
                 .fetch_into(
                     held.hold_id,
                     &present,
-                    || if cut_at.load(Ordering::Relaxed) { None } else { land() },
-                    |hash, fetched| {
+                    &mut || if cut_at.load(Ordering::Relaxed) { None } else { land() },
+                    &mut |hash, fetched| {
                         let arrival = match fetched {
                             _ if cut_at.load(Ordering::Relaxed) => Arrival::Skipped,
                             FetchedSlot::Verified { slot, len } => {

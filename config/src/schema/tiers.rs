@@ -263,8 +263,14 @@ impl Default for G3Config {
 pub struct G4Config {
     /// Whether this node serves and fetches blocks over the network. Default `false`.
     pub enabled: bool,
-    /// `"tcp"` or `"rdma"` (needs the `rdma` build feature). Default `"tcp"`.
+    /// `"tcp"`, or `"rdma"`: lanes read peers' images with one-sided RDMA reads where both nodes
+    /// have a device, and use TCP otherwise (a binary built without the `rdma` feature, or a
+    /// machine without a device, says so at start). Default `"tcp"`.
     pub transport: Transport,
+    /// The RDMA device to use (`mlx5_0`); the first one when unset.
+    pub rdma_device: Option<String>,
+    /// Index of the RDMA port's GID to address by (RoCE v2 often needs other than 0). Default `0`.
+    pub rdma_gid_index: u8,
     /// `"mac"`: every image frame carries a MAC (safe on any network); `"checksum"`: images are
     /// verified by hash and checksums only (a trusted network; saves hashing every byte on both
     /// ends). Every node of a cluster must use the same. Default `"mac"`.
@@ -304,6 +310,8 @@ impl Default for G4Config {
         G4Config {
             enabled: false,
             transport: Transport::Tcp,
+            rdma_device: None,
+            rdma_gid_index: 0,
             integrity: G4Integrity::Mac,
             listen: "127.0.0.1:7100".to_owned(),
             peers: Vec::new(),

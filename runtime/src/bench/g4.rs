@@ -192,6 +192,7 @@ async fn protocol_passes(
         holds: HoldLimits { max_holds: 4, max_blocks: args.batch * 4, max_ttl: Duration::from_secs(10) },
         handshake_timeout: Duration::from_secs(5),
         idle_timeout: Duration::from_secs(30),
+        rdma: None,
     });
     let client = ClientConfig {
         secret,

@@ -8,13 +8,18 @@
 //! - [`feed`] — what a node can serve, as numbered changes after a snapshot, for peers' indexes.
 //! - [`tcp`] — the TCP transport: one authenticated connection with MACed frames, its server
 //!   (holds and fetches answered from a [`tcp::BlockSource`]) and its client.
+//! - [`transport`] — a lane of a link, TCP or RDMA, behind one trait.
+//! - `rdma` (feature `rdma`) — one-sided RDMA reads of a peer's held images into local G2.
 //!
-//! Lanes, RDMA and the PeerLink actors that drive these are built on top; the
+//! The PeerLink actors that drive these are built on top; the
 //! reader verifies every image it receives ([`crate::block::verify_image`]) before it is used, so
 //! safety never rests on a hold or on the peer.
 
 pub mod auth;
 pub mod feed;
 pub mod holds;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod tcp;
+pub mod transport;
 pub mod wire;

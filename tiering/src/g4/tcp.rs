@@ -13,6 +13,7 @@
 //! connection in seconds rather than the kernel's default quarter of an hour.
 
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -21,9 +22,10 @@ use tokio::net::TcpStream;
 use super::auth::{AuthError, ClientHandshake, ClusterSecret, Direction, PeerIdentity, ServerHandshake, Session};
 use super::feed::{Feed, FeedChange, Subscription};
 use super::holds::{HoldError, HoldLimits, HoldTable};
+use super::transport::RemoteAccess;
 use super::wire::{
-    FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, Integrity, Message, RefusalCode, WireError, WireLimits,
-    image_frame_prefix,
+    FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, HeldPlace, Integrity, Message, RdmaEndpoint, RefusalCode,
+    WireError, WireLimits, image_frame_prefix,
 };
 use crate::block::{BlockHash, ImageError, verify_image};
 use crate::g2::SlotMut;
@@ -91,6 +93,9 @@ pub enum PeerError {
     /// A feed subscriber fell further behind than the feed buffers; it must subscribe again.
     #[error("the feed subscriber fell behind")]
     Lagged,
+    /// An RDMA read or its setup failed.
+    #[error("RDMA: {0}")]
+    Rdma(String),
 }
 
 impl PeerError {
@@ -107,6 +112,7 @@ impl PeerError {
             PeerError::Limit(_) => "limit",
             PeerError::Timeout(_) => "timeout",
             PeerError::Lagged => "lagged",
+            PeerError::Rdma(_) => "rdma",
         }
     }
 
@@ -392,6 +398,8 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// A connection silent for this long is closed (its holds with it).
     pub idle_timeout: Duration,
+    /// Lets peers read held images with RDMA; `None` declines RDMA (lanes carry frames).
+    pub rdma: Option<Arc<dyn RemoteAccess>>,
 }
 
 /// What a connection did, when it ended cleanly.
@@ -464,6 +472,8 @@ async fn serve_frames<S: BlockSource>(
     served: &mut ServedPeer,
 ) -> Result<(), PeerError> {
     let mut holds: HoldTable<S::Handle> = HoldTable::new(config.holds);
+    // The queue pair a peer's RDMA reads come through, while the connection lasts.
+    let mut rdma: Option<(Arc<dyn RemoteAccess>, Box<dyn Send + Sync>)> = None;
     let result = async {
         loop {
             let idle = tokio::time::Instant::now() + config.idle_timeout;
@@ -480,18 +490,7 @@ async fn serve_frames<S: BlockSource>(
             holds.expire(now);
             match frame.message {
                 Message::Hold { hashes, ttl_ms } => {
-                    // What is resident is taken first, so bringing the rest in cannot push it out.
-                    let mut found: Vec<Option<S::Handle>> = hashes.iter().map(|&h| source.resolve(h)).collect();
-                    let missing: Vec<BlockHash> =
-                        hashes.iter().zip(&found).filter(|(_, f)| f.is_none()).map(|(&h, _)| h).collect();
-                    if !missing.is_empty() {
-                        source.stage(&missing).await;
-                        for (&h, f) in hashes.iter().zip(found.iter_mut()) {
-                            if f.is_none() {
-                                *f = source.resolve(h);
-                            }
-                        }
-                    }
+                    let found = resolve_for_hold(source, &hashes).await;
                     let blocks = hashes
                         .iter()
                         .zip(&found)
@@ -502,6 +501,43 @@ async fn serve_frames<S: BlockSource>(
                     served.holds += 1;
                     let ttl_ms = ttl.as_millis() as u32;
                     conn.send(frame.req_id, Message::Held { hold_id, ttl_ms, blocks }).await?;
+                }
+                Message::RdmaConnect { endpoint } => {
+                    let answer = match &config.rdma {
+                        None => Err("this node serves no RDMA".to_string()),
+                        Some(access) => access.accept(&endpoint).map(|accepted| {
+                            rdma = Some((access.clone(), accepted.keep));
+                            (accepted.endpoint, accepted.rkey)
+                        }),
+                    };
+                    let message = match answer {
+                        Ok((endpoint, rkey)) => Message::RdmaAccept { endpoint, rkey },
+                        Err(text) => Message::RdmaDecline { text },
+                    };
+                    conn.send(frame.req_id, message).await?;
+                }
+                Message::HoldAt { hashes, ttl_ms } => {
+                    // Places only for a peer whose queue pair this connection accepted.
+                    let Some((access, _)) = &rdma else { return Err(PeerError::Unexpected("hold_at")) };
+                    let found = resolve_for_hold(source, &hashes).await;
+                    // An image outside the registered region cannot be read remotely: not held.
+                    let placed: Vec<Option<(S::Handle, u64)>> = found
+                        .into_iter()
+                        .map(|f| f.and_then(|f| access.place(f.as_ref()).map(|addr| (f, addr))))
+                        .collect();
+                    let blocks = hashes
+                        .iter()
+                        .zip(&placed)
+                        .map(|(&hash, p)| HeldPlace {
+                            hash,
+                            place: p.as_ref().map(|(f, addr)| (*addr, f.as_ref().len() as u32)),
+                        })
+                        .collect();
+                    let found = hashes.iter().zip(placed).filter_map(|(&h, p)| p.map(|(f, _)| (h, f))).collect();
+                    let (hold_id, ttl) = holds.open(found, Duration::from_millis(ttl_ms.into()), now)?;
+                    served.holds += 1;
+                    let ttl_ms = ttl.as_millis() as u32;
+                    conn.send(frame.req_id, Message::HeldAt { hold_id, ttl_ms, blocks }).await?;
                 }
                 Message::Fetch { hold_id, hashes } => {
                     // One image frame per hash asked, in order; an empty one for a block not (or no
@@ -535,7 +571,26 @@ async fn serve_frames<S: BlockSource>(
     }
     .await;
     served.expired_holds = holds.expired_total();
+    // The queue pair closes before the holds' slots go back to the pool.
+    drop(rdma);
+    drop(holds);
     result
+}
+
+/// The handles of `hashes` for a hold, `None` for blocks that are not resident. What is resident
+/// is taken first, so bringing the rest in cannot push it out.
+async fn resolve_for_hold<S: BlockSource>(source: &S, hashes: &[BlockHash]) -> Vec<Option<S::Handle>> {
+    let mut found: Vec<Option<S::Handle>> = hashes.iter().map(|&h| source.resolve(h)).collect();
+    let missing: Vec<BlockHash> = hashes.iter().zip(&found).filter(|(_, f)| f.is_none()).map(|(&h, _)| h).collect();
+    if !missing.is_empty() {
+        source.stage(&missing).await;
+        for (&h, f) in hashes.iter().zip(found.iter_mut()) {
+            if f.is_none() {
+                *f = source.resolve(h);
+            }
+        }
+    }
+    found
 }
 
 /// Sends a subscriber the snapshot, then every change, while answering its pings.
@@ -812,6 +867,41 @@ impl PeerClient {
             each(asked, fetched);
         }
         Ok(())
+    }
+
+    /// Offers the server this connection's RDMA queue pair: the server's queue pair and remote
+    /// key if it accepts, its reason if it declines (the connection goes on either way).
+    pub async fn rdma_connect(
+        &mut self,
+        endpoint: RdmaEndpoint,
+    ) -> Result<Result<(RdmaEndpoint, u32), String>, PeerError> {
+        let req = self.request_id();
+        self.conn.send(req, Message::RdmaConnect { endpoint }).await?;
+        match self.answer(req).await? {
+            Message::RdmaAccept { endpoint, rkey } => Ok(Ok((endpoint, rkey))),
+            Message::RdmaDecline { text } => Ok(Err(text)),
+            other => Err(PeerError::Unexpected(other.name())),
+        }
+    }
+
+    /// Like [`PeerClient::hold`], answered with where each held image lies in the server's
+    /// registered region (only after [`PeerClient::rdma_connect`] was accepted).
+    pub async fn hold_at(
+        &mut self,
+        hashes: &[BlockHash],
+        ttl: Duration,
+    ) -> Result<(u64, Duration, Vec<HeldPlace>), PeerError> {
+        let req = self.request_id();
+        let ttl_ms = ttl.as_millis().min(u32::MAX as u128) as u32;
+        self.conn.send(req, Message::HoldAt { hashes: hashes.to_vec(), ttl_ms }).await?;
+        match self.answer(req).await? {
+            Message::HeldAt { hold_id, ttl_ms, blocks }
+                if blocks.len() == hashes.len() && blocks.iter().zip(hashes).all(|(b, h)| b.hash == *h) =>
+            {
+                Ok((hold_id, Duration::from_millis(ttl_ms.into()), blocks))
+            }
+            other => Err(PeerError::Unexpected(other.name())),
+        }
     }
 
     /// Unpins a hold.

@@ -14,8 +14,9 @@
 use crate::block::BlockHash;
 
 /// The protocol version a [`Message::Hello`] offers; a server refuses any other. Version 2 added
-/// the feed (subscribe, snapshot, changes) and the integrity mode of image frames.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// the feed (subscribe, snapshot, changes) and the integrity mode of image frames; version 3 the
+/// RDMA handshake and holds that answer with places ([`Message::HoldAt`]).
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// How image frames are protected after the handshake; both sides of a connection must agree.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -88,6 +89,30 @@ pub struct HeldBlock {
     pub hash: BlockHash,
     /// Bytes of its sealed image if the server now holds it; `None` if it is not resident.
     pub image_len: Option<u32>,
+}
+
+/// One side of an RDMA reliable connection: what the other side's queue pair needs to reach it.
+/// Sent only inside an authenticated connection ([`Message::RdmaConnect`], [`Message::RdmaAccept`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RdmaEndpoint {
+    /// The port's local identifier (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// The port's global identifier (RoCE addresses by it).
+    pub gid: [u8; 16],
+    /// The queue pair's number.
+    pub qpn: u32,
+    /// The first packet sequence number it sends.
+    pub psn: u32,
+}
+
+/// One block of a [`Message::HeldAt`] answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldPlace {
+    /// The block asked for.
+    pub hash: BlockHash,
+    /// Where its sealed image lies in the server's registered region and how long it is, if the
+    /// server now holds it; `None` if it does not.
+    pub place: Option<(u64, u32)>,
 }
 
 /// Every message of the protocol.
@@ -179,6 +204,45 @@ pub enum Message {
     },
     /// Either side is closing the connection cleanly.
     Goodbye,
+    /// Client → server: this connection's lane would read held images with one-sided RDMA reads;
+    /// here is the client's queue pair. Answered by [`Message::RdmaAccept`] or
+    /// [`Message::RdmaDecline`]; either way the connection goes on.
+    RdmaConnect {
+        /// The client's queue pair.
+        endpoint: RdmaEndpoint,
+    },
+    /// Server → client: its queue pair, connected to the client's, and the key that lets that
+    /// queue pair read the server's registered G2. From here on the client may send
+    /// [`Message::HoldAt`].
+    RdmaAccept {
+        /// The server's queue pair.
+        endpoint: RdmaEndpoint,
+        /// The remote key of the server's registered region.
+        rkey: u32,
+    },
+    /// Server → client: no RDMA on this connection (the server has no device, or its setup
+    /// failed); the lane carries images over TCP.
+    RdmaDecline {
+        /// For the operator's log.
+        text: String,
+    },
+    /// Like [`Message::Hold`], answered with where each held image lies ([`Message::HeldAt`]);
+    /// only on a connection whose RDMA the server accepted.
+    HoldAt {
+        /// The blocks wanted, in prefix order.
+        hashes: Vec<BlockHash>,
+        /// How long the server keeps them pinned without a release.
+        ttl_ms: u32,
+    },
+    /// The answer to a [`Message::HoldAt`].
+    HeldAt {
+        /// Names the hold in the release.
+        hold_id: u64,
+        /// The TTL granted.
+        ttl_ms: u32,
+        /// One entry per hash asked for, in order.
+        blocks: Vec<HeldPlace>,
+    },
     /// Client → server: turn this connection into a feed of the server's servable blocks. The
     /// answer is a snapshot ([`Message::Snapshot`] frames, then [`Message::Synced`]) and then every
     /// change after it ([`Message::Stored`], [`Message::Removed`]), numbered from the snapshot's
@@ -338,6 +402,11 @@ mod kind {
     pub(super) const SYNCED: u8 = 32;
     pub(super) const STORED: u8 = 33;
     pub(super) const REMOVED: u8 = 34;
+    pub(super) const RDMA_CONNECT: u8 = 40;
+    pub(super) const RDMA_ACCEPT: u8 = 41;
+    pub(super) const RDMA_DECLINE: u8 = 42;
+    pub(super) const HOLD_AT: u8 = 43;
+    pub(super) const HELD_AT: u8 = 44;
 }
 
 impl Message {
@@ -360,6 +429,11 @@ impl Message {
             Message::Synced { .. } => kind::SYNCED,
             Message::Stored { .. } => kind::STORED,
             Message::Removed { .. } => kind::REMOVED,
+            Message::RdmaConnect { .. } => kind::RDMA_CONNECT,
+            Message::RdmaAccept { .. } => kind::RDMA_ACCEPT,
+            Message::RdmaDecline { .. } => kind::RDMA_DECLINE,
+            Message::HoldAt { .. } => kind::HOLD_AT,
+            Message::HeldAt { .. } => kind::HELD_AT,
         }
     }
 
@@ -391,6 +465,12 @@ impl Message {
         fn parent(out: &mut Vec<u8>, parent: Option<BlockHash>) {
             out.push(u8::from(parent.is_some()));
             out.extend_from_slice(&parent.unwrap_or(BlockHash(0)).to_le_bytes());
+        }
+        fn endpoint(out: &mut Vec<u8>, e: &RdmaEndpoint) {
+            out.extend_from_slice(&e.lid.to_le_bytes());
+            out.extend_from_slice(&e.gid);
+            out.extend_from_slice(&e.qpn.to_le_bytes());
+            out.extend_from_slice(&e.psn.to_le_bytes());
         }
         match self {
             Message::Hello { version, cluster, node, epoch, nonce, integrity } => {
@@ -453,6 +533,28 @@ impl Message {
             Message::Removed { seq, hashes: hs } => {
                 out.extend_from_slice(&seq.to_le_bytes());
                 hashes(out, hs);
+            }
+            Message::RdmaConnect { endpoint: e } => endpoint(out, e),
+            Message::RdmaAccept { endpoint: e, rkey } => {
+                endpoint(out, e);
+                out.extend_from_slice(&rkey.to_le_bytes());
+            }
+            Message::RdmaDecline { text } => name(out, text, MAX_TEXT_LEN),
+            Message::HoldAt { hashes: hs, ttl_ms } => {
+                out.extend_from_slice(&ttl_ms.to_le_bytes());
+                hashes(out, hs);
+            }
+            Message::HeldAt { hold_id, ttl_ms, blocks } => {
+                out.extend_from_slice(&hold_id.to_le_bytes());
+                out.extend_from_slice(&ttl_ms.to_le_bytes());
+                out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+                for b in blocks {
+                    out.extend_from_slice(&b.hash.to_le_bytes());
+                    // Length 0 is no image: a sealed image is never empty.
+                    let (addr, len) = b.place.unwrap_or((0, 0));
+                    out.extend_from_slice(&addr.to_le_bytes());
+                    out.extend_from_slice(&len.to_le_bytes());
+                }
             }
         }
     }
@@ -602,6 +704,10 @@ impl<'a> Reader<'a> {
         }
     }
 
+    fn endpoint(&mut self) -> Result<RdmaEndpoint, WireError> {
+        Ok(RdmaEndpoint { lid: self.u16()?, gid: self.array()?, qpn: self.u32()?, psn: self.u32()? })
+    }
+
     fn finish(self) -> Result<(), WireError> {
         if self.rest.is_empty() { Ok(()) } else { Err(WireError::TrailingBytes(self.what)) }
     }
@@ -627,6 +733,11 @@ fn kind_name(kind: u8) -> Option<&'static str> {
         kind::SYNCED => "synced",
         kind::STORED => "stored",
         kind::REMOVED => "removed",
+        kind::RDMA_CONNECT => "rdma_connect",
+        kind::RDMA_ACCEPT => "rdma_accept",
+        kind::RDMA_DECLINE => "rdma_decline",
+        kind::HOLD_AT => "hold_at",
+        kind::HELD_AT => "held_at",
         _ => return None,
     })
 }
@@ -688,6 +799,23 @@ fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message,
         kind::SYNCED => Message::Synced { seq: r.u64()? },
         kind::STORED => Message::Stored { seq: r.u64()?, parent: r.parent()?, hashes: r.hashes(limits)? },
         kind::REMOVED => Message::Removed { seq: r.u64()?, hashes: r.hashes(limits)? },
+        kind::RDMA_CONNECT => Message::RdmaConnect { endpoint: r.endpoint()? },
+        kind::RDMA_ACCEPT => Message::RdmaAccept { endpoint: r.endpoint()?, rkey: r.u32()? },
+        kind::RDMA_DECLINE => Message::RdmaDecline { text: r.string("text", MAX_TEXT_LEN)? },
+        kind::HOLD_AT => Message::HoldAt { ttl_ms: r.u32()?, hashes: r.hashes(limits)? },
+        kind::HELD_AT => {
+            let hold_id = r.u64()?;
+            let ttl_ms = r.u32()?;
+            let n = r.count("blocks", 28, limits.max_hashes)?;
+            let mut blocks = Vec::with_capacity(n);
+            for _ in 0..n {
+                let hash = r.hash()?;
+                let addr = r.u64()?;
+                let len = r.u32()?;
+                blocks.push(HeldPlace { hash, place: (len > 0).then_some((addr, len)) });
+            }
+            Message::HeldAt { hold_id, ttl_ms, blocks }
+        }
         _ => Message::Goodbye,
     };
     r.finish()?;
@@ -801,6 +929,21 @@ mod tests {
             Message::Stored { seq: 18, parent: Some(h(3)), hashes: vec![h(4), h(5)] },
             Message::Stored { seq: 19, parent: None, hashes: vec![h(6)] },
             Message::Removed { seq: 20, hashes: vec![h(1), h(6)] },
+            Message::RdmaConnect { endpoint: RdmaEndpoint { lid: 3, gid: [9; 16], qpn: 0x12_3456, psn: 77 } },
+            Message::RdmaAccept {
+                endpoint: RdmaEndpoint { lid: 0, gid: [1; 16], qpn: 8, psn: 0xff_ffff },
+                rkey: 0xdead,
+            },
+            Message::RdmaDecline { text: "no RDMA device".into() },
+            Message::HoldAt { hashes: vec![h(1), h(2)], ttl_ms: 3_000 },
+            Message::HeldAt {
+                hold_id: 43,
+                ttl_ms: 3_000,
+                blocks: vec![
+                    HeldPlace { hash: h(1), place: Some((0x7f00_0000_1000, 4224)) },
+                    HeldPlace { hash: h(2), place: None },
+                ],
+            },
         ]
     }
 
