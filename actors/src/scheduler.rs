@@ -255,10 +255,18 @@ impl SchedulerState {
         kv.index.find_matches(&hashes, &mut self.matches);
         req.hashes = Some(Arc::new(PromptHashes { salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
         self.matches.views(&mut self.views);
-        let cost = match &kv.tiers {
+        let mut cost = match &kv.tiers {
             Some(tiers) => kv.cost.measured(&tiers.measured),
             None => kv.cost.clone(),
         };
+        // A load from a peer is priced at the link to the peer with the longest prefix, the one
+        // the worker will ask, as the worker prices it.
+        if let Some(g4) = kv.tiers.as_ref().and_then(|t| t.g4.as_ref())
+            && let Some((peer, _)) = self.views.best_other_node(kv.node)
+            && let Some(link) = g4.remote.link(peer)
+        {
+            link.price(&mut cost);
+        }
         let mut ranked: Vec<(usize, f64, usize, f64, usize)> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {
             let Some(w) = w else { continue };

@@ -140,3 +140,34 @@ async fn a_peer_that_claims_more_blocks_than_allowed_is_cut_off() {
     feed.removed(&chain(50, 3));
     assert!(eventually(|| remote.locate(&blocks).is_some()).await, "followed again within the bound");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_from_a_peer_is_priced_at_that_links_own_rate() {
+    use dynamo_tiering::cost::{BytesPerSec, CostModel};
+    let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
+    let remote = RemoteTier::new(index, 0);
+    // Two peers (nothing listens: pricing needs only what fetches measured).
+    let (near, far) =
+        (remote.connect("127.0.0.1:9".into(), link_config(16)), remote.connect("127.0.0.1:9".into(), link_config(16)));
+    near.measured().observe(8 << 30, Duration::from_secs(1));
+    far.measured().observe(8 << 20, Duration::from_secs(1));
+    let mut cost = CostModel::unknown(16, 1 << 20);
+    cost.g2_read = BytesPerSec::new(16e9);
+    let node_wide = BytesPerSec::new(1e9);
+    cost.g4_read = node_wide;
+
+    let mut via_near = cost.clone();
+    remote.link(near.node()).expect("a link to the near peer").price(&mut via_near);
+    let expected = BytesPerSec::new(8.0 * (1u64 << 30) as f64).unwrap().then(cost.g2_read.unwrap());
+    assert!((via_near.g4_read.unwrap().get() - expected.get()).abs() < 1.0, "{:?}", via_near.g4_read);
+    let mut via_far = cost.clone();
+    remote.link(far.node()).expect("a link to the far peer").price(&mut via_far);
+    assert!(via_far.g4_read.unwrap().get() < 1e7, "the slow link's rate: {:?}", via_far.g4_read);
+
+    // A link no fetch measured leaves the node-wide rate.
+    let unmeasured = remote.connect("127.0.0.1:9".into(), link_config(16));
+    let mut via_new = cost.clone();
+    unmeasured.price(&mut via_new);
+    assert_eq!(via_new.g4_read, node_wide);
+    remote.shutdown();
+}

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::block::ImageError;
-use dynamo_tiering::cost::{BytesPerSec, G4_RATE_MAX_AGE, MeasuredBandwidth};
+use dynamo_tiering::cost::{BytesPerSec, CostModel, G4_RATE_MAX_AGE, MeasuredBandwidth};
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::g4::tcp::{ClientConfig, FetchedSlot, PeerClient, PeerError};
 use dynamo_tiering::g4::transport::{Lane, RdmaNode, Transport, connect_lane};
@@ -221,6 +221,14 @@ impl PeerLink {
     /// What carried the lanes' last connection.
     pub fn transport(&self) -> Transport {
         if self.state.rdma.load(Ordering::Relaxed) { Transport::Rdma } else { Transport::Tcp }
+    }
+
+    /// Prices loads from this peer in `cost` at this link's measured rate (through G2, where the
+    /// images land), if a fetch measured it recently; otherwise `cost` keeps the node-wide rate.
+    pub fn price(&self, cost: &mut CostModel) {
+        if let Some(rate) = self.rate() {
+            cost.g4_read = Some(cost.g2_read.map_or(rate, |host| rate.then(host)));
+        }
     }
 
     /// Whether the index holds what the peer serves now.
@@ -614,6 +622,11 @@ impl RemoteTier {
         if let Some(link) = self.links.write().remove(&node) {
             link.stop(&self.index);
         }
+    }
+
+    /// The link to `node`, if there is one.
+    pub fn link(&self, node: u16) -> Option<Arc<PeerLink>> {
+        self.links.read().get(&node).cloned()
     }
 
     /// Every link.

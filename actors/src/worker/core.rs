@@ -975,8 +975,8 @@ impl<B: Backend> Worker<B> {
             Lookup { worker: self, now, pages: Vec::new(), images: Vec::new(), remote: remote_prefix, asked: 0 };
         // A load from the peer is priced at that link's own measured rate, where it has one.
         let mut cost = tiers.cost_now();
-        if let Some(rate) = remote.as_ref().and_then(|(link, _)| link.rate()) {
-            cost.g4_read = Some(cost.g2_read.map_or(rate, |host| rate.then(host)));
+        if let Some((link, _)) = &remote {
+            link.price(&mut cost);
         }
         let sources = tiers.pipeline().plan_prefix(hashes, seq.run.tokens.len(), &cost, &mut lookup);
         let Lookup { mut pages, mut images, .. } = lookup;
