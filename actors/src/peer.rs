@@ -273,7 +273,7 @@ pub fn open_rdma(g4: &G4Config, tiers: &NodeTiers) -> Option<Arc<RdmaNode>> {
         return None;
     };
     let options = RdmaOptions { device: g4.rdma_device.clone(), gid_index: g4.rdma_gid_index };
-    let rdma = RdmaNode::open(g2.pool.region(), &options)
+    let rdma = RdmaNode::open(&g2.pool, &options)
         .inspect_err(|e| tracing::warn!("tiers.g4.transport = \"rdma\", but {e}: G4 uses TCP"))
         .ok();
     telemetry::set_peer_rdma(rdma.is_some());

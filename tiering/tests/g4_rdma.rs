@@ -26,13 +26,13 @@ fn pool() -> HostPool {
 #[test]
 fn a_node_opens_its_rdma_device_or_says_it_has_none() {
     let pool = pool();
-    match RdmaNode::open(pool.region(), &RdmaOptions::default()) {
+    match RdmaNode::open(&pool, &RdmaOptions::default()) {
         Ok(node) => assert!(has_rdma_devices(), "opened {} without /sys/class/infiniband", node.device()),
         Err(RdmaUnavailable::NoDevice(_)) => assert!(!has_rdma_devices(), "devices are there, none was found"),
         Err(e) => assert!(has_rdma_devices(), "no devices, yet: {e}"),
     }
     let named = RdmaOptions { device: Some("no-such-device".into()), gid_index: 0 };
-    let err = RdmaNode::open(pool.region(), &named).unwrap_err();
+    let err = RdmaNode::open(&pool, &named).unwrap_err();
     assert!(matches!(err, RdmaUnavailable::NoDevice(_)), "{err}");
 }
 
@@ -76,8 +76,8 @@ fn seal_into(pool: &HostPool, hash: u128) -> SlotRef {
 async fn a_lane_reads_held_images_by_rdma_and_verifies_them() {
     assert!(has_rdma_devices(), "this test needs an RDMA device");
     let (server_pool, client_pool) = (pool(), pool());
-    let server_rdma = RdmaNode::open(server_pool.region(), &RdmaOptions::default()).unwrap();
-    let client_rdma = RdmaNode::open(client_pool.region(), &RdmaOptions::default()).unwrap();
+    let server_rdma = RdmaNode::open(&server_pool, &RdmaOptions::default()).unwrap();
+    let client_rdma = RdmaNode::open(&client_pool, &RdmaOptions::default()).unwrap();
     let slots = Slots((1..=3).map(|h| (BlockHash(h), seal_into(&server_pool, h))).collect());
     let secret = ClusterSecret::from_bytes([7; 32]);
     let config = ServerConfig {

@@ -361,6 +361,6 @@ async fn a_server_without_rdma_declines_and_the_lane_carries_frames() {
 #[test]
 fn a_build_without_the_rdma_feature_has_no_rdma() {
     let pool = HostPool::new(HostPoolOptions::with_capacity(64 << 10, 8192, MlockPolicy::Off)).unwrap();
-    let err = RdmaNode::open(pool.region(), &RdmaOptions::default()).unwrap_err();
+    let err = RdmaNode::open(&pool, &RdmaOptions::default()).unwrap_err();
     assert!(matches!(err, RdmaUnavailable::NotBuilt), "{err}");
 }

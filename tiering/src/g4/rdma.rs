@@ -37,7 +37,7 @@ use super::tcp::{FetchedSlot, Held, PeerClient, PeerError};
 use super::transport::{Accepted, Lane, OnFetched, RdmaOptions, RdmaUnavailable, RemoteAccess, SlotAlloc, Transport};
 use super::wire::{HeldBlock, RdmaEndpoint};
 use crate::block::{BlockHash, verify_image};
-use crate::g2::SlotMut;
+use crate::g2::{HostPool, SlotMut};
 
 /// The port every queue pair uses.
 const PORT: u8 = 1;
@@ -115,6 +115,8 @@ pub struct RdmaNode {
     rd_atomic: u8,
     /// The registered region: G2's base address and length.
     region: (usize, usize),
+    /// Keeps the registered mapping alive until the region is deregistered (`verbs` drops first).
+    _pool: HostPool,
     in_flight: Arc<Mutex<HashMap<u64, InFlight>>>,
     next_wr: AtomicU64,
     stop: Arc<AtomicBool>,
@@ -132,10 +134,11 @@ fn os_error(what: &str) -> String {
 }
 
 impl RdmaNode {
-    /// Opens the device `options` names (the first one by default), registers `region` (this
-    /// node's G2) and starts polling. A machine without RDMA devices gets
-    /// [`RdmaUnavailable::NoDevice`]: its links use TCP.
-    pub fn open(region: (*mut u8, usize), options: &RdmaOptions) -> Result<Arc<Self>, RdmaUnavailable> {
+    /// Opens the device `options` names (the first one by default), registers `pool` (this
+    /// node's G2, kept mapped as long as the node lives) and starts polling. A machine without
+    /// RDMA devices gets [`RdmaUnavailable::NoDevice`]: its links use TCP.
+    pub fn open(pool: &HostPool, options: &RdmaOptions) -> Result<Arc<Self>, RdmaUnavailable> {
+        let region = pool.region();
         let mut verbs = Verbs {
             ctx: std::ptr::null_mut(),
             pd: std::ptr::null_mut(),
@@ -204,8 +207,8 @@ impl RdmaNode {
             return Err(RdmaUnavailable::Setup(os_error("allocating a protection domain")));
         }
         let access = ib::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ib::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
-        // SAFETY: the region is this node's G2 mapping, which outlives the node (the caller keeps
-        // the pool alive as long as the RdmaNode); registering it pins its pages.
+        // SAFETY: the region is the pool's mapping, which the node keeps alive (it holds the pool)
+        // until after the region is deregistered; registering it pins its pages.
         verbs.mr = unsafe { ib::ibv_reg_mr(verbs.pd, region.0.cast(), region.1, access as i32) };
         if verbs.mr.is_null() {
             return Err(RdmaUnavailable::Setup(os_error(&format!("registering {} bytes of G2", region.1))));
@@ -238,6 +241,7 @@ impl RdmaNode {
             mtu: port.active_mtu,
             rd_atomic,
             region: (region.0 as usize, region.1),
+            _pool: pool.clone(),
             in_flight,
             next_wr: AtomicU64::new(1),
             stop,

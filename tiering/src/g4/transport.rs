@@ -16,6 +16,8 @@ use super::auth::PeerIdentity;
 use super::tcp::{ClientConfig, FetchedSlot, Held, PeerClient, PeerError};
 use super::wire::RdmaEndpoint;
 use crate::block::BlockHash;
+#[cfg(not(feature = "rdma"))]
+use crate::g2::HostPool;
 use crate::g2::SlotMut;
 
 /// What carries a lane's images.
@@ -135,7 +137,7 @@ pub enum RdmaNode {}
 #[cfg(not(feature = "rdma"))]
 impl RdmaNode {
     /// Without the `rdma` feature there is never a device.
-    pub fn open(_region: (*mut u8, usize), _options: &RdmaOptions) -> Result<Arc<Self>, RdmaUnavailable> {
+    pub fn open(_pool: &HostPool, _options: &RdmaOptions) -> Result<Arc<Self>, RdmaUnavailable> {
         Err(RdmaUnavailable::NotBuilt)
     }
 
