@@ -164,6 +164,66 @@ async fn a_link_too_slow_for_its_budget_is_recomputed_and_then_not_tried() {
     assert_eq!(b.stop(), 0);
 }
 
+#[tokio::test]
+async fn a_bit_flipped_on_the_wire_fails_the_frame_mac_and_is_recomputed() {
+    let (b, history) = bit_flipped_on_the_wire("mac", 0x46).await;
+    // The MAC over the damaged frame fails: the lane drops its connection and the whole fetch
+    // with it, the two sound images before the damage included.
+    assert_eq!(b.metric_sum("dynamo_node_peer_fetches_total{", "outcome=\"bad_mac\"").await, 1.0);
+    assert_eq!(b.metric_sum("dynamo_node_tier_errors_total{", "kind=\"bad_mac\"").await, 1.0);
+    assert_eq!(b.metric(G4_HITS).await, 0.0, "nothing of a fetch that failed its MAC is used");
+    assert_eq!(b.metric_sum("dynamo_node_peer_fetched_blocks_total{", "outcome=\"verified\"").await, 0.0);
+    assert!(!history.is_empty() && history.iter().all(|e| e["outcome"] == "bad_mac"), "{history:?}");
+    assert_eq!(b.stop(), 0);
+}
+
+#[tokio::test]
+async fn a_bit_flipped_on_the_wire_is_caught_by_the_image_checksum() {
+    let (b, history) = bit_flipped_on_the_wire("checksum", 0x47).await;
+    // No MAC covers images: the image's own checksum catches the damage. The two images before
+    // it are used, the damaged one is dropped as corrupt and the prefix ends there.
+    assert_eq!(b.metric(G4_HITS).await, 64.0, "the two sound blocks before the damage were loaded");
+    assert_eq!(b.metric_sum("dynamo_node_peer_fetches_total{", "outcome=\"ok\"").await, 1.0);
+    let rejected = b.metric_sum("dynamo_node_peer_fetched_blocks_total{", "outcome=\"rejected\"").await;
+    assert_eq!(rejected, 1.0, "the damaged image was rejected");
+    assert_eq!(b.metric_sum("dynamo_node_kv_corrupt_blocks_total{", "tier=\"g4\"").await, 1.0);
+    let outcomes: Vec<&str> = history.iter().map(|e| e["outcome"].as_str().unwrap()).collect();
+    assert_eq!(outcomes[..3], ["verified", "verified", "rejected"], "{history:?}");
+    assert!(outcomes[3..].iter().all(|&o| o == "skipped"), "{history:?}");
+    assert_eq!(b.stop(), 0);
+}
+
+const G4_HITS: &str = "dynamo_node_kv_hit_tokens_total{tier=\"g4\"}";
+
+/// B reaches A through [`corrupting_forwarder`], which damages the third image of each
+/// connection, both nodes protecting images by `integrity`. A computes a prompt and B asks for
+/// it: B's answer is A's (greedy, so a wrongly loaded block would show), and its history holds
+/// no loaded block that is not A's. The feed carries no image and is untouched. B and its
+/// history, for the checks of the mode.
+async fn bit_flipped_on_the_wire(integrity: &str, key: u8) -> (Node, Vec<serde_json::Value>) {
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let config = |dir: &tempfile::TempDir, peers: &[String]| {
+        format!("{}integrity = \"{integrity}\"\n", g4_config(&secret_file(dir, [key; 32]), peers))
+    };
+    let a = Node::start_in(dir_a.clone(), &config(&dir_a, &[]));
+    let damaged = corrupting_forwarder(g4_addr(&a), 2).await;
+    let b = Node::start_in(dir_b.clone(), &config(&dir_b, &[damaged]));
+
+    let alpha = long_prompt("alpha");
+    let (a_alpha, prompt_tokens, _) = a.greedy(&alpha).await;
+    let blocks = (prompt_tokens / 32) as f64;
+    let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= blocks).await;
+    assert!(known >= blocks, "B knows A's blocks through the forwarder: {known}");
+    let (b_alpha, _, cached) = b.greedy(&alpha).await;
+    assert_eq!(b_alpha, a_alpha, "a damaged stream costs a recompute, never a token");
+    assert_eq!(b.metric(G4_HITS).await, cached as f64, "B's cached tokens are its G4 hits");
+    assert_eq!(b.metric_sum("dynamo_node_peer_feed_ended_total{", "").await, 0.0, "the feed is undamaged");
+    let history = check_history(&dir_b, &dir_a).await;
+    assert!(history.len() >= 3, "one line per block asked: {history:?}");
+    drop(a);
+    (b, history)
+}
+
 /// A TCP forwarder to `to` whose answers (server to client) are each held for `delay`: the
 /// latency of a far or congested link, made in user space (this kernel has no netem).
 async fn delaying_forwarder(to: String, delay: Duration) -> String {
@@ -183,6 +243,63 @@ async fn delaying_forwarder(to: String, delay: Duration) -> String {
                         break;
                     }
                     tokio::time::sleep(delay).await;
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A TCP forwarder to `to` that flips one bit halfway into the `nth` block image (from 0) that
+/// each connection carries from the server: a NIC, switch or middlebox that damages a stream
+/// and gets past TCP's 16-bit checksum. Images are found by their header (magic and header
+/// checksum), so the flip lands in an image's payload, never in the handshake, a control frame
+/// or the feed, whatever the frames around it weigh.
+async fn corrupting_forwarder(to: String, nth: usize) -> String {
+    use dynamo_tiering::block::image::MAGIC;
+    use dynamo_tiering::block::{HEADER_LEN, ImageHeader};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&to).await else { continue };
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut cr, &mut sw).await });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                // The stream's last HEADER_LEN - 1 bytes, so that a header split across two reads
+                // is found (once: in the read that completes it).
+                let mut window: Vec<u8> = Vec::new();
+                let (mut passed, mut images, mut flip_at) = (0usize, 0usize, None);
+                while let Ok(n) = sr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    window.extend_from_slice(&buf[..n]);
+                    let window_at = passed + n - window.len();
+                    for i in 0..window.len().saturating_sub(HEADER_LEN - 1) {
+                        if window[i..].starts_with(&MAGIC)
+                            && let Ok(header) = ImageHeader::decode_header_only(&window[i..])
+                        {
+                            if images == nth {
+                                flip_at = Some(window_at + i + header.image_bytes() / 2);
+                            }
+                            images += 1;
+                        }
+                    }
+                    window.drain(..window.len().saturating_sub(HEADER_LEN - 1));
+                    if let Some(at) = flip_at
+                        && (passed..passed + n).contains(&at)
+                    {
+                        buf[at - passed] ^= 0x10;
+                        flip_at = None;
+                    }
+                    passed += n;
                     if cw.write_all(&buf[..n]).await.is_err() {
                         break;
                     }
