@@ -494,13 +494,15 @@ async fn follow_feed(state: Arc<LinkState>, index: Arc<PrefixIndex>) {
         if state.synced.swap(false, Ordering::Relaxed) && started.elapsed() >= STABLE {
             retry = FIRST_RETRY;
         }
-        // Nothing the peer said can be counted on now: its blocks leave the index at once.
+        // Nothing the peer said can be counted on now: its blocks leave the index at once. A
+        // connection that never came up ended no feed: it is a retry, not counted as an end.
         if let Some(epoch) = epoch {
             state.index_change(|| index.resync(source, epoch, &[], 0));
+            telemetry::record_peer_feed_ended(&state.addr, ended.kind());
+            tracing::info!(peer = %state.addr, error = %ended, "G4 feed from peer ended; its blocks left the index");
+        } else {
+            tracing::debug!(peer = %state.addr, error = %ended, "G4 feed from peer: connecting failed");
         }
-        let kind = ended.kind();
-        telemetry::record_peer_feed_ended(&state.addr, kind);
-        tracing::info!(peer = %state.addr, error = %ended, "G4 feed from peer ended; its blocks left the index");
         tokio::time::sleep(retry).await;
         retry = (retry * 2).min(LAST_RETRY);
     }
