@@ -224,9 +224,13 @@ async fn bit_flipped_on_the_wire(integrity: &str, key: u8) -> (Node, Vec<serde_j
     (b, history)
 }
 
-/// A TCP forwarder to `to` whose answers (server to client) are each held for `delay`: the
-/// latency of a far or congested link, made in user space (this kernel has no netem).
-async fn delaying_forwarder(to: String, delay: Duration) -> String {
+/// A TCP forwarder to `to`. Each connection's answers (server to client) pass, read by read,
+/// through a fresh filter from `filter`, which may change the bytes and says how long to hold
+/// them before they go on.
+async fn forwarder<F>(to: String, filter: impl Fn() -> F + Send + 'static) -> String
+where
+    F: FnMut(&mut [u8]) -> Duration + Send + 'static,
+{
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -235,6 +239,7 @@ async fn delaying_forwarder(to: String, delay: Duration) -> String {
             let Ok(server) = tokio::net::TcpStream::connect(&to).await else { continue };
             let (mut cr, mut cw) = client.into_split();
             let (mut sr, mut sw) = server.into_split();
+            let mut filter = filter();
             tokio::spawn(async move { tokio::io::copy(&mut cr, &mut sw).await });
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 64 << 10];
@@ -242,7 +247,10 @@ async fn delaying_forwarder(to: String, delay: Duration) -> String {
                     if n == 0 {
                         break;
                     }
-                    tokio::time::sleep(delay).await;
+                    let hold = filter(&mut buf[..n]);
+                    if !hold.is_zero() {
+                        tokio::time::sleep(hold).await;
+                    }
                     if cw.write_all(&buf[..n]).await.is_err() {
                         break;
                     }
@@ -253,6 +261,12 @@ async fn delaying_forwarder(to: String, delay: Duration) -> String {
     addr
 }
 
+/// A TCP forwarder to `to` whose answers (server to client) are each held for `delay`: the
+/// latency of a far or congested link, made in user space (this kernel has no netem).
+async fn delaying_forwarder(to: String, delay: Duration) -> String {
+    forwarder(to, move || move |_: &mut [u8]| delay).await
+}
+
 /// A TCP forwarder to `to` that flips one bit halfway into the `nth` block image (from 0) that
 /// each connection carries from the server: a NIC, switch or middlebox that damages a stream
 /// and gets past TCP's 16-bit checksum. Images are found by their header (magic and header
@@ -261,53 +275,37 @@ async fn delaying_forwarder(to: String, delay: Duration) -> String {
 async fn corrupting_forwarder(to: String, nth: usize) -> String {
     use dynamo_tiering::block::image::MAGIC;
     use dynamo_tiering::block::{HEADER_LEN, ImageHeader};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&to).await else { continue };
-            let (mut cr, mut cw) = client.into_split();
-            let (mut sr, mut sw) = server.into_split();
-            tokio::spawn(async move { tokio::io::copy(&mut cr, &mut sw).await });
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 << 10];
-                // The stream's last HEADER_LEN - 1 bytes, so that a header split across two reads
-                // is found (once: in the read that completes it).
-                let mut window: Vec<u8> = Vec::new();
-                let (mut passed, mut images, mut flip_at) = (0usize, 0usize, None);
-                while let Ok(n) = sr.read(&mut buf).await {
-                    if n == 0 {
-                        break;
+    forwarder(to, move || {
+        // The stream's last HEADER_LEN - 1 bytes, so that a header split across two reads is
+        // found (once: in the read that completes it).
+        let mut window: Vec<u8> = Vec::new();
+        let (mut passed, mut images, mut flip_at) = (0usize, 0usize, None);
+        move |buf: &mut [u8]| {
+            let n = buf.len();
+            window.extend_from_slice(buf);
+            let window_at = passed + n - window.len();
+            for i in 0..window.len().saturating_sub(HEADER_LEN - 1) {
+                if window[i..].starts_with(&MAGIC)
+                    && let Ok(header) = ImageHeader::decode_header_only(&window[i..])
+                {
+                    if images == nth {
+                        flip_at = Some(window_at + i + header.image_bytes() / 2);
                     }
-                    window.extend_from_slice(&buf[..n]);
-                    let window_at = passed + n - window.len();
-                    for i in 0..window.len().saturating_sub(HEADER_LEN - 1) {
-                        if window[i..].starts_with(&MAGIC)
-                            && let Ok(header) = ImageHeader::decode_header_only(&window[i..])
-                        {
-                            if images == nth {
-                                flip_at = Some(window_at + i + header.image_bytes() / 2);
-                            }
-                            images += 1;
-                        }
-                    }
-                    window.drain(..window.len().saturating_sub(HEADER_LEN - 1));
-                    if let Some(at) = flip_at
-                        && (passed..passed + n).contains(&at)
-                    {
-                        buf[at - passed] ^= 0x10;
-                        flip_at = None;
-                    }
-                    passed += n;
-                    if cw.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
+                    images += 1;
                 }
-            });
+            }
+            window.drain(..window.len().saturating_sub(HEADER_LEN - 1));
+            if let Some(at) = flip_at
+                && (passed..passed + n).contains(&at)
+            {
+                buf[at - passed] ^= 0x10;
+                flip_at = None;
+            }
+            passed += n;
+            Duration::ZERO
         }
-    });
-    addr
+    })
+    .await
 }
 
 /// The Jepsen-style check of `reader`'s G4 history (`tiers.g4.history`) against the truth, the
