@@ -22,6 +22,17 @@ use dynamo_tiering::g4::wire::{Integrity, RdmaEndpoint, WireLimits};
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
+/// The address the node printed for its block server.
+fn g4_addr(node: &Node) -> SocketAddr {
+    node.announced
+        .iter()
+        .find_map(|l| l.strip_prefix("G4 block server on "))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("the G4 address is printed")
+        .parse()
+        .unwrap()
+}
+
 fn client(secret: [u8; 32]) -> ClientConfig {
     ClientConfig {
         secret: ClusterSecret::from_bytes(secret),
@@ -63,14 +74,7 @@ async fn a_node_serves_its_blocks_to_a_peer_with_the_secret_and_to_no_one_else()
     let log = std::fs::read_to_string(dir.path().join("node.log")).unwrap();
     assert!(log.contains("tiers.g4.transport = \"rdma\", but") && log.contains("G4 uses TCP"), "{log}");
     assert_eq!(node.metric("dynamo_node_peer_rdma").await, 0.0);
-    let g4: SocketAddr = node
-        .announced
-        .iter()
-        .find_map(|l| l.strip_prefix("G4 block server on "))
-        .and_then(|l| l.split_whitespace().next())
-        .expect("the G4 address is printed")
-        .parse()
-        .unwrap();
+    let g4 = g4_addr(&node);
 
     // A prompt of some blocks, computed once and written through to G2 and G3.
     let prompt: String = (0..200).map(|i| format!("line {i} of the file; ")).collect();
@@ -127,5 +131,70 @@ async fn a_node_serves_its_blocks_to_a_peer_with_the_secret_and_to_no_one_else()
     let served = node.metric("dynamo_node_peer_served_bytes_total").await;
     let expected: usize = on_disk.iter().map(|(_, image)| image.len()).sum();
     assert_eq!(served, expected as f64);
+    assert_eq!(node.stop(), 0);
+}
+
+#[tokio::test]
+async fn hostile_peers_are_disconnected_and_the_nodes_memory_stays_flat() {
+    let dir = Arc::new(tempfile::tempdir().expect("tempdir"));
+    let secret = [0x3c; 32];
+    let secret_file = dir.path().join("g4.secret");
+    std::fs::write(&secret_file, secret).unwrap();
+    std::fs::set_permissions(&secret_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = format!(
+        "[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\ncluster = \"test\"\nsecret_file = \"{}\"\n",
+        secret_file.display()
+    );
+    let node = Node::start_in(dir.clone(), &config);
+    let g4 = g4_addr(&node);
+    let (status, _) = node
+        .chat(json!({"model": "tiny", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2}))
+        .await;
+    assert_eq!(status, 200);
+    let before = node.rss_bytes();
+
+    const EACH: usize = 100;
+    // Headers announcing 4 GiB frames, and garbage.
+    let mut header = [0u8; 13];
+    header[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+    header[4] = 1;
+    for bytes in [&header[..], &[0xA5; 64 << 10][..]] {
+        let mut conns = Vec::new();
+        for _ in 0..EACH {
+            let mut raw = tokio::net::TcpStream::connect(g4).await.unwrap();
+            let _ = raw.write_all(bytes).await;
+            conns.push(raw);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The wrong secret.
+    for _ in 0..EACH {
+        assert!(PeerClient::connect(g4, &client([0x11; 32])).await.is_err());
+    }
+    // An authenticated peer that opens holds (of 4096 hashes each) until it is refused.
+    let mut flood = PeerClient::connect(g4, &client(secret)).await.expect("authenticated");
+    let hashes: Vec<BlockHash> = (0..4096u128).map(BlockHash).collect();
+    let mut granted = 0;
+    while flood.hold(&hashes, Duration::from_secs(10)).await.is_ok() {
+        granted += 1;
+        assert!(granted <= 64, "holds past tiers.g4.max_holds_per_peer");
+    }
+
+    let outcomes = [("too_large", 2 * EACH as u64), ("refused", EACH as u64), ("limit", 1)];
+    for (outcome, n) in outcomes {
+        let series = format!("dynamo_node_peer_connections_total{{outcome=\"{outcome}\"}}");
+        let seen = node.wait_for_metric(&series, Duration::from_secs(20), |v| v >= n as f64).await;
+        assert_eq!(seen, n as f64, "{outcome}");
+    }
+    let grown = node.rss_bytes().saturating_sub(before);
+    eprintln!("the node's RSS grew by {} KiB under {} hostile connections", grown >> 10, 3 * EACH + 1);
+    assert!(grown < 48 << 20, "the node's memory grew by {} MiB under hostile peers", grown >> 20);
+    // And it serves on.
+    let (status, _) = node
+        .chat(json!({"model": "tiny", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2}))
+        .await;
+    assert_eq!(status, 200);
+    let mut peer = PeerClient::connect(g4, &client(secret)).await.expect("a good peer is still served");
+    peer.ping().await.unwrap();
     assert_eq!(node.stop(), 0);
 }
