@@ -18,6 +18,7 @@ use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity, SecretError};
 use dynamo_tiering::g4::feed::Feed;
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, PeerError, ServedPeer, ServerConfig, serve_peer_into};
+use dynamo_tiering::g4::tls::{Tls, TlsError};
 use dynamo_tiering::g4::transport::{RdmaNode, RdmaOptions, RemoteAccess};
 use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use dynamo_tiering::registry::BlockMeta;
@@ -171,6 +172,17 @@ pub enum BlockServerError {
         /// Why.
         source: std::io::Error,
     },
+    /// `tiers.g4.tls_*`.
+    #[error("tiers.g4.tls_*: {0}")]
+    Tls(#[from] TlsError),
+}
+
+/// This node's mutual TLS, when `tiers.g4.tls_cert`, `tls_key` and `tls_ca` are set.
+pub fn tls(g4: &G4Config) -> Result<Option<Arc<Tls>>, BlockServerError> {
+    match (&g4.tls_cert, &g4.tls_key, &g4.tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => Ok(Some(Arc::new(Tls::from_files(cert, key, ca)?))),
+        _ => Ok(None),
+    }
 }
 
 /// The running block server.
@@ -211,6 +223,7 @@ impl BlockServer {
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
             rdma: rdma.map(|r| r as Arc<dyn RemoteAccess>),
+            tls: tls(g4)?,
         });
         let source = Arc::new(G2Blocks(tiers));
         let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -249,6 +262,7 @@ pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> R
             integrity: integrity(g4),
             connect_timeout: request_timeout.max(Duration::from_secs(1)),
             request_timeout,
+            tls: tls(g4)?,
         },
         lanes: g4.lanes,
         max_inflight: g4.max_inflight,

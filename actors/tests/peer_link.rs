@@ -45,6 +45,7 @@ async fn server(feed: Arc<Feed>) -> String {
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
         rdma: None,
+        tls: None,
     });
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
@@ -64,6 +65,7 @@ fn link_config(max_snapshot_blocks: usize) -> LinkConfig {
             integrity: Integrity::Mac,
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(2),
+            tls: None,
         },
         lanes: 1,
         max_inflight: 4,

@@ -252,6 +252,8 @@ fn other_validation_rules() {
         ("[tiers.g4]\nmax_holds_per_peer = 0\n", "tiers.g4.max_holds_per_peer"),
         ("[tiers.g4]\nlanes = 0\n", "tiers.g4.lanes"),
         ("[tiers.g4]\nheartbeat = \"1ms\"\n", "tiers.g4.heartbeat"),
+        ("[tiers.g4]\ntls_cert = \"n.pem\"\ntls_ca = \"ca.pem\"\n", "tiers.g4.tls_key"),
+        ("[tiers.g4]\ntls_key = \"n.key\"\n", "tiers.g4.tls_cert"),
         ("[cluster]\nmembership = \"etcd\"\n", "cluster.membership"),
         (
             "[tiers.g4]\nenabled = true\nsecret_file = \"s\"\nlisten = \"0.0.0.0:7100\"\n[cluster]\nmembership = \"etcd\"\n",

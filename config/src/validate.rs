@@ -291,6 +291,18 @@ impl NodeConfig {
         if g4.request_timeout.as_duration().is_zero() {
             c.fail("tiers.g4.request_timeout", "must be longer than 0s");
         }
+        let tls = [&g4.tls_cert, &g4.tls_key, &g4.tls_ca];
+        if tls.iter().any(|f| f.is_some()) && !tls.iter().all(|f| f.is_some()) {
+            let missing = ["tls_cert", "tls_key", "tls_ca"]
+                .into_iter()
+                .zip(tls)
+                .find(|(_, f)| f.is_none())
+                .map_or("tls_cert", |(key, _)| key);
+            c.fail(
+                format!("tiers.g4.{missing}"),
+                "mutual TLS needs all three of tls_cert, tls_key and tls_ca",
+            );
+        }
         if g4.cluster.is_empty() || g4.cluster.len() > 255 {
             c.fail("tiers.g4.cluster", "must be 1 to 255 bytes");
         }

@@ -224,6 +224,50 @@ async fn bit_flipped_on_the_wire(integrity: &str, key: u8) -> (Node, Vec<serde_j
     (b, history)
 }
 
+/// `tiers.g4.tls_*` lines for `node`'s test certificate (`tests/fixtures/g4-tls`), trusting `ca`.
+fn tls_config(node: &str, ca: &str) -> String {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/g4-tls");
+    let file = |name: String| format!("{:?}", dir.join(name).display().to_string());
+    format!(
+        "tls_cert = {}\ntls_key = {}\ntls_ca = {}\n",
+        file(format!("{node}.pem")),
+        file(format!("{node}.key")),
+        file(ca.to_owned())
+    )
+}
+
+#[tokio::test]
+async fn nodes_share_kv_over_mutual_tls_and_a_node_of_another_ca_gets_nothing() {
+    let dirs: Vec<_> = (0..3).map(|_| Arc::new(tempfile::tempdir().unwrap())).collect();
+    let secret = [0x48; 32];
+    let config = |i: usize, peers: &[String], node: &str| {
+        format!("{}{}", g4_config(&secret_file(&dirs[i], secret), peers), tls_config(node, "ca.pem"))
+    };
+    let a = Node::start_in(dirs[0].clone(), &config(0, &[], "node-a"));
+    let b = Node::start_in(dirs[1].clone(), &config(1, &[g4_addr(&a)], "node-b"));
+    // C holds the secret but its certificate is another cluster CA's: A refuses it in TLS.
+    let c = Node::start_in(dirs[2].clone(), &config(2, &[g4_addr(&a)], "rogue"));
+
+    let alpha = long_prompt("alpha");
+    let (a_alpha, prompt_tokens, _) = a.greedy(&alpha).await;
+    let blocks = (prompt_tokens / 32) as f64;
+    let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= blocks).await;
+    assert!(known >= blocks, "B follows A's feed over TLS: {known}");
+    let (b_alpha, _, b_cached) = b.greedy(&alpha).await;
+    assert_eq!(b_alpha, a_alpha);
+    assert!(b_cached as f64 >= (blocks - 1.0) * 32.0, "cached {b_cached} of {prompt_tokens}");
+    assert_eq!(b.metric(G4_HITS).await, b_cached as f64, "loaded from A over TLS");
+
+    let refused = a.wait_for_metric("dynamo_node_peer_connections_total{outcome=\"tls\"}", LIMIT, |v| v >= 1.0).await;
+    assert!(refused >= 1.0, "A counts C's refused TLS handshakes");
+    let (c_alpha, _, c_cached) = c.greedy(&alpha).await;
+    assert_eq!(c_alpha, a_alpha);
+    assert_eq!((c_cached, c.metric(G4_HITS).await), (0, 0.0), "C loads nothing from A");
+    check_history(&dirs[1], &dirs[0]).await;
+    assert_eq!(b.stop(), 0);
+    assert_eq!(c.stop(), 0);
+}
+
 /// A TCP forwarder to `to`. Each connection's answers (server to client) pass, read by read,
 /// through a fresh filter from `filter`, which may change the bytes and says how long to hold
 /// them before they go on.

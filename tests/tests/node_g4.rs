@@ -41,6 +41,7 @@ fn client(secret: [u8; 32]) -> ClientConfig {
         integrity: Integrity::Mac,
         connect_timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(5),
+        tls: None,
     }
 }
 

@@ -45,6 +45,7 @@ async fn serve_one(source: FeedOnly, wire: WireLimits) -> (SocketAddr, JoinHandl
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
         rdma: None,
+        tls: None,
     };
     let task = tokio::spawn(async move {
         let (stream, _) = listener.accept().await.unwrap();
@@ -61,6 +62,7 @@ async fn connect(addr: SocketAddr) -> PeerClient {
         integrity: Integrity::Mac,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(5),
+        tls: None,
     };
     PeerClient::connect(addr, &config).await.expect("authenticated")
 }

@@ -89,6 +89,7 @@ async fn a_lane_reads_held_images_by_rdma_and_verifies_them() {
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
         rdma: Some(server_rdma),
+        tls: None,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr: SocketAddr = listener.local_addr().unwrap();
@@ -103,8 +104,9 @@ async fn a_lane_reads_held_images_by_rdma_and_verifies_them() {
         integrity: Integrity::Checksum,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(5),
+        tls: None,
     };
-    let mut lane = connect_lane(addr, &client, Some(&client_rdma)).await.unwrap();
+    let mut lane = connect_lane(addr, "127.0.0.1", &client, Some(&client_rdma)).await.unwrap();
     assert_eq!(lane.transport(), Transport::Rdma);
     let asked = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
     let held = lane.hold(&asked, Duration::from_secs(5)).await.unwrap();

@@ -74,6 +74,7 @@ fn server_config(secret: u8, holds: HoldLimits) -> ServerConfig {
         handshake_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(10),
         rdma: None,
+        tls: None,
     }
 }
 
@@ -85,6 +86,7 @@ fn client_config(secret: u8) -> ClientConfig {
         integrity: Integrity::Mac,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(5),
+        tls: None,
     }
 }
 

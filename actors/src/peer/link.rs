@@ -344,17 +344,21 @@ impl Drop for PeerLink {
     }
 }
 
-/// The address of the peer at `addr` (a `host:port` resolved at each attempt).
-async fn resolve(state: &LinkState) -> Result<std::net::SocketAddr, PeerError> {
-    tokio::net::lookup_host(&state.addr)
+/// The address of the peer at `addr` (a `host:port` resolved at each attempt), and its host
+/// (the name a TLS certificate must show).
+async fn resolve(state: &LinkState) -> Result<(std::net::SocketAddr, &str), PeerError> {
+    let addr = tokio::net::lookup_host(&state.addr)
         .await?
         .next()
-        .ok_or_else(|| PeerError::Io(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+        .ok_or_else(|| PeerError::Io(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))?;
+    let host = state.addr.rsplit_once(':').map_or(state.addr.as_str(), |(host, _)| host);
+    Ok((addr, host))
 }
 
 /// Connects to the peer (for the feed).
 async fn connect(state: &LinkState) -> Result<PeerClient, PeerError> {
-    let client = PeerClient::connect(resolve(state).await?, &state.config.client).await?;
+    let (addr, host) = resolve(state).await?;
+    let client = PeerClient::connect_to(addr, host, &state.config.client).await?;
     *state.name.lock() = Some(client.peer().node.clone());
     state.epoch.store(client.peer().epoch, Ordering::Relaxed);
     Ok(client)
@@ -362,7 +366,8 @@ async fn connect(state: &LinkState) -> Result<PeerClient, PeerError> {
 
 /// Connects a lane to the peer: RDMA where both ends have it, TCP otherwise.
 async fn connect_lane_to(state: &LinkState) -> Result<Box<dyn Lane>, PeerError> {
-    let lane = connect_lane(resolve(state).await?, &state.config.client, state.config.rdma.as_ref()).await?;
+    let (addr, host) = resolve(state).await?;
+    let lane = connect_lane(addr, host, &state.config.client, state.config.rdma.as_ref()).await?;
     *state.name.lock() = Some(lane.peer().node.clone());
     state.epoch.store(lane.peer().epoch, Ordering::Relaxed);
     state.rdma.store(lane.transport() == Transport::Rdma, Ordering::Relaxed);

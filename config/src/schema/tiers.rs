@@ -294,6 +294,15 @@ pub struct G4Config {
     /// The cluster's shared secret (32 bytes, or 64 hex digits; readable by its owner only),
     /// with which peers authenticate each other. Required when G4 is enabled.
     pub secret_file: Option<PathBuf>,
+    /// Mutual TLS for every G4 connection, for networks where someone on the path may read or
+    /// rewrite traffic: this node's certificate chain (PEM). Set with `tls_key` and `tls_ca`, or
+    /// not at all. Default unset (plain TCP under the secret's MACs).
+    pub tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM: PKCS#8, SEC1 or PKCS#1), for `tls_cert`.
+    pub tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM): peers must show a certificate it signed, and a server's must name
+    /// the host a node dials.
+    pub tls_ca: Option<PathBuf>,
     /// The longest a peer's hold pins this node's blocks without a fetch or release.
     /// Default `"10s"`.
     pub hold_ttl: HumanDuration,
@@ -321,6 +330,9 @@ impl Default for G4Config {
             heartbeat: HumanDuration::secs(1),
             cluster: "dynamo".to_owned(),
             secret_file: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
             hold_ttl: HumanDuration::secs(10),
             max_holds_per_peer: 64,
             history: false,

@@ -193,6 +193,7 @@ async fn protocol_passes(
         handshake_timeout: Duration::from_secs(5),
         idle_timeout: Duration::from_secs(30),
         rdma: None,
+        tls: None,
     });
     let client = ClientConfig {
         secret,
@@ -201,6 +202,7 @@ async fn protocol_passes(
         integrity,
         connect_timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(30),
+        tls: None,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

@@ -8,6 +8,7 @@
 //! - [`feed`] — what a node can serve, as numbered changes after a snapshot, for peers' indexes.
 //! - [`tcp`] — the TCP transport: one authenticated connection with MACed frames, its server
 //!   (holds and fetches answered from a [`tcp::BlockSource`]) and its client.
+//! - [`tls`] — mutual TLS under the protocol, for untrusted networks.
 //! - [`transport`] — a lane of a link, TCP or RDMA, behind one trait.
 //! - `rdma` (feature `rdma`) — one-sided RDMA reads of a peer's held images into local G2.
 //!
@@ -21,5 +22,6 @@ pub mod holds;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod tcp;
+pub mod tls;
 pub mod transport;
 pub mod wire;

@@ -22,6 +22,7 @@ use tokio::net::TcpStream;
 use super::auth::{AuthError, ClientHandshake, ClusterSecret, Direction, PeerIdentity, ServerHandshake, Session};
 use super::feed::{Feed, FeedChange, Subscription};
 use super::holds::{HoldError, HoldLimits, HoldTable};
+use super::tls::Tls;
 use super::transport::RemoteAccess;
 use super::wire::{
     FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, HeldPlace, Integrity, Message, RdmaEndpoint, RefusalCode,
@@ -96,6 +97,10 @@ pub enum PeerError {
     /// An RDMA read or its setup failed.
     #[error("RDMA: {0}")]
     Rdma(String),
+    /// The TLS handshake failed (no certificate, one the cluster CA did not sign, one for
+    /// another name, or no TLS at all on the other side).
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 impl PeerError {
@@ -113,6 +118,7 @@ impl PeerError {
             PeerError::Timeout(_) => "timeout",
             PeerError::Lagged => "lagged",
             PeerError::Rdma(_) => "rdma",
+            PeerError::Tls(_) => "tls",
         }
     }
 
@@ -172,9 +178,14 @@ enum Step {
 /// read it into the connection's own buffer.
 type SlotAlloc<'a> = &'a mut (dyn FnMut() -> Option<SlotMut> + Send);
 
+/// What a connection runs on: a TCP stream, or TLS over one.
+trait PeerStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> PeerStream for T {}
+
 /// One side of a connection: framing, and the MACs once the handshake is done.
 struct Conn {
-    stream: TcpStream,
+    stream: Box<dyn PeerStream>,
     limits: WireLimits,
     buf: Vec<u8>,
     /// The image of an image frame being read.
@@ -195,7 +206,7 @@ struct Conn {
 }
 
 impl Conn {
-    fn new(stream: TcpStream, limits: WireLimits, integrity: Integrity, sending: Direction) -> Self {
+    fn new(stream: Box<dyn PeerStream>, limits: WireLimits, integrity: Integrity, sending: Direction) -> Self {
         Self {
             stream,
             limits,
@@ -400,6 +411,8 @@ pub struct ServerConfig {
     pub idle_timeout: Duration,
     /// Lets peers read held images with RDMA; `None` declines RDMA (lanes carry frames).
     pub rdma: Option<Arc<dyn RemoteAccess>>,
+    /// Mutual TLS under the protocol; `None` serves plain TCP.
+    pub tls: Option<Arc<Tls>>,
 }
 
 /// What a connection did, when it ended cleanly.
@@ -436,6 +449,15 @@ pub async fn serve_peer_into<S: BlockSource>(
     served: &mut ServedPeer,
 ) -> Result<(), PeerError> {
     tune_socket(&stream, config.idle_timeout)?;
+    let stream: Box<dyn PeerStream> = match &config.tls {
+        Some(tls) => Box::new(
+            tokio::time::timeout(config.handshake_timeout, tls.accept(stream))
+                .await
+                .map_err(|_| PeerError::Timeout("TLS handshake"))?
+                .map_err(|e| PeerError::Tls(e.to_string()))?,
+        ),
+        None => Box::new(stream),
+    };
     let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToClient);
     let result = async {
         let session = tokio::time::timeout(config.handshake_timeout, server_handshake(&mut conn, config))
@@ -647,6 +669,8 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// Each request's answer must come within this.
     pub request_timeout: Duration,
+    /// Mutual TLS under the protocol (the server must use it too); `None` connects plain TCP.
+    pub tls: Option<Arc<Tls>>,
 }
 
 /// A hold granted by a server.
@@ -715,11 +739,21 @@ impl std::fmt::Debug for PeerClient {
 }
 
 impl PeerClient {
-    /// Connects and authenticates.
+    /// Connects and authenticates; with TLS, the server's certificate must name `addr`'s IP.
     pub async fn connect(addr: std::net::SocketAddr, config: &ClientConfig) -> Result<Self, PeerError> {
+        Self::connect_to(addr, &addr.ip().to_string(), config).await
+    }
+
+    /// Connects to `addr`, which `host` (a DNS name or an IP address) resolved to, and
+    /// authenticates; with TLS, the server's certificate must name `host`.
+    pub async fn connect_to(addr: std::net::SocketAddr, host: &str, config: &ClientConfig) -> Result<Self, PeerError> {
         tokio::time::timeout(config.connect_timeout, async {
             let stream = TcpStream::connect(addr).await?;
             tune_socket(&stream, config.request_timeout.max(Duration::from_secs(1)))?;
+            let stream: Box<dyn PeerStream> = match &config.tls {
+                Some(tls) => Box::new(tls.connect(host, stream).await.map_err(|e| PeerError::Tls(e.to_string()))?),
+                None => Box::new(stream),
+            };
             let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToServer);
             let (pending, hello) =
                 ClientHandshake::start(config.secret.clone(), &config.me, super::auth::fresh_nonce(), config.integrity);

@@ -182,14 +182,16 @@ pub enum RdmaUnavailable {
     Setup(String),
 }
 
-/// Opens a lane to `addr`: an authenticated TCP connection, turned into an RDMA lane when this
-/// node has `rdma` and the peer accepts it. A peer that declines leaves a TCP lane.
+/// Opens a lane to `addr` (which `host` resolved to): an authenticated TCP connection, turned
+/// into an RDMA lane when this node has `rdma` and the peer accepts it. A peer that declines
+/// leaves a TCP lane.
 pub async fn connect_lane(
     addr: std::net::SocketAddr,
+    host: &str,
     config: &ClientConfig,
     rdma: Option<&Arc<RdmaNode>>,
 ) -> Result<Box<dyn Lane>, PeerError> {
-    let client = PeerClient::connect(addr, config).await?;
+    let client = PeerClient::connect_to(addr, host, config).await?;
     match rdma {
         Some(node) => node.connect_lane(client).await,
         None => Ok(Box::new(client)),

@@ -1,0 +1,158 @@
+//! Mutual TLS under the block-serving protocol, on loopback with the test CA's certificates
+//! (`tests/fixtures/g4-tls`): nodes of the cluster CA hold and fetch as always; a client without
+//! TLS, one whose certificate another CA signed, and a server whose certificate names another
+//! host are all refused before a byte of the protocol.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, Salt, seal};
+use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
+use dynamo_tiering::g4::holds::HoldLimits;
+use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, Fetched, PeerClient, PeerError, ServerConfig, serve_peer};
+use dynamo_tiering::g4::tls::{Tls, TlsError};
+use dynamo_tiering::g4::wire::{Integrity, WireLimits};
+use tokio::net::TcpListener;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/g4-tls").join(name)
+}
+
+/// `node`'s TLS, trusting `ca`.
+fn tls(node: &str, ca: &str) -> Option<Arc<Tls>> {
+    let tls = Tls::from_files(&fixture(&format!("{node}.pem")), &fixture(&format!("{node}.key")), &fixture(ca));
+    Some(Arc::new(tls.expect("the test certificates load")))
+}
+
+struct Blocks(HashMap<BlockHash, Arc<Vec<u8>>>);
+
+#[derive(Clone)]
+struct Image(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for Image {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl BlockSource for Blocks {
+    type Handle = Image;
+    fn resolve(&self, hash: BlockHash) -> Option<Image> {
+        self.0.get(&hash).cloned().map(Image)
+    }
+}
+
+fn sealed(hash: u128) -> Vec<u8> {
+    let mut buf = vec![hash as u8; HEADER_LEN + 4096];
+    let spec = ImageSpec {
+        hash: BlockHash(hash),
+        parent: None,
+        salt: Salt(0),
+        layout: BlockLayout::opaque(4096),
+        token_count: 1,
+        retention: RetentionMeta::default(),
+    };
+    seal(&mut buf, &spec);
+    buf
+}
+
+fn identity(node: &str) -> PeerIdentity {
+    PeerIdentity { cluster: "test".into(), node: node.into(), epoch: 1 }
+}
+
+/// A server with `tls` for as many connections as come; each one's outcome goes to the channel.
+async fn server(tls: Option<Arc<Tls>>) -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<Result<(), PeerError>>) {
+    let config = ServerConfig {
+        secret: ClusterSecret::from_bytes([9; 32]),
+        me: identity("server"),
+        wire: WireLimits::default(),
+        integrity: Integrity::Checksum,
+        holds: HoldLimits::default(),
+        handshake_timeout: Duration::from_secs(2),
+        idle_timeout: Duration::from_secs(10),
+        rdma: None,
+        tls,
+    };
+    let blocks = Arc::new(Blocks([1, 2].iter().map(|&h| (BlockHash(h), Arc::new(sealed(h)))).collect()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let config = Arc::new(config);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (config, blocks, tx) = (config.clone(), blocks.clone(), tx.clone());
+            tokio::spawn(async move {
+                let _ = tx.send(serve_peer(stream, &config, &*blocks).await.map(|_| ()));
+            });
+        }
+    });
+    (addr, rx)
+}
+
+fn client(tls: Option<Arc<Tls>>) -> ClientConfig {
+    ClientConfig {
+        secret: ClusterSecret::from_bytes([9; 32]),
+        me: identity("client"),
+        wire: WireLimits::default(),
+        integrity: Integrity::Checksum,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+        tls,
+    }
+}
+
+#[tokio::test]
+async fn nodes_of_the_cluster_ca_hold_and_fetch_over_mutual_tls() {
+    let (addr, mut outcomes) = server(tls("node-a", "ca.pem")).await;
+    // By IP and by name: the certificate names both.
+    for host in ["127.0.0.1", "localhost"] {
+        let mut peer = PeerClient::connect_to(addr, host, &client(tls("node-b", "ca.pem"))).await.expect(host);
+        assert_eq!(peer.peer().node, "server");
+        let held = peer.hold(&[BlockHash(1), BlockHash(2)], Duration::from_secs(5)).await.unwrap();
+        let fetched = peer.fetch(held.hold_id, &[BlockHash(1), BlockHash(2)]).await.unwrap();
+        assert_eq!(fetched[0].1, Fetched::Verified(sealed(1)));
+        assert_eq!(fetched[1].1, Fetched::Verified(sealed(2)));
+        peer.goodbye().await.unwrap();
+        assert!(outcomes.recv().await.unwrap().is_ok(), "a clean goodbye");
+    }
+}
+
+#[tokio::test]
+async fn peers_without_a_certificate_of_the_cluster_ca_are_refused() {
+    let (addr, mut outcomes) = server(tls("node-a", "ca.pem")).await;
+    let refused_by_server = |outcome: Result<(), PeerError>| matches!(outcome, Err(PeerError::Tls(_)));
+
+    // No TLS at all: the server's TLS handshake fails on the plain Hello.
+    assert!(PeerClient::connect(addr, &client(None)).await.is_err());
+    let outcome = outcomes.recv().await.unwrap();
+    assert!(refused_by_server(outcome), "a plain-TCP client is refused");
+
+    // A certificate another CA signed (the client trusts the server: only the server can refuse).
+    let rogue = PeerClient::connect(addr, &client(tls("rogue", "ca.pem"))).await;
+    assert!(rogue.is_err(), "a rogue certificate is refused");
+    let outcome = outcomes.recv().await.unwrap();
+    assert!(refused_by_server(outcome), "the server refuses the rogue certificate");
+
+    // A client that trusts another CA refuses the server's certificate itself.
+    let err = PeerClient::connect(addr, &client(tls("node-b", "other-ca.pem"))).await.unwrap_err();
+    assert!(matches!(err, PeerError::Tls(_)), "{err}");
+}
+
+#[tokio::test]
+async fn a_server_whose_certificate_names_another_host_is_refused() {
+    let (addr, _outcomes) = server(tls("elsewhere", "ca.pem")).await;
+    let err = PeerClient::connect(addr, &client(tls("node-b", "ca.pem"))).await.unwrap_err();
+    assert!(matches!(err, PeerError::Tls(ref why) if why.contains("not valid for name")), "{err}");
+}
+
+#[test]
+fn files_that_are_not_what_they_should_be_are_named_in_the_error() {
+    let err = Tls::from_files(&fixture("ca.pem"), &fixture("no-such.key"), &fixture("ca.pem")).unwrap_err();
+    assert!(matches!(err, TlsError::File { ref path, .. } if path.ends_with("no-such.key")), "{err}");
+    // A key where the CA should be: no certificate in it.
+    let err = Tls::from_files(&fixture("node-a.pem"), &fixture("node-a.key"), &fixture("node-a.key")).unwrap_err();
+    assert!(matches!(err, TlsError::File { ref path, .. } if path.ends_with("node-a.key")), "{err}");
+}
