@@ -298,10 +298,7 @@ impl NodeConfig {
                 .zip(tls)
                 .find(|(_, f)| f.is_none())
                 .map_or("tls_cert", |(key, _)| key);
-            c.fail(
-                format!("tiers.g4.{missing}"),
-                "mutual TLS needs all three of tls_cert, tls_key and tls_ca",
-            );
+            c.fail(format!("tiers.g4.{missing}"), "mutual TLS needs all three of tls_cert, tls_key and tls_ca");
         }
         if g4.cluster.is_empty() || g4.cluster.len() > 255 {
             c.fail("tiers.g4.cluster", "must be 1 to 255 bytes");
