@@ -24,6 +24,7 @@ use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy, align_up};
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, FetchedSlot, PeerClient, ServerConfig, serve_peer};
+use dynamo_tiering::g4::tls::Tls;
 use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -46,6 +47,11 @@ pub struct BenchG4Args {
     /// Connections side by side (a node's `tiers.g4.lanes`); the plain copy uses as many.
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
+    /// Also run under mutual TLS (with `integrity = "checksum"`: TLS authenticates every byte),
+    /// with the certificates in this directory: `ca.pem`, and `node-a` and `node-b` `.pem`/`.key`
+    /// for 127.0.0.1 (`tests/fixtures/g4-tls` has test ones).
+    #[arg(long)]
+    pub tls: Option<std::path::PathBuf>,
 }
 
 /// What the bench measured.
@@ -59,6 +65,8 @@ pub struct G4Report {
     pub mac_gbps: f64,
     /// The protocol's median GB/s with images verified by checksums only (`"checksum"`).
     pub checksum_gbps: f64,
+    /// The protocol's median GB/s under mutual TLS, images verified by checksums, with `--tls`.
+    pub tls_gbps: Option<f64>,
     /// The plain copy's median GB/s.
     pub plain_gbps: f64,
     /// The protocol's round trip, for a ping.
@@ -83,13 +91,20 @@ impl fmt::Display for G4Report {
             "  integrity \"checksum\" (auth, control frames MACed, images verified): {:.2} GB/s",
             self.checksum_gbps
         )?;
+        if let Some(tls) = self.tls_gbps {
+            writeln!(f, "  mutual TLS 1.3 (integrity \"checksum\" inside, images verified): {tls:.2} GB/s")?;
+        }
         writeln!(f, "  plain socket copy of the same bytes: {:.2} GB/s", self.plain_gbps)?;
-        writeln!(
+        write!(
             f,
             "  ratio to plain: mac {:.2}, checksum {:.2}",
             self.mac_gbps / self.plain_gbps,
             self.checksum_gbps / self.plain_gbps
         )?;
+        match self.tls_gbps {
+            Some(tls) => writeln!(f, ", tls {:.2}", tls / self.plain_gbps)?,
+            None => writeln!(f)?,
+        }
         writeln!(f, "  ping round trip: {:.0} us", self.ping.as_secs_f64() * 1e6)
     }
 }
@@ -155,29 +170,48 @@ pub fn run(args: &BenchG4Args) -> anyhow::Result<G4Report> {
         let mut protocol = Vec::new();
         let mut ping = Duration::ZERO;
         for integrity in [Integrity::Mac, Integrity::Checksum] {
-            let (gbps, rtt) = protocol_passes(args, integrity, &hashes, &images, payload, bytes).await?;
+            let (gbps, rtt) = protocol_passes(args, integrity, None, &hashes, &images, payload, bytes).await?;
             protocol.push(gbps);
             if integrity == Integrity::Mac {
                 ping = rtt;
             }
         }
+        let tls_gbps = match &args.tls {
+            Some(dir) => {
+                let tls = |node: &str| {
+                    Tls::from_files(
+                        &dir.join(format!("{node}.pem")),
+                        &dir.join(format!("{node}.key")),
+                        &dir.join("ca.pem"),
+                    )
+                    .map(Arc::new)
+                    .with_context(|| format!("--tls {}", dir.display()))
+                };
+                let pair = (tls("node-a")?, tls("node-b")?);
+                let tls = Some(pair);
+                Some(protocol_passes(args, Integrity::Checksum, tls, &hashes, &images, payload, bytes).await?.0)
+            }
+            None => None,
+        };
         let plain = plain_passes(args, &hashes, &images, payload, bytes).await?;
         Ok(G4Report {
             bytes,
             lanes: args.lanes,
             mac_gbps: protocol[0],
             checksum_gbps: protocol[1],
+            tls_gbps,
             plain_gbps: plain,
             ping,
         })
     })
 }
 
-/// The protocol's median GB/s over `args.passes` passes, with images protected by `integrity`,
-/// and a ping's round trip.
+/// The protocol's median GB/s over `args.passes` passes, with images protected by `integrity`
+/// (under `tls`, the server's and the client's, when given), and a ping's round trip.
 async fn protocol_passes(
     args: &BenchG4Args,
     integrity: Integrity,
+    tls: Option<(Arc<Tls>, Arc<Tls>)>,
     hashes: &[BlockHash],
     images: &HashMap<BlockHash, Arc<Vec<u8>>>,
     payload: usize,
@@ -193,7 +227,7 @@ async fn protocol_passes(
         handshake_timeout: Duration::from_secs(5),
         idle_timeout: Duration::from_secs(30),
         rdma: None,
-        tls: None,
+        tls: tls.as_ref().map(|(server, _)| server.clone()),
     });
     let client = ClientConfig {
         secret,
@@ -202,7 +236,7 @@ async fn protocol_passes(
         integrity,
         connect_timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(30),
-        tls: None,
+        tls: tls.map(|(_, client)| client),
     };
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -337,4 +371,21 @@ async fn plain_passes(
 /// A fixed secret: the bench authenticates as real peers do, against itself.
 fn bench_secret() -> [u8; 32] {
     *blake3::hash(b"dynamo-node bench g4").as_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_run_moves_every_byte_in_each_mode_tls_included() {
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/g4-tls");
+        let args = BenchG4Args { block_kib: 64, blocks: 16, batch: 4, passes: 1, lanes: 2, tls: Some(fixtures) };
+        let report = run(&args).expect("the bench runs");
+        assert_eq!(report.bytes, 16 * (HEADER_LEN as u64 + (64 << 10)));
+        for gbps in [report.mac_gbps, report.checksum_gbps, report.tls_gbps.expect("--tls ran"), report.plain_gbps] {
+            assert!(gbps.is_finite() && gbps > 0.0, "{report}");
+        }
+        assert!(report.to_string().contains("tls "), "{report}");
+    }
 }
