@@ -270,10 +270,10 @@ async fn nodes_share_kv_over_mutual_tls_and_a_node_of_another_ca_gets_nothing() 
 
 /// A TCP forwarder to `to`. Each connection's answers (server to client) pass, read by read,
 /// through a fresh filter from `filter`, which may change the bytes and says how long to hold
-/// them before they go on.
+/// them and how many of them go on: fewer than were read cuts the connection after them.
 async fn forwarder<F>(to: String, filter: impl Fn() -> F + Send + 'static) -> String
 where
-    F: FnMut(&mut [u8]) -> Duration + Send + 'static,
+    F: FnMut(&mut [u8]) -> (Duration, usize) + Send + 'static,
 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -291,11 +291,11 @@ where
                     if n == 0 {
                         break;
                     }
-                    let hold = filter(&mut buf[..n]);
+                    let (hold, keep) = filter(&mut buf[..n]);
                     if !hold.is_zero() {
                         tokio::time::sleep(hold).await;
                     }
-                    if cw.write_all(&buf[..n]).await.is_err() {
+                    if cw.write_all(&buf[..keep.min(n)]).await.is_err() || keep < n {
                         break;
                     }
                 }
@@ -308,48 +308,128 @@ where
 /// A TCP forwarder to `to` whose answers (server to client) are each held for `delay`: the
 /// latency of a far or congested link, made in user space (this kernel has no netem).
 async fn delaying_forwarder(to: String, delay: Duration) -> String {
-    forwarder(to, move || move |_: &mut [u8]| delay).await
+    forwarder(to, move || move |buf: &mut [u8]| (delay, buf.len())).await
+}
+
+/// Finds block images in a byte stream fed in reads of any size: by their header (magic and
+/// header checksum), so nothing else in the stream (the handshake, control frames, the feed)
+/// is taken for one.
+#[derive(Default)]
+struct ImageSpotter {
+    /// The stream's last HEADER_LEN - 1 bytes, so that a header split across two reads is found
+    /// (once: in the read that completes it).
+    window: Vec<u8>,
+    /// Bytes of the stream before the current read.
+    passed: usize,
+}
+
+impl ImageSpotter {
+    /// The images whose header ends in `read`: each one's offset in the stream and length.
+    fn spot(&mut self, read: &[u8]) -> Vec<(usize, usize)> {
+        use dynamo_tiering::block::image::MAGIC;
+        use dynamo_tiering::block::{HEADER_LEN, ImageHeader};
+        self.window.extend_from_slice(read);
+        let window_at = self.passed + read.len() - self.window.len();
+        let mut found = Vec::new();
+        for i in 0..self.window.len().saturating_sub(HEADER_LEN - 1) {
+            if self.window[i..].starts_with(&MAGIC)
+                && let Ok(header) = ImageHeader::decode_header_only(&self.window[i..])
+            {
+                found.push((window_at + i, header.image_bytes()));
+            }
+        }
+        self.window.drain(..self.window.len().saturating_sub(HEADER_LEN - 1));
+        self.passed += read.len();
+        found
+    }
 }
 
 /// A TCP forwarder to `to` that flips one bit halfway into the `nth` block image (from 0) that
 /// each connection carries from the server: a NIC, switch or middlebox that damages a stream
-/// and gets past TCP's 16-bit checksum. Images are found by their header (magic and header
-/// checksum), so the flip lands in an image's payload, never in the handshake, a control frame
-/// or the feed, whatever the frames around it weigh.
+/// and gets past TCP's 16-bit checksum. The flip lands in an image's payload, never in the
+/// handshake, a control frame or the feed, whatever the frames around it weigh.
 async fn corrupting_forwarder(to: String, nth: usize) -> String {
-    use dynamo_tiering::block::image::MAGIC;
-    use dynamo_tiering::block::{HEADER_LEN, ImageHeader};
     forwarder(to, move || {
-        // The stream's last HEADER_LEN - 1 bytes, so that a header split across two reads is
-        // found (once: in the read that completes it).
-        let mut window: Vec<u8> = Vec::new();
-        let (mut passed, mut images, mut flip_at) = (0usize, 0usize, None);
+        let mut spotter = ImageSpotter::default();
+        let (mut images, mut flip_at) = (0usize, None);
         move |buf: &mut [u8]| {
-            let n = buf.len();
-            window.extend_from_slice(buf);
-            let window_at = passed + n - window.len();
-            for i in 0..window.len().saturating_sub(HEADER_LEN - 1) {
-                if window[i..].starts_with(&MAGIC)
-                    && let Ok(header) = ImageHeader::decode_header_only(&window[i..])
-                {
-                    if images == nth {
-                        flip_at = Some(window_at + i + header.image_bytes() / 2);
-                    }
-                    images += 1;
+            let passed = spotter.passed;
+            for (at, len) in spotter.spot(buf) {
+                if images == nth {
+                    flip_at = Some(at + len / 2);
                 }
+                images += 1;
             }
-            window.drain(..window.len().saturating_sub(HEADER_LEN - 1));
             if let Some(at) = flip_at
-                && (passed..passed + n).contains(&at)
+                && (passed..passed + buf.len()).contains(&at)
             {
                 buf[at - passed] ^= 0x10;
                 flip_at = None;
             }
-            passed += n;
-            Duration::ZERO
+            (Duration::ZERO, buf.len())
         }
     })
     .await
+}
+
+/// A TCP forwarder to `to` that, the first time an image comes through, says so on the channel,
+/// holds that read for `hold`, passes it on only up to the middle of the image and cuts the
+/// connection there: the server dying halfway through sending a block.
+async fn cutting_forwarder(to: String, hold: Duration) -> (String, tokio::sync::oneshot::Receiver<()>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let tx = Arc::new(std::sync::Mutex::new(Some(tx)));
+    let addr = forwarder(to, move || {
+        let (mut spotter, tx, mut cut_at) = (ImageSpotter::default(), tx.clone(), None);
+        move |buf: &mut [u8]| {
+            let passed = spotter.passed;
+            let spotted = spotter.spot(buf);
+            if cut_at.is_none()
+                && let Some(&(at, len)) = spotted.first()
+                && let Some(tx) = tx.lock().unwrap().take()
+            {
+                let _ = tx.send(());
+                cut_at = Some(at + len / 2);
+            }
+            match cut_at {
+                Some(cut) if cut < passed + buf.len() => (hold, cut.saturating_sub(passed)),
+                _ => (Duration::ZERO, buf.len()),
+            }
+        }
+    })
+    .await;
+    (addr, rx)
+}
+
+#[tokio::test]
+async fn a_peer_killed_mid_transfer_costs_a_recompute_and_no_wrong_block() {
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let secret = [0x49; 32];
+    let a = Node::start_in(dir_a.clone(), &g4_config(&secret_file(&dir_a, secret), &[]));
+    let (via, in_flight) = cutting_forwarder(g4_addr(&a), Duration::from_millis(20)).await;
+    let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), &[via]));
+
+    let alpha = long_prompt("alpha");
+    let (a_alpha, prompt_tokens, _) = a.greedy(&alpha).await;
+    let blocks = (prompt_tokens / 32) as f64;
+    let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= blocks).await;
+    assert!(known >= blocks, "B knows A's blocks: {known}");
+    // B asks; the moment A's first image is on the wire to B, A dies (and B's stream ends
+    // halfway through that image).
+    let asking = tokio::spawn(async move {
+        let answer = b.greedy(&alpha).await;
+        (b, answer)
+    });
+    tokio::time::timeout(LIMIT, in_flight).await.expect("B fetched from A").unwrap();
+    let mut a = a;
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    let (b, (b_alpha, _, cached)) = asking.await.unwrap();
+    assert_eq!(b_alpha, a_alpha, "a peer dead mid-transfer costs a recompute, never a token");
+    assert_eq!(b.metric(G4_HITS).await, cached as f64);
+    assert_eq!(b.metric_sum("dynamo_node_peer_fetches_total{", "outcome=\"ok\"").await, 0.0, "the fetch failed");
+    let history = check_history(&dir_b, &dir_a).await;
+    assert!(history.iter().all(|e| e["outcome"] != "verified"), "nothing of the cut fetch was used: {history:?}");
+    assert_eq!(b.stop(), 0);
 }
 
 /// The Jepsen-style check of `reader`'s G4 history (`tiers.g4.history`) against the truth, the

@@ -46,12 +46,14 @@ impl BlockSource for Blocks {
 }
 
 fn sealed(hash: u128) -> Vec<u8> {
-    let mut buf = vec![hash as u8; HEADER_LEN + 4096];
+    // Block 100 and up are large: a fetch of many fills the socket's buffers.
+    let payload = if hash >= 100 { 512 << 10 } else { 4096 };
+    let mut buf = vec![hash as u8; HEADER_LEN + payload];
     let spec = ImageSpec {
         hash: BlockHash(hash),
         parent: None,
         salt: Salt(0),
-        layout: BlockLayout::opaque(4096),
+        layout: BlockLayout::opaque(payload),
         token_count: 1,
         retention: RetentionMeta::default(),
     };
@@ -76,7 +78,8 @@ async fn server(tls: Option<Arc<Tls>>) -> (SocketAddr, tokio::sync::mpsc::Unboun
         rdma: None,
         tls,
     };
-    let blocks = Arc::new(Blocks([1, 2].iter().map(|&h| (BlockHash(h), Arc::new(sealed(h)))).collect()));
+    let hashes = [1, 2].into_iter().chain(100..164);
+    let blocks = Arc::new(Blocks(hashes.map(|h| (BlockHash(h), Arc::new(sealed(h)))).collect()));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -115,6 +118,11 @@ async fn nodes_of_the_cluster_ca_hold_and_fetch_over_mutual_tls() {
         let fetched = peer.fetch(held.hold_id, &[BlockHash(1), BlockHash(2)]).await.unwrap();
         assert_eq!(fetched[0].1, Fetched::Verified(sealed(1)));
         assert_eq!(fetched[1].1, Fetched::Verified(sealed(2)));
+        // 32 MiB in one fetch: every TLS record reaches the socket, none waits in a buffer.
+        let large: Vec<BlockHash> = (100..164).map(BlockHash).collect();
+        let held = peer.hold(&large, Duration::from_secs(5)).await.unwrap();
+        let fetched = peer.fetch(held.hold_id, &large).await.unwrap();
+        assert!(fetched.iter().all(|(h, f)| *f == Fetched::Verified(sealed(h.0))), "every large image arrives");
         peer.goodbye().await.unwrap();
         assert!(outcomes.recv().await.unwrap().is_ok(), "a clean goodbye");
     }

@@ -360,6 +360,8 @@ impl Conn {
         }
         self.seq_out += 1;
         self.stream.write_all(&bytes).await?;
+        // TLS holds records that did not fit the socket until a flush (plain TCP holds nothing).
+        self.stream.flush().await?;
         Ok(())
     }
 
@@ -373,6 +375,7 @@ impl Conn {
         if let Some(mac) = mac {
             self.stream.write_all(&mac).await?;
         }
+        self.stream.flush().await?;
         Ok(())
     }
 
