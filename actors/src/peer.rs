@@ -281,6 +281,16 @@ pub fn open_rdma(g4: &G4Config, tiers: &NodeTiers) -> Option<Arc<RdmaNode>> {
         telemetry::set_peer_rdma(false);
         return None;
     }
+    // RDMA reads carry images with no MAC and no TLS: only where the operator said the fabric is
+    // trusted (`integrity = "checksum"`) and asked for no TLS.
+    if g4.integrity != G4Integrity::Checksum || g4.tls_cert.is_some() {
+        tracing::warn!(
+            "tiers.g4.transport = \"rdma\" reads images with no MAC and no TLS, so it needs \
+             integrity = \"checksum\" and no tls_*: G4 uses TCP"
+        );
+        telemetry::set_peer_rdma(false);
+        return None;
+    }
     let Some(g2) = &tiers.g2 else {
         tracing::warn!("tiers.g4.transport = \"rdma\" needs G2 to register: G4 uses TCP");
         telemetry::set_peer_rdma(false);

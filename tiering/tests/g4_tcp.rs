@@ -310,7 +310,7 @@ async fn rdma_places_are_given_only_on_a_connection_whose_queue_pair_was_accepte
     assert!(matches!(refused, PeerError::Refused { code: RefusalCode::Protocol, .. }), "{refused}");
 
     let mut client = PeerClient::connect(addr, &client_config(1)).await.unwrap();
-    let mine = RdmaEndpoint { lid: 7, gid: [2; 16], qpn: 100, psn: 5 };
+    let mine = RdmaEndpoint { lid: 7, gid: [2; 16], qpn: 100, psn: 5, mtu: 5, rd_atomic: 16 };
     let (theirs, rkey) = client.rdma_connect(mine).await.unwrap().expect("accepted");
     assert_eq!((theirs.qpn, rkey), (101, 0x5eed));
     let asked = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(9)];

@@ -36,7 +36,7 @@ use super::auth::PeerIdentity;
 use super::tcp::{FetchedSlot, Held, PeerClient, PeerError};
 use super::transport::{Accepted, Lane, OnFetched, RdmaOptions, RdmaUnavailable, RemoteAccess, SlotAlloc, Transport};
 use super::wire::{HeldBlock, RdmaEndpoint};
-use crate::block::{BlockHash, verify_image};
+use crate::block::{BlockHash, ImageError, verify_image};
 use crate::g2::{HostPool, SlotMut};
 
 /// The port every queue pair uses.
@@ -393,13 +393,13 @@ impl QueuePair {
             max_recv_sge: 1,
             max_inline_data: 0,
         };
+        let mut psn = [0u8; 4];
+        getrandom::fill(&mut psn).map_err(|e| format!("drawing a packet sequence number: {e}"))?;
         // SAFETY: the protection domain is live; `init` is fully initialized.
         let qp = unsafe { ib::ibv_create_qp(node.verbs.pd, &mut init) };
         if qp.is_null() {
             return Err(os_error("creating a queue pair"));
         }
-        let mut psn = [0u8; 4];
-        getrandom::fill(&mut psn).map_err(|e| format!("drawing a packet sequence number: {e}"))?;
         let this = QueuePair { node: node.clone(), qp, psn: u32::from_le_bytes(psn) & 0x00ff_ffff };
         // SAFETY: a zeroed attribute struct is valid; only the masked fields are read.
         let mut attr: ib::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -422,7 +422,14 @@ impl QueuePair {
     }
 
     fn endpoint(&self) -> RdmaEndpoint {
-        RdmaEndpoint { lid: self.node.lid, gid: self.node.gid, qpn: self.qpn(), psn: self.psn }
+        RdmaEndpoint {
+            lid: self.node.lid,
+            gid: self.node.gid,
+            qpn: self.qpn(),
+            psn: self.psn,
+            mtu: self.node.mtu as u8,
+            rd_atomic: self.node.rd_atomic,
+        }
     }
 
     fn modify(&self, attr: &mut ib::ibv_qp_attr, mask: u32, state: &str) -> Result<(), String> {
@@ -441,10 +448,11 @@ impl QueuePair {
         // SAFETY: as in `create`.
         let mut attr: ib::ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ib::ibv_qp_state::IBV_QPS_RTR;
-        attr.path_mtu = self.node.mtu;
+        // Both ends must agree: the smaller MTU, and no more reads in flight than either allows.
+        attr.path_mtu = self.node.mtu.min(remote.mtu.clamp(1, 5).into());
         attr.dest_qp_num = remote.qpn;
         attr.rq_psn = remote.psn;
-        attr.max_dest_rd_atomic = self.node.rd_atomic;
+        attr.max_dest_rd_atomic = self.node.rd_atomic.min(remote.rd_atomic).max(1);
         attr.min_rnr_timer = 12;
         attr.ah_attr.is_global = 1;
         attr.ah_attr.grh.dgid = ib::ibv_gid { raw: remote.gid };
@@ -470,7 +478,7 @@ impl QueuePair {
         attr.retry_cnt = 7;
         attr.rnr_retry = 7;
         attr.sq_psn = self.psn;
-        attr.max_rd_atomic = self.node.rd_atomic;
+        attr.max_rd_atomic = self.node.rd_atomic.min(remote.rd_atomic).max(1);
         self.modify(
             &mut attr,
             m::IBV_QP_STATE.0
@@ -504,8 +512,16 @@ impl QueuePair {
         }
         let wr_id = self.node.next_wr.fetch_add(1, Ordering::Relaxed);
         let (done, rx) = oneshot::channel();
-        // Into the table before the post: the completion may come before the post returns.
-        self.node.in_flight.lock().insert(wr_id, InFlight { qp_num: self.qpn(), slot, done });
+        {
+            // Into the table before the post: the completion may come before the post returns.
+            // The table holds every read not yet reported, across all queue pairs (closing ones
+            // included): one more than the completion queue holds would overrun it.
+            let mut table = self.node.in_flight.lock();
+            if table.len() >= CQ_DEPTH as usize {
+                return Err(format!("{CQ_DEPTH} RDMA reads in flight: the completion queue is full"));
+            }
+            table.insert(wr_id, InFlight { qp_num: self.qpn(), slot, done });
+        }
         let mut sge = ib::ibv_sge { addr: local, length: len, lkey: self.node.key().0 };
         // SAFETY: a zeroed work request is valid (null pointers, zero counts) before it is filled.
         let mut wr: ib::ibv_send_wr = unsafe { std::mem::zeroed() };
@@ -577,7 +593,17 @@ impl Drop for QueuePair {
         };
         if self.node.in_flight.lock().values().any(|r| r.qp_num == qpn) {
             // Reads in flight: wait for their flush off the caller's thread.
-            let _ = std::thread::Builder::new().name("g4-rdma-close".into()).spawn(close);
+            // If no thread can be had, wait here: a queue pair must not outlive its node's verbs.
+            let close = std::sync::Arc::new(parking_lot::Mutex::new(Some(close)));
+            let on_thread = close.clone();
+            let spawned = std::thread::Builder::new()
+                .name("g4-rdma-close".into())
+                .spawn(move || on_thread.lock().take().map_or((), |close| close()));
+            if spawned.is_err()
+                && let Some(close) = close.lock().take()
+            {
+                close();
+            }
         } else {
             close();
         }
@@ -599,6 +625,7 @@ enum Posted {
     Reading(oneshot::Receiver<ReadDone>, u32),
     Missing,
     NoRoom,
+    TooLong,
 }
 
 impl Lane for RdmaLane {
@@ -636,10 +663,15 @@ impl Lane for RdmaLane {
                         posted.push((hash, Posted::Missing));
                         continue;
                     };
-                    let Some(slot) = alloc() else {
+                    let Some(mut slot) = alloc() else {
                         posted.push((hash, Posted::NoRoom));
                         continue;
                     };
+                    if len as usize > slot.as_mut_slice().len() {
+                        // Never read past the slot: an image this size is not one of this layout's.
+                        posted.push((hash, Posted::TooLong));
+                        continue;
+                    }
                     let rx = self.qp.post_read(slot, addr, self.rkey, len).map_err(PeerError::Rdma)?;
                     posted.push((hash, Posted::Reading(rx, len)));
                 }
@@ -647,6 +679,7 @@ impl Lane for RdmaLane {
                     let fetched = match p {
                         Posted::Missing => FetchedSlot::Missing,
                         Posted::NoRoom => FetchedSlot::NoRoom,
+                        Posted::TooLong => FetchedSlot::Rejected(ImageError::Malformed("image longer than a slot")),
                         Posted::Reading(rx, len) => {
                             let slot = rx
                                 .await

@@ -334,7 +334,7 @@ impl Conn {
                 Step::Image(want) => (&mut self.image, want),
                 Step::Slot(want) => {
                     let (slot, filled) = self.slot_image.as_mut().expect("an image in a slot");
-                    let n = self.stream.read(&mut slot.as_mut_slice()[*filled..want]).await?;
+                    let n = self.stream.read(&mut slot.as_mut_slice()[*filled..want]).await.map_err(read_error)?;
                     if n == 0 {
                         return Err(PeerError::Closed);
                     }
@@ -345,7 +345,7 @@ impl Conn {
             if target.len() < want {
                 target.reserve_exact(want - target.len());
             }
-            let n = (&mut self.stream).take((want - target.len()) as u64).read_buf(target).await?;
+            let n = (&mut self.stream).take((want - target.len()) as u64).read_buf(target).await.map_err(read_error)?;
             if n == 0 {
                 return Err(PeerError::Closed);
             }
@@ -452,18 +452,21 @@ pub async fn serve_peer_into<S: BlockSource>(
     served: &mut ServedPeer,
 ) -> Result<(), PeerError> {
     tune_socket(&stream, config.idle_timeout)?;
+    // One deadline for TLS and the protocol's handshake together: a peer that has proved nothing
+    // holds a connection for `handshake_timeout` at most.
+    let deadline = tokio::time::Instant::now() + config.handshake_timeout;
     let stream: Box<dyn PeerStream> = match &config.tls {
         Some(tls) => Box::new(
-            tokio::time::timeout(config.handshake_timeout, tls.accept(stream))
+            tokio::time::timeout_at(deadline, tls.accept(stream))
                 .await
                 .map_err(|_| PeerError::Timeout("TLS handshake"))?
-                .map_err(|e| PeerError::Tls(e.to_string()))?,
+                .map_err(tls_error)?,
         ),
         None => Box::new(stream),
     };
     let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToClient);
     let result = async {
-        let session = tokio::time::timeout(config.handshake_timeout, server_handshake(&mut conn, config))
+        let session = tokio::time::timeout_at(deadline, server_handshake(&mut conn, config))
             .await
             .map_err(|_| PeerError::Timeout("handshake"))??;
         served.peer = Some(session.peer.clone());
@@ -472,12 +475,32 @@ pub async fn serve_peer_into<S: BlockSource>(
     }
     .await;
     match result {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            // A clean end says so (TLS sends its close_notify); the peer may be gone already.
+            let _ = conn.stream.shutdown().await;
+            Ok(())
+        }
         Err(e) => {
             conn.refuse(&e).await;
             Err(e)
         }
     }
+}
+
+/// A failed TLS handshake: the TLS layer's own refusals (certificates, protocol) are `Tls`; a
+/// socket that failed under it is plain I/O.
+fn tls_error(e: std::io::Error) -> PeerError {
+    match e.kind() {
+        std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput => PeerError::Tls(e.to_string()),
+        std::io::ErrorKind::UnexpectedEof => PeerError::Closed,
+        _ => PeerError::Io(e),
+    }
+}
+
+/// A read that failed: a stream that ended mid-way (as TLS reports a peer gone without its
+/// close_notify) is a closed connection, like a plain socket's end.
+fn read_error(e: std::io::Error) -> PeerError {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof { PeerError::Closed } else { PeerError::Io(e) }
 }
 
 async fn server_handshake(conn: &mut Conn, config: &ServerConfig) -> Result<Session, PeerError> {
@@ -754,7 +777,7 @@ impl PeerClient {
             let stream = TcpStream::connect(addr).await?;
             tune_socket(&stream, config.request_timeout.max(Duration::from_secs(1)))?;
             let stream: Box<dyn PeerStream> = match &config.tls {
-                Some(tls) => Box::new(tls.connect(host, stream).await.map_err(|e| PeerError::Tls(e.to_string()))?),
+                Some(tls) => Box::new(tls.connect(host, stream).await.map_err(tls_error)?),
                 None => Box::new(stream),
             };
             let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToServer);

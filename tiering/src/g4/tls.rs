@@ -64,6 +64,7 @@ impl Tls {
         if chain.is_empty() {
             return Err(file_error(cert, "no certificate in it"));
         }
+        let key_file = key;
         let key = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error(key, e))?;
         let mut roots = RootCertStore::empty();
         let cas: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(ca)
@@ -78,6 +79,11 @@ impl Tls {
         }
         let roots = Arc::new(roots);
         let provider = Arc::new(rustls_rustcrypto::provider());
+        // ECDSA and Ed25519 only: RustCrypto's RSA is not constant-time (RUSTSEC-2023-0071).
+        let signing = provider.key_provider.load_private_key(key.clone_key()).map_err(|e| file_error(key_file, e))?;
+        if signing.algorithm() == rustls::SignatureAlgorithm::RSA {
+            return Err(file_error(key_file, "an RSA key: use an ECDSA (P-256, P-384) or Ed25519 key"));
+        }
         let setup = |e: rustls::Error| TlsError::Setup(e.to_string());
 
         let clients = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())

@@ -159,7 +159,7 @@ impl RemoteAccess for RdmaNode {
     }
 }
 
-/// Which RDMA device and port a node uses.
+/// Which RDMA device a node uses (on its port 1).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RdmaOptions {
     /// The device's name (`mlx5_0`); the first device when `None`.

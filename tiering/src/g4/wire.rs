@@ -103,6 +103,11 @@ pub struct RdmaEndpoint {
     pub qpn: u32,
     /// The first packet sequence number it sends.
     pub psn: u32,
+    /// Its port's active MTU (the verbs enumeration: 1 = 256 bytes … 5 = 4096); the two ends
+    /// use the smaller.
+    pub mtu: u8,
+    /// RDMA reads it takes in flight at once; the two ends use the smaller.
+    pub rd_atomic: u8,
 }
 
 /// One block of a [`Message::HeldAt`] answer.
@@ -471,6 +476,8 @@ impl Message {
             out.extend_from_slice(&e.gid);
             out.extend_from_slice(&e.qpn.to_le_bytes());
             out.extend_from_slice(&e.psn.to_le_bytes());
+            out.push(e.mtu);
+            out.push(e.rd_atomic);
         }
         match self {
             Message::Hello { version, cluster, node, epoch, nonce, integrity } => {
@@ -705,7 +712,14 @@ impl<'a> Reader<'a> {
     }
 
     fn endpoint(&mut self) -> Result<RdmaEndpoint, WireError> {
-        Ok(RdmaEndpoint { lid: self.u16()?, gid: self.array()?, qpn: self.u32()?, psn: self.u32()? })
+        Ok(RdmaEndpoint {
+            lid: self.u16()?,
+            gid: self.array()?,
+            qpn: self.u32()?,
+            psn: self.u32()?,
+            mtu: self.array::<1>()?[0],
+            rd_atomic: self.array::<1>()?[0],
+        })
     }
 
     fn finish(self) -> Result<(), WireError> {
@@ -929,9 +943,11 @@ mod tests {
             Message::Stored { seq: 18, parent: Some(h(3)), hashes: vec![h(4), h(5)] },
             Message::Stored { seq: 19, parent: None, hashes: vec![h(6)] },
             Message::Removed { seq: 20, hashes: vec![h(1), h(6)] },
-            Message::RdmaConnect { endpoint: RdmaEndpoint { lid: 3, gid: [9; 16], qpn: 0x12_3456, psn: 77 } },
+            Message::RdmaConnect {
+                endpoint: RdmaEndpoint { lid: 3, gid: [9; 16], qpn: 0x12_3456, psn: 77, mtu: 5, rd_atomic: 16 },
+            },
             Message::RdmaAccept {
-                endpoint: RdmaEndpoint { lid: 0, gid: [1; 16], qpn: 8, psn: 0xff_ffff },
+                endpoint: RdmaEndpoint { lid: 0, gid: [1; 16], qpn: 8, psn: 0xff_ffff, mtu: 3, rd_atomic: 1 },
                 rkey: 0xdead,
             },
             Message::RdmaDecline { text: "no RDMA device".into() },
