@@ -68,6 +68,8 @@
 //! | `dynamo_node_peer_fetch_seconds` | histogram | `peer`, `transport` | one fetch from a peer: hold, images, release |
 //! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped), `skipped` (past a block that did not arrive) |
 //! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
+//! | `dynamo_node_peer_index_blocks` | gauge | `peer` | blocks this node's index holds for a peer, as the peer's feed left it (0 while the feed is down) |
+//! | `dynamo_node_peer_servable_blocks` | gauge | | blocks this node's feed offers its peers (in G2 or G3) |
 //! | `dynamo_node_peer_rdma` | gauge | | 1 when this node's lanes may use RDMA (`tiers.g4.transport = "rdma"` and a device opened), 0 when they use TCP only |
 //! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once): the error's kind (`timeout`, `closed`, …), or `peer_left` when membership dropped the peer |
 //! | `dynamo_node_cluster_members` | gauge | | peers in this node's view of the cluster (etcd membership) |
@@ -206,6 +208,10 @@ pub mod names {
     pub const PEER_FETCHED_BYTES: &str = "dynamo_node_peer_fetched_bytes_total";
     /// Counter `{peer, reason}`: feeds from peers that ended (their blocks left the index).
     pub const PEER_FEED_ENDED: &str = "dynamo_node_peer_feed_ended_total";
+    /// Gauge: blocks the index holds for a peer.
+    pub const PEER_INDEX_BLOCKS: &str = "dynamo_node_peer_index_blocks";
+    /// Gauge: blocks this node's feed offers.
+    pub const PEER_SERVABLE_BLOCKS: &str = "dynamo_node_peer_servable_blocks";
     /// Gauge: whether this node's lanes may use RDMA.
     pub const PEER_RDMA: &str = "dynamo_node_peer_rdma";
     /// Gauge: peers in this node's view of the cluster (etcd membership).
@@ -258,6 +264,8 @@ pub fn describe() {
     describe_counter!(PEER_FETCHED_BLOCKS, Unit::Count, "Blocks asked of peers: verified, missing or rejected.");
     describe_counter!(PEER_FETCHED_BYTES, Unit::Bytes, "Verified block-image bytes fetched from peers.");
     describe_counter!(PEER_FEED_ENDED, Unit::Count, "Feeds from peers that ended; their blocks left the index.");
+    describe_gauge!(PEER_INDEX_BLOCKS, "Blocks this node's index holds for a peer, as its feed left them.");
+    describe_gauge!(PEER_SERVABLE_BLOCKS, "Blocks this node's feed offers its peers (in G2 or G3).");
     describe_gauge!(PEER_RDMA, "1 when this node's G4 lanes may use RDMA, 0 when they use TCP only.");
     describe_gauge!(CLUSTER_MEMBERS, Unit::Count, "Peers in this node's view of the cluster.");
     describe_gauge!(CLUSTER_ETCD_UP, Unit::Count, "1 while registered in etcd and following it.");
@@ -409,6 +417,16 @@ pub fn record_peer_block(peer: &str, transport: &'static str, outcome: &'static 
     counter!(names::PEER_FETCHED_BLOCKS, "peer" => peer.to_owned(), "transport" => transport, "outcome" => outcome)
         .increment(1);
     counter!(names::PEER_FETCHED_BYTES, "peer" => peer.to_owned(), "transport" => transport).increment(bytes);
+}
+
+/// The index holds `blocks` blocks for `peer`.
+pub fn set_peer_index_blocks(peer: &str, blocks: u64) {
+    gauge!(names::PEER_INDEX_BLOCKS, "peer" => peer.to_owned()).set(blocks as f64);
+}
+
+/// This node's feed offers `blocks` blocks.
+pub fn set_peer_servable_blocks(blocks: usize) {
+    gauge!(names::PEER_SERVABLE_BLOCKS).set(blocks as f64);
 }
 
 /// Whether this node's G4 lanes may use RDMA.

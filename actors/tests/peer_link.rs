@@ -6,7 +6,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dynamo_actors::index::{IndexConfig, PrefixIndex};
+use dynamo_actors::index::{IndexConfig, Location, PrefixIndex, SourceId};
+use dynamo_config::TierName;
 use dynamo_actors::peer::{LinkConfig, RemoteTier};
 use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
@@ -105,6 +106,11 @@ async fn the_index_follows_the_peer_and_forgets_it_when_the_link_stops() {
 
     // The snapshot: the peer holds the first five blocks of the chain.
     assert!(eventually(|| remote.locate(&blocks).is_some_and(|(_, n)| n == 5)).await, "synced from the snapshot");
+    let held = || {
+        let source = SourceId::node_store(link.node());
+        index.held_count(Location { source, tier: TierName::G2, approximate: false })
+    };
+    assert_eq!(held(), 5, "the index holds what the peer's feed offers");
     assert_eq!(link.name().as_deref(), Some("peer"));
     // A change after it: three more.
     feed.stored(Some(blocks[4]), &blocks[5..]);
@@ -112,6 +118,7 @@ async fn the_index_follows_the_peer_and_forgets_it_when_the_link_stops() {
     // An eviction in the middle cuts the prefix there.
     feed.removed(&[blocks[3]]);
     assert!(eventually(|| remote.locate(&blocks).is_some_and(|(_, n)| n == 3)).await, "a removed change");
+    assert_eq!(held() as usize, feed.len(), "seven of eight: equal to the peer's truth");
 
     // Stopped: the peer's blocks leave the index, and stay gone though the peer goes on.
     remote.disconnect(link.node());

@@ -261,6 +261,15 @@ async fn nodes_on_separate_hosts_share_kv_survive_silent_partitions_and_avoid_a_
     assert_eq!(b_theta, a_theta);
     let hits = b.metric(G4_HITS).await;
     assert!(cached > 0 && hits == hits_after_heal + cached as f64, "loaded from A after the firewall: {cached}");
+    // After the heal every index equals its peers' truth: what B and C hold for A is what A's
+    // feed offers, block for block in number.
+    let truth = a.metric("dynamo_node_peer_servable_blocks").await;
+    assert!(truth > 0.0, "A offers blocks");
+    for (name, node) in [("B", &b), ("C", &c)] {
+        let series = format!("dynamo_node_peer_index_blocks{{{from_a}}}");
+        let held = node.wait_for_metric(&series, limit, |v| v == truth).await;
+        assert_eq!(held, truth, "{name}'s index holds what A offers");
+    }
 
     // A's egress shaped to 4 Mbit/s: B's next fetch runs past its budget and is recomputed, and
     // the cost model then leaves that link alone.

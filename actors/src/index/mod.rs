@@ -418,6 +418,11 @@ impl PrefixIndex {
         }
     }
 
+    /// Blocks `location` holds, as its events and resyncs left it.
+    pub fn held_count(&self, location: Location) -> u64 {
+        self.shard(location.source).read().store.held_count(location)
+    }
+
     /// Counters and sizes, as of now, summed over the shards (shard by shard, so not one
     /// snapshot). `blocks` counts a block once per shard holding it.
     pub fn stats(&self) -> IndexStats {

@@ -232,6 +232,11 @@ impl Store {
         id
     }
 
+    /// Blocks `location` holds.
+    pub(crate) fn held_count(&self, location: Location) -> u64 {
+        self.existing_location_id(location).map_or(0, |id| self.locations[id as usize].live)
+    }
+
     /// The id of `location` if it was ever seen.
     pub(crate) fn existing_location_id(&self, location: Location) -> Option<LocId> {
         self.location_ids.get(&location).copied()

@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::history::{HistoryEntry, LoadHistory};
-use crate::index::{Applied, KvEvent, KvEventKind, Matches, PrefixIndex, SnapshotRun, SourceId, WorkerViews};
+use crate::index::{Applied, KvEvent, KvEventKind, Location, Matches, PrefixIndex, SnapshotRun, SourceId, WorkerViews};
 use crate::telemetry;
 
 /// How a node's links connect and fetch.
@@ -141,6 +141,12 @@ struct LinkState {
 }
 
 impl LinkState {
+    /// Reports how many blocks the index holds for the peer (after a change the link made).
+    fn report_held(&self, index: &PrefixIndex) {
+        let location = Location { source: SourceId::node_store(self.node), tier: TierName::G2, approximate: false };
+        telemetry::set_peer_index_blocks(&self.addr, index.held_count(location));
+    }
+
     /// Runs `change` on the index unless the link is stopped; whether it ran.
     fn index_change(&self, change: impl FnOnce()) -> bool {
         let stopped = self.stopped.lock();
@@ -330,6 +336,7 @@ impl PeerLink {
             task.abort();
         }
         index.resync(SourceId::node_store(self.state.node), u64::MAX, &[], 0);
+        self.state.report_held(index);
         if self.state.synced.swap(false, Ordering::Relaxed) {
             telemetry::record_peer_feed_ended(&self.state.addr, "peer_left");
         }
@@ -503,6 +510,7 @@ async fn follow_feed(state: Arc<LinkState>, index: Arc<PrefixIndex>) {
         // connection that never came up ended no feed: it is a retry, not counted as an end.
         if let Some(epoch) = epoch {
             state.index_change(|| index.resync(source, epoch, &[], 0));
+            state.report_held(&index);
             telemetry::record_peer_feed_ended(&state.addr, ended.kind());
             tracing::info!(peer = %state.addr, error = %ended, "G4 feed from peer ended; its blocks left the index");
         } else {
@@ -543,6 +551,7 @@ async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64
                         return Err(PeerError::Closed);
                     }
                     state.synced.store(true, Ordering::Relaxed);
+                    state.report_held(index);
                     tracing::info!(peer = %state.addr, blocks = snapshot.len(), "G4 feed synced");
                     break;
                 }
@@ -578,6 +587,7 @@ async fn sync(state: &LinkState, index: &PrefixIndex, epoch_out: &mut Option<u64
                 return Err(PeerError::Closed);
             }
             telemetry::record_index_event(event.kind.as_str(), applied.as_str());
+            state.report_held(index);
             match applied {
                 Applied::Applied | Applied::Stale => {}
                 // The peer skipped a number: resubscribe from a snapshot.
