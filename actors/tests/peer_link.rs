@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dynamo_actors::index::{IndexConfig, Location, PrefixIndex, SourceId};
-use dynamo_config::TierName;
 use dynamo_actors::peer::{LinkConfig, RemoteTier};
+use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::feed::Feed;
