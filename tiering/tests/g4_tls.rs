@@ -163,4 +163,10 @@ fn files_that_are_not_what_they_should_be_are_named_in_the_error() {
     // A key where the CA should be: no certificate in it.
     let err = Tls::from_files(&fixture("node-a.pem"), &fixture("node-a.key"), &fixture("node-a.key")).unwrap_err();
     assert!(matches!(err, TlsError::File { ref path, .. } if path.ends_with("node-a.key")), "{err}");
+    // An RSA key is refused, by name.
+    let err = Tls::from_files(&fixture("rsa.pem"), &fixture("rsa.key"), &fixture("rsa.pem")).unwrap_err();
+    assert!(
+        matches!(err, TlsError::File { ref path, ref what } if path.ends_with("rsa.key") && what.contains("RSA")),
+        "{err}"
+    );
 }
