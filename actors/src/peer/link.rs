@@ -108,12 +108,16 @@ pub enum Arrival {
     Skipped,
 }
 
+/// What became of each block of a fetch, or why the fetch failed as a whole.
+type Fetched = Result<Vec<(BlockHash, Arrival)>, FetchError>;
+
 /// One fetch, as a lane takes it.
 struct FetchJob {
     hashes: Vec<BlockHash>,
     deadline: tokio::time::Instant,
     land: Land,
-    reply: oneshot::Sender<Result<Vec<(BlockHash, Arrival)>, FetchError>>,
+    /// The outcome, and what carried it (the lane's transport).
+    reply: oneshot::Sender<(Fetched, Transport)>,
 }
 
 /// What the link's tasks share.
@@ -131,6 +135,8 @@ struct LinkState {
     synced: AtomicBool,
     /// Whether the lanes' last connection came up as RDMA (else TCP).
     rdma: AtomicBool,
+    /// RDMA fetches that failed in a row; past [`RDMA_STRIKES`] the link's lanes use TCP.
+    rdma_failures: std::sync::atomic::AtomicU32,
     /// The link's rate as real fetches measured it.
     measured: MeasuredBandwidth,
     /// Taken around every change the feed makes to the index; `true` once the link is stopped,
@@ -183,6 +189,7 @@ impl PeerLink {
             epoch: std::sync::atomic::AtomicU64::new(0),
             synced: AtomicBool::new(false),
             rdma: AtomicBool::new(false),
+            rdma_failures: std::sync::atomic::AtomicU32::new(0),
             measured: MeasuredBandwidth::default(),
             stopped: Mutex::new(false),
             config,
@@ -256,14 +263,17 @@ impl PeerLink {
         let asked = if self.state.config.history.is_some() { hashes.clone() } else { Vec::new() };
         let deadline = tokio::time::Instant::from_std(deadline);
         let (reply, answer) = oneshot::channel();
+        let mut carried = self.transport();
         let result = tokio::time::timeout_at(deadline, async {
             self.jobs.send(FetchJob { hashes, deadline, land, reply }).await.map_err(|_| FetchError::Closed)?;
-            answer.await.map_err(|_| FetchError::Closed)?
+            let (result, transport) = answer.await.map_err(|_| FetchError::Closed)?;
+            carried = transport;
+            result
         })
         .await
         .unwrap_or(Err(FetchError::Deadline));
         let outcome = result.as_ref().map_or_else(|e| e.kind(), |_| "ok");
-        let transport = self.transport().as_str();
+        let transport = carried.as_str();
         telemetry::record_peer_fetch(&self.state.addr, transport, outcome, started.elapsed());
         if let Ok(blocks) = &result {
             for (_, arrival) in blocks {
@@ -371,10 +381,16 @@ async fn connect(state: &LinkState) -> Result<PeerClient, PeerError> {
     Ok(client)
 }
 
-/// Connects a lane to the peer: RDMA where both ends have it, TCP otherwise.
+/// RDMA fetches of a link that may fail in a row before its lanes give RDMA up for TCP: queue
+/// pairs that connect over a path that cannot carry them fail only at their first read.
+const RDMA_STRIKES: u32 = 3;
+
+/// Connects a lane to the peer: RDMA where both ends have it (and it has not failed this link
+/// [`RDMA_STRIKES`] times in a row), TCP otherwise.
 async fn connect_lane_to(state: &LinkState) -> Result<Box<dyn Lane>, PeerError> {
     let (addr, host) = resolve(state).await?;
-    let lane = connect_lane(addr, host, &state.config.client, state.config.rdma.as_ref()).await?;
+    let rdma = state.config.rdma.as_ref().filter(|_| state.rdma_failures.load(Ordering::Relaxed) < RDMA_STRIKES);
+    let lane = connect_lane(addr, host, &state.config.client, rdma).await?;
     *state.name.lock() = Some(lane.peer().node.clone());
     state.epoch.store(lane.peer().epoch, Ordering::Relaxed);
     state.rdma.store(lane.transport() == Transport::Rdma, Ordering::Relaxed);
@@ -391,9 +407,10 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
         if reply.is_closed() {
             continue;
         }
+        let carried = |client: &Option<Box<dyn Lane>>| client.as_ref().map_or(Transport::Tcp, |c| c.transport());
         if tokio::time::Instant::now() >= deadline {
             // Expired in the queue: the connection stays as it is for the next one.
-            let _ = reply.send(Err(FetchError::Deadline));
+            let _ = reply.send((Err(FetchError::Deadline), carried(&client)));
             continue;
         }
         let result = tokio::time::timeout_at(deadline, async {
@@ -413,6 +430,18 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
             unreachable!("the second attempt returns")
         })
         .await;
+        let transport = carried(&client);
+        if transport == Transport::Rdma {
+            match &result {
+                Ok(Err(PeerError::Rdma(_)))
+                    if state.rdma_failures.fetch_add(1, Ordering::Relaxed) + 1 == RDMA_STRIKES =>
+                {
+                    tracing::warn!(peer = %state.addr, "G4 RDMA failed {RDMA_STRIKES} fetches in a row: this link uses TCP");
+                }
+                Ok(Ok(_)) => state.rdma_failures.store(0, Ordering::Relaxed),
+                _ => {}
+            }
+        }
         let result = match result {
             Ok(Ok(blocks)) => Ok(blocks),
             Ok(Err(e)) => {
@@ -425,7 +454,7 @@ async fn lane(state: Arc<LinkState>, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver
                 Err(FetchError::Deadline)
             }
         };
-        let _ = reply.send(result);
+        let _ = reply.send((result, transport));
     }
 }
 
