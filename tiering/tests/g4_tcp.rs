@@ -2,7 +2,6 @@
 //! sealed images from a server's resident blocks; corrupt images are dropped, not returned; wrong
 //! secrets, hostile bytes, floods and silent readers end the way the protocol says.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +11,7 @@ use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy};
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{
-    BlockSource, ClientConfig, Fetched, FetchedSlot, PeerClient, PeerError, ServedPeer, ServerConfig, serve_peer,
+    ClientConfig, Fetched, FetchedSlot, PeerClient, PeerError, ServedPeer, ServerConfig, serve_peer,
 };
 use dynamo_tiering::g4::transport::{Accepted, Lane, RemoteAccess, Transport};
 #[cfg(not(feature = "rdma"))]
@@ -22,25 +21,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-/// Resident blocks: hash → sealed image.
-#[derive(Default)]
-struct Blocks(HashMap<BlockHash, Arc<Vec<u8>>>);
-
-#[derive(Clone)]
-struct Image(Arc<Vec<u8>>);
-
-impl AsRef<[u8]> for Image {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl BlockSource for Blocks {
-    type Handle = Image;
-    fn resolve(&self, hash: BlockHash) -> Option<Image> {
-        self.0.get(&hash).cloned().map(Image)
-    }
-}
+mod support;
+use support::Blocks;
 
 fn sealed(hash: u128, payload_bytes: usize) -> Vec<u8> {
     let layout = BlockLayout::opaque(payload_bytes);

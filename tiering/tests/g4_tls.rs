@@ -3,7 +3,6 @@
 //! TLS, one whose certificate another CA signed, and a server whose certificate names another
 //! host are all refused before a byte of the protocol.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,10 +11,13 @@ use std::time::Duration;
 use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, Salt, seal};
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
 use dynamo_tiering::g4::holds::HoldLimits;
-use dynamo_tiering::g4::tcp::{BlockSource, ClientConfig, Fetched, PeerClient, PeerError, ServerConfig, serve_peer};
+use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient, PeerError, ServerConfig, serve_peer};
 use dynamo_tiering::g4::tls::{Tls, TlsError};
 use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use tokio::net::TcpListener;
+
+mod support;
+use support::Blocks;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/g4-tls").join(name)
@@ -25,24 +27,6 @@ fn fixture(name: &str) -> PathBuf {
 fn tls(node: &str, ca: &str) -> Option<Arc<Tls>> {
     let tls = Tls::from_files(&fixture(&format!("{node}.pem")), &fixture(&format!("{node}.key")), &fixture(ca));
     Some(Arc::new(tls.expect("the test certificates load")))
-}
-
-struct Blocks(HashMap<BlockHash, Arc<Vec<u8>>>);
-
-#[derive(Clone)]
-struct Image(Arc<Vec<u8>>);
-
-impl AsRef<[u8]> for Image {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl BlockSource for Blocks {
-    type Handle = Image;
-    fn resolve(&self, hash: BlockHash) -> Option<Image> {
-        self.0.get(&hash).cloned().map(Image)
-    }
 }
 
 fn sealed(hash: u128) -> Vec<u8> {
