@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageError, ImageSpec, RetentionMeta, Salt, seal};
+use dynamo_tiering::block::{BlockHash, HEADER_LEN, ImageError};
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy};
-use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
+use dynamo_tiering::g4::auth::ClusterSecret;
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{
     ClientConfig, Fetched, FetchedSlot, PeerClient, PeerError, ServedPeer, ServerConfig, serve_peer,
@@ -22,28 +22,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 mod support;
-use support::Blocks;
+use support::{Blocks, identity, sealed_with};
 
 fn sealed(hash: u128, payload_bytes: usize) -> Vec<u8> {
-    let layout = BlockLayout::opaque(payload_bytes);
-    let mut buf = vec![0u8; HEADER_LEN + payload_bytes];
-    for (i, b) in buf[HEADER_LEN..].iter_mut().enumerate() {
-        *b = (i as u128 ^ hash) as u8;
-    }
-    let spec = ImageSpec {
-        hash: BlockHash(hash),
-        parent: None,
-        salt: Salt(0),
-        layout,
-        token_count: 1,
-        retention: RetentionMeta::default(),
-    };
-    seal(&mut buf, &spec);
-    buf
-}
-
-fn identity(node: &str) -> PeerIdentity {
-    PeerIdentity { cluster: "test".into(), node: node.into(), epoch: 1 }
+    sealed_with(hash, payload_bytes, |i| (i as u128 ^ hash) as u8)
 }
 
 fn server_config(secret: u8, holds: HoldLimits) -> ServerConfig {

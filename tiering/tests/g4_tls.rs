@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, Salt, seal};
-use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity};
+use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::g4::auth::ClusterSecret;
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient, PeerError, ServerConfig, serve_peer};
 use dynamo_tiering::g4::tls::{Tls, TlsError};
@@ -17,7 +17,7 @@ use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use tokio::net::TcpListener;
 
 mod support;
-use support::Blocks;
+use support::{Blocks, identity, sealed_with};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/g4-tls").join(name)
@@ -32,21 +32,7 @@ fn tls(node: &str, ca: &str) -> Option<Arc<Tls>> {
 fn sealed(hash: u128) -> Vec<u8> {
     // Block 100 and up are large: a fetch of many fills the socket's buffers.
     let payload = if hash >= 100 { 512 << 10 } else { 4096 };
-    let mut buf = vec![hash as u8; HEADER_LEN + payload];
-    let spec = ImageSpec {
-        hash: BlockHash(hash),
-        parent: None,
-        salt: Salt(0),
-        layout: BlockLayout::opaque(payload),
-        token_count: 1,
-        retention: RetentionMeta::default(),
-    };
-    seal(&mut buf, &spec);
-    buf
-}
-
-fn identity(node: &str) -> PeerIdentity {
-    PeerIdentity { cluster: "test".into(), node: node.into(), epoch: 1 }
+    sealed_with(hash, payload, |_| hash as u8)
 }
 
 /// A server with `tls` for as many connections as come; each one's outcome goes to the channel.
