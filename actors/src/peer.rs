@@ -195,7 +195,8 @@ pub struct BlockServer {
 
 impl BlockServer {
     /// Binds `tiers.g4.listen` and serves `tiers`' G2 to peers that prove the secret; with
-    /// `rdma`, peers that ask may read held images by RDMA.
+    /// `rdma`, peers that ask may read held images by RDMA; with `tls`, every connection runs
+    /// under mutual TLS.
     pub async fn start(
         g4: &G4Config,
         node: &str,
@@ -203,6 +204,7 @@ impl BlockServer {
         max_image: usize,
         tiers: Arc<NodeTiers>,
         rdma: Option<Arc<RdmaNode>>,
+        tls: Option<Arc<Tls>>,
     ) -> Result<Self, BlockServerError> {
         let secret = ClusterSecret::from_file(g4.secret_file.as_deref().ok_or(BlockServerError::NoSecret)?)?;
         let listener = TcpListener::bind(&g4.listen)
@@ -223,7 +225,7 @@ impl BlockServer {
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
             rdma: rdma.map(|r| r as Arc<dyn RemoteAccess>),
-            tls: tls(g4)?,
+            tls,
         });
         let source = Arc::new(G2Blocks(tiers));
         let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -250,7 +252,8 @@ impl Drop for BlockServer {
 }
 
 /// How this node's links to its peers connect and fetch: as `node` of `epoch`, accepting images
-/// of up to `max_image` bytes, under `tiers.g4`'s secret, timeouts and limits.
+/// of up to `max_image` bytes, under `tiers.g4`'s secret, timeouts and limits (the caller adds its
+/// RDMA and TLS, which the block server shares).
 pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> Result<LinkConfig, BlockServerError> {
     let secret = ClusterSecret::from_file(g4.secret_file.as_deref().ok_or(BlockServerError::NoSecret)?)?;
     let request_timeout = g4.request_timeout.as_duration();
@@ -262,7 +265,7 @@ pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> R
             integrity: integrity(g4),
             connect_timeout: request_timeout.max(Duration::from_secs(1)),
             request_timeout,
-            tls: tls(g4)?,
+            tls: None,
         },
         lanes: g4.lanes,
         max_inflight: g4.max_inflight,

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
-use dynamo_actors::peer::{BlockServer, LoadHistory, connect_peers, link_config, open_rdma};
+use dynamo_actors::peer::{BlockServer, LoadHistory, connect_peers, link_config, open_rdma, tls};
 use dynamo_config::MembershipKind;
 
 #[cfg(feature = "etcd")]
@@ -329,11 +329,14 @@ async fn start_g4(
     let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let max_image = serving.tiers.layout.image_bytes();
     let rdma = open_rdma(&cfg.tiers.g4, &serving.tiers);
+    // Read once, for both ends of every connection.
+    let tls = tls(&cfg.tiers.g4)?;
+    let tiers = serving.tiers.clone();
     let server =
-        BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, serving.tiers.clone(), rdma.clone())
-            .await?;
+        BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, tiers, rdma.clone(), tls.clone()).await?;
     let mut links = link_config(&cfg.tiers.g4, &cfg.node.name, epoch, max_image)?;
     links.rdma = rdma;
+    links.client.tls = tls;
     if cfg.tiers.g4.history {
         let path = cfg.node.data_dir.join("g4-history.jsonl");
         let history = LoadHistory::open(&path)
