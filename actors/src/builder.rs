@@ -130,13 +130,20 @@ pub struct G2Plan {
     pub policy: PolicyKind,
     /// Background reclaim bounds of the G2 store actor.
     pub watermarks: Watermarks,
+    /// Whether the pool is shared memory that external engines map (`engine_endpoint.enabled`).
+    pub shared: bool,
 }
 
 impl G2Plan {
     /// A pool of `pool.slots` slots whose registry keeps all but [`g2_reserve`] of them.
     pub fn new(pool: HostPoolOptions, policy: PolicyKind, watermarks: Watermarks) -> Self {
         let slots = pool.slots as usize;
-        Self { pool, resident: slots.saturating_sub(g2_reserve(slots)), policy, watermarks }
+        Self { pool, resident: slots.saturating_sub(g2_reserve(slots)), policy, watermarks, shared: false }
+    }
+
+    /// The same pool as shared memory ([`HostPool::shared`]) that external engines can map.
+    pub fn shared(self) -> Self {
+        Self { shared: true, ..self }
     }
 }
 
@@ -236,7 +243,8 @@ impl NodeBuilder {
     pub fn open(self, plan: &StorePlan) -> Result<NodeStores, BuildError> {
         let g2 = match &plan.g2 {
             Some(g2) => {
-                let pool = HostPool::new(g2.pool).map_err(BuildError::G2)?;
+                let pool = if g2.shared { HostPool::shared(g2.pool) } else { HostPool::new(g2.pool) };
+                let pool = pool.map_err(BuildError::G2)?;
                 let budget = lease_budget(g2.resident, plan.lease_budget);
                 let registry =
                     Arc::new(Mutex::new(TierRegistry::new(g2.resident, g2.policy).with_lease_budget(budget)));

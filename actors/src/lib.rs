@@ -12,6 +12,8 @@
 //!   "overloaded" at once), sessions.
 //! - [`worker`] — **WorkerActor**, one per engine instance: the engine on its own thread, its G1
 //!   pool, onboarding and write-through ([`worker::Worker`] is the engine loop it drives).
+//! - [`endpoint`] — **EngineEndpoint**: external engines (vLLM through its KV connector) on a
+//!   Unix socket — lookups, stores into and loads from the shared G2, their KV events into the index.
 //! - [`stores`] — the **G2 and G3 store actors**: background reclaim between the watermarks, G3
 //!   health (degrade to G1+G2 and recover by probing).
 //!
@@ -35,6 +37,7 @@
 
 pub mod builder;
 pub mod cost;
+pub mod endpoint;
 pub mod index;
 pub mod leases;
 pub mod peer;

@@ -76,6 +76,12 @@
 //! | `dynamo_node_cluster_etcd_up` | gauge | | 1 while registered in etcd and following it |
 //! | `dynamo_node_cluster_registrations_total` | counter | | registrations in etcd (more than one: re-registered under a new epoch) |
 //! | `dynamo_node_cluster_epoch` | gauge | | the revision of the node's current registration |
+//! | `dynamo_node_engines_registered` | gauge | | external engines (vLLM) with a live connection to the engine endpoint |
+//! | `dynamo_node_engine_lookups_total` | counter | `engine`, `result` | an external engine's block lookups: `hit` (in G2, verified), `pending` (being read from G3), `miss` |
+//! | `dynamo_node_engine_blocks_total` | counter | `engine`, `op` | an external engine's blocks: `stored`, `loaded`, `promoted` (G3 → G2), `no_room`, `corrupt` (failed verification, dropped), `read_failed` |
+//! | `dynamo_node_engine_g2_blocks` | gauge | `engine` | blocks the engine stored that G2 still holds |
+//! | `dynamo_node_engine_g1_blocks` | gauge | `engine` | blocks the prefix index holds in the engine's G1, from its KV events |
+//! | `dynamo_node_engine_kv_events_total` | counter | `engine`, `kind` | the engine's KV events applied to the index (`stored`, `removed`, `cleared`), and `gap`s and `malformed` batches |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -214,6 +220,18 @@ pub mod names {
     pub const PEER_SERVABLE_BLOCKS: &str = "dynamo_node_peer_servable_blocks";
     /// Gauge: whether this node's lanes may use RDMA.
     pub const PEER_RDMA: &str = "dynamo_node_peer_rdma";
+    /// Gauge: external engines with a live connection.
+    pub const ENGINES_REGISTERED: &str = "dynamo_node_engines_registered";
+    /// Counter `{engine, result}`: an external engine's lookups.
+    pub const ENGINE_LOOKUPS: &str = "dynamo_node_engine_lookups_total";
+    /// Counter `{engine, op}`: an external engine's blocks stored, loaded, promoted, refused.
+    pub const ENGINE_BLOCKS: &str = "dynamo_node_engine_blocks_total";
+    /// Gauge `{engine}`: blocks the engine stored that G2 still holds.
+    pub const ENGINE_G2_BLOCKS: &str = "dynamo_node_engine_g2_blocks";
+    /// Gauge `{engine}`: blocks the index holds in the engine's G1.
+    pub const ENGINE_G1_BLOCKS: &str = "dynamo_node_engine_g1_blocks";
+    /// Counter `{engine, kind}`: the engine's KV events.
+    pub const ENGINE_KV_EVENTS: &str = "dynamo_node_engine_kv_events_total";
     /// Gauge: peers in this node's view of the cluster (etcd membership).
     pub const CLUSTER_MEMBERS: &str = "dynamo_node_cluster_members";
     /// Gauge: 1 while the node is registered in etcd and following it, 0 otherwise.
@@ -267,6 +285,20 @@ pub fn describe() {
     describe_gauge!(PEER_INDEX_BLOCKS, "Blocks this node's index holds for a peer, as its feed left them.");
     describe_gauge!(PEER_SERVABLE_BLOCKS, "Blocks this node's feed offers its peers (in G2 or G3).");
     describe_gauge!(PEER_RDMA, "1 when this node's G4 lanes may use RDMA, 0 when they use TCP only.");
+    describe_gauge!(ENGINES_REGISTERED, Unit::Count, "External engines with a live connection to the engine endpoint.");
+    describe_counter!(ENGINE_LOOKUPS, Unit::Count, "An external engine's block lookups, by result.");
+    describe_counter!(
+        ENGINE_BLOCKS,
+        Unit::Count,
+        "An external engine's blocks stored, loaded, promoted from G3, refused."
+    );
+    describe_gauge!(ENGINE_G2_BLOCKS, Unit::Count, "Blocks an external engine stored that G2 still holds.");
+    describe_gauge!(ENGINE_G1_BLOCKS, Unit::Count, "Blocks the prefix index holds in an external engine's G1.");
+    describe_counter!(
+        ENGINE_KV_EVENTS,
+        Unit::Count,
+        "An external engine's KV events applied to the index, gaps, malformed batches."
+    );
     describe_gauge!(CLUSTER_MEMBERS, Unit::Count, "Peers in this node's view of the cluster.");
     describe_gauge!(CLUSTER_ETCD_UP, Unit::Count, "1 while registered in etcd and following it.");
     describe_counter!(CLUSTER_REGISTRATIONS, Unit::Count, "Registrations of this node in etcd.");
@@ -432,6 +464,44 @@ pub fn set_peer_servable_blocks(blocks: usize) {
 /// Whether this node's G4 lanes may use RDMA.
 pub fn set_peer_rdma(available: bool) {
     gauge!(names::PEER_RDMA).set(if available { 1.0 } else { 0.0 });
+}
+
+/// `engines` external engines have a live connection.
+pub fn set_engines_registered(engines: usize) {
+    gauge!(names::ENGINES_REGISTERED).set(engines as f64);
+}
+
+/// An external engine's lookup answered `found`.
+pub fn record_engine_lookup(engine: &str, found: dynamo_tiering::foreign::Found) {
+    use dynamo_tiering::foreign::Found;
+    let result = match found {
+        Found::Hit => "hit",
+        Found::Miss => "miss",
+        Found::Pending => "pending",
+    };
+    counter!(names::ENGINE_LOOKUPS, "engine" => engine.to_owned(), "result" => result).increment(1);
+}
+
+/// `n` of an external engine's blocks went through `op`.
+pub fn record_engine_blocks(engine: &str, op: &'static str, n: u64) {
+    if n > 0 {
+        counter!(names::ENGINE_BLOCKS, "engine" => engine.to_owned(), "op" => op).increment(n);
+    }
+}
+
+/// G2 holds `blocks` of the blocks `engine` stored.
+pub fn set_engine_g2_blocks(engine: &str, blocks: usize) {
+    gauge!(names::ENGINE_G2_BLOCKS, "engine" => engine.to_owned()).set(blocks as f64);
+}
+
+/// The index holds `blocks` in `engine`'s G1.
+pub fn set_engine_g1_blocks(engine: &str, blocks: u64) {
+    gauge!(names::ENGINE_G1_BLOCKS, "engine" => engine.to_owned()).set(blocks as f64);
+}
+
+/// `n` of an external engine's KV events of `kind`.
+pub fn record_engine_kv_events(engine: &str, kind: &'static str, n: u64) {
+    counter!(names::ENGINE_KV_EVENTS, "engine" => engine.to_owned(), "kind" => kind).increment(n);
 }
 
 /// The feed from `peer` ended (`reason`: the error's kind); its blocks left the index.

@@ -172,6 +172,18 @@ impl G2Tier {
         }
     }
 
+    /// Drops `hash` from G2 (its image failed verification); readers holding the image keep it
+    /// until they let go.
+    pub fn forget(&self, hash: BlockHash) {
+        let (mut g, mut registry) = self.lock();
+        let removed = g.slots.remove(&hash).is_some();
+        let _ = registry.remove(hash);
+        drop((g, registry));
+        if removed {
+            self.report_removed(vec![hash]);
+        }
+    }
+
     /// Raises a resident block's priority (a turn's answer becoming conversation context).
     pub fn promote(&self, hash: BlockHash, priority: u8) {
         let _ = self.registry.lock().expect("G2 registry lock").set_priority(hash, priority);

@@ -92,6 +92,8 @@ pub struct NodeConfig {
     pub recording: RecordingSection,
     /// `[cluster]`: how the node finds its G4 peers.
     pub cluster: ClusterSection,
+    /// `[engine_endpoint]`: external engines (vLLM) using the node's tiers.
+    pub engine_endpoint: EngineEndpointSection,
 }
 
 impl NodeConfig {

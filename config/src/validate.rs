@@ -246,6 +246,25 @@ impl NodeConfig {
             }
         }
 
+        // [engine_endpoint]
+        let endpoint = &self.engine_endpoint;
+        if endpoint.enabled {
+            if !self.tiers.g2.enabled {
+                c.fail("engine_endpoint.enabled", "external engines store into G2: enable tiers.g2");
+            }
+            if endpoint.socket.as_os_str().is_empty() {
+                c.fail("engine_endpoint.socket", "must name a path for the Unix socket");
+            }
+            let max = endpoint.max_block_bytes.as_u64();
+            if !(4096..=(1 << 30)).contains(&max) {
+                c.fail(
+                    "engine_endpoint.max_block_bytes",
+                    format!("{} is outside 4KiB..=1GiB", endpoint.max_block_bytes),
+                );
+            }
+            c.at_least_one("engine_endpoint.max_engines", endpoint.max_engines);
+        }
+
         // [cluster]
         let cluster = &self.cluster;
         if cluster.membership == MembershipKind::Etcd {

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
+use dynamo_actors::endpoint::{EndpointArgs, EndpointRef, EngineEndpoint};
 use dynamo_actors::peer::{BlockServer, LoadHistory, connect_peers, link_config, open_rdma, tls};
 use dynamo_config::MembershipKind;
 
@@ -83,6 +84,7 @@ pub struct NodeHandle {
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     recorder: Option<Arc<Recorder>>,
     block_server: Option<BlockServer>,
+    endpoint: Option<(EndpointRef, tokio::task::JoinHandle<()>)>,
     #[cfg(feature = "etcd")]
     membership: Option<Membership>,
 }
@@ -116,7 +118,12 @@ impl NodeHandle {
         if let Some(membership) = &self.membership {
             membership.stop();
         }
-        let NodeHandle { serving, grace, poller, stop, mut server, recorder, block_server, .. } = self;
+        let NodeHandle { serving, grace, poller, stop, mut server, recorder, block_server, endpoint, .. } = self;
+        // External engines lose the node first: their lookups miss and they compute.
+        if let Some((endpoint, join)) = endpoint {
+            endpoint.stop(None);
+            let _ = join.await;
+        }
         // Peers lose this node first: what it holds is about to go; and it stops loading theirs.
         if let Some(block_server) = &block_server {
             block_server.stop();
@@ -239,6 +246,23 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     } else {
         (None, None)
     };
+    let endpoint = if cfg.engine_endpoint.enabled {
+        match start_endpoint(cfg, &serving).await {
+            Ok(endpoint) => Some(endpoint),
+            Err(e) => {
+                if let Some(poller) = poller {
+                    poller.abort();
+                }
+                if let Some(block_server) = &block_server {
+                    block_server.stop();
+                }
+                serving.shutdown().await;
+                return Err(e.context("cannot start the engine endpoint (engine_endpoint)"));
+            }
+        }
+    } else {
+        None
+    };
     let state = match &recorder {
         Some(recorder) => state.with_recorder(recorder.clone()),
         None => state,
@@ -290,6 +314,12 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
                 );
             }
         }
+        if endpoint.is_some() {
+            println!(
+                "engine endpoint on {}: vLLM instances store into and load from G2 (plug-in: runtime/python/dynamo_node_vllm)",
+                endpoint_socket(cfg).display()
+            );
+        }
         println!("serving the OpenAI API on http://{addr}/v1");
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -306,9 +336,34 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         server,
         recorder,
         block_server,
+        endpoint,
         #[cfg(feature = "etcd")]
         membership,
     })
+}
+
+/// The engine endpoint's socket: `engine_endpoint.socket`, under `node.data_dir` when relative.
+pub fn endpoint_socket(cfg: &NodeConfig) -> std::path::PathBuf {
+    cfg.node.data_dir.join(&cfg.engine_endpoint.socket)
+}
+
+/// Starts the engine endpoint on its socket.
+async fn start_endpoint(
+    cfg: &NodeConfig,
+    serving: &Serving,
+) -> anyhow::Result<(EndpointRef, tokio::task::JoinHandle<()>)> {
+    let args = EndpointArgs {
+        socket: endpoint_socket(cfg),
+        tiers: serving.tiers.clone(),
+        index: serving.node.index.clone(),
+        node: 0,
+        max_block_bytes: cfg.engine_endpoint.max_block_bytes.as_u64(),
+        region: cfg.engine_endpoint.region,
+        max_engines: cfg.engine_endpoint.max_engines,
+    };
+    let (endpoint, join) =
+        ractor::Actor::spawn(None, EngineEndpoint, args).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((endpoint, join))
 }
 
 /// What follows the cluster for a node: etcd membership, or nothing (static peers, or a build

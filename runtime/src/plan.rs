@@ -195,6 +195,8 @@ pub struct ResolvedTiers {
     pub g3: Option<G3Plan>,
     /// G4: transport and peers, when enabled.
     pub g4: Option<(String, String, Vec<String>)>,
+    /// Whether G2 is shared memory for external engines (`engine_endpoint.enabled`).
+    pub shared_g2: bool,
 }
 
 impl ResolvedTiers {
@@ -219,7 +221,13 @@ impl ResolvedTiers {
         let block_tokens = cfg.blocks.block_size;
         let layout = BlockLayout::for_model(&shape, cfg.model.dtype, block_tokens);
         let image_bytes = layout.image_bytes();
-        let slot_bytes = align_up(image_bytes);
+        // External engines' blocks share G2 and G3 slots with the node's own, so with the endpoint
+        // on every slot holds the largest block an engine may register.
+        let foreign_image = dynamo_tiering::block::HEADER_LEN as u64 + cfg.engine_endpoint.max_block_bytes.as_u64();
+        let slot_bytes = match cfg.engine_endpoint.enabled {
+            true => align_up(image_bytes.max(foreign_image as usize)),
+            false => align_up(image_bytes),
+        };
         let device = resolve_device(cfg, probe)?;
         // G1 holds the paged layout, which has no header or alignment padding.
         let g1_block_bytes = layout.payload_bytes() as u64;
@@ -307,6 +315,7 @@ impl ResolvedTiers {
             g2,
             g3,
             g4,
+            shared_g2: cfg.engine_endpoint.enabled,
         })
     }
 
@@ -318,7 +327,8 @@ impl ResolvedTiers {
                 let slots = u32::try_from(plan.blocks).context("tiers.g2.capacity holds more than 2^32 slots")?;
                 let pool = HostPoolOptions { slot_bytes: self.slot_bytes, slots, mlock: *mlock };
                 let watermarks = Watermarks { high: tiers.g2.high_watermark, low: tiers.g2.low_watermark };
-                Some(builder::G2Plan::new(pool, plan.policy, watermarks))
+                let g2 = builder::G2Plan::new(pool, plan.policy, watermarks);
+                Some(if self.shared_g2 { g2.shared() } else { g2 })
             }
             None => None,
         };

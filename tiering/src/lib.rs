@@ -5,6 +5,8 @@
 //! - [`block`] — what a block is: the salted, chained 128-bit [`block::BlockHash`] that names a
 //!   block and its whole prefix, and the self-describing *block image* (header + payload, both
 //!   checksummed) that G2, G3 and the wire carry.
+//! - [`foreign`] — blocks of external engines (vLLM): their names under a salt of their own, and
+//!   the frames of the engine endpoint's protocol.
 //! - [`g2`] — the node's host-memory tier: one page-aligned, `mlock`ed mapping carved into
 //!   image slots, a lock-free slot allocator, and typed slot handles (exclusive [`g2::SlotMut`] →
 //!   shared, refcounted [`g2::SlotRef`]).
@@ -29,6 +31,7 @@
 
 pub mod block;
 pub mod cost;
+pub mod foreign;
 pub mod g2;
 pub mod g3;
 pub mod g4;

@@ -41,6 +41,29 @@ impl SourceId {
     pub const fn is_node_store(self) -> bool {
         self.worker == Self::NODE_STORE
     }
+
+    /// The first `worker` value that names an external engine (a vLLM instance using the node's
+    /// tiers through its engine endpoint) rather than one of the node's workers.
+    pub const EXTERNAL_BASE: u16 = 0x8000;
+
+    /// External engine `engine` of node `node` (its G1, as its own KV events report it).
+    pub const fn external(node: u16, engine: u32) -> Self {
+        let engine = if engine > (Self::NODE_STORE - Self::EXTERNAL_BASE - 1) as u32 {
+            (Self::NODE_STORE - Self::EXTERNAL_BASE - 1) as u32
+        } else {
+            engine
+        };
+        Self { node, worker: Self::EXTERNAL_BASE + engine as u16 }
+    }
+
+    /// The external engine this source names, if it names one.
+    pub const fn external_engine(self) -> Option<u32> {
+        if self.worker >= Self::EXTERNAL_BASE && self.worker != Self::NODE_STORE {
+            Some((self.worker - Self::EXTERNAL_BASE) as u32)
+        } else {
+            None
+        }
+    }
 }
 
 /// One placement change reported by a source.

@@ -5,6 +5,7 @@
 
 mod blocks;
 mod cluster;
+mod endpoint;
 mod engine;
 mod frontend;
 mod metrics;
@@ -17,6 +18,7 @@ mod tiers;
 
 pub use blocks::{BlocksSection, ChecksumKind};
 pub use cluster::{ClusterSection, MembershipKind};
+pub use endpoint::EngineEndpointSection;
 pub use engine::{DeviceKind, EngineKind, EngineSection};
 pub use frontend::{ApiKey, AuthSection, FrontendSection};
 pub use metrics::MetricsSection;

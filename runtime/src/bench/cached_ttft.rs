@@ -230,6 +230,7 @@ pub async fn run<B: Backend, G>(
             resident: held + 4,
             policy: PolicyKind::Lru,
             watermarks: NO_RECLAIM,
+            shared: false,
         }),
         g3: Some(G3Plan {
             options: G3Options {

@@ -196,6 +196,7 @@ async fn burst(
             resident: blocks,
             policy: PolicyKind::Lru,
             watermarks: NO_RECLAIM,
+            shared: false,
         }),
         g3: None,
         lease_budget: 0.5,

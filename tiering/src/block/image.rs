@@ -105,6 +105,13 @@ impl BlockLayout {
         }
     }
 
+    /// An opaque payload of exactly `bytes` bytes, if the header can describe that size (as
+    /// `layers × head_dim`, each at most 65,535): external engines' blocks.
+    pub fn try_opaque(bytes: usize) -> Option<Self> {
+        let (layers, head_dim) = try_split_opaque(bytes)?;
+        Some(Self { layers, kv_heads: 1, head_dim, dtype: KvDtype::Opaque, block_tokens: 1 })
+    }
+
     /// An opaque payload of exactly `bytes` bytes (benchmarks and tests).
     pub fn opaque(bytes: usize) -> Self {
         assert!(bytes <= u32::MAX as usize, "opaque payloads are limited to 4 GiB");

@@ -117,6 +117,8 @@ impl PoolError {
 
 struct PoolInner {
     base: NonNull<u8>,
+    /// The memfd behind a shared pool ([`HostPool::shared`]); `None` for a private mapping.
+    fd: Option<std::os::fd::OwnedFd>,
     map_bytes: usize,
     slot_bytes: usize,
     slots: u32,
@@ -127,7 +129,7 @@ struct PoolInner {
     exhausted: AtomicU64,
 }
 
-// SAFETY: `base` points to a private anonymous mapping owned by this struct for its whole life.
+// SAFETY: `base` points to a mapping owned by this struct for its whole life.
 // Access to slot bytes is mediated by `SlotMut` (unique, by free-list ownership) and `SlotRef`
 // (shared read-only), so sending or sharing the pool across threads cannot create a data race.
 unsafe impl Send for PoolInner {}
@@ -178,27 +180,54 @@ impl fmt::Debug for HostPool {
 }
 
 impl HostPool {
-    /// Maps and (per policy) locks the pool.
+    /// Maps and (per policy) locks the pool, private to this process.
     pub fn new(options: HostPoolOptions) -> Result<Self, PoolError> {
+        Self::build(options, false)
+    }
+
+    /// Like [`HostPool::new`], but the pool is a `memfd` mapped shared, so that other processes
+    /// (external engines, given [`HostPool::share_fd`]) can map the very same pages. Everything
+    /// else — locking, slots, io_uring registration — is as for a private pool.
+    pub fn shared(options: HostPoolOptions) -> Result<Self, PoolError> {
+        Self::build(options, true)
+    }
+
+    fn build(options: HostPoolOptions, shared: bool) -> Result<Self, PoolError> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
         let slot_bytes = align_up(options.slot_bytes);
         if options.slots == 0 || options.slot_bytes == 0 {
             return Err(PoolError::Empty { slots: options.slots, slot_bytes: options.slot_bytes });
         }
         let map_bytes = slot_bytes * options.slots as usize;
-        // SAFETY: an anonymous private mapping with no address hint has no preconditions; the
-        // result is checked for MAP_FAILED before use.
+        let map_error = |source| PoolError::Map { bytes: map_bytes, source };
+        let fd = if shared {
+            // SAFETY: the name is a NUL-terminated string literal; the result is checked.
+            let raw = unsafe { libc::memfd_create(c"dynamo-node-g2".as_ptr(), libc::MFD_CLOEXEC) };
+            if raw < 0 {
+                return Err(map_error(std::io::Error::last_os_error()));
+            }
+            // SAFETY: `raw` is a descriptor just returned to us and owned by nothing else.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            // SAFETY: ftruncate on a descriptor we own; the result is checked.
+            if unsafe { libc::ftruncate(fd.as_raw_fd(), map_bytes as libc::off_t) } != 0 {
+                return Err(map_error(std::io::Error::last_os_error()));
+            }
+            Some(fd)
+        } else {
+            None
+        };
+        let (flags, raw_fd) = match &fd {
+            Some(fd) => (libc::MAP_SHARED, fd.as_raw_fd()),
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
+        };
+        // SAFETY: a mapping with no address hint, of an anonymous region or of a memfd we own that
+        // is exactly `map_bytes` long; the result is checked for MAP_FAILED before use.
         let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), map_bytes, libc::PROT_READ | libc::PROT_WRITE, flags, raw_fd, 0)
         };
         if ptr == libc::MAP_FAILED {
-            return Err(PoolError::Map { bytes: map_bytes, source: std::io::Error::last_os_error() });
+            return Err(map_error(std::io::Error::last_os_error()));
         }
         let base = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null on success");
         let mut locked = false;
@@ -230,6 +259,7 @@ impl HostPool {
         Ok(Self {
             inner: Arc::new(PoolInner {
                 base,
+                fd,
                 map_bytes,
                 slot_bytes,
                 slots: options.slots,
@@ -286,6 +316,13 @@ impl HostPool {
     /// The whole mapping as `(address, length)`, for registering it with io_uring, CUDA or RDMA.
     pub fn region(&self) -> (*mut u8, usize) {
         (self.inner.base.as_ptr(), self.inner.map_bytes)
+    }
+
+    /// The memfd of a [`HostPool::shared`] pool, for handing to another process (`SCM_RIGHTS`);
+    /// `None` for a private pool.
+    pub fn share_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.inner.fd.as_ref().map(|fd| fd.as_fd())
     }
 
     /// Whether two handles refer to the same pool.
@@ -491,6 +528,41 @@ mod tests {
             }
         });
         assert_eq!(p.free_slots(), 64);
+    }
+
+    #[test]
+    fn a_shared_pool_is_the_same_memory_through_its_fd() {
+        use std::os::fd::AsRawFd;
+        let p =
+            HostPool::shared(HostPoolOptions { slot_bytes: 4096, slots: 4, mlock: MlockPolicy::Off }).expect("pool");
+        let fd = p.share_fd().expect("a shared pool has an fd");
+        let (_, len) = p.region();
+        // SAFETY: mapping the pool's own memfd, `len` bytes long, shared; unmapped below.
+        let other = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(other, libc::MAP_FAILED);
+        let mut slot = p.try_alloc().expect("slot");
+        let at = slot.index() as usize * p.slot_bytes();
+        slot.as_mut_slice()[..5].copy_from_slice(b"hello");
+        // SAFETY: `other` maps `len` bytes and `at + 5 <= len`.
+        let seen = unsafe { std::slice::from_raw_parts(other.cast::<u8>().add(at), 5) };
+        assert_eq!(seen, b"hello", "a second mapping sees the pool's bytes");
+        // SAFETY: unmapping the mapping made above.
+        unsafe { libc::munmap(other, len) };
+        assert!(
+            HostPool::new(HostPoolOptions { slot_bytes: 4096, slots: 1, mlock: MlockPolicy::Off })
+                .unwrap()
+                .share_fd()
+                .is_none()
+        );
     }
 
     #[test]

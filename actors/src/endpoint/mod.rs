@@ -1,0 +1,771 @@
+//! The EngineEndpoint (DESIGN.md §5, §7): engines outside the node — a vLLM instance through the
+//! `dynamo_node_vllm` plug-in loaded by its `OffloadingConnector` — use the node's tiers as their
+//! KV tier over a Unix socket.
+//!
+//! G2 is then one shared-memory region ([`HostPool::shared`](dynamo_tiering::g2::HostPool::shared))
+//! that every engine process maps (the fd travels with the REGISTER reply). An engine writes a
+//! block's payload straight into a slot the node handed it, and the node seals it — checksums the
+//! payload, writes the image header in front — admits it to G2 under the engine's own key (in a
+//! namespace of its salt, [`ForeignEngine`]) and writes it through to G3. Loads go the other way:
+//! the node pins a verified slot and the engine copies out of it. A block in G3 only is read back
+//! into G2, verified, before any lookup answers *hit*; meanwhile the answer is *pending*. The
+//! protocol is in `runtime/python/README.md`; the codec in [`dynamo_tiering::foreign`].
+//!
+//! Connections are tasks; what they share is the [`Core`]. The actor owns the listening socket,
+//! and stopping it stops every connection and removes the socket file. Each engine that names a
+//! KV event publisher is followed by [`events`], which feeds its G1 into the global prefix index.
+//!
+//! Trust: a process that can connect maps all of G2 — the node's own blocks and every tenant's —
+//! so the socket is created `0600` (owner only); widen it deliberately, if at all.
+
+mod events;
+mod fd;
+
+pub use fd::recvmsg_with_fd;
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dynamo_config::{RegionKind, TierName};
+use dynamo_tiering::block::{BlockHash, BlockLayout, HEADER_LEN, ImageSpec, RetentionMeta, seal, verify_image};
+use dynamo_tiering::foreign::{
+    ErrorCode, ForeignEngine, Found, Located, MAX_FRAME, PROTOCOL_VERSION, Registration, Reply, Request, Role,
+};
+use dynamo_tiering::g2::{SlotMut, SlotRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::task::JoinSet;
+
+use crate::index::{Location, Matches, PrefixIndex, SourceId};
+use crate::telemetry::{self, Tier};
+use crate::tiers::NodeTiers;
+use crate::worker::unix_millis;
+
+/// How long a hit stays pinned for the connection that looked it up.
+const HIT_PIN: Duration = Duration::from_secs(10);
+/// How often at most a connection's stored blocks are checked for removal from G2.
+const REMOVAL_SCAN: Duration = Duration::from_millis(250);
+/// Most G3 write-throughs of engines' blocks in flight; beyond it a block stays in G2 only.
+const MAX_G3_WRITES: usize = 1024;
+/// Longest engine id accepted.
+const MAX_ENGINE_ID: usize = 128;
+
+/// What the endpoint needs from the node.
+#[derive(Clone, Debug)]
+pub struct EndpointArgs {
+    /// The socket's path.
+    pub socket: PathBuf,
+    /// The node's tiers (G2 must be a shared pool).
+    pub tiers: Arc<NodeTiers>,
+    /// The global prefix index, which engines' KV events feed.
+    pub index: Arc<PrefixIndex>,
+    /// This node's id in the index.
+    pub node: u16,
+    /// Largest block an engine may register.
+    pub max_block_bytes: u64,
+    /// Retention region of the engines' blocks.
+    pub region: RegionKind,
+    /// Most engines registered at once.
+    pub max_engines: usize,
+}
+
+/// Messages of the [`EngineEndpoint`].
+#[derive(Debug)]
+pub enum EndpointMsg {
+    /// The engines registered now. Replies with one entry per engine with a live connection.
+    Engines(RpcReplyPort<Vec<EngineStatus>>),
+}
+
+/// One registered engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineStatus {
+    /// Its id (vLLM's `engine_id`).
+    pub id: String,
+    /// Its index on this node (its source in the prefix index).
+    pub index: u32,
+    /// Open connections (its manager and workers).
+    pub connections: usize,
+}
+
+/// The actor: owns the socket and the connections' tasks.
+#[derive(Debug)]
+pub struct EngineEndpoint;
+
+/// Its state.
+#[derive(Debug)]
+pub struct EndpointState {
+    core: Arc<Core>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+/// `EngineEndpoint`'s handle.
+pub type EndpointRef = ActorRef<EndpointMsg>;
+
+impl Actor for EngineEndpoint {
+    type Msg = EndpointMsg;
+    type State = EndpointState;
+    type Arguments = EndpointArgs;
+
+    async fn pre_start(&self, _: ActorRef<Self::Msg>, args: EndpointArgs) -> Result<Self::State, ActorProcessingErr> {
+        let listener = bind(&args.socket)?;
+        let core = Arc::new(Core::new(args)?);
+        let accept = tokio::spawn(accept_loop(listener, core.clone()));
+        Ok(EndpointState { core, accept })
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<Self::Msg>,
+        msg: EndpointMsg,
+        state: &mut EndpointState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            EndpointMsg::Engines(reply) => {
+                let _ = reply.send(state.core.engine_status());
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _: ActorRef<Self::Msg>, state: &mut EndpointState) -> Result<(), ActorProcessingErr> {
+        state.accept.abort();
+        let _ = std::fs::remove_file(&state.core.socket);
+        state.core.stop_followers();
+        Ok(())
+    }
+}
+
+/// Binds the socket, replacing a stale socket file (one nobody answers on) and refusing to touch
+/// anything else at that path.
+fn bind(path: &std::path::Path) -> Result<UnixListener, ActorProcessingErr> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(format!("engine_endpoint.socket {} exists and is not a socket", path.display()).into());
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!("engine_endpoint.socket {} is in use by another process", path.display()).into());
+        }
+        std::fs::remove_file(path)?;
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let listener = UnixListener::bind(path)
+        .map_err(|e| format!("cannot listen on engine_endpoint.socket {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+async fn accept_loop(listener: UnixListener, core: Arc<Core>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    connections.spawn(Connection::new(core.clone()).serve(stream));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "engine endpoint: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+/// One registered engine, over all its connections.
+#[derive(Debug)]
+struct EngineEntry {
+    index: u32,
+    identity: ForeignEngine,
+    connections: usize,
+    /// Stops the follower of its KV events, if any.
+    follower: Option<tokio::sync::watch::Sender<bool>>,
+}
+
+/// What the connections share.
+#[derive(Debug)]
+pub struct Core {
+    socket: PathBuf,
+    tiers: Arc<NodeTiers>,
+    index: Arc<PrefixIndex>,
+    node: u16,
+    region_id: u64,
+    max_block_bytes: u64,
+    region: RegionKind,
+    max_engines: usize,
+    engines: Mutex<HashMap<String, EngineEntry>>,
+    next_engine: AtomicU32,
+    /// Blocks being read from G3 into G2.
+    promoting: Mutex<std::collections::HashSet<BlockHash>>,
+    g3_writes: Arc<AtomicUsize>,
+}
+
+impl Core {
+    fn new(args: EndpointArgs) -> Result<Self, ActorProcessingErr> {
+        let g2 = args.tiers.g2.as_ref().ok_or("the engine endpoint needs G2")?;
+        if g2.pool.share_fd().is_none() {
+            return Err("the engine endpoint needs G2 to be a shared pool".into());
+        }
+        // A region id that differs between runs (and between nodes on one host).
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let mut seed = nanos.to_le_bytes().to_vec();
+        seed.extend_from_slice(&std::process::id().to_le_bytes());
+        seed.extend_from_slice(&(g2.pool.region().0 as usize).to_le_bytes());
+        let region_id = xxhash_rust::xxh3::xxh3_64(&seed);
+        Ok(Core {
+            socket: args.socket,
+            tiers: args.tiers,
+            index: args.index,
+            node: args.node,
+            region_id,
+            max_block_bytes: args.max_block_bytes,
+            region: args.region,
+            max_engines: args.max_engines,
+            engines: Mutex::new(HashMap::new()),
+            next_engine: AtomicU32::new(0),
+            promoting: Mutex::new(Default::default()),
+            g3_writes: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    fn engine_status(&self) -> Vec<EngineStatus> {
+        let engines = self.engines.lock().expect("engines lock");
+        let mut all: Vec<EngineStatus> = engines
+            .iter()
+            .filter(|(_, e)| e.connections > 0)
+            .map(|(id, e)| EngineStatus { id: id.clone(), index: e.index, connections: e.connections })
+            .collect();
+        all.sort_by_key(|e| e.index);
+        all
+    }
+
+    fn stop_followers(&self) {
+        for entry in self.engines.lock().expect("engines lock").values_mut() {
+            if let Some(stop) = entry.follower.take() {
+                let _ = stop.send(true);
+            }
+        }
+    }
+
+    /// The source of engine `index`'s G1 in the prefix index.
+    fn source(&self, index: u32) -> SourceId {
+        SourceId::external(self.node, index)
+    }
+
+    /// Registers one connection of engine `r.engine_id`.
+    fn register(&self, r: &Registration) -> Result<(u32, ForeignEngine), (ErrorCode, String)> {
+        let refuse = |message: String| Err((ErrorCode::Refused, message));
+        if r.version != PROTOCOL_VERSION {
+            return Err((
+                ErrorCode::Version,
+                format!("protocol version {} is not {PROTOCOL_VERSION}, the one this node speaks", r.version),
+            ));
+        }
+        if r.engine_id.is_empty() || r.engine_id.len() > MAX_ENGINE_ID {
+            return refuse(format!("engine_id must be 1 to {MAX_ENGINE_ID} bytes"));
+        }
+        if r.world_size == 0 || r.rank >= r.world_size {
+            return refuse(format!("rank {} of world_size {} is not a rank", r.rank, r.world_size));
+        }
+        if r.block_bytes == 0 || r.block_bytes > self.max_block_bytes {
+            return refuse(format!(
+                "a block of {} bytes does not fit: this node's slots hold blocks of up to {} bytes \
+                 (raise engine_endpoint.max_block_bytes)",
+                r.block_bytes, self.max_block_bytes
+            ));
+        }
+        if !r.block_bytes.is_multiple_of(r.world_size as u64) {
+            return refuse(format!("block_bytes {} is not split evenly over {} ranks", r.block_bytes, r.world_size));
+        }
+        if BlockLayout::try_opaque(r.block_bytes as usize).is_none() {
+            return refuse(format!("block_bytes {} cannot be described by a block image header", r.block_bytes));
+        }
+        let identity = ForeignEngine::of(r);
+        let mut engines = self.engines.lock().expect("engines lock");
+        let active = engines.values().filter(|e| e.connections > 0).count();
+        let entry = match engines.get_mut(&r.engine_id) {
+            Some(entry) if entry.connections > 0 && entry.identity != identity => {
+                return refuse(format!(
+                    "engine {:?} is registered with another model or layout; use another engine_id",
+                    r.engine_id
+                ));
+            }
+            Some(entry) => entry,
+            None if active >= self.max_engines => {
+                return refuse(format!("{active} engines are registered, engine_endpoint.max_engines"));
+            }
+            None => {
+                let index = self.next_engine.fetch_add(1, Ordering::Relaxed);
+                engines.entry(r.engine_id.clone()).or_insert(EngineEntry {
+                    index,
+                    identity,
+                    connections: 0,
+                    follower: None,
+                })
+            }
+        };
+        if entry.connections == 0 && active >= self.max_engines {
+            return refuse(format!("{active} engines are registered, engine_endpoint.max_engines"));
+        }
+        entry.identity = identity;
+        entry.connections += 1;
+        if r.role == Role::Manager && !r.kv_events.is_empty() && entry.follower.is_none() {
+            let (stop, stopped) = tokio::sync::watch::channel(false);
+            tokio::spawn(events::follow(events::Follow {
+                endpoint: r.kv_events.clone(),
+                engine: r.engine_id.clone(),
+                identity,
+                source: self.source(entry.index),
+                index: self.index.clone(),
+                stop: stopped,
+            }));
+            entry.follower = Some(stop);
+        }
+        let index = entry.index;
+        let registered = engines.values().filter(|e| e.connections > 0).count();
+        drop(engines);
+        telemetry::set_engines_registered(registered);
+        Ok((index, identity))
+    }
+
+    /// A connection of `engine_id` closed.
+    fn unregister(&self, engine_id: &str) {
+        let mut engines = self.engines.lock().expect("engines lock");
+        if let Some(entry) = engines.get_mut(engine_id) {
+            entry.connections = entry.connections.saturating_sub(1);
+            if entry.connections == 0
+                && let Some(stop) = entry.follower.take()
+            {
+                let _ = stop.send(true);
+            }
+        }
+        let registered = engines.values().filter(|e| e.connections > 0).count();
+        drop(engines);
+        telemetry::set_engines_registered(registered);
+    }
+
+    /// Reads `hash` from G3 into G2 in the background, unless that is already under way.
+    fn promote(self: &Arc<Self>, hash: BlockHash, engine: Arc<str>) {
+        if !self.promoting.lock().expect("promoting lock").insert(hash) {
+            return;
+        }
+        let core = self.clone();
+        tokio::spawn(async move {
+            let outcome = core.read_from_g3(hash).await;
+            telemetry::record_engine_blocks(&engine, outcome, 1);
+            core.promoting.lock().expect("promoting lock").remove(&hash);
+        });
+    }
+
+    async fn read_from_g3(&self, hash: BlockHash) -> &'static str {
+        let (Some(g2), Some(g3)) = (self.tiers.g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
+        let now = unix_millis();
+        let Some(dst) = g2.alloc(now) else { return "no_room" };
+        let started = Instant::now();
+        match g3.store.read(hash, dst).await {
+            Ok(image) => {
+                g3.health.record_ok();
+                telemetry::record_transfer(Tier::G3, Tier::G2, g3.store.slot_bytes() as u64, started.elapsed());
+                g2.admit(hash, self.tiers.meta(None, self.region), image, now);
+                "promoted"
+            }
+            Err(failure) => {
+                g3.health.record_error(&failure.error);
+                telemetry::record_tier_error(Tier::G3, failure.error.kind());
+                g3.forget(hash);
+                if failure.error.kind() == "corrupt" { "corrupt" } else { "read_failed" }
+            }
+        }
+    }
+
+    /// Writes a sealed block through to G3 (if its region reaches G3), in the background.
+    fn write_through(&self, hash: BlockHash, image: SlotRef, now: u64) {
+        let Some(g3) = self.tiers.g3.as_ref() else { return };
+        if !g3.usable() || !self.tiers.pipeline().reaches(self.region, TierName::G3) {
+            return;
+        }
+        if self.g3_writes.load(Ordering::Relaxed) >= MAX_G3_WRITES {
+            telemetry::record_write_skipped(Tier::G3);
+            return;
+        }
+        if !g3.reserve(hash, self.tiers.meta(None, self.region), now) {
+            return;
+        }
+        self.g3_writes.fetch_add(1, Ordering::Relaxed);
+        let done = G3WriteDone(self.g3_writes.clone());
+        let tiers = self.tiers.clone();
+        tokio::spawn(async move {
+            let g3 = tiers.g3.as_ref().expect("checked above");
+            let started = Instant::now();
+            match g3.store.write(image).await {
+                Ok(_) => {
+                    g3.health.record_ok();
+                    g3.acknowledge(hash, None);
+                    telemetry::record_transfer(Tier::G2, Tier::G3, g3.store.slot_bytes() as u64, started.elapsed());
+                }
+                Err(e) => {
+                    g3.health.record_error(&e);
+                    telemetry::record_tier_error(Tier::G3, e.kind());
+                    tracing::warn!(%hash, error = %e, "G3 write-through of an engine's block failed; it stays in G2 only");
+                    g3.forget(hash);
+                }
+            }
+            drop(done);
+        });
+    }
+}
+
+/// Counts a G3 write-through out of flight when dropped.
+struct G3WriteDone(Arc<AtomicUsize>);
+
+impl Drop for G3WriteDone {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A registered connection's engine.
+#[derive(Debug)]
+struct Registered {
+    engine_id: Arc<str>,
+    identity: ForeignEngine,
+    role: Role,
+    block_bytes: u64,
+    block_tokens: u32,
+}
+
+/// One engine process's connection.
+struct Connection {
+    core: Arc<Core>,
+    registered: Option<Registered>,
+    /// Hits pinned for this connection, until loaded or expired.
+    hits: HashMap<BlockHash, (SlotRef, Instant)>,
+    /// Blocks being loaded: their pinned images (one per PREPARE_LOAD).
+    loading: HashMap<BlockHash, Vec<SlotRef>>,
+    /// Slots handed out for stores, not yet completed.
+    storing: HashMap<BlockHash, SlotMut>,
+    /// Blocks this connection stored, by key, until G2 drops them (for removal events).
+    stored: HashMap<BlockHash, Vec<u8>>,
+    events: Vec<(bool, Vec<u8>)>,
+    last_scan: Instant,
+}
+
+impl Connection {
+    fn new(core: Arc<Core>) -> Self {
+        Connection {
+            core,
+            registered: None,
+            hits: HashMap::new(),
+            loading: HashMap::new(),
+            storing: HashMap::new(),
+            stored: HashMap::new(),
+            events: Vec::new(),
+            last_scan: Instant::now(),
+        }
+    }
+
+    async fn serve(mut self, mut stream: UnixStream) {
+        let mut body = Vec::new();
+        loop {
+            let mut len = [0u8; 4];
+            if stream.read_exact(&mut len).await.is_err() {
+                break;
+            }
+            let len = u32::from_le_bytes(len) as usize;
+            if len == 0 || len > MAX_FRAME {
+                let _ = send(&mut stream, malformed(format!("frame of {len} bytes is outside 1..={MAX_FRAME}"))).await;
+                break;
+            }
+            body.resize(len, 0);
+            if stream.read_exact(&mut body).await.is_err() {
+                break;
+            }
+            let request = match Request::decode(&body) {
+                Ok(request) => request,
+                Err(e) => {
+                    let _ = send(&mut stream, malformed(e.to_string())).await;
+                    break;
+                }
+            };
+            let registering = matches!(request, Request::Register(_));
+            let reply = self.answer(request);
+            let sent = match (&reply, registering) {
+                (Reply::Registered { .. }, true) => {
+                    let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+                    let fd = g2.pool.share_fd().expect("checked at start");
+                    fd::send_with_fd(&mut stream, &reply.encode(), fd).await
+                }
+                _ => send(&mut stream, reply).await,
+            };
+            if sent.is_err() {
+                break;
+            }
+        }
+        if let Some(r) = &self.registered {
+            self.core.unregister(&r.engine_id);
+            telemetry::set_engine_g2_blocks(&r.engine_id, 0);
+        }
+    }
+
+    fn answer(&mut self, request: Request) -> Reply {
+        let Request::Register(registration) = request else {
+            if self.registered.is_none() {
+                return error(ErrorCode::NotRegistered, "register first (op 0x01)");
+            }
+            return self.serve_registered(request);
+        };
+        if self.registered.is_some() {
+            return error(ErrorCode::Refused, "this connection is registered already");
+        }
+        match self.core.register(&registration) {
+            Ok((index, identity)) => {
+                let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+                let (_, region_bytes) = g2.pool.region();
+                tracing::info!(
+                    engine = %registration.engine_id,
+                    role = ?registration.role,
+                    rank = registration.rank,
+                    block_bytes = registration.block_bytes,
+                    "engine registered"
+                );
+                self.registered = Some(Registered {
+                    engine_id: registration.engine_id.as_str().into(),
+                    identity,
+                    role: registration.role,
+                    block_bytes: registration.block_bytes,
+                    block_tokens: registration.block_tokens,
+                });
+                Reply::Registered {
+                    region_id: self.core.region_id,
+                    region_bytes: region_bytes as u64,
+                    slots: g2.pool.slots(),
+                    slot_bytes: g2.pool.slot_bytes() as u64,
+                    payload_offset: HEADER_LEN as u32,
+                    engine: index,
+                    salt: identity.salt,
+                }
+            }
+            Err((code, message)) => error(code, message),
+        }
+    }
+
+    fn serve_registered(&mut self, request: Request) -> Reply {
+        let now = Instant::now();
+        self.hits.retain(|_, (_, at)| now.duration_since(*at) < HIT_PIN);
+        let r = self.registered.as_ref().expect("checked by the caller");
+        if r.role == Role::Worker && !matches!(request, Request::Locate(_)) {
+            return error(
+                ErrorCode::Refused,
+                "a worker connection only maps the region; the manager looks up, stores and loads",
+            );
+        }
+        match request {
+            Request::Register(_) => unreachable!("handled by the caller"),
+            Request::Lookup(keys) => Reply::Looked(keys.iter().map(|key| self.lookup(key, now)).collect()),
+            Request::PrepareStore(keys) => Reply::StoreSlots(keys.iter().map(|key| self.prepare_store(key)).collect()),
+            Request::CompleteStore { success, keys } => Reply::Stored(self.complete_store(success, &keys)),
+            Request::PrepareLoad(keys) => Reply::LoadSlots(keys.iter().map(|key| self.prepare_load(key)).collect()),
+            Request::CompleteLoad(keys) => Reply::Released(self.complete_load(&keys)),
+            Request::TakeEvents => Reply::Events(self.take_events(now)),
+            Request::Locate(chain) => Reply::Located(self.locate(&chain)),
+        }
+    }
+
+    fn identity(&self) -> (ForeignEngine, Arc<str>) {
+        let r = self.registered.as_ref().expect("registered");
+        (r.identity, r.engine_id.clone())
+    }
+
+    /// The verified G2 image of `hash`, if resident. An image that fails verification is
+    /// dropped from G2 (and counted): it is never handed to an engine.
+    fn verified(&self, hash: BlockHash, engine: &str) -> Option<SlotRef> {
+        let g2 = self.core.tiers.g2.as_ref()?;
+        let image = g2.get(hash, unix_millis())?;
+        match verify_image(image.as_slice(), hash) {
+            Ok(_) => Some(image),
+            Err(e) => {
+                tracing::warn!(%hash, engine, error = %e, "an engine's block failed verification in G2; dropped");
+                telemetry::record_tier_error(Tier::G2, e.kind());
+                telemetry::record_engine_blocks(engine, "corrupt", 1);
+                g2.forget(hash);
+                None
+            }
+        }
+    }
+
+    fn lookup(&mut self, key: &[u8], now: Instant) -> Found {
+        let (identity, engine) = self.identity();
+        let hash = identity.block_hash(key);
+        let found = if self.hits.contains_key(&hash) {
+            Found::Hit
+        } else if let Some(image) = self.verified(hash, &engine) {
+            self.hits.insert(hash, (image, now));
+            Found::Hit
+        } else if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash)) {
+            self.core.promote(hash, engine.clone());
+            Found::Pending
+        } else {
+            Found::Miss
+        };
+        telemetry::record_engine_lookup(&engine, found);
+        found
+    }
+
+    fn prepare_store(&mut self, key: &[u8]) -> i32 {
+        let (identity, engine) = self.identity();
+        let hash = identity.block_hash(key);
+        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+        if self.storing.contains_key(&hash) || g2.contains(hash) {
+            return -1;
+        }
+        match g2.alloc(unix_millis()) {
+            Some(slot) => {
+                let index = slot.index() as i32;
+                self.storing.insert(hash, slot);
+                index
+            }
+            None => {
+                telemetry::record_engine_blocks(&engine, "no_room", 1);
+                -2
+            }
+        }
+    }
+
+    fn complete_store(&mut self, success: bool, keys: &[Vec<u8>]) -> u32 {
+        let (identity, engine) = self.identity();
+        let r = self.registered.as_ref().expect("registered");
+        let layout = BlockLayout::try_opaque(r.block_bytes as usize).expect("checked at registration");
+        let token_count = r.block_tokens.min(u16::MAX as u32) as u16;
+        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+        let now = unix_millis();
+        let priority = self.core.tiers.retention.policy(self.core.region).priority;
+        let mut stored = 0;
+        for key in keys {
+            let hash = identity.block_hash(key);
+            let Some(mut slot) = self.storing.remove(&hash) else { continue };
+            if !success {
+                continue;
+            }
+            let spec = ImageSpec {
+                hash,
+                parent: None,
+                salt: identity.salt,
+                layout,
+                token_count,
+                retention: RetentionMeta {
+                    region: self.core.region,
+                    priority,
+                    retain_until_ms: 0,
+                    last_access_ms: now,
+                    access_count: 0,
+                },
+            };
+            seal(slot.as_mut_slice(), &spec);
+            let image = slot.freeze();
+            if g2.admit(hash, self.core.tiers.meta(None, self.core.region), image.clone(), now) {
+                stored += 1;
+                self.stored.insert(hash, key.clone());
+                self.events.push((false, key.clone()));
+                self.core.write_through(hash, image, now);
+            }
+        }
+        telemetry::record_engine_blocks(&engine, "stored", stored as u64);
+        telemetry::set_engine_g2_blocks(&engine, self.stored.len());
+        stored
+    }
+
+    fn prepare_load(&mut self, key: &[u8]) -> i32 {
+        let (identity, engine) = self.identity();
+        let hash = identity.block_hash(key);
+        let image = match self.hits.remove(&hash) {
+            Some((image, _)) => Some(image),
+            None => self.verified(hash, &engine),
+        };
+        match image {
+            Some(image) => {
+                let index = image.index() as i32;
+                self.loading.entry(hash).or_default().push(image);
+                index
+            }
+            None => -1,
+        }
+    }
+
+    fn complete_load(&mut self, keys: &[Vec<u8>]) -> u32 {
+        let (identity, engine) = self.identity();
+        let mut released = 0;
+        for key in keys {
+            let hash = identity.block_hash(key);
+            if let Some(pins) = self.loading.get_mut(&hash)
+                && pins.pop().is_some()
+            {
+                released += 1;
+                if pins.is_empty() {
+                    self.loading.remove(&hash);
+                }
+            }
+        }
+        telemetry::record_engine_blocks(&engine, "loaded", released as u64);
+        released
+    }
+
+    fn take_events(&mut self, now: Instant) -> Vec<(bool, Vec<u8>)> {
+        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+        if now.duration_since(self.last_scan) >= REMOVAL_SCAN {
+            self.last_scan = now;
+            let events = &mut self.events;
+            self.stored.retain(|&hash, key| {
+                let resident = g2.contains(hash);
+                if !resident {
+                    events.push((true, key.clone()));
+                }
+                resident
+            });
+            let (_, engine) = self.identity();
+            telemetry::set_engine_g2_blocks(&engine, self.stored.len());
+        }
+        std::mem::take(&mut self.events)
+    }
+
+    fn locate(&self, chain: &[(u32, u64)]) -> Vec<Located> {
+        let (identity, _) = self.identity();
+        let hashes: Vec<BlockHash> = chain.iter().map(|&(group, low)| identity.event_hash(group, low)).collect();
+        let mut matches = Matches::new();
+        self.core.index.find_matches(&hashes, &mut matches);
+        matches
+            .locations()
+            .iter()
+            .filter(|m| !m.location.approximate)
+            .map(|m| {
+                let Location { source, tier, .. } = m.location;
+                let (kind, id) = match (source.external_engine(), tier) {
+                    (Some(engine), _) => (0, engine),
+                    (None, TierName::G2) => (1, 0),
+                    (None, TierName::G3) => (2, 0),
+                    (None, _) => (3, source.worker as u32),
+                };
+                Located { kind, id, blocks: m.blocks as u32 }
+            })
+            .collect()
+    }
+}
+
+fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
+    Reply::Error { code, message: message.into() }
+}
+
+fn malformed(message: String) -> Reply {
+    error(ErrorCode::Malformed, message)
+}
+
+async fn send(stream: &mut UnixStream, reply: Reply) -> std::io::Result<()> {
+    stream.write_all(&reply.encode()).await
+}

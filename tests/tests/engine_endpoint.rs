@@ -1,0 +1,328 @@
+//! The engine endpoint through the real binary, driven by a client written from its protocol
+//! (`runtime/python/README.md`), as the vLLM plug-in drives it: register and map the shared G2,
+//! store, look up, load, events; a second engine of the same description shares the blocks,
+//! another description does not; G2 too small → blocks come back from G3, verified; a restart →
+//! G3's blocks are found again; a corrupted G3 slot is never handed out; bad input gets the
+//! protocol's error and the node goes on.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dynamo_actors::endpoint::recvmsg_with_fd;
+use dynamo_tests::Node;
+use dynamo_tiering::foreign::{ErrorCode, Found, PROTOCOL_VERSION, Registration, Reply, Request, Role};
+
+/// Bytes of one test block: what a tiny vLLM model's 128-token block takes.
+const BLOCK: u64 = 65536;
+
+fn config() -> String {
+    format!(
+        r#"
+[tiers.g2]
+capacity = "2MiB"
+mlock = "off"
+
+[tiers.g3]
+capacity_per_path = "24MiB"
+
+[engine_endpoint]
+enabled = true
+max_block_bytes = "{BLOCK}B"
+"#
+    )
+}
+
+/// A registered connection with the region mapped.
+struct Client {
+    stream: UnixStream,
+    map: *mut u8,
+    map_len: usize,
+    slot_bytes: usize,
+    payload_offset: usize,
+    region_id: u64,
+    _fd: OwnedFd,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping made in `connect`.
+        unsafe { libc::munmap(self.map.cast(), self.map_len) };
+    }
+}
+
+fn registration(engine: &str, role: Role) -> Registration {
+    Registration {
+        version: PROTOCOL_VERSION,
+        role,
+        engine_id: engine.into(),
+        model: "tiny-llama".into(),
+        dtype: "bfloat16".into(),
+        layout: "test".into(),
+        block_tokens: 128,
+        world_size: 1,
+        rank: 0,
+        block_bytes: BLOCK,
+        kv_events: String::new(),
+    }
+}
+
+fn read_reply(stream: &mut UnixStream, mut have: Vec<u8>) -> Reply {
+    while have.len() < 4 {
+        let mut b = [0u8; 4096];
+        let n = stream.read(&mut b).expect("read");
+        assert!(n > 0, "the node closed the connection");
+        have.extend_from_slice(&b[..n]);
+    }
+    let len = u32::from_le_bytes(have[..4].try_into().unwrap()) as usize;
+    let mut frame = have[4..].to_vec();
+    let missing = (len).saturating_sub(frame.len());
+    let mut rest = vec![0; missing];
+    stream.read_exact(&mut rest).expect("read frame");
+    frame.extend_from_slice(&rest);
+    Reply::decode(&frame).expect("a reply decodes")
+}
+
+fn call_on(stream: &mut UnixStream, request: &Request) -> Reply {
+    stream.write_all(&request.encode()).expect("send");
+    read_reply(stream, Vec::new())
+}
+
+fn register(socket: &Path, r: Registration) -> Result<Client, (ErrorCode, String)> {
+    let mut stream = UnixStream::connect(socket).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    stream.write_all(&Request::Register(r).encode()).expect("send");
+    let mut buf = vec![0u8; 4096];
+    let (n, fd) = recvmsg_with_fd(stream.as_raw_fd(), &mut buf).expect("recvmsg");
+    buf.truncate(n);
+    match read_reply(&mut stream, buf) {
+        Reply::Registered { region_id, region_bytes, slot_bytes, payload_offset, .. } => {
+            let fd = fd.expect("the region's fd rides on REGISTERED");
+            // SAFETY: mapping the node's memfd, `region_bytes` long, shared; unmapped in Drop.
+            let map = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    region_bytes as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(map, libc::MAP_FAILED);
+            Ok(Client {
+                stream,
+                map: map.cast(),
+                map_len: region_bytes as usize,
+                slot_bytes: slot_bytes as usize,
+                payload_offset: payload_offset as usize,
+                region_id,
+                _fd: fd,
+            })
+        }
+        Reply::Error { code, message } => Err((code, message)),
+        other => panic!("unexpected reply {other:?}"),
+    }
+}
+
+impl Client {
+    fn call(&mut self, request: Request) -> Reply {
+        call_on(&mut self.stream, &request)
+    }
+
+    fn payload(&self, slot: i32) -> &mut [u8] {
+        assert!(slot >= 0);
+        let at = slot as usize * self.slot_bytes + self.payload_offset;
+        assert!(at + BLOCK as usize <= self.map_len);
+        // SAFETY: inside the mapping; the node handed this slot to us (store) or pinned it (load).
+        unsafe { std::slice::from_raw_parts_mut(self.map.add(at), BLOCK as usize) }
+    }
+
+    fn lookup(&mut self, keys: &[Vec<u8>]) -> Vec<Found> {
+        match self.call(Request::Lookup(keys.to_vec())) {
+            Reply::Looked(found) => found,
+            other => panic!("lookup: {other:?}"),
+        }
+    }
+
+    /// Stores `keys` with payloads from `fill`; returns how many the node took.
+    fn store(&mut self, keys: &[Vec<u8>], fill: impl Fn(&[u8]) -> Vec<u8>) -> u32 {
+        let Reply::StoreSlots(slots) = self.call(Request::PrepareStore(keys.to_vec())) else { panic!("prepare_store") };
+        let mut taken = Vec::new();
+        for (key, &slot) in keys.iter().zip(&slots) {
+            if slot >= 0 {
+                self.payload(slot).copy_from_slice(&fill(key));
+                taken.push(key.clone());
+            }
+        }
+        match self.call(Request::CompleteStore { success: true, keys: taken }) {
+            Reply::Stored(n) => n,
+            other => panic!("complete_store: {other:?}"),
+        }
+    }
+
+    /// Loads `keys`: their payloads, `None` where the node had none.
+    fn load(&mut self, keys: &[Vec<u8>]) -> Vec<Option<Vec<u8>>> {
+        let Reply::LoadSlots(slots) = self.call(Request::PrepareLoad(keys.to_vec())) else { panic!("prepare_load") };
+        let out = slots.iter().map(|&s| (s >= 0).then(|| self.payload(s).to_vec())).collect();
+        let pinned: Vec<Vec<u8>> = keys.iter().zip(&slots).filter(|(_, s)| **s >= 0).map(|(k, _)| k.clone()).collect();
+        let n = pinned.len() as u32;
+        assert_eq!(self.call(Request::CompleteLoad(pinned)), Reply::Released(n));
+        out
+    }
+
+    /// Looks `keys` up until none is pending (G3 reads finish), for `limit` at most.
+    fn settle(&mut self, keys: &[Vec<u8>], limit: Duration) -> Vec<Found> {
+        let started = Instant::now();
+        loop {
+            let found = self.lookup(keys);
+            if !found.contains(&Found::Pending) || started.elapsed() > limit {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// vLLM-style keys: a 32-byte hash then the KV group, 4 bytes big-endian.
+fn key(tag: &str, i: usize) -> Vec<u8> {
+    let mut k = format!("{tag}-{i:04}").into_bytes();
+    k.resize(32, b'.');
+    k.extend_from_slice(&0u32.to_be_bytes());
+    k
+}
+
+/// A payload that depends on every byte of the key.
+fn payload(key: &[u8]) -> Vec<u8> {
+    let seed = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let mut x = seed;
+    (0..BLOCK)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn socket(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().join("engines.sock")
+}
+
+#[test]
+fn engines_store_look_up_and_load_through_the_shared_g2() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let node = Node::start_in(dir.clone(), &config());
+    assert!(node.announced.iter().any(|l| l.starts_with("engine endpoint on ")), "{:?}", node.announced);
+    let sock = socket(&dir);
+    let mut a = register(&sock, registration("vllm-a", Role::Manager)).expect("register");
+    let keys: Vec<Vec<u8>> = (0..6).map(|i| key("a", i)).collect();
+
+    assert_eq!(a.lookup(&keys), vec![Found::Miss; 6], "an empty node holds nothing");
+    assert_eq!(a.store(&keys, payload), 6);
+    let Reply::StoreSlots(again) = a.call(Request::PrepareStore(keys[..2].to_vec())) else { panic!() };
+    assert_eq!(again, vec![-1, -1], "stored blocks are not stored twice");
+    let Reply::Events(events) = a.call(Request::TakeEvents) else { panic!() };
+    assert_eq!(events, keys.iter().map(|k| (false, k.clone())).collect::<Vec<_>>(), "one stored event per block");
+
+    assert_eq!(a.lookup(&keys), vec![Found::Hit; 6]);
+    for (k, loaded) in keys.iter().zip(a.load(&keys)) {
+        assert_eq!(loaded.as_deref(), Some(&payload(k)[..]), "a load returns what was stored");
+    }
+
+    // Another instance of the same model and layout (a fresh vLLM process) finds them.
+    let mut b = register(&sock, registration("vllm-b", Role::Manager)).expect("register b");
+    assert_eq!(b.region_id, a.region_id, "one region per node run");
+    assert_eq!(b.lookup(&keys), vec![Found::Hit; 6]);
+    assert_eq!(b.load(&keys[..1])[0].as_deref(), Some(&payload(&keys[0])[..]));
+    // Another layout never matches.
+    let mut c =
+        register(&sock, Registration { layout: "other".into(), ..registration("vllm-c", Role::Manager) }).unwrap();
+    assert_eq!(c.lookup(&keys), vec![Found::Miss; 6]);
+
+    // A worker maps the region but does not manage blocks.
+    let mut w = register(&sock, Registration { role: Role::Worker, ..registration("vllm-a", Role::Worker) }).unwrap();
+    assert!(matches!(w.call(Request::Lookup(keys.clone())), Reply::Error { code: ErrorCode::Refused, .. }));
+
+    // Refusals, in the protocol's own shape, and the node goes on.
+    let too_big = register(&sock, Registration { block_bytes: 4 * BLOCK, ..registration("big", Role::Manager) });
+    let (code, message) = too_big.err().expect("a block larger than the slots is refused");
+    assert_eq!(code, ErrorCode::Refused);
+    assert!(message.contains("engine_endpoint.max_block_bytes"), "{message}");
+    let old = register(&sock, Registration { version: 99, ..registration("old", Role::Manager) });
+    assert_eq!(old.err().map(|e| e.0), Some(ErrorCode::Version));
+    let mut raw = UnixStream::connect(&sock).unwrap();
+    assert!(matches!(call_on(&mut raw, &Request::TakeEvents), Reply::Error { code: ErrorCode::NotRegistered, .. }));
+    raw.write_all(&[3, 0, 0, 0, 0x42, 0, 0]).unwrap();
+    assert!(matches!(read_reply(&mut raw, Vec::new()), Reply::Error { code: ErrorCode::Malformed, .. }));
+    let mut rest = Vec::new();
+    assert_eq!(raw.read_to_end(&mut rest).unwrap(), 0, "a malformed frame closes the connection");
+    assert_eq!(a.lookup(&keys[..1]), vec![Found::Hit], "the node goes on serving");
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        assert_eq!(node.metric("dynamo_node_engine_blocks_total{engine=\"vllm-a\",op=\"stored\"}").await, 6.0);
+        assert_eq!(node.metric("dynamo_node_engine_lookups_total{engine=\"vllm-a\",result=\"hit\"}").await, 7.0);
+        assert_eq!(node.metric("dynamo_node_engines_registered").await, 3.0, "vllm-a, vllm-b and vllm-c");
+    });
+    drop((a, b, c, w));
+    assert_eq!(node.stop(), 0);
+    assert!(!sock.exists(), "the socket file goes with the node");
+}
+
+#[test]
+fn blocks_come_back_from_g3_verified_and_outlive_a_restart_but_a_corrupt_one_is_never_served() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let node = Node::start_in(dir.clone(), &config());
+    let sock = socket(&dir);
+    let mut a = register(&sock, registration("vllm-a", Role::Manager)).expect("register");
+    // Three times what G2 holds (30 slots of 68 KiB): the first ones leave G2 for G3 only.
+    let keys: Vec<Vec<u8>> = (0..90).map(|i| key("g3", i)).collect();
+    for chunk in keys.chunks(10) {
+        assert_eq!(a.store(chunk, payload), 10);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(node.wait_for_metric("dynamo_node_kv_blocks{tier=\"g3\"}", Duration::from_secs(20), |v| v >= 90.0));
+    let first = &keys[..5];
+    let found = a.lookup(first);
+    assert!(found.iter().all(|f| *f == Found::Pending), "evicted from G2, in G3: pending, {found:?}");
+    assert_eq!(a.settle(first, Duration::from_secs(20)), vec![Found::Hit; 5], "read back into G2");
+    for (k, loaded) in first.iter().zip(a.load(first)) {
+        assert_eq!(loaded.as_deref(), Some(&payload(k)[..]), "a block back from G3 holds its bytes");
+    }
+    let Reply::Events(events) = a.call(Request::TakeEvents) else { panic!() };
+    assert!(events.iter().any(|(removed, _)| *removed), "G2's evictions are reported as removals");
+    drop(a);
+    assert_eq!(node.stop(), 0);
+
+    // Flip one payload byte of a block in the G3 file, then restart on the same data directory.
+    let victim = &keys[40];
+    let g3_file = dir.path().join("g3").join("store.0");
+    let mut bytes = std::fs::read(&g3_file).expect("read G3");
+    let needle = &payload(victim)[..64];
+    let at = bytes.windows(64).position(|w| w == needle).expect("the block is in the G3 file");
+    bytes[at + 100] ^= 0x40;
+    std::fs::write(&g3_file, &bytes).expect("write G3");
+    drop(bytes);
+
+    let node = Node::start_in(dir.clone(), &config());
+    let mut b = register(&sock, registration("vllm-b", Role::Manager)).expect("register after restart");
+    let intact = [keys[0].clone(), keys[41].clone()];
+    assert_eq!(b.settle(&intact, Duration::from_secs(20)), vec![Found::Hit; 2], "G3 recovered them");
+    for (k, loaded) in intact.iter().zip(b.load(&intact)) {
+        assert_eq!(loaded.as_deref(), Some(&payload(k)[..]));
+    }
+    let corrupt = std::slice::from_ref(victim);
+    let found = b.settle(corrupt, Duration::from_secs(20));
+    assert_eq!(found, vec![Found::Miss], "a block that fails verification is dropped, never a hit");
+    assert_eq!(b.load(corrupt), vec![None], "and never loadable");
+    rt.block_on(async {
+        assert_eq!(node.metric("dynamo_node_engine_blocks_total{engine=\"vllm-b\",op=\"corrupt\"}").await, 1.0);
+    });
+    drop(b);
+    assert_eq!(node.stop(), 0);
+}
