@@ -326,3 +326,83 @@ fn blocks_come_back_from_g3_verified_and_outlive_a_restart_but_a_corrupt_one_is_
     drop(b);
     assert_eq!(node.stop(), 0);
 }
+
+/// vLLM's KV events, as its ZMQ publisher sends them, reach the global prefix index: LOCATE (the
+/// index's view) says the engine holds the chain in its G1, and loses it when the engine's
+/// connection goes.
+#[test]
+fn an_engines_kv_events_feed_the_index() {
+    use rmpv::Value;
+    use zeromq::{Socket, SocketSend};
+
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let node = Node::start_in(dir.clone(), &config());
+    let sock = socket(&dir);
+    // Multi-threaded: the publisher's sockets are served between the calls below.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let port = dynamo_tests::free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let _in_runtime = rt.enter();
+    let mut publisher = zeromq::PubSocket::new();
+    rt.block_on(publisher.bind(&endpoint)).expect("bind the publisher");
+    let mut a =
+        register(&sock, Registration { kv_events: endpoint.clone(), ..registration("vllm-a", Role::Manager) }).unwrap();
+
+    let chain: Vec<(u32, u64)> = (1..=4u64).map(|h| (0, h * 1_000_003)).collect();
+    let stored = |hashes: &[(u32, u64)], parent: Option<u64>| {
+        let mut event = vec![
+            ("type", Value::from("BlockStored")),
+            ("block_hashes", Value::Array(hashes.iter().map(|&(_, h)| Value::from(h)).collect())),
+            ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
+            ("token_ids", Value::Array(vec![])),
+            ("block_size", Value::from(128)),
+            ("lora_id", Value::Nil),
+            ("medium", Value::from("GPU")),
+            ("lora_name", Value::Nil),
+        ];
+        event.push(("group_idx", Value::from(0)));
+        Value::Map(event.into_iter().map(|(k, v)| (Value::from(k), v)).collect())
+    };
+    let batch = |events: Vec<Value>| {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::F64(0.0), Value::Array(events)])).unwrap();
+        out
+    };
+    let locate = |a: &mut Client| match a.call(Request::Locate(chain.clone())) {
+        Reply::Located(found) => found,
+        other => panic!("locate: {other:?}"),
+    };
+    // The subscriber connects in the background: publish (as vLLM does, every step) until seen.
+    let started = Instant::now();
+    let mut seq = 0u64;
+    loop {
+        seq += 1;
+        let payload = batch(vec![stored(&chain[..2], None), stored(&chain[2..], Some(chain[1].1))]);
+        let message: zeromq::ZmqMessage =
+            vec![bytes::Bytes::new(), bytes::Bytes::copy_from_slice(&seq.to_be_bytes()), payload.into()]
+                .try_into()
+                .unwrap();
+        rt.block_on(publisher.send(message)).expect("publish");
+        let found = locate(&mut a);
+        if let Some(g1) = found.iter().find(|l| l.kind == 0) {
+            assert_eq!((g1.id, g1.blocks), (0, 4), "engine 0's G1 holds the whole chain: {found:?}");
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "the events never reached the index: {found:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    rt.block_on(async {
+        assert!(node.metric("dynamo_node_engine_g1_blocks{engine=\"vllm-a\"}").await >= 4.0);
+        assert!(node.metric("dynamo_node_engine_kv_events_total{engine=\"vllm-a\",kind=\"stored\"}").await >= 2.0);
+    });
+    // The engine goes: its G1 leaves the index.
+    drop(a);
+    let mut b = register(&sock, registration("vllm-b", Role::Manager)).unwrap();
+    let started = Instant::now();
+    while locate(&mut b).iter().any(|l| l.kind == 0) {
+        assert!(started.elapsed() < Duration::from_secs(10), "a gone engine's G1 stays in the index");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(b);
+    assert_eq!(node.stop(), 0);
+}
