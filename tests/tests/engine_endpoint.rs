@@ -133,12 +133,14 @@ impl Client {
         call_on(&mut self.stream, &request)
     }
 
-    fn payload(&self, slot: i32) -> &mut [u8] {
+    fn payload(&mut self, slot: i32) -> &mut [u8] {
         assert!(slot >= 0);
         let at = slot as usize * self.slot_bytes + self.payload_offset;
         assert!(at + BLOCK as usize <= self.map_len);
-        // SAFETY: inside the mapping; the node handed this slot to us (store) or pinned it (load).
-        unsafe { std::slice::from_raw_parts_mut(self.map.add(at), BLOCK as usize) }
+        let start = self.map.wrapping_add(at);
+        // SAFETY: `start..start + BLOCK` lies inside the mapping (checked above), and the node handed
+        // this slot to us (store) or pinned it (load), so nothing else writes it meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(start, BLOCK as usize) }
     }
 
     fn lookup(&mut self, keys: &[Vec<u8>]) -> Vec<Found> {

@@ -553,7 +553,7 @@ mod tests {
         let at = slot.index() as usize * p.slot_bytes();
         slot.as_mut_slice()[..5].copy_from_slice(b"hello");
         // SAFETY: `other` maps `len` bytes and `at + 5 <= len`.
-        let seen = unsafe { std::slice::from_raw_parts(other.cast::<u8>().add(at), 5) };
+        let seen = unsafe { std::slice::from_raw_parts(other.cast::<u8>().wrapping_add(at), 5) };
         assert_eq!(seen, b"hello", "a second mapping sees the pool's bytes");
         // SAFETY: unmapping the mapping made above.
         unsafe { libc::munmap(other, len) };
