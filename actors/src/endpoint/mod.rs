@@ -54,6 +54,8 @@ const REMOVAL_SCAN: Duration = Duration::from_millis(250);
 const MAX_G3_WRITES: usize = 1024;
 /// Longest engine id accepted.
 const MAX_ENGINE_ID: usize = 128;
+/// Most connections at once (an engine opens one per process: its manager and each worker).
+const MAX_CONNECTIONS: usize = 512;
 
 /// What the endpoint needs from the node.
 #[derive(Clone, Debug)]
@@ -167,6 +169,10 @@ async fn accept_loop(listener: UnixListener, core: Arc<Core>) {
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
+                Ok((mut stream, _)) if connections.len() >= MAX_CONNECTIONS => {
+                    let refusal = error(ErrorCode::Refused, format!("{MAX_CONNECTIONS} connections are open"));
+                    tokio::spawn(async move { let _ = send(&mut stream, refusal).await; });
+                }
                 Ok((stream, _)) => {
                     connections.spawn(Connection::new(core.clone()).serve(stream));
                 }
@@ -625,6 +631,12 @@ impl Connection {
         let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
         if self.storing.contains_key(&hash) || g2.contains(hash) {
             return -1;
+        }
+        // One engine cannot take G2 from everyone else: slots it holds for stores not yet
+        // completed are capped at a quarter of the pool.
+        if self.storing.len() >= (g2.pool.slots() as usize / 4).max(8) {
+            telemetry::record_engine_blocks(&engine, "no_room", 1);
+            return -2;
         }
         match g2.alloc(unix_millis()) {
             Some(slot) => {
