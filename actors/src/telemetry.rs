@@ -76,7 +76,7 @@
 //! | `dynamo_node_cluster_etcd_up` | gauge | | 1 while registered in etcd and following it |
 //! | `dynamo_node_cluster_registrations_total` | counter | | registrations in etcd (more than one: re-registered under a new epoch) |
 //! | `dynamo_node_cluster_epoch` | gauge | | the revision of the node's current registration |
-//! | `dynamo_node_engines_registered` | gauge | | external engines (vLLM) with a live connection to the engine endpoint |
+//! | `dynamo_node_engines_registered` | gauge | | external engines (vLLM) with a live connection to the engine endpoint; the `engine` label of the series below is an engine's index on the node (the smallest free when it registered, so fewer than `engine_endpoint.max_engines` values; the log line "engine registered" maps ids to indices) |
 //! | `dynamo_node_engine_lookups_total` | counter | `engine`, `result` | an external engine's block lookups: `hit` (in G2, verified), `pending` (being read from G3), `miss` |
 //! | `dynamo_node_engine_blocks_total` | counter | `engine`, `op` | an external engine's blocks: `stored`, `loaded`, `promoted` (G3 → G2), `no_room`, `corrupt` (failed verification, dropped), `read_failed` |
 //! | `dynamo_node_engine_g2_blocks` | gauge | `engine` | blocks the engine stored that G2 still holds |

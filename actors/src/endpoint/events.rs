@@ -28,8 +28,10 @@ use crate::telemetry;
 pub(super) struct Follow {
     /// The publisher, e.g. `tcp://127.0.0.1:5557`.
     pub endpoint: String,
-    /// The engine's id, for metrics and logs.
+    /// The engine's metric label (its index).
     pub engine: String,
+    /// The engine's id, for logs.
+    pub id: String,
     /// Its identity (names its blocks in the index).
     pub identity: ForeignEngine,
     /// Its source in the index.
@@ -57,17 +59,17 @@ pub(super) async fn follow(mut f: Follow) {
             c = socket.connect(&f.endpoint) => c,
         };
         if let Err(e) = connected.map(|_| ()) {
-            tracing::debug!(engine = %f.engine, endpoint = %f.endpoint, error = %e, "KV events: cannot connect yet");
+            tracing::debug!(engine = %f.id, endpoint = %f.endpoint, error = %e, "KV events: cannot connect yet");
             tokio::select! {
                 _ = f.stop.changed() => break 'connect,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => continue 'connect,
             }
         }
         if let Err(e) = socket.subscribe("").await {
-            tracing::warn!(engine = %f.engine, error = %e, "KV events: cannot subscribe");
+            tracing::warn!(engine = %f.id, error = %e, "KV events: cannot subscribe");
             continue 'connect;
         }
-        tracing::info!(engine = %f.engine, endpoint = %f.endpoint, "following the engine's KV events");
+        tracing::info!(engine = %f.id, endpoint = %f.endpoint, "following the engine's KV events");
         let mut last: Option<u64> = None;
         loop {
             let message = tokio::select! {
@@ -77,7 +79,7 @@ pub(super) async fn follow(mut f: Follow) {
             let message = match message {
                 Ok(m) => m,
                 Err(e) => {
-                    tracing::warn!(engine = %f.engine, error = %e, "KV events: the subscription failed; reconnecting");
+                    tracing::warn!(engine = %f.id, error = %e, "KV events: the subscription failed; reconnecting");
                     continue 'connect;
                 }
             };
@@ -91,7 +93,7 @@ pub(super) async fn follow(mut f: Follow) {
                 continue;
             };
             if last.is_some_and(|l| remote != l.wrapping_add(1)) {
-                tracing::warn!(engine = %f.engine, after = ?last, got = remote, "KV events: a gap; the engine's G1 leaves the index");
+                tracing::warn!(engine = %f.id, after = ?last, got = remote, "KV events: a gap; the engine's G1 leaves the index");
                 telemetry::record_engine_kv_events(&f.engine, "gap", 1);
                 apply(&f, KvEventKind::Cleared);
             }
@@ -103,7 +105,7 @@ pub(super) async fn follow(mut f: Follow) {
                     }
                 }
                 Err(why) => {
-                    tracing::debug!(engine = %f.engine, why, "KV events: a batch did not decode");
+                    tracing::debug!(engine = %f.id, why, "KV events: a batch did not decode");
                     telemetry::record_engine_kv_events(&f.engine, "malformed", 1);
                 }
             }

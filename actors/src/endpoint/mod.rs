@@ -26,7 +26,7 @@ pub use fd::recvmsg_with_fd;
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -88,7 +88,8 @@ pub enum EndpointMsg {
 pub struct EngineStatus {
     /// Its id (vLLM's `engine_id`).
     pub id: String,
-    /// Its index on this node (its source in the prefix index).
+    /// Its index on this node: its source in the prefix index and its `engine` metric label (the
+    /// smallest index free when it registered).
     pub index: u32,
     /// Open connections (its manager and workers).
     pub connections: usize,
@@ -208,7 +209,6 @@ pub struct Core {
     region: RegionKind,
     max_engines: usize,
     engines: Mutex<HashMap<String, EngineEntry>>,
-    next_engine: AtomicU32,
     /// Blocks being read from G3 into G2.
     promoting: Mutex<std::collections::HashSet<BlockHash>>,
     g3_writes: Arc<AtomicUsize>,
@@ -236,7 +236,6 @@ impl Core {
             region: args.region,
             max_engines: args.max_engines,
             engines: Mutex::new(HashMap::new()),
-            next_engine: AtomicU32::new(0),
             promoting: Mutex::new(Default::default()),
             g3_writes: Arc::new(AtomicUsize::new(0)),
         })
@@ -246,7 +245,6 @@ impl Core {
         let engines = self.engines.lock().expect("engines lock");
         let mut all: Vec<EngineStatus> = engines
             .iter()
-            .filter(|(_, e)| e.connections > 0)
             .map(|(id, e)| EngineStatus { id: id.clone(), index: e.index, connections: e.connections })
             .collect();
         all.sort_by_key(|e| e.index);
@@ -296,9 +294,10 @@ impl Core {
         }
         let identity = ForeignEngine::of(r);
         let mut engines = self.engines.lock().expect("engines lock");
-        let active = engines.values().filter(|e| e.connections > 0).count();
+        // Every entry has a live connection: the last one to close removes it.
+        let active = engines.len();
         let entry = match engines.get_mut(&r.engine_id) {
-            Some(entry) if entry.connections > 0 && entry.identity != identity => {
+            Some(entry) if entry.identity != identity => {
                 return refuse(format!(
                     "engine {:?} is registered with another model or layout; use another engine_id",
                     r.engine_id
@@ -309,7 +308,9 @@ impl Core {
                 return refuse(format!("{active} engines are registered, engine_endpoint.max_engines"));
             }
             None => {
-                let index = self.next_engine.fetch_add(1, Ordering::Relaxed);
+                // The smallest index no engine uses: indices (and the metrics labelled by them)
+                // stay below max_engines however many engines come and go.
+                let index = (0..).find(|i| engines.values().all(|e| e.index != *i)).expect("a free index");
                 engines.entry(r.engine_id.clone()).or_insert(EngineEntry {
                     index,
                     identity,
@@ -318,16 +319,13 @@ impl Core {
                 })
             }
         };
-        if entry.connections == 0 && active >= self.max_engines {
-            return refuse(format!("{active} engines are registered, engine_endpoint.max_engines"));
-        }
-        entry.identity = identity;
         entry.connections += 1;
         if r.role == Role::Manager && !r.kv_events.is_empty() && entry.follower.is_none() {
             let (stop, stopped) = tokio::sync::watch::channel(false);
             tokio::spawn(events::follow(events::Follow {
                 endpoint: r.kv_events.clone(),
-                engine: r.engine_id.clone(),
+                engine: entry.index.to_string(),
+                id: r.engine_id.clone(),
                 identity,
                 source: self.source(entry.index),
                 index: self.index.clone(),
@@ -336,7 +334,7 @@ impl Core {
             entry.follower = Some(stop);
         }
         let index = entry.index;
-        let registered = engines.values().filter(|e| e.connections > 0).count();
+        let registered = engines.len();
         drop(engines);
         telemetry::set_engines_registered(registered);
         Ok((index, identity))
@@ -347,13 +345,14 @@ impl Core {
         let mut engines = self.engines.lock().expect("engines lock");
         if let Some(entry) = engines.get_mut(engine_id) {
             entry.connections = entry.connections.saturating_sub(1);
-            if entry.connections == 0
-                && let Some(stop) = entry.follower.take()
-            {
-                let _ = stop.send(true);
+            if entry.connections == 0 {
+                if let Some(stop) = entry.follower.take() {
+                    let _ = stop.send(true);
+                }
+                engines.remove(engine_id);
             }
         }
-        let registered = engines.values().filter(|e| e.connections > 0).count();
+        let registered = engines.len();
         drop(engines);
         telemetry::set_engines_registered(registered);
     }
@@ -442,6 +441,8 @@ impl Drop for G3WriteDone {
 #[derive(Debug)]
 struct Registered {
     engine_id: Arc<str>,
+    /// The engine's index as a metric label (`engine`): bounded by `max_engines`, unlike ids.
+    label: Arc<str>,
     identity: ForeignEngine,
     role: Role,
     block_bytes: u64,
@@ -517,7 +518,7 @@ impl Connection {
         }
         if let Some(r) = &self.registered {
             self.core.unregister(&r.engine_id);
-            telemetry::set_engine_g2_blocks(&r.engine_id, 0);
+            telemetry::set_engine_g2_blocks(&r.label, 0);
         }
     }
 
@@ -537,6 +538,7 @@ impl Connection {
                 let (_, region_bytes) = g2.pool.region();
                 tracing::info!(
                     engine = %registration.engine_id,
+                    index,
                     role = ?registration.role,
                     rank = registration.rank,
                     block_bytes = registration.block_bytes,
@@ -544,6 +546,7 @@ impl Connection {
                 );
                 self.registered = Some(Registered {
                     engine_id: registration.engine_id.as_str().into(),
+                    label: index.to_string().into(),
                     identity,
                     role: registration.role,
                     block_bytes: registration.block_bytes,
@@ -587,7 +590,7 @@ impl Connection {
 
     fn identity(&self) -> (ForeignEngine, Arc<str>) {
         let r = self.registered.as_ref().expect("registered");
-        (r.identity, r.engine_id.clone())
+        (r.identity, r.label.clone())
     }
 
     /// The verified G2 image of `hash`, if resident. An image that fails verification is
@@ -690,6 +693,10 @@ impl Connection {
             }
         }
         telemetry::record_engine_blocks(&engine, "stored", stored as u64);
+        // An engine that never takes its events still cannot grow this beyond what G2 holds.
+        if self.stored.len() > 2 * g2.pool.slots() as usize {
+            self.scan_removals();
+        }
         telemetry::set_engine_g2_blocks(&engine, self.stored.len());
         stored
     }
@@ -730,21 +737,26 @@ impl Connection {
     }
 
     fn take_events(&mut self, now: Instant) -> Vec<(bool, Vec<u8>)> {
-        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
         if now.duration_since(self.last_scan) >= REMOVAL_SCAN {
             self.last_scan = now;
-            let events = &mut self.events;
-            self.stored.retain(|&hash, key| {
-                let resident = g2.contains(hash);
-                if !resident {
-                    events.push((true, key.clone()));
-                }
-                resident
-            });
-            let (_, engine) = self.identity();
-            telemetry::set_engine_g2_blocks(&engine, self.stored.len());
+            self.scan_removals();
         }
         std::mem::take(&mut self.events)
+    }
+
+    /// Turns the blocks this connection stored that G2 no longer holds into removal events.
+    fn scan_removals(&mut self) {
+        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+        let events = &mut self.events;
+        self.stored.retain(|&hash, key| {
+            let resident = g2.contains(hash);
+            if !resident {
+                events.push((true, key.clone()));
+            }
+            resident
+        });
+        let (_, engine) = self.identity();
+        telemetry::set_engine_g2_blocks(&engine, self.stored.len());
     }
 
     fn locate(&self, chain: &[(u32, u64)]) -> Vec<Located> {
