@@ -145,7 +145,12 @@ impl Client {
 
     fn lookup(&mut self, keys: &[Vec<u8>]) -> Vec<Found> {
         match self.call(Request::Lookup(keys.to_vec())) {
-            Reply::Looked(found) => found,
+            Reply::Looked(found) => {
+                for (f, slot) in &found {
+                    assert_eq!(*f == Found::Hit, *slot >= 0, "a hit, and only a hit, names its slot: {found:?}");
+                }
+                found.into_iter().map(|(f, _)| f).collect()
+            }
             other => panic!("lookup: {other:?}"),
         }
     }
@@ -225,6 +230,12 @@ fn engines_store_look_up_and_load_through_the_shared_g2() {
     let keys: Vec<Vec<u8>> = (0..6).map(|i| key("a", i)).collect();
 
     assert_eq!(a.lookup(&keys), vec![Found::Miss; 6], "an empty node holds nothing");
+    // No worker to write the payloads yet: no slots, so nothing unwritten is ever sealed.
+    let Reply::StoreSlots(refused) = a.call(Request::PrepareStore(keys.clone())) else { panic!() };
+    assert_eq!(refused, vec![-2; 6]);
+    // A worker maps the region but does not manage blocks.
+    let mut w = register(&sock, registration("vllm-a", Role::Worker)).unwrap();
+    assert!(matches!(w.call(Request::Lookup(keys.clone())), Reply::Error { code: ErrorCode::Refused, .. }));
     assert_eq!(a.store(&keys, payload), 6);
     let Reply::StoreSlots(again) = a.call(Request::PrepareStore(keys[..2].to_vec())) else { panic!() };
     assert_eq!(again, vec![-1, -1], "stored blocks are not stored twice");
@@ -245,10 +256,6 @@ fn engines_store_look_up_and_load_through_the_shared_g2() {
     let mut c =
         register(&sock, Registration { layout: "other".into(), ..registration("vllm-c", Role::Manager) }).unwrap();
     assert_eq!(c.lookup(&keys), vec![Found::Miss; 6]);
-
-    // A worker maps the region but does not manage blocks.
-    let mut w = register(&sock, Registration { role: Role::Worker, ..registration("vllm-a", Role::Worker) }).unwrap();
-    assert!(matches!(w.call(Request::Lookup(keys.clone())), Reply::Error { code: ErrorCode::Refused, .. }));
 
     // Refusals, in the protocol's own shape, and the node goes on.
     let too_big = register(&sock, Registration { block_bytes: 4 * BLOCK, ..registration("big", Role::Manager) });
@@ -282,6 +289,7 @@ fn blocks_come_back_from_g3_verified_and_outlive_a_restart_but_a_corrupt_one_is_
     let node = Node::start_in(dir.clone(), &config());
     let sock = socket(&dir);
     let mut a = register(&sock, registration("vllm-a", Role::Manager)).expect("register");
+    let _worker = register(&sock, registration("vllm-a", Role::Worker)).expect("register a worker");
     // Three times what G2 holds (30 slots of 68 KiB): the first ones leave G2 for G3 only.
     let keys: Vec<Vec<u8>> = (0..90).map(|i| key("g3", i)).collect();
     for chunk in keys.chunks(5) {

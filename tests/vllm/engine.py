@@ -19,11 +19,14 @@ the request. With ``--socket`` vLLM loads the ``dynamo_node_vllm`` plug-in
 publishes its KV events on that port (bound on all interfaces), the plug-in
 passes the address to the node, and ``gpu_hashes`` lists the GPU
 ``BlockStored`` hashes seen on the stream. ``--locate`` asks the node where
-that chain of hashes lives (a separate registration, engine id
-``<engine-id>.locate``), polling up to 5 s for this engine's G1 to show it all.
+that chain of hashes lives, polling up to 5 s for this engine's G1 to show it
+all. The node names event hashes under the engine's identity, so LOCATE goes
+over a connection registered exactly as the plug-in's rank-0 worker is (a
+worker extension fetches that description from the worker process).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +35,6 @@ import time
 from pathlib import Path
 
 PLUGIN_PATH = Path(__file__).resolve().parents[2] / "runtime" / "python"
-BLOCK_TOKENS = 128  # vLLM's CPU backend's default KV block size
 LOCATE_WAIT_S = 5.0
 EVENTS_QUIET_S = 0.5
 EVENTS_WAIT_S = 3.0
@@ -79,7 +81,7 @@ class GpuBlockEvents(threading.Thread):
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
-        self._stop = threading.Event()
+        self._done = threading.Event()
         self.hashes: list[list[int]] = []
         self.last_event = time.monotonic()
 
@@ -88,7 +90,7 @@ class GpuBlockEvents(threading.Thread):
 
         poller = self._zmq.Poller()
         poller.register(self._sub, self._zmq.POLLIN)
-        while not self._stop.is_set():
+        while not self._done.is_set():
             if not poller.poll(100):
                 continue
             _topic, _seq, payload = self._sub.recv_multipart()
@@ -106,7 +108,7 @@ class GpuBlockEvents(threading.Thread):
             not self.hashes or time.monotonic() - self.last_event < EVENTS_QUIET_S
         ):
             time.sleep(0.05)
-        self._stop.set()
+        self._done.set()
         self.join()
         self._sub.close()
         return list(self.hashes)
@@ -148,6 +150,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+    if args.locate:
+        kwargs["worker_extension_cls"] = f"{Path(__file__).stem}.KvTierDescription"
     if args.kv_events:
         kwargs["kv_events_config"] = {
             "enable_kv_cache_events": True,
@@ -158,35 +162,27 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def locate(args: argparse.Namespace, chain: list[list[int]]) -> list[list[int]]:
+class KvTierDescription:
+    """vLLM worker extension (``worker_extension_cls``): runs in the worker."""
+
+    def dynamo_node_description(self) -> dict:
+        """The REGISTER description of this worker's DynamoNodeSpec."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        spec = get_kv_transfer_group().connector_worker.spec
+        return dataclasses.asdict(spec.description(spec.config.parallel.rank))
+
+
+def locate(args: argparse.Namespace, description: dict, chain: list[list[int]]) -> list[list[int]]:
     """The node's LOCATE answer for the chain, once this engine's G1 holds
     all of it or LOCATE_WAIT_S has passed."""
     from dynamo_node_vllm.client import EngineDescription, Location, NodeClient, Role
 
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    block_bytes = (
-        config["num_hidden_layers"] * 2 * BLOCK_TOKENS * config["num_key_value_heads"] * head_dim * 2
-    )
-    client = NodeClient(
-        args.socket,
-        Role.MANAGER,
-        EngineDescription(
-            engine_id=f"{args.engine_id or 'engine'}.locate",
-            model=args.model,
-            dtype="bfloat16",
-            layout="locate-only",
-            block_tokens=BLOCK_TOKENS,
-            world_size=1,
-            rank=0,
-            block_bytes=block_bytes,
-        ),
-    )
-    pairs = [(group, block_hash) for group, block_hash in chain]
+    client = NodeClient(args.socket, Role.WORKER, EngineDescription(**description))
     deadline = time.monotonic() + LOCATE_WAIT_S
     while True:
-        found = client.locate(pairs)
-        in_g1 = any(kind == Location.ENGINE_G1 and n == len(pairs) for kind, _, n in found)
+        found = client.locate(chain)
+        in_g1 = any(kind == Location.ENGINE_G1 and n == len(chain) for kind, _, n in found)
         if in_g1 or time.monotonic() > deadline:
             client.shutdown()
             return [list(entry) for entry in found]
@@ -215,7 +211,8 @@ def main() -> None:
         "locate": [],
     }
     if args.locate:
-        result["locate"] = locate(args, result["gpu_hashes"])
+        (description, *_) = llm.collective_rpc("dynamo_node_description")
+        result["locate"] = locate(args, description, result["gpu_hashes"])
     print(json.dumps(result), flush=True)
 
 

@@ -184,8 +184,8 @@ pub enum Reply {
         /// Its salt.
         salt: Salt,
     },
-    /// Per key, what a lookup found.
-    Looked(Vec<Found>),
+    /// Per key, what a lookup found, and for a hit its (pinned) slot, else −1.
+    Looked(Vec<(Found, i32)>),
     /// Per key: a slot to write, −1 already stored, −2 no room.
     StoreSlots(Vec<i32>),
     /// Blocks stored.
@@ -423,7 +423,10 @@ impl Reply {
             Reply::Looked(found) => {
                 let mut out = start(0x82);
                 out.extend_from_slice(&(found.len() as u32).to_le_bytes());
-                out.extend(found.iter().map(|&f| f as u8));
+                for &(f, slot) in found {
+                    out.push(f as u8);
+                    out.extend_from_slice(&slot.to_le_bytes());
+                }
                 out
             }
             Reply::StoreSlots(slots) => with_slots(0x83, slots),
@@ -479,14 +482,17 @@ impl Reply {
                 salt: Salt(u128::from_le_bytes(r.take(16, "salt")?.try_into().expect("16 bytes"))),
             },
             0x82 => {
-                let n = r.count(1, "found")?;
+                let n = r.count(5, "found")?;
                 Reply::Looked(
                     (0..n)
-                        .map(|_| match r.u8("found")? {
-                            0 => Ok(Found::Miss),
-                            1 => Ok(Found::Hit),
-                            2 => Ok(Found::Pending),
-                            other => Err(WireError(format!("lookup answer {other}"))),
+                        .map(|_| {
+                            let found = match r.u8("found")? {
+                                0 => Found::Miss,
+                                1 => Found::Hit,
+                                2 => Found::Pending,
+                                other => return Err(WireError(format!("lookup answer {other}"))),
+                            };
+                            Ok((found, r.u32("slot")? as i32))
                         })
                         .collect::<Result<_, _>>()?,
                 )
@@ -590,7 +596,7 @@ mod tests {
                 engine: 2,
                 salt: Salt(77),
             },
-            Reply::Looked(vec![Found::Miss, Found::Hit, Found::Pending]),
+            Reply::Looked(vec![(Found::Miss, -1), (Found::Hit, 7), (Found::Pending, -1)]),
             Reply::StoreSlots(vec![3, -1, -2]),
             Reply::Stored(2),
             Reply::LoadSlots(vec![-1, 5]),

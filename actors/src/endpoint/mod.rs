@@ -193,6 +193,8 @@ struct EngineEntry {
     index: u32,
     identity: ForeignEngine,
     connections: usize,
+    /// Worker connections per rank: stores need every rank's worker to write its share.
+    workers: Vec<usize>,
     /// Stops the follower of its KV events, if any.
     follower: Option<tokio::sync::watch::Sender<bool>>,
 }
@@ -315,11 +317,15 @@ impl Core {
                     index,
                     identity,
                     connections: 0,
+                    workers: vec![0; r.world_size as usize],
                     follower: None,
                 })
             }
         };
         entry.connections += 1;
+        if r.role == Role::Worker {
+            entry.workers[r.rank as usize] += 1;
+        }
         if r.role == Role::Manager && !r.kv_events.is_empty() && entry.follower.is_none() {
             let (stop, stopped) = tokio::sync::watch::channel(false);
             tokio::spawn(events::follow(events::Follow {
@@ -340,11 +346,16 @@ impl Core {
         Ok((index, identity))
     }
 
-    /// A connection of `engine_id` closed.
-    fn unregister(&self, engine_id: &str) {
+    /// A connection of `engine_id` (a worker of `rank`, or its manager) closed.
+    fn unregister(&self, engine_id: &str, role: Role, rank: u32) {
         let mut engines = self.engines.lock().expect("engines lock");
         if let Some(entry) = engines.get_mut(engine_id) {
             entry.connections = entry.connections.saturating_sub(1);
+            if role == Role::Worker
+                && let Some(workers) = entry.workers.get_mut(rank as usize)
+            {
+                *workers = workers.saturating_sub(1);
+            }
             if entry.connections == 0 {
                 if let Some(stop) = entry.follower.take() {
                     let _ = stop.send(true);
@@ -355,6 +366,12 @@ impl Core {
         let registered = engines.len();
         drop(engines);
         telemetry::set_engines_registered(registered);
+    }
+
+    /// Whether every rank of `engine_id` has a worker registered (so stores can be written).
+    fn workers_ready(&self, engine_id: &str) -> bool {
+        let engines = self.engines.lock().expect("engines lock");
+        engines.get(engine_id).is_some_and(|e| e.workers.iter().all(|&n| n > 0))
     }
 
     /// Reads `hash` from G3 into G2 in the background, unless that is already under way.
@@ -445,6 +462,7 @@ struct Registered {
     label: Arc<str>,
     identity: ForeignEngine,
     role: Role,
+    rank: u32,
     block_bytes: u64,
     block_tokens: u32,
 }
@@ -517,7 +535,7 @@ impl Connection {
             }
         }
         if let Some(r) = &self.registered {
-            self.core.unregister(&r.engine_id);
+            self.core.unregister(&r.engine_id, r.role, r.rank);
             telemetry::set_engine_g2_blocks(&r.label, 0);
         }
     }
@@ -549,6 +567,7 @@ impl Connection {
                     label: index.to_string().into(),
                     identity,
                     role: registration.role,
+                    rank: registration.rank,
                     block_bytes: registration.block_bytes,
                     block_tokens: registration.block_tokens,
                 });
@@ -579,7 +598,13 @@ impl Connection {
         match request {
             Request::Register(_) => unreachable!("handled by the caller"),
             Request::Lookup(keys) => Reply::Looked(keys.iter().map(|key| self.lookup(key, now)).collect()),
-            Request::PrepareStore(keys) => Reply::StoreSlots(keys.iter().map(|key| self.prepare_store(key)).collect()),
+            Request::PrepareStore(keys) => {
+                if !self.core.workers_ready(&r.engine_id) {
+                    telemetry::record_engine_blocks(&r.label, "no_workers", keys.len() as u64);
+                    return Reply::StoreSlots(vec![-2; keys.len()]);
+                }
+                Reply::StoreSlots(keys.iter().map(|key| self.prepare_store(key)).collect())
+            }
             Request::CompleteStore { success, keys } => Reply::Stored(self.complete_store(success, &keys)),
             Request::PrepareLoad(keys) => Reply::LoadSlots(keys.iter().map(|key| self.prepare_load(key)).collect()),
             Request::CompleteLoad(keys) => Reply::Released(self.complete_load(&keys)),
@@ -610,22 +635,27 @@ impl Connection {
         }
     }
 
-    fn lookup(&mut self, key: &[u8], now: Instant) -> Found {
+    fn lookup(&mut self, key: &[u8], now: Instant) -> (Found, i32) {
         let (identity, engine) = self.identity();
         let hash = identity.block_hash(key);
-        let found = if self.hits.contains_key(&hash) {
-            Found::Hit
-        } else if let Some(image) = self.verified(hash, &engine) {
-            self.hits.insert(hash, (image, now));
-            Found::Hit
-        } else if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash)) {
-            self.core.promote(hash, engine.clone());
-            Found::Pending
-        } else {
-            Found::Miss
+        let pinned = match self.hits.get(&hash) {
+            Some((image, _)) => Some(image.index() as i32),
+            None => self.verified(hash, &engine).map(|image| {
+                let slot = image.index() as i32;
+                self.hits.insert(hash, (image, now));
+                slot
+            }),
         };
-        telemetry::record_engine_lookup(&engine, found);
-        found
+        let answer = match pinned {
+            Some(slot) => (Found::Hit, slot),
+            None if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash)) => {
+                self.core.promote(hash, engine.clone());
+                (Found::Pending, -1)
+            }
+            None => (Found::Miss, -1),
+        };
+        telemetry::record_engine_lookup(&engine, answer.0);
+        answer
     }
 
     fn prepare_store(&mut self, key: &[u8]) -> i32 {
