@@ -69,6 +69,7 @@ def make_model(directory: Path) -> None:
 
 
 def start_node(binary: Path, data: Path) -> tuple[subprocess.Popen, Path]:
+    data.mkdir(parents=True, exist_ok=True)
     config = data / "node.toml"
     config.write_text(
         f"""

@@ -21,6 +21,7 @@ import enum
 import logging
 import mmap
 import os
+import select
 import socket
 import struct
 import time
@@ -157,10 +158,13 @@ class Region:
                 f"region fd holds {size} bytes, REGISTERED says {registration.region_bytes}"
             )
         self.registration = registration
+        # MAP_POPULATE: fault the page tables in now, at registration, rather than on the
+        # first copy into each page (a store into a fresh mapping ran at half the speed of a
+        # load from a touched one).
         self.mm = mmap.mmap(
             fd,
             registration.region_bytes,
-            flags=mmap.MAP_SHARED,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
         )
 
@@ -397,10 +401,10 @@ class NodeClient:
             return False
         try:
             # Requests and replies alternate, so between calls nothing is ever
-            # pending: a readable socket with no data is one the node closed.
-            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True
+            # pending: a readable socket is one the node closed. (A zero-timeout
+            # select, since recv on a socket with a timeout would wait for it.)
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return not readable or self._sock.recv(1, socket.MSG_PEEK) != b""
         except OSError:
             return False
 
