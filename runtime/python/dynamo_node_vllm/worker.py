@@ -8,9 +8,10 @@ consecutive pages of that tensor's page size (padding included)::
 
     | tensor 0: page 0 .. page bpc-1 | tensor 1: page 0 .. page bpc-1 | ...
 
-Each (GPU block, layer reference) is copied as one row, from the tensor's
-``(num_blocks, page_size_bytes)`` int8 view into a slice of a tensor over the
-mapped region: no gather temporaries. Copies are synchronous, so a job is
+Each (GPU block, layer reference) is one row of the tensor's
+``(num_blocks, page_size_bytes)`` int8 view and one slice of a tensor over the
+mapped region; a run of blocks with consecutive ids in consecutive slots is
+copied as one strided copy per layer. No gather temporaries. Copies are synchronous, so a job is
 finished when ``submit_*`` returns.
 
 Failures. vLLM 0.32's OffloadingConnector asserts that every transfer
@@ -123,6 +124,24 @@ def chunk_positions(
             f"but its groups cover {block_offset} blocks and {chunk_offset} chunks"
         )
     return positions
+
+
+def runs(
+    positions: list[tuple[int, int, int, int]], slots: list[int], blocks_per_chunk: int
+) -> list[tuple[int, int, int, int, int]]:
+    """``positions`` (from :func:`chunk_positions`) merged into runs
+    ``(group, chunk, page, first GPU block id, count)`` of blocks whose ids and
+    slots both follow on: each run is one copy per layer. Only whole-chunk
+    blocks (``blocks_per_chunk == 1``) merge; otherwise every run is one block."""
+    merged: list[tuple[int, int, int, int, int]] = []
+    for group, chunk, page, block_id in positions:
+        if merged and blocks_per_chunk == 1:
+            g, c, p, b, n = merged[-1]
+            if g == group and block_id == b + n and slots[chunk] == slots[c] + n and chunk == c + n:
+                merged[-1] = (g, c, p, b, n + 1)
+                continue
+        merged.append((group, chunk, page, block_id, 1))
+    return merged
 
 
 class DynamoNodeWorker(OffloadingWorker):
@@ -240,19 +259,20 @@ class DynamoNodeWorker(OffloadingWorker):
         slot_bytes = region.registration.slot_bytes
         share_base = region.registration.payload_offset + self._share_start
         copied = 0
-        for group, chunk, page, block_id in chunk_positions(
-            gpu_spec, self._blocks_per_chunk, len(slots)
-        ):
+        positions = chunk_positions(gpu_spec, self._blocks_per_chunk, len(slots))
+        for group, chunk, page, block_id, count in runs(positions, slots, self._blocks_per_chunk):
             base = slots[chunk] * slot_bytes + share_base
             for copy in self._groups[group]:
                 start = base + copy.share_offset + page * copy.page_stride
-                node_bytes = view[start : start + copy.length]
-                gpu_bytes = copy.tensor[block_id, : copy.length]
+                # `count` blocks with consecutive ids in consecutive slots: one strided copy
+                # (a slot apart in the region, a row apart in the KV tensor) per layer.
+                node_bytes = view.as_strided((count, copy.length), (slot_bytes, 1), start)
+                gpu_bytes = copy.tensor[block_id : block_id + count, : copy.length]
                 if to_node:
                     node_bytes.copy_(gpu_bytes)
                 else:
                     gpu_bytes.copy_(node_bytes)
-                copied += copy.length
+                copied += count * copy.length
         return TransferResult(job_id, True, copied, time.perf_counter() - started)
 
     def _region(self, region_id: int) -> Region | None:
