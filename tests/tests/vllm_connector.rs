@@ -30,8 +30,8 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the repository").to_owned()
 }
 
-/// The tiny model and a ~600-token prompt (four complete 128-token blocks and a tail).
-fn model_and_prompt(dir: &Path) -> (PathBuf, PathBuf) {
+/// The tiny model and a prompt of `tokens` tokens (600: four complete 128-token blocks and a tail).
+fn model_and_prompt(dir: &Path, tokens: u32) -> (PathBuf, PathBuf) {
     let model = dir.join("tiny-llama");
     let status = Command::new(python())
         .arg(repo().join("tests/vllm/make_tiny.py"))
@@ -40,7 +40,7 @@ fn model_and_prompt(dir: &Path) -> (PathBuf, PathBuf) {
         .expect("run make_tiny.py");
     assert!(status.success(), "make_tiny.py failed");
     let prompt = dir.join("prompt.json");
-    let tokens: Vec<u32> = (0..600u32).map(|i| 3 + (i * 7919 + i / 13) % 500).collect();
+    let tokens: Vec<u32> = (0..tokens).map(|i| 3 + (i * 7919 + i / 13) % 500).collect();
     std::fs::write(&prompt, serde_json::to_string(&tokens).unwrap()).unwrap();
     (model, prompt)
 }
@@ -111,7 +111,7 @@ fn metric(node: &Node, series: &str) -> f64 {
 #[ignore = "needs vLLM for CPU: .ci/run installs it"]
 fn a_fresh_vllm_loads_what_another_stored_with_identical_greedy_output() {
     let dir = Arc::new(tempfile::tempdir().unwrap());
-    let (model, prompt) = model_and_prompt(dir.path());
+    let (model, prompt) = model_and_prompt(dir.path(), 600);
     let node = Node::start_in(dir.clone(), &config("16MiB"));
     let socket = dir.path().join("engines.sock");
 
@@ -138,47 +138,58 @@ fn a_fresh_vllm_loads_what_another_stored_with_identical_greedy_output() {
     assert_eq!(node.stop(), 0);
 }
 
-/// The node restarted between A and B (so G2 is empty): B loads what G3 recovered, read back into
-/// G2 and verified. A corrupted G3 slot is dropped, never handed to vLLM: B recomputes from it
-/// on, with the same tokens. The node stopped: B computes everything, and nothing fails.
+/// G2 too small for the working set: a 9-block prompt in a G2 that keeps 5 blocks, so B finds
+/// its first blocks in G3 only and they come back into G2, verified, before vLLM loads them.
+/// Then the node restarted (so G2 is empty): B loads what G3 recovered. A corrupted G3 slot is
+/// dropped, never handed to vLLM: B computes from it on, with the same tokens. The node stopped:
+/// B computes everything, and nothing fails.
 #[test]
 #[ignore = "needs vLLM for CPU: .ci/run installs it"]
-fn vllm_loads_from_g3_after_a_restart_never_loads_a_corrupt_block_and_computes_without_the_node() {
+fn vllm_loads_from_g3_when_g2_is_small_and_after_a_restart_never_loads_a_corrupt_block_and_computes_without_the_node() {
     let dir = Arc::new(tempfile::tempdir().unwrap());
-    let (model, prompt) = model_and_prompt(dir.path());
+    let (model, prompt) = model_and_prompt(dir.path(), 1200);
     let socket = dir.path().join("engines.sock");
     let c = engine(&model, &prompt, None, &[]);
+    // 9 slots of 68 KiB, 4 of them kept for transfers: G2 holds 5 of the prompt's 9 blocks.
+    let small_g2 = config("640KiB");
 
-    let node = Node::start_in(dir.clone(), &config("4MiB"));
+    let node = Node::start_in(dir.clone(), &small_g2);
     let a = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-a"]);
     assert_eq!(tokens(&a), tokens(&c));
+    assert!(metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"stored\"}") >= 9.0);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(node.wait_for_metric("dynamo_node_kv_blocks{tier=\"g3\"}", Duration::from_secs(20), |v| v >= 4.0));
+    rt.block_on(node.wait_for_metric("dynamo_node_kv_blocks{tier=\"g3\"}", Duration::from_secs(20), |v| v >= 9.0));
+    let b = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-b"]);
+    assert!(cached(&b) >= 1152, "B loaded A's nine complete blocks: {b}");
+    assert_eq!(tokens(&b), tokens(&c));
+    assert!(
+        metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"promoted\"}") >= 1.0,
+        "some came back from G3"
+    );
     assert_eq!(node.stop(), 0);
 
-    let node = Node::start_in(dir.clone(), &config("4MiB"));
-    let b = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-b"]);
-    assert!(cached(&b) >= 512, "B loaded A's blocks from G3 after the restart: {b}");
-    assert_eq!(tokens(&b), tokens(&c));
-    assert!(metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"promoted\"}") >= 4.0);
+    let node = Node::start_in(dir.clone(), &small_g2);
+    let d = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-d"]);
+    assert!(cached(&d) >= 1152, "D loaded A's blocks from G3 after the restart: {d}");
+    assert_eq!(tokens(&d), tokens(&c));
+    assert!(metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"promoted\"}") >= 9.0);
     assert_eq!(node.stop(), 0);
 
     // Flip a payload byte of one of the engine's blocks in the G3 file.
     let g3 = dir.path().join("g3").join("store.0");
-    let corrupted = corrupt_one_foreign_block(&g3);
-    assert!(corrupted, "found an engine's block in the G3 file");
-    let node = Node::start_in(dir.clone(), &config("4MiB"));
-    let d = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-d"]);
-    assert!(cached(&d) < cached(&b), "the corrupt block and what follows it are computed: {d}");
-    assert_eq!(tokens(&d), tokens(&c), "and the output is the same");
+    assert!(corrupt_one_foreign_block(&g3), "found an engine's block in the G3 file");
+    let node = Node::start_in(dir.clone(), &small_g2);
+    let e = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-e"]);
+    assert!(cached(&e) < cached(&d), "the corrupt block and what follows it are computed: {e}");
+    assert_eq!(tokens(&e), tokens(&c), "and the output is the same");
     assert_eq!(metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"corrupt\"}"), 1.0);
     assert_eq!(node.stop(), 0);
 
     // No node at all: vLLM computes, and nothing fails.
     assert!(!socket.exists());
-    let e = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-e"]);
-    assert_eq!(cached(&e), 0);
-    assert_eq!(tokens(&e), tokens(&c));
+    let f = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-f"]);
+    assert_eq!(cached(&f), 0);
+    assert_eq!(tokens(&f), tokens(&c));
 }
 
 /// Flips one payload byte of the first external engine's block image in a G3 file (an image

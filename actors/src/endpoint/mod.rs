@@ -374,23 +374,33 @@ impl Core {
         engines.get(engine_id).is_some_and(|e| e.workers.iter().all(|&n| n > 0))
     }
 
-    /// Reads `hash` from G3 into G2 in the background, unless that is already under way.
-    fn promote(self: &Arc<Self>, hash: BlockHash, engine: Arc<str>) {
-        if !self.promoting.lock().expect("promoting lock").insert(hash) {
-            return;
+    /// Reads `hash` from G3 into G2 in the background (into a slot taken now), unless that is
+    /// already under way. Returns false when G2 has no slot for it: the caller answers *miss*
+    /// rather than *pending*, so an engine never waits on a prefix G2 cannot hold at once.
+    fn promote(self: &Arc<Self>, hash: BlockHash, engine: Arc<str>) -> bool {
+        let Some(g2) = self.tiers.g2.as_ref() else { return false };
+        let mut promoting = self.promoting.lock().expect("promoting lock");
+        if promoting.contains(&hash) {
+            return true;
         }
+        let Some(dst) = g2.alloc(unix_millis()) else {
+            telemetry::record_engine_blocks(&engine, "no_room", 1);
+            return false;
+        };
+        promoting.insert(hash);
+        drop(promoting);
         let core = self.clone();
         tokio::spawn(async move {
-            let outcome = core.read_from_g3(hash).await;
+            let outcome = core.read_from_g3(hash, dst).await;
             telemetry::record_engine_blocks(&engine, outcome, 1);
             core.promoting.lock().expect("promoting lock").remove(&hash);
         });
+        true
     }
 
-    async fn read_from_g3(&self, hash: BlockHash) -> &'static str {
+    async fn read_from_g3(&self, hash: BlockHash, dst: SlotMut) -> &'static str {
         let (Some(g2), Some(g3)) = (self.tiers.g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
         let now = unix_millis();
-        let Some(dst) = g2.alloc(now) else { return "no_room" };
         let started = Instant::now();
         match g3.store.read(hash, dst).await {
             Ok(image) => {
@@ -648,8 +658,9 @@ impl Connection {
         };
         let answer = match pinned {
             Some(slot) => (Found::Hit, slot),
-            None if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash)) => {
-                self.core.promote(hash, engine.clone());
+            None if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash))
+                && self.core.promote(hash, engine.clone()) =>
+            {
                 (Found::Pending, -1)
             }
             None => (Found::Miss, -1),
@@ -666,8 +677,8 @@ impl Connection {
             return -1;
         }
         // One engine cannot take G2 from everyone else: slots it holds for stores not yet
-        // completed are capped at a quarter of the pool.
-        if self.storing.len() >= (g2.pool.slots() as usize / 4).max(8) {
+        // completed are capped at half the pool (at least 16).
+        if self.storing.len() >= (g2.pool.slots() as usize / 2).max(16) {
             telemetry::record_engine_blocks(&engine, "no_room", 1);
             return -2;
         }
