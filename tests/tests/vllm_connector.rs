@@ -84,6 +84,10 @@ fn cached(report: &Value) -> u64 {
 }
 
 fn config(g2: &str) -> String {
+    config_for_blocks(g2, "64KiB")
+}
+
+fn config_for_blocks(g2: &str, block: &str) -> String {
     format!(
         r#"
 [tiers.g2]
@@ -95,7 +99,7 @@ capacity_per_path = "64MiB"
 
 [engine_endpoint]
 enabled = true
-max_block_bytes = "64KiB"
+max_block_bytes = "{block}"
 "#
     )
 }
@@ -134,6 +138,40 @@ fn a_fresh_vllm_loads_what_another_stored_with_identical_greedy_output() {
     let b = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-b"]);
     assert!(cached(&b) >= 512, "B loaded A's four complete blocks: {b}");
     assert_eq!(tokens(&b), tokens(&c), "loaded KV gives the same greedy tokens as computed KV");
+    assert!(metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"loaded\"}") >= 4.0);
+    assert_eq!(node.stop(), 0);
+}
+
+/// Offloaded blocks of two vLLM blocks each (`blocks_per_chunk = 2`): B loads whole chunks, and D,
+/// which first computes the prompt's first 200 tokens (one vLLM block stays in its local cache),
+/// loads the rest starting from the middle of the first chunk. Both answer what C computes.
+#[test]
+#[ignore = "needs vLLM for CPU: .ci/run installs it"]
+fn vllm_loads_chunks_of_two_blocks_whole_and_from_the_middle() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let (model, prompt) = model_and_prompt(dir.path(), 600);
+    let node = Node::start_in(dir.clone(), &config_for_blocks("16MiB", "128KiB"));
+    let socket = dir.path().join("engines.sock");
+    let chunks = ["--blocks-per-chunk", "2"];
+
+    let c = engine(&model, &prompt, None, &[]);
+    let a = engine(&model, &prompt, Some(&socket), &[&["--engine-id", "vllm-a"][..], &chunks].concat());
+    assert_eq!(tokens(&a), tokens(&c));
+    assert!(
+        metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"stored\"}") >= 2.0,
+        "two chunks of 256 tokens"
+    );
+    let b = engine(&model, &prompt, Some(&socket), &[&["--engine-id", "vllm-b"][..], &chunks].concat());
+    assert!(cached(&b) >= 512, "B loaded both chunks: {b}");
+    assert_eq!(tokens(&b), tokens(&c));
+    let d = engine(
+        &model,
+        &prompt,
+        Some(&socket),
+        &[&["--engine-id", "vllm-d", "--warm-prefix", "200"][..], &chunks].concat(),
+    );
+    assert!(cached(&d) >= 512, "D: one block from its own cache, the rest loaded: {d}");
+    assert_eq!(tokens(&d), tokens(&c), "a load from the middle of a chunk gives the same tokens");
     assert!(metric(&node, "dynamo_node_engine_blocks_total{engine=\"0\",op=\"loaded\"}") >= 4.0);
     assert_eq!(node.stop(), 0);
 }

@@ -3,6 +3,7 @@
     python engine.py --model DIR --prompt-file F --max-tokens N
                      [--socket PATH] [--kv-events tcp://127.0.0.1:PORT]
                      [--engine-id NAME] [--locate]
+                     [--blocks-per-chunk N] [--warm-prefix N]
 
 The prompt file holds a JSON list of token ids, or text (tokenized with the
 model's tokenizer); it is passed as token ids so every instance sees the same
@@ -49,6 +50,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-events", help="tcp://HOST:PORT vLLM publishes KV events on")
     parser.add_argument("--engine-id", help="engine id the plug-in registers with")
     parser.add_argument("--locate", action="store_true", help="LOCATE the GPU hashes")
+    parser.add_argument(
+        "--blocks-per-chunk", type=int, help="vLLM blocks per offloaded block (the connector's blocks_per_chunk)"
+    )
+    parser.add_argument(
+        "--warm-prefix",
+        type=int,
+        default=0,
+        help="first generate on the prompt's first N tokens, so the prompt's own request finds "
+        "that prefix in vLLM's local cache and loads the rest (from the middle of a chunk)",
+    )
     args = parser.parse_args()
     if args.locate and not (args.socket and args.kv_events):
         parser.error("--locate needs --socket and --kv-events")
@@ -145,6 +156,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         }
         if args.engine_id:
             extra["engine_id"] = args.engine_id
+        if args.blocks_per_chunk:
+            extra["blocks_per_chunk"] = args.blocks_per_chunk
         kwargs["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
@@ -201,6 +214,9 @@ def main() -> None:
 
     llm = LLM(**llm_kwargs(args))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    if args.warm_prefix:
+        warm = TokensPrompt(prompt_token_ids=prompt[: args.warm_prefix])
+        llm.generate([warm], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     metrics = output.metrics
     result = {
