@@ -78,7 +78,7 @@
 //! | `dynamo_node_cluster_epoch` | gauge | | the revision of the node's current registration |
 //! | `dynamo_node_engines_registered` | gauge | | external engines (vLLM) with a live connection to the engine endpoint; the `engine` label of the series below is an engine's index on the node (the smallest free when it registered, so fewer than `engine_endpoint.max_engines` values; the log line "engine registered" maps ids to indices) |
 //! | `dynamo_node_engine_lookups_total` | counter | `engine`, `result` | an external engine's block lookups: `hit` (in G2, verified), `pending` (being read from G3), `miss` |
-//! | `dynamo_node_engine_blocks_total` | counter | `engine`, `op` | an external engine's blocks: `stored`, `loaded`, `promoted` (G3 → G2), `no_room`, `no_workers` (a store refused while a rank had no worker registered), `corrupt` (failed verification, dropped), `read_failed` |
+//! | `dynamo_node_engine_blocks_total` | counter | `engine`, `op` | an external engine's blocks: `stored`, `loaded`, `promoted` (G3 → G2), `fetched` (from a peer node, G4 → G2), `missing` and `fetch_failed` (a peer's fetch that did not land), `no_room`, `no_workers` (a store refused while a rank had no worker registered), `corrupt` (failed verification, dropped), `read_failed` |
 //! | `dynamo_node_engine_g2_blocks` | gauge | `engine` | blocks the engine stored that G2 still holds |
 //! | `dynamo_node_engine_g1_blocks` | gauge | `engine` | blocks the prefix index holds in the engine's G1, from its KV events |
 //! | `dynamo_node_engine_kv_events_total` | counter | `engine`, `kind` | the engine's KV events applied to the index (`stored`, `removed`, `cleared`), and `gap`s and `malformed` batches |

@@ -422,3 +422,64 @@ fn an_engines_kv_events_feed_the_index() {
     drop(b);
     assert_eq!(node.stop(), 0);
 }
+
+/// Two nodes sharing KV over G4: an engine on node B finds the blocks an engine on node A stored
+/// (A's feed tells B's index), answers pending while B fetches them from A (verified as they land
+/// in B's G2), then hits and loads A's bytes.
+#[test]
+fn an_engine_loads_what_an_engine_on_a_peer_node_stored() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let g4 = |dir: &tempfile::TempDir, peers: &[String]| {
+        let secret = dir.path().join("g4.secret");
+        std::fs::write(&secret, [0x42u8; 32]).unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+        format!(
+            "{}\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\ncluster = \"test\"\nsecret_file = \"{}\"\n\
+             heartbeat = \"200ms\"\npeers = [{}]\n",
+            config(),
+            secret.display(),
+            peers.join(", ")
+        )
+    };
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let node_a = Node::start_in(dir_a.clone(), &g4(&dir_a, &[]));
+    let a_g4 = node_a
+        .announced
+        .iter()
+        .find_map(|l| l.strip_prefix("G4 block server on "))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("A's G4 address")
+        .to_owned();
+    let node_b = Node::start_logging(dir_b.clone(), &g4(&dir_b, &[a_g4]), "node.log");
+
+    let mut a = register(&socket(&dir_a), registration("vllm-a", Role::Manager)).unwrap();
+    let _a_worker = register(&socket(&dir_a), registration("vllm-a", Role::Worker)).unwrap();
+    let keys: Vec<Vec<u8>> = (0..4).map(|i| key("peer", i)).collect();
+    assert_eq!(a.store(&keys, payload), 4);
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // B's index learns A's blocks from A's feed.
+    rt.block_on(async {
+        let started = Instant::now();
+        while node_b.metric_sum("dynamo_node_peer_index_blocks{", "peer=").await < 4.0 {
+            assert!(started.elapsed() < Duration::from_secs(20), "B's index never learned A's blocks");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let mut b = register(&socket(&dir_b), registration("vllm-b", Role::Manager)).unwrap();
+    let found = b.lookup(&keys);
+    let log = std::fs::read_to_string(dir_b.path().join("node.log")).unwrap();
+    assert!(found.iter().all(|f| *f == Found::Pending), "held by the peer: pending, {found:?} {log}");
+    assert_eq!(b.settle(&keys, Duration::from_secs(20)), vec![Found::Hit; 4], "fetched into B's G2");
+    for (k, loaded) in keys.iter().zip(b.load(&keys)) {
+        assert_eq!(loaded.as_deref(), Some(&payload(k)[..]), "B loads the bytes A's engine stored");
+    }
+    rt.block_on(async {
+        assert_eq!(node_b.metric("dynamo_node_engine_blocks_total{engine=\"0\",op=\"fetched\"}").await, 4.0);
+    });
+    drop((a, b));
+    assert_eq!(node_b.stop(), 0);
+    assert_eq!(node_a.stop(), 0);
+}

@@ -42,6 +42,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinSet;
 
 use crate::index::{Location, Matches, PrefixIndex, SourceId};
+use crate::peer::{Arrival, Land, PeerLink};
 use crate::telemetry::{self, Tier};
 use crate::tiers::NodeTiers;
 use crate::worker::unix_millis;
@@ -398,6 +399,69 @@ impl Core {
         true
     }
 
+    /// Whether a peer node holds `hash` (its feed says so): if it does, the block joins
+    /// `remote`'s fetch from that peer and the lookup answers *pending*.
+    fn fetch_from_peer(&self, hash: BlockHash, remote: &mut RemoteFetches) -> bool {
+        let Some(g4) = self.tiers.g4.as_ref() else { return false };
+        if self.promoting.lock().expect("promoting lock").contains(&hash) {
+            return true;
+        }
+        let Some((link, _)) = g4.remote.locate(std::slice::from_ref(&hash)) else { return false };
+        self.promoting.lock().expect("promoting lock").insert(hash);
+        remote.entry(Arc::as_ptr(&link) as usize).or_insert_with(|| (link, Vec::new())).1.push(hash);
+        true
+    }
+
+    /// Fetches each peer's share of `remote` into G2 (one hold-fetch-release per peer), verified
+    /// by the link as it lands; what lands is admitted to G2, where the next lookup finds it.
+    fn start_fetches(self: &Arc<Self>, remote: RemoteFetches, engine: Arc<str>) {
+        for (_, (link, hashes)) in remote {
+            let core = self.clone();
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                let now = unix_millis();
+                let landing = core.tiers.clone();
+                let land: Land = Box::new(move || landing.g2.as_ref()?.alloc(now));
+                let deadline = Instant::now() + link.request_timeout();
+                let started = Instant::now();
+                let g2 = core.tiers.g2.as_ref().expect("checked at start");
+                let mut bytes = 0;
+                match link.fetch(hashes.clone(), deadline, land).await {
+                    Ok(arrivals) => {
+                        for (hash, arrival) in arrivals {
+                            let outcome = match arrival {
+                                Arrival::Landed { slot, bytes: landed, .. } => {
+                                    bytes += landed;
+                                    g2.admit(hash, core.tiers.meta(None, core.region), slot, now);
+                                    "fetched"
+                                }
+                                Arrival::Rejected(e) => {
+                                    telemetry::record_tier_error(Tier::G4, e.kind());
+                                    "corrupt"
+                                }
+                                Arrival::NoRoom => "no_room",
+                                Arrival::Missing | Arrival::Skipped => "missing",
+                            };
+                            telemetry::record_engine_blocks(&engine, outcome, 1);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(peer = link.addr(), error = %e, "an engine's fetch from a peer failed");
+                        telemetry::record_tier_error(Tier::G4, e.kind());
+                        telemetry::record_engine_blocks(&engine, "fetch_failed", hashes.len() as u64);
+                    }
+                }
+                if bytes > 0 {
+                    telemetry::record_transfer(Tier::G4, Tier::G2, bytes as u64, started.elapsed());
+                }
+                let mut promoting = core.promoting.lock().expect("promoting lock");
+                for hash in &hashes {
+                    promoting.remove(hash);
+                }
+            });
+        }
+    }
+
     async fn read_from_g3(&self, hash: BlockHash, dst: SlotMut) -> &'static str {
         let (Some(g2), Some(g3)) = (self.tiers.g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
         let now = unix_millis();
@@ -454,6 +518,9 @@ impl Core {
         });
     }
 }
+
+/// Blocks to fetch from peers, per link (keyed by the link's address).
+type RemoteFetches = HashMap<usize, (Arc<PeerLink>, Vec<BlockHash>)>;
 
 /// Counts a G3 write-through out of flight when dropped.
 struct G3WriteDone(Arc<AtomicUsize>);
@@ -607,7 +674,13 @@ impl Connection {
         }
         match request {
             Request::Register(_) => unreachable!("handled by the caller"),
-            Request::Lookup(keys) => Reply::Looked(keys.iter().map(|key| self.lookup(key, now)).collect()),
+            Request::Lookup(keys) => {
+                let mut remote = RemoteFetches::default();
+                let found = keys.iter().map(|key| self.lookup(key, now, &mut remote)).collect();
+                let (_, engine) = self.identity();
+                self.core.start_fetches(remote, engine);
+                Reply::Looked(found)
+            }
             Request::PrepareStore(keys) => {
                 if !self.core.workers_ready(&r.engine_id) {
                     telemetry::record_engine_blocks(&r.label, "no_workers", keys.len() as u64);
@@ -645,7 +718,7 @@ impl Connection {
         }
     }
 
-    fn lookup(&mut self, key: &[u8], now: Instant) -> (Found, i32) {
+    fn lookup(&mut self, key: &[u8], now: Instant, remote: &mut RemoteFetches) -> (Found, i32) {
         let (identity, engine) = self.identity();
         let hash = identity.block_hash(key);
         let pinned = match self.hits.get(&hash) {
@@ -663,6 +736,7 @@ impl Connection {
             {
                 (Found::Pending, -1)
             }
+            None if self.core.fetch_from_peer(hash, remote) => (Found::Pending, -1),
             None => (Found::Miss, -1),
         };
         telemetry::record_engine_lookup(&engine, answer.0);
