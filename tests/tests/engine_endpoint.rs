@@ -67,6 +67,7 @@ fn registration(engine: &str, role: Role) -> Registration {
         rank: 0,
         block_bytes: BLOCK,
         kv_events: String::new(),
+        region: String::new(),
     }
 }
 
@@ -273,12 +274,28 @@ fn engines_store_look_up_and_load_through_the_shared_g2() {
     assert_eq!(a.lookup(&keys[..1]), vec![Found::Hit], "the node goes on serving");
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // Retention per engine: an engine whose blocks are "reasoning" keeps them out of G3 (that
+    // region's deepest tier is G2), while the default region's reached G3.
+    let g3 = "dynamo_node_kv_blocks{tier=\"g3\"}";
+    assert_eq!(rt.block_on(node.wait_for_metric(g3, Duration::from_secs(10), |v| v >= 6.0)), 6.0);
+    let reasoning = || Registration { region: "reasoning".into(), ..registration("vllm-r", Role::Manager) };
+    let mut r = register(&sock, reasoning()).unwrap();
+    let _r_worker = register(&sock, Registration { role: Role::Worker, ..reasoning() }).unwrap();
+    let thoughts: Vec<Vec<u8>> = (0..3).map(|i| key("thought", i)).collect();
+    assert_eq!(r.store(&thoughts, payload), 3);
+    assert_eq!(r.lookup(&thoughts), vec![Found::Hit; 3]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(rt.block_on(node.metric(g3)), 6.0, "reasoning blocks never reach G3");
+    let unknown = register(&sock, Registration { region: "nonsense".into(), ..registration("vllm-x", Role::Manager) });
+    let (code, message) = unknown.err().expect("an unknown region is refused");
+    assert_eq!(code, ErrorCode::Refused);
+    assert!(message.contains("region"), "{message}");
     rt.block_on(async {
         assert_eq!(node.metric("dynamo_node_engine_blocks_total{engine=\"0\",op=\"stored\"}").await, 6.0);
         assert_eq!(node.metric("dynamo_node_engine_lookups_total{engine=\"0\",result=\"hit\"}").await, 7.0);
-        assert_eq!(node.metric("dynamo_node_engines_registered").await, 3.0, "vllm-a, vllm-b and vllm-c");
+        assert_eq!(node.metric("dynamo_node_engines_registered").await, 4.0, "vllm-a, -b, -c and -r");
     });
-    drop((a, b, c, w));
+    drop((a, b, c, w, r));
     assert_eq!(node.stop(), 0);
     assert!(!sock.exists(), "the socket file goes with the node");
 }

@@ -60,6 +60,9 @@ pub struct Registration {
     pub block_bytes: u64,
     /// The engine's KV event publisher (ZMQ), empty for none.
     pub kv_events: String,
+    /// The retention region of the engine's blocks (`system`, `conversation`, …), empty for the
+    /// node's `engine_endpoint.region`.
+    pub region: String,
 }
 
 /// An engine's identity as the node uses it: its salt.
@@ -70,8 +73,8 @@ pub struct ForeignEngine {
 }
 
 impl ForeignEngine {
-    /// The identity of engines registering `r`'s description (the engine id, the rank and the
-    /// event endpoint do not matter: two instances of one model share blocks).
+    /// The identity of engines registering `r`'s description (the engine id, the rank, the event
+    /// endpoint and the region do not matter: two instances of one model share blocks).
     pub fn of(r: &Registration) -> Self {
         let mut buf = Vec::with_capacity(64 + r.model.len() + r.dtype.len() + r.layout.len());
         buf.extend_from_slice(b"dynamo-node/foreign/1");
@@ -333,6 +336,7 @@ impl Request {
                     rank: r.u32("rank")?,
                     block_bytes: r.u64("block_bytes")?,
                     kv_events: r.str("kv_events")?,
+                    region: r.str("region")?,
                 })
             }
             0x02 => Request::Lookup(r.keys()?),
@@ -372,6 +376,7 @@ impl Request {
                 }
                 out.extend_from_slice(&g.block_bytes.to_le_bytes());
                 put_str(&mut out, &g.kv_events);
+                put_str(&mut out, &g.region);
                 out
             }
             Request::Lookup(keys) => with_keys(0x02, keys),
@@ -562,6 +567,7 @@ mod tests {
             rank: 0,
             block_bytes: 65536,
             kv_events: "tcp://127.0.0.1:5557".into(),
+            region: String::new(),
         }
     }
 

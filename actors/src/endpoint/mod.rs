@@ -378,7 +378,7 @@ impl Core {
     /// Reads `hash` from G3 into G2 in the background (into a slot taken now), unless that is
     /// already under way. Returns false when G2 has no slot for it: the caller answers *miss*
     /// rather than *pending*, so an engine never waits on a prefix G2 cannot hold at once.
-    fn promote(self: &Arc<Self>, hash: BlockHash, engine: Arc<str>) -> bool {
+    fn promote(self: &Arc<Self>, hash: BlockHash, engine: Arc<str>, region: RegionKind) -> bool {
         let Some(g2) = self.tiers.g2.as_ref() else { return false };
         let mut promoting = self.promoting.lock().expect("promoting lock");
         if promoting.contains(&hash) {
@@ -392,7 +392,7 @@ impl Core {
         drop(promoting);
         let core = self.clone();
         tokio::spawn(async move {
-            let outcome = core.read_from_g3(hash, dst).await;
+            let outcome = core.read_from_g3(hash, dst, region).await;
             telemetry::record_engine_blocks(&engine, outcome, 1);
             core.promoting.lock().expect("promoting lock").remove(&hash);
         });
@@ -414,7 +414,7 @@ impl Core {
 
     /// Fetches each peer's share of `remote` into G2 (one hold-fetch-release per peer), verified
     /// by the link as it lands; what lands is admitted to G2, where the next lookup finds it.
-    fn start_fetches(self: &Arc<Self>, remote: RemoteFetches, engine: Arc<str>) {
+    fn start_fetches(self: &Arc<Self>, remote: RemoteFetches, engine: Arc<str>, region: RegionKind) {
         for (_, (link, hashes)) in remote {
             let core = self.clone();
             let engine = engine.clone();
@@ -432,7 +432,7 @@ impl Core {
                             let outcome = match arrival {
                                 Arrival::Landed { slot, bytes: landed, .. } => {
                                     bytes += landed;
-                                    g2.admit(hash, core.tiers.meta(None, core.region), slot, now);
+                                    g2.admit(hash, core.tiers.meta(None, region), slot, now);
                                     "fetched"
                                 }
                                 Arrival::Rejected(e) => {
@@ -462,7 +462,7 @@ impl Core {
         }
     }
 
-    async fn read_from_g3(&self, hash: BlockHash, dst: SlotMut) -> &'static str {
+    async fn read_from_g3(&self, hash: BlockHash, dst: SlotMut, region: RegionKind) -> &'static str {
         let (Some(g2), Some(g3)) = (self.tiers.g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
         let now = unix_millis();
         let started = Instant::now();
@@ -470,7 +470,7 @@ impl Core {
             Ok(image) => {
                 g3.health.record_ok();
                 telemetry::record_transfer(Tier::G3, Tier::G2, g3.store.slot_bytes() as u64, started.elapsed());
-                g2.admit(hash, self.tiers.meta(None, self.region), image, now);
+                g2.admit(hash, self.tiers.meta(None, region), image, now);
                 "promoted"
             }
             Err(failure) => {
@@ -483,16 +483,16 @@ impl Core {
     }
 
     /// Writes a sealed block through to G3 (if its region reaches G3), in the background.
-    fn write_through(&self, hash: BlockHash, image: SlotRef, now: u64) {
+    fn write_through(&self, hash: BlockHash, image: SlotRef, now: u64, region: RegionKind) {
         let Some(g3) = self.tiers.g3.as_ref() else { return };
-        if !g3.usable() || !self.tiers.pipeline().reaches(self.region, TierName::G3) {
+        if !g3.usable() || !self.tiers.pipeline().reaches(region, TierName::G3) {
             return;
         }
         if self.g3_writes.load(Ordering::Relaxed) >= MAX_G3_WRITES {
             telemetry::record_write_skipped(Tier::G3);
             return;
         }
-        if !g3.reserve(hash, self.tiers.meta(None, self.region), now) {
+        if !g3.reserve(hash, self.tiers.meta(None, region), now) {
             return;
         }
         self.g3_writes.fetch_add(1, Ordering::Relaxed);
@@ -540,6 +540,8 @@ struct Registered {
     identity: ForeignEngine,
     role: Role,
     rank: u32,
+    /// The retention region of its blocks.
+    region: RegionKind,
     block_bytes: u64,
     block_tokens: u32,
 }
@@ -627,6 +629,13 @@ impl Connection {
         if self.registered.is_some() {
             return error(ErrorCode::Refused, "this connection is registered already");
         }
+        let region = match registration.region.as_str() {
+            "" => self.core.region,
+            named => match named.parse::<RegionKind>() {
+                Ok(region) => region,
+                Err(e) => return error(ErrorCode::Refused, format!("region: {e}")),
+            },
+        };
         match self.core.register(&registration) {
             Ok((index, identity)) => {
                 let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
@@ -645,6 +654,7 @@ impl Connection {
                     identity,
                     role: registration.role,
                     rank: registration.rank,
+                    region,
                     block_bytes: registration.block_bytes,
                     block_tokens: registration.block_tokens,
                 });
@@ -678,7 +688,8 @@ impl Connection {
                 let mut remote = RemoteFetches::default();
                 let found = keys.iter().map(|key| self.lookup(key, now, &mut remote)).collect();
                 let (_, engine) = self.identity();
-                self.core.start_fetches(remote, engine);
+                let region = self.registered.as_ref().map_or(self.core.region, |r| r.region);
+                self.core.start_fetches(remote, engine, region);
                 Reply::Looked(found)
             }
             Request::PrepareStore(keys) => {
@@ -732,7 +743,11 @@ impl Connection {
         let answer = match pinned {
             Some(slot) => (Found::Hit, slot),
             None if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash))
-                && self.core.promote(hash, engine.clone()) =>
+                && self.core.promote(
+                    hash,
+                    engine.clone(),
+                    self.registered.as_ref().map_or(self.core.region, |r| r.region),
+                ) =>
             {
                 (Found::Pending, -1)
             }
@@ -776,7 +791,8 @@ impl Connection {
         let token_count = r.block_tokens.min(u16::MAX as u32) as u16;
         let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
         let now = unix_millis();
-        let priority = self.core.tiers.retention.policy(self.core.region).priority;
+        let region = r.region;
+        let priority = self.core.tiers.retention.policy(region).priority;
         let mut stored = 0;
         for key in keys {
             let hash = identity.block_hash(key);
@@ -790,21 +806,15 @@ impl Connection {
                 salt: identity.salt,
                 layout,
                 token_count,
-                retention: RetentionMeta {
-                    region: self.core.region,
-                    priority,
-                    retain_until_ms: 0,
-                    last_access_ms: now,
-                    access_count: 0,
-                },
+                retention: RetentionMeta { region, priority, retain_until_ms: 0, last_access_ms: now, access_count: 0 },
             };
             seal(slot.as_mut_slice(), &spec);
             let image = slot.freeze();
-            if g2.admit(hash, self.core.tiers.meta(None, self.core.region), image.clone(), now) {
+            if g2.admit(hash, self.core.tiers.meta(None, region), image.clone(), now) {
                 stored += 1;
                 self.stored.insert(hash, key.clone());
                 self.events.push((false, key.clone()));
-                self.core.write_through(hash, image, now);
+                self.core.write_through(hash, image, now, region);
             }
         }
         telemetry::record_engine_blocks(&engine, "stored", stored as u64);

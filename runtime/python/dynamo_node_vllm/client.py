@@ -125,6 +125,7 @@ class EngineDescription:
     rank: int
     block_bytes: int
     kv_events: str = ""
+    region: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,7 @@ def encode_register(role: Role, d: EngineDescription) -> bytes:
             encode_str(d.layout),
             struct.pack("<IIIQ", d.block_tokens, d.world_size, d.rank, d.block_bytes),
             encode_str(d.kv_events),
+            encode_str(d.region),
         )
     )
 

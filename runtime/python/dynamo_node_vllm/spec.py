@@ -7,7 +7,9 @@ scheduler process calls :meth:`get_manager`, every worker process
 the node salts their blocks the same way.
 
 Extra config keys read here: ``socket`` (required), ``engine_id``,
-``kv_events``, ``timeout_s``; vLLM itself reads ``block_size`` /
+``kv_events``, ``region`` (the retention region of this engine's blocks:
+``system``, ``tools``, ``conversation``, ``tool_result``, ``reasoning``, ``generated``; the node's
+``engine_endpoint.region`` when unset), ``timeout_s``; vLLM itself reads ``block_size`` /
 ``blocks_per_chunk`` and ``offload_prompt_only``.
 """
 
@@ -93,6 +95,7 @@ class DynamoNodeSpec(OffloadingSpec):
             rank=rank,
             block_bytes=self.block_bytes,
             kv_events=str(self.extra_config.get("kv_events", "")),
+            region=str(self.extra_config.get("region", "")),
         )
 
     def _client(self, role: Role, rank: int) -> NodeClient:
