@@ -204,6 +204,104 @@ async fn checksum_integrity_moves_verified_images_and_still_rejects_corrupt_ones
     assert_eq!(served.await.unwrap().unwrap().images, 2);
 }
 
+/// A payload larger than the pieces an image is read and digested in (256 KiB), and not a
+/// multiple of them.
+const LARGE: usize = (1 << 20) + 4096 + 64;
+
+/// Fetches blocks 1 and 2 (block 2 with a byte flipped late in its payload) both ways, into a
+/// caller's slots and into the connection's buffer, under `integrity`.
+async fn fetch_large(integrity: Integrity) {
+    let mut blocks = resident(&[1, 2], LARGE);
+    let mut bad = sealed(2, LARGE);
+    bad[HEADER_LEN + LARGE - 5000] ^= 0x10;
+    blocks.0.insert(BlockHash(2), Arc::new(bad));
+    let server = ServerConfig { integrity, ..server_config(1, HoldLimits::default()) };
+    let (addr, served) = serve_one(server, blocks).await;
+    let mut peer = PeerClient::connect(addr, &ClientConfig { integrity, ..client_config(1) }).await.unwrap();
+    let asked = [BlockHash(1), BlockHash(2)];
+    let held = peer.hold(&asked, Duration::from_secs(5)).await.unwrap();
+
+    let fetched = peer.fetch(held.hold_id, &asked).await.unwrap();
+    assert_eq!(fetched[0].1, Fetched::Verified(sealed(1, LARGE)), "{integrity:?}");
+    assert_eq!(fetched[1].1, Fetched::Rejected(ImageError::PayloadChecksum), "{integrity:?}");
+
+    let slot_bytes = dynamo_tiering::g2::align_up(HEADER_LEN + LARGE);
+    let pool = HostPool::new(HostPoolOptions { slot_bytes, slots: 2, mlock: MlockPolicy::Off }).unwrap();
+    let mut outcomes = Vec::new();
+    peer.fetch_into(
+        held.hold_id,
+        &asked,
+        || pool.try_alloc(),
+        |hash, fetched| match fetched {
+            FetchedSlot::Verified { slot, len } => {
+                assert_eq!(slot.as_slice()[..len], sealed(hash.0, LARGE)[..], "{integrity:?}");
+                outcomes.push("verified".to_string());
+            }
+            other => outcomes.push(format!("{other:?}")),
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(outcomes, ["verified".to_string(), format!("{:?}", FetchedSlot::Rejected(ImageError::PayloadChecksum))]);
+    peer.goodbye().await.unwrap();
+    assert_eq!(served.await.unwrap().unwrap().images, 4);
+}
+
+#[tokio::test]
+async fn images_larger_than_a_read_piece_are_verified_whole_in_either_mode() {
+    fetch_large(Integrity::Mac).await;
+    fetch_large(Integrity::Checksum).await;
+}
+
+/// A forwarder between a client and `server` that flips one bit of the server's bytes: the one
+/// at offset `flip_at` of its stream.
+async fn flipping_forwarder(server: SocketAddr, flip_at: usize) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (client, _) = listener.accept().await.unwrap();
+        let upstream = TcpStream::connect(server).await.unwrap();
+        let (mut client_read, mut client_write) = client.into_split();
+        let (mut server_read, mut server_write) = upstream.into_split();
+        tokio::spawn(async move { tokio::io::copy(&mut client_read, &mut server_write).await });
+        let mut seen = 0usize;
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match server_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if (seen..seen + n).contains(&flip_at) {
+                buf[flip_at - seen] ^= 0x08;
+            }
+            seen += n;
+            if client_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_bit_flipped_on_the_wire_late_in_a_large_image_is_caught_in_either_mode() {
+    for integrity in [Integrity::Mac, Integrity::Checksum] {
+        let server = ServerConfig { integrity, ..server_config(1, HoldLimits::default()) };
+        let (addr, _served) = serve_one(server, resident(&[1], LARGE)).await;
+        // Past the handshake and the Held answer, three quarters into the image.
+        let forwarder = flipping_forwarder(addr, LARGE * 3 / 4).await;
+        let mut peer = PeerClient::connect(forwarder, &ClientConfig { integrity, ..client_config(1) }).await.unwrap();
+        let held = peer.hold(&[BlockHash(1)], Duration::from_secs(5)).await.unwrap();
+        let fetched = peer.fetch(held.hold_id, &[BlockHash(1)]).await;
+        match integrity {
+            Integrity::Mac => assert_eq!(fetched.unwrap_err().kind(), "bad_mac"),
+            Integrity::Checksum => {
+                assert_eq!(fetched.unwrap()[0].1, Fetched::Rejected(ImageError::PayloadChecksum))
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_client_of_another_integrity_mode_is_refused() {
     let (addr, served) = serve_one(server_config(1, HoldLimits::default()), resident(&[1], 64)).await;

@@ -6,7 +6,7 @@ pub mod map;
 
 pub use hash::{BlockHash, BlockHasher, HASH_SCHEME_VERSION, Namespace, Salt, SaltInputs, TokenId};
 pub use image::{
-    BlockLayout, HEADER_LEN, ImageError, ImageHeader, ImageSpec, KvDtype, RetentionMeta, payload_mut, seal,
-    verify_image,
+    BlockLayout, HEADER_LEN, ImageError, ImageHeader, ImageSpec, KvDtype, PayloadChecksum, RetentionMeta,
+    payload_checksum, payload_mut, seal, verify_image, verify_image_digested,
 };
 pub use map::{BlockHashBuild, BlockMap};

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::auth::{AuthError, ClientHandshake, ClusterSecret, Direction, PeerIdentity, ServerHandshake, Session};
+use super::auth::{
+    AuthError, ClientHandshake, ClusterSecret, Direction, FrameHasher, PeerIdentity, ServerHandshake, Session,
+};
 use super::feed::{Feed, FeedChange, Subscription};
 use super::holds::{HoldError, HoldLimits, HoldTable};
 use super::tls::Tls;
@@ -28,10 +30,38 @@ use super::wire::{
     FRAME_HEADER_LEN, Frame, FrameHeader, HeldBlock, HeldPlace, Integrity, Message, RdmaEndpoint, RefusalCode,
     WireError, WireLimits, image_frame_prefix,
 };
-use crate::block::{BlockHash, ImageError, verify_image};
+use crate::block::{BlockHash, HEADER_LEN, ImageError, PayloadChecksum, verify_image_digested};
 use crate::g2::SlotMut;
 
 const MAC_LEN: usize = 32;
+
+/// An image moves through the socket this many bytes at a time, and each piece is digested
+/// (checksum, MAC) just before it is written or just after it is read, while it is in cache:
+/// digesting a 2 MiB image read back from memory costs more than the copy itself.
+const IMAGE_PIECE: usize = 256 << 10;
+
+/// The digests of an image frame's image, taken as its bytes land: the payload's checksum (the
+/// xxh3-64 of every byte after the image header) and, when image frames carry one, the frame's MAC.
+struct ImageDigest {
+    payload: PayloadChecksum,
+    mac: Option<FrameHasher>,
+    /// Bytes of the image digested so far.
+    done: usize,
+}
+
+impl ImageDigest {
+    /// Digests what landed since the last call: `image` is every byte of the image read so far.
+    fn advance(&mut self, image: &[u8]) {
+        if let Some(mac) = &mut self.mac {
+            mac.update(&image[self.done..]);
+        }
+        let payload_from = self.done.max(HEADER_LEN);
+        if image.len() > payload_from {
+            self.payload.update(&image[payload_from..]);
+        }
+        self.done = image.len();
+    }
+}
 
 /// Where a server finds the sealed images of its resident blocks.
 pub trait BlockSource {
@@ -192,8 +222,10 @@ struct Conn {
     image: Vec<u8>,
     /// The image of an image frame being read into a caller's slot, and the bytes in it so far.
     slot_image: Option<(SlotMut, usize)>,
-    /// Whether the image frame being read has its destination chosen.
-    image_placed: bool,
+    /// The digests of the image frame being read, once its destination is chosen.
+    digest: Option<ImageDigest>,
+    /// The payload checksum of the last image frame's image, taken as it was read.
+    image_checksum: u64,
     /// The last image frame's image, when it went into a caller's slot (its frame then carries
     /// an empty image): the slot and the image's length.
     landed: Option<(SlotMut, usize)>,
@@ -213,7 +245,8 @@ impl Conn {
             buf: Vec::new(),
             image: Vec::new(),
             slot_image: None,
-            image_placed: false,
+            digest: None,
+            image_checksum: 0,
             landed: None,
             session: None,
             mac_images: integrity == Integrity::Mac,
@@ -252,15 +285,20 @@ impl Conn {
             if self.buf.len() < prefix {
                 return Ok(Step::Buf(prefix));
             }
-            if !self.image_placed {
+            if self.digest.is_none() {
                 // Once per frame: a slot of the caller's if it has one that fits, else our buffer.
-                self.image_placed = true;
                 if image_len > 0
                     && let Some(slot) = alloc()
                     && slot.as_slice().len() >= image_len
                 {
                     self.slot_image = Some((slot, 0));
                 }
+                let mac = self.image_session().map(|session| {
+                    let mut mac = session.frame_hasher(self.receiving(), self.seq_in);
+                    mac.update(&self.buf[..prefix]);
+                    mac
+                });
+                self.digest = Some(ImageDigest { payload: PayloadChecksum::default(), mac, done: 0 });
             }
             match &self.slot_image {
                 Some((_, filled)) if *filled < image_len => return Ok(Step::Slot(image_len)),
@@ -274,20 +312,22 @@ impl Conn {
             if self.buf.len() < prefix + trailer {
                 return Ok(Step::Buf(prefix + trailer));
             }
-            if let Some(session) = self.image_session() {
-                let mac: [u8; MAC_LEN] = self.buf[prefix..prefix + MAC_LEN].try_into().expect("MAC bytes");
-                let image = match &self.slot_image {
-                    Some((slot, _)) => &slot.as_slice()[..image_len],
-                    None => &self.image[..],
-                };
-                if !session.verify_frame(self.receiving(), self.seq_in, &[&self.buf[..prefix], image], &mac) {
+            let mut digest = self.digest.take().expect("an image frame's digests");
+            // Whatever the reads left undigested (nothing, unless one was cancelled mid-way).
+            digest.advance(match &self.slot_image {
+                Some((slot, _)) => &slot.as_slice()[..image_len],
+                None => &self.image[..],
+            });
+            if let Some(mac) = digest.mac.take() {
+                let sent: [u8; MAC_LEN] = self.buf[prefix..prefix + MAC_LEN].try_into().expect("MAC bytes");
+                if !mac.verify(&sent) {
                     return Err(PeerError::BadMac);
                 }
             }
+            self.image_checksum = digest.payload.digest();
             let hash = BlockHash::from_le_bytes(self.buf[FRAME_HEADER_LEN..prefix].try_into().expect("hash bytes"));
             self.buf.clear();
             self.seq_in += 1;
-            self.image_placed = false;
             let image = match self.slot_image.take() {
                 Some((slot, _)) => {
                     self.landed = Some((slot, image_len));
@@ -328,26 +368,41 @@ impl Conn {
     /// (then [`Conn::landed`] holds it and the frame's image is empty).
     async fn recv_with(&mut self, alloc: SlotAlloc<'_>) -> Result<Frame, PeerError> {
         loop {
-            let (target, want) = match self.step(alloc)? {
+            match self.step(alloc)? {
                 Step::Frame(frame) => return Ok(frame),
-                Step::Buf(want) => (&mut self.buf, want),
-                Step::Image(want) => (&mut self.image, want),
+                Step::Buf(want) => {
+                    let target = &mut self.buf;
+                    if target.len() < want {
+                        target.reserve_exact(want - target.len());
+                    }
+                    let n = (&mut self.stream)
+                        .take((want - target.len()) as u64)
+                        .read_buf(target)
+                        .await
+                        .map_err(read_error)?;
+                    if n == 0 {
+                        return Err(PeerError::Closed);
+                    }
+                }
+                Step::Image(want) => {
+                    let piece = (want - self.image.len()).min(IMAGE_PIECE);
+                    let n =
+                        (&mut self.stream).take(piece as u64).read_buf(&mut self.image).await.map_err(read_error)?;
+                    if n == 0 {
+                        return Err(PeerError::Closed);
+                    }
+                    self.digest.as_mut().expect("an image frame's digests").advance(&self.image);
+                }
                 Step::Slot(want) => {
                     let (slot, filled) = self.slot_image.as_mut().expect("an image in a slot");
-                    let n = self.stream.read(&mut slot.as_mut_slice()[*filled..want]).await.map_err(read_error)?;
+                    let end = want.min(*filled + IMAGE_PIECE);
+                    let n = self.stream.read(&mut slot.as_mut_slice()[*filled..end]).await.map_err(read_error)?;
                     if n == 0 {
                         return Err(PeerError::Closed);
                     }
                     *filled += n;
-                    continue;
+                    self.digest.as_mut().expect("an image frame's digests").advance(&slot.as_slice()[..*filled]);
                 }
-            };
-            if target.len() < want {
-                target.reserve_exact(want - target.len());
-            }
-            let n = (&mut self.stream).take((want - target.len()) as u64).read_buf(target).await.map_err(read_error)?;
-            if n == 0 {
-                return Err(PeerError::Closed);
             }
         }
     }
@@ -368,12 +423,25 @@ impl Conn {
     /// An image frame written from the caller's slot, not copied into a frame first.
     async fn send_image(&mut self, req_id: u64, hash: BlockHash, image: &[u8]) -> Result<(), PeerError> {
         let prefix = image_frame_prefix(req_id, hash, image.len());
-        let mac = self.image_session().map(|s| s.frame_mac(self.sending, self.seq_out, &[&prefix, image]));
+        let mut mac = self.image_session().map(|session| {
+            let mut mac = session.frame_hasher(self.sending, self.seq_out);
+            mac.update(&prefix);
+            mac
+        });
         self.seq_out += 1;
         self.stream.write_all(&prefix).await?;
-        self.stream.write_all(image).await?;
+        match &mut mac {
+            // Each piece is MACed just before the socket copies it, so it is read from memory once.
+            Some(mac) => {
+                for piece in image.chunks(IMAGE_PIECE) {
+                    mac.update(piece);
+                    self.stream.write_all(piece).await?;
+                }
+            }
+            None => self.stream.write_all(image).await?,
+        }
         if let Some(mac) = mac {
-            self.stream.write_all(&mac).await?;
+            self.stream.write_all(&mac.finish()).await?;
         }
         self.stream.flush().await?;
         Ok(())
@@ -880,7 +948,7 @@ impl PeerClient {
             } else if image.is_empty() {
                 each(asked, FetchedRef::Missing);
             } else {
-                match verify_image(&image, asked) {
+                match verify_image_digested(&image, asked, self.conn.image_checksum) {
                     Ok(_) => each(asked, FetchedRef::Verified(&image)),
                     Err(e) => each(asked, FetchedRef::Rejected(e)),
                 }
@@ -911,14 +979,14 @@ impl PeerClient {
             let fetched = if hash != asked {
                 FetchedSlot::Rejected(ImageError::HashMismatch { expected: asked, found: hash })
             } else if let Some((slot, len)) = landed {
-                match verify_image(&slot.as_slice()[..len], asked) {
+                match verify_image_digested(&slot.as_slice()[..len], asked, self.conn.image_checksum) {
                     Ok(_) => FetchedSlot::Verified { slot, len },
                     Err(e) => FetchedSlot::Rejected(e),
                 }
             } else if image.is_empty() {
                 FetchedSlot::Missing
             } else {
-                match verify_image(&image, asked) {
+                match verify_image_digested(&image, asked, self.conn.image_checksum) {
                     Ok(_) => FetchedSlot::NoRoom,
                     Err(e) => FetchedSlot::Rejected(e),
                 }

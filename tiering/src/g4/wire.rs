@@ -15,8 +15,9 @@ use crate::block::BlockHash;
 
 /// The protocol version a [`Message::Hello`] offers; a server refuses any other. Version 2 added
 /// the feed (subscribe, snapshot, changes) and the integrity mode of image frames; version 3 the
-/// RDMA handshake and holds that answer with places ([`Message::HoldAt`]).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// RDMA handshake and holds that answer with places ([`Message::HoldAt`]); version 4 MACs frames
+/// with AEGIS-128L, where 3 used keyed BLAKE3.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// How image frames are protected after the handshake; both sides of a connection must agree.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
