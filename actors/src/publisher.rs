@@ -104,7 +104,7 @@ impl KvPublisher {
                 }
                 KvEventKind::Cleared => {}
             }
-            telemetry::set_peer_servable_blocks(feed.len());
+            telemetry::set_peer_servable_blocks(feed.len(), feed.digest());
         }
         let seq = seqs.entry(source).or_insert(0);
         *seq += 1;

@@ -70,6 +70,8 @@
 //! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
 //! | `dynamo_node_peer_index_blocks` | gauge | `peer` | blocks this node's index holds for a peer, as the peer's feed left it (0 while the feed is down) |
 //! | `dynamo_node_peer_servable_blocks` | gauge | | blocks this node's feed offers its peers (in G2 or G3) |
+//! | `dynamo_node_peer_index_digest` | gauge | `peer` | 52 bits of the digest of the set of blocks the index holds for a peer ([`SetDigest`]) |
+//! | `dynamo_node_peer_servable_digest` | gauge | | 52 bits of the digest of the set of blocks this node's feed offers: a peer's index of this node is right when the two agree |
 //! | `dynamo_node_peer_rdma` | gauge | | 1 when this node's lanes may use RDMA (`tiers.g4.transport = "rdma"` and a device opened), 0 when they use TCP only |
 //! | `dynamo_node_peer_feed_ended_total` | counter | `peer`, `reason` | feeds from a peer that ended (its blocks left the index at once): the error's kind (`timeout`, `closed`, …), or `peer_left` when membership dropped the peer |
 //! | `dynamo_node_cluster_members` | gauge | | peers in this node's view of the cluster (etcd membership) |
@@ -87,6 +89,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use dynamo_config::RegionKind;
+use dynamo_tiering::block::SetDigest;
 use dynamo_tiering::g3::G3Stats;
 use dynamo_tiering::registry::RegistryStats;
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
@@ -218,6 +221,10 @@ pub mod names {
     pub const PEER_INDEX_BLOCKS: &str = "dynamo_node_peer_index_blocks";
     /// Gauge: blocks this node's feed offers.
     pub const PEER_SERVABLE_BLOCKS: &str = "dynamo_node_peer_servable_blocks";
+    /// Gauge: 52 bits of the digest of the set of blocks the index holds for a peer.
+    pub const PEER_INDEX_DIGEST: &str = "dynamo_node_peer_index_digest";
+    /// Gauge: 52 bits of the digest of the set of blocks this node's feed offers.
+    pub const PEER_SERVABLE_DIGEST: &str = "dynamo_node_peer_servable_digest";
     /// Gauge: whether this node's lanes may use RDMA.
     pub const PEER_RDMA: &str = "dynamo_node_peer_rdma";
     /// Gauge: external engines with a live connection.
@@ -284,6 +291,12 @@ pub fn describe() {
     describe_counter!(PEER_FEED_ENDED, Unit::Count, "Feeds from peers that ended; their blocks left the index.");
     describe_gauge!(PEER_INDEX_BLOCKS, "Blocks this node's index holds for a peer, as its feed left them.");
     describe_gauge!(PEER_SERVABLE_BLOCKS, "Blocks this node's feed offers its peers (in G2 or G3).");
+    describe_gauge!(
+        PEER_INDEX_DIGEST,
+        "Digest (52 bits) of the set of blocks this node's index holds for a peer: equal to the peer's \
+         dynamo_node_peer_servable_digest when the index is right."
+    );
+    describe_gauge!(PEER_SERVABLE_DIGEST, "Digest (52 bits) of the set of blocks this node's feed offers its peers.");
     describe_gauge!(PEER_RDMA, "1 when this node's G4 lanes may use RDMA, 0 when they use TCP only.");
     describe_gauge!(ENGINES_REGISTERED, Unit::Count, "External engines with a live connection to the engine endpoint.");
     describe_counter!(ENGINE_LOOKUPS, Unit::Count, "An external engine's block lookups, by result.");
@@ -451,14 +464,16 @@ pub fn record_peer_block(peer: &str, transport: &'static str, outcome: &'static 
     counter!(names::PEER_FETCHED_BYTES, "peer" => peer.to_owned(), "transport" => transport).increment(bytes);
 }
 
-/// The index holds `blocks` blocks for `peer`.
-pub fn set_peer_index_blocks(peer: &str, blocks: u64) {
+/// The index holds `blocks` blocks for `peer`, a set of digest `digest`.
+pub fn set_peer_index_blocks(peer: &str, blocks: u64, digest: SetDigest) {
     gauge!(names::PEER_INDEX_BLOCKS, "peer" => peer.to_owned()).set(blocks as f64);
+    gauge!(names::PEER_INDEX_DIGEST, "peer" => peer.to_owned()).set(digest.gauge());
 }
 
-/// This node's feed offers `blocks` blocks.
-pub fn set_peer_servable_blocks(blocks: usize) {
+/// This node's feed offers `blocks` blocks, a set of digest `digest`.
+pub fn set_peer_servable_blocks(blocks: usize, digest: SetDigest) {
     gauge!(names::PEER_SERVABLE_BLOCKS).set(blocks as f64);
+    gauge!(names::PEER_SERVABLE_DIGEST).set(digest.gauge());
 }
 
 /// Whether this node's G4 lanes may use RDMA.

@@ -283,6 +283,25 @@ impl Node {
         }
     }
 
+    /// Polls [`Node::metric_sum`] of `prefix` and `label` until `done` holds for it, for `limit`
+    /// at most; its last value.
+    pub async fn wait_for_sum(
+        &self,
+        prefix: &str,
+        label: &str,
+        limit: std::time::Duration,
+        done: impl Fn(f64) -> bool,
+    ) -> f64 {
+        let started = std::time::Instant::now();
+        loop {
+            let value = self.metric_sum(prefix, label).await;
+            if done(value) || started.elapsed() > limit {
+                return value;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
     /// [`Node::greedy`] for [`long_prompt`]`(topic)`, with the prompt's complete blocks (of 32
     /// tokens) instead of its tokens.
     pub async fn greedy_topic(&self, topic: &str) -> (String, f64, u64) {

@@ -66,6 +66,11 @@ async fn a_node_loads_the_prefix_its_peer_computed_and_recomputes_when_the_peer_
     let blocks = (prompt_tokens / 32) as f64;
     let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= 2.0 * blocks).await;
     assert!(known >= 2.0 * blocks, "B's index knows A's blocks: {known} of {}", 2.0 * blocks);
+    // Not just as many: the very set A's feed offers (the digests of the two sets agree).
+    let truth = a.metric("dynamo_node_peer_servable_digest").await;
+    assert!(truth != 0.0, "A offers blocks");
+    let digest = b.wait_for_sum("dynamo_node_peer_index_digest{", "peer=", LIMIT, |v| v == truth).await;
+    assert_eq!(digest, truth, "B's index of A holds the blocks A offers");
 
     // B loads the first prompt's prefix from A: the same answer, the hits counted as G4.
     let (b_first, _, b_cached) = b.greedy(&first).await;

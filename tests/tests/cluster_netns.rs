@@ -146,19 +146,6 @@ fn start_node(hosts: &Hosts, name: &str, etcd: &str) -> Node {
     Node::start_command(cmd, dir)
 }
 
-/// Polls [`Node::metric_sum`] of `prefix` and `label` until `done` holds for it, for `limit` at
-/// most; its last value.
-async fn wait_for_sum(node: &Node, prefix: &str, label: &str, limit: Duration, done: impl Fn(f64) -> bool) -> f64 {
-    let started = Instant::now();
-    loop {
-        let value = node.metric_sum(prefix, label).await;
-        if done(value) || started.elapsed() > limit {
-            return value;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 const G4_HITS: &str = "dynamo_node_kv_hit_tokens_total{tier=\"g4\"}";
 const MEMBERS: &str = "dynamo_node_cluster_members";
 const INDEX: &str = "dynamo_node_index_blocks";
@@ -207,7 +194,7 @@ async fn nodes_on_separate_hosts_share_kv_survive_silent_partitions_and_avoid_a_
     // from its own compute at once.
     let epoch = a.metric("dynamo_node_cluster_epoch").await;
     hosts.set_link("a", false);
-    let ended = wait_for_sum(&b, FEED_ENDED, &from_a, limit, |v| v >= 1.0).await;
+    let ended = b.wait_for_sum(FEED_ENDED, &from_a, limit, |v| v >= 1.0).await;
     assert!(ended >= 1.0, "B's feed from A ended");
     assert_eq!(b.wait_for_metric(MEMBERS, limit, |v| v == 1.0).await, 1.0, "A left B's view with its lease");
     let started = Instant::now();
@@ -238,7 +225,7 @@ async fn nodes_on_separate_hosts_share_kv_survive_silent_partitions_and_avoid_a_
     b.wait_for_metric(INDEX, limit, |v| v >= known + eta_blocks).await;
     let ended = b.metric_sum(FEED_ENDED, &from_a).await;
     hosts.set_firewall("a", true);
-    let now = wait_for_sum(&b, FEED_ENDED, &from_a, limit, |v| v > ended).await;
+    let now = b.wait_for_sum(FEED_ENDED, &from_a, limit, |v| v > ended).await;
     assert!(now > ended, "B's feed from A ended again");
     assert_eq!(b.wait_for_metric(MEMBERS, limit, |v| v == 1.0).await, 1.0, "A left B's view again");
     let started = Instant::now();
@@ -261,14 +248,18 @@ async fn nodes_on_separate_hosts_share_kv_survive_silent_partitions_and_avoid_a_
     assert_eq!(b_theta, a_theta);
     let hits = b.metric(G4_HITS).await;
     assert!(cached > 0 && hits == hits_after_heal + cached as f64, "loaded from A after the firewall: {cached}");
-    // After the heal every index equals its peers' truth: what B and C hold for A is what A's
-    // feed offers, block for block in number.
+    // After the heal every index equals its peers' truth: what B and C hold for A is the set A's
+    // feed offers, in number and in the digest of the set (which tells apart sets of one size).
     let truth = a.metric("dynamo_node_peer_servable_blocks").await;
-    assert!(truth > 0.0, "A offers blocks");
+    let truth_digest = a.metric("dynamo_node_peer_servable_digest").await;
+    assert!(truth > 0.0 && truth_digest != 0.0, "A offers blocks");
     for (name, node) in [("B", &b), ("C", &c)] {
         let series = format!("dynamo_node_peer_index_blocks{{{from_a}}}");
         let held = node.wait_for_metric(&series, limit, |v| v == truth).await;
-        assert_eq!(held, truth, "{name}'s index holds what A offers");
+        assert_eq!(held, truth, "{name}'s index holds as many blocks as A offers");
+        let series = format!("dynamo_node_peer_index_digest{{{from_a}}}");
+        let digest = node.wait_for_metric(&series, limit, |v| v == truth_digest).await;
+        assert_eq!(digest, truth_digest, "{name}'s index holds the very blocks A offers");
     }
 
     // A's egress shaped to 4 Mbit/s: B's next fetch runs past its budget and is recomputed, and

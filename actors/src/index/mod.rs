@@ -86,7 +86,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use dynamo_config::TierName;
-use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::block::{BlockHash, SetDigest};
 use parking_lot::RwLock;
 
 pub use events::{EventDecodeError, KvEvent, KvEventKind, SourceId};
@@ -421,6 +421,11 @@ impl PrefixIndex {
     /// Blocks `location` holds, as its events and resyncs left it.
     pub fn held_count(&self, location: Location) -> u64 {
         self.shard(location.source).read().store.held_count(location)
+    }
+
+    /// The digest of the set of blocks `location` holds, as its events and resyncs left it.
+    pub fn held_digest(&self, location: Location) -> SetDigest {
+        self.shard(location.source).read().store.held_digest(location)
     }
 
     /// Counters and sizes, as of now, summed over the shards (shard by shard, so not one

@@ -50,7 +50,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use dynamo_tiering::block::BlockHash;
+use dynamo_tiering::block::{BlockHash, SetDigest};
 use smallvec::SmallVec;
 
 use super::Location;
@@ -130,6 +130,8 @@ struct LocationState {
     log: Vec<BlockHash>,
     /// Blocks held.
     live: u64,
+    /// The digest of the set of blocks held.
+    digest: SetDigest,
     /// The missing parents of the orphans, with multiplicity.
     orphan_parents: BlockMap<u32>,
     /// Approximate locations only: when each block expires.
@@ -225,6 +227,7 @@ impl Store {
         self.locations.push(LocationState {
             log: Vec::new(),
             live: 0,
+            digest: SetDigest::default(),
             orphan_parents: BlockMap::default(),
             deadlines: BlockMap::default(),
         });
@@ -235,6 +238,11 @@ impl Store {
     /// Blocks `location` holds.
     pub(crate) fn held_count(&self, location: Location) -> u64 {
         self.existing_location_id(location).map_or(0, |id| self.locations[id as usize].live)
+    }
+
+    /// The digest of the set of blocks `location` holds.
+    pub(crate) fn held_digest(&self, location: Location) -> SetDigest {
+        self.existing_location_id(location).map_or_else(SetDigest::default, |id| self.locations[id as usize].digest)
     }
 
     /// The id of `location` if it was ever seen.
@@ -304,6 +312,7 @@ impl Store {
         let adopted = if orphans != 0 { state.orphan_parents.remove(&hash) } else { None };
         state.log.push(hash);
         state.live += 1;
+        state.digest.insert(hash);
         let compact = state.log.len() >= MIN_COMPACT && state.log.len() as u64 > COMPACT_RATIO * state.live;
         self.placements += 1;
         if location.approximate {
@@ -395,6 +404,7 @@ impl Store {
         let state = &mut self.locations[loc as usize];
         let LocationKey { location, orphans } = self.keys[loc as usize];
         state.live -= 1;
+        state.digest.remove(hash);
         self.placements -= 1;
         if location.approximate {
             state.deadlines.remove(&hash);
@@ -453,6 +463,7 @@ impl Store {
         state.orphan_parents = BlockMap::default();
         state.deadlines = BlockMap::default();
         let removed = std::mem::take(&mut state.live);
+        state.digest = SetDigest::default();
         self.placements -= removed;
         if key.location.approximate {
             self.approximate_placements -= removed;
@@ -755,6 +766,9 @@ impl Store {
             let mut orphan_parents: BlockMap<u32> = BlockMap::default();
             let held = self.held(loc);
             assert_eq!(held.len() as u64, state.live, "blocks held by {loc}");
+            let mut digest = SetDigest::default();
+            held.iter().for_each(|&hash| digest.insert(hash));
+            assert_eq!(digest, state.digest, "the digest of the blocks held by {loc}");
             for &hash in &held {
                 let entry = self.blocks.get(hash).expect("a held block has an entry");
                 let holder = entry.holders[entry.find(loc).expect("held block lists its location")];

@@ -33,6 +33,33 @@ impl BlockHash {
     }
 }
 
+/// An order-free digest of a set of blocks, kept as members come and go: the wrapping sum of each
+/// member's hash folded to 64 bits (block hashes are xxh3-128 outputs, uniform already). Two
+/// holders of a set compare it by one number, where counts agree for sets that differ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SetDigest(u64);
+
+impl SetDigest {
+    fn fold(hash: BlockHash) -> u64 {
+        (hash.0 as u64) ^ ((hash.0 >> 64) as u64)
+    }
+
+    /// `hash` joined the set (it was not in it).
+    pub fn insert(&mut self, hash: BlockHash) {
+        self.0 = self.0.wrapping_add(Self::fold(hash));
+    }
+
+    /// `hash` left the set (it was in it).
+    pub fn remove(&mut self, hash: BlockHash) {
+        self.0 = self.0.wrapping_sub(Self::fold(hash));
+    }
+
+    /// Its top 52 bits, which a Prometheus sample (an f64) holds exactly.
+    pub fn gauge(self) -> f64 {
+        (self.0 >> 12) as f64
+    }
+}
+
 impl fmt::Debug for BlockHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "BlockHash({:032x})", self.0)

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
-use crate::block::BlockHash;
+use crate::block::{BlockHash, SetDigest};
 
 /// One change of what a node can serve.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,6 +83,8 @@ struct Inner {
     seq: u64,
     /// Servable blocks: parent, and the tiers holding them (bits of [`FeedTier::bit`]).
     blocks: HashMap<BlockHash, (Option<BlockHash>, u8)>,
+    /// The digest of `blocks`' keys.
+    digest: SetDigest,
 }
 
 /// The servable blocks of one node, and their changes for subscribers.
@@ -121,6 +123,9 @@ impl Feed {
             let entry = inner.blocks.entry(h).or_insert((p, 0));
             let new = entry.1 == 0;
             entry.1 |= tier.bit();
+            if new {
+                inner.digest.insert(h);
+            }
             if new && run.len() < MAX_CHANGE_HASHES {
                 if run.is_empty() {
                     run_parent = p;
@@ -150,6 +155,7 @@ impl Feed {
                 entry.1 &= !tier.bit();
                 if entry.1 == 0 {
                     inner.blocks.remove(h);
+                    inner.digest.remove(*h);
                     gone.push(*h);
                 }
             }
@@ -177,6 +183,12 @@ impl Feed {
     /// Servable blocks now.
     pub fn len(&self) -> usize {
         self.inner.lock().blocks.len()
+    }
+
+    /// The digest of the servable blocks' set: a peer's index of this node is right when its
+    /// digest is this one.
+    pub fn digest(&self) -> SetDigest {
+        self.inner.lock().digest
     }
 
     /// Whether nothing is servable.
@@ -228,6 +240,32 @@ mod tests {
         assert_eq!(second.seq, 3);
         assert_eq!(snapshot, vec![(h(2), Some(h(1))), (h(3), Some(h(2)))]);
         assert_eq!(feed.len(), 2);
+    }
+
+    /// The digest of a set built from scratch.
+    fn digest_of(hashes: impl IntoIterator<Item = BlockHash>) -> SetDigest {
+        let mut digest = SetDigest::default();
+        hashes.into_iter().for_each(|h| digest.insert(h));
+        digest
+    }
+
+    #[test]
+    fn the_digest_follows_the_servable_set_and_tells_sets_of_one_size_apart() {
+        let feed = Feed::new(64);
+        let h = |i: u128| BlockHash(i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835));
+        assert_eq!(feed.digest(), SetDigest::default());
+        feed.stored_in(FeedTier::G3, None, &[h(1), h(2), h(3)]);
+        feed.stored_in(FeedTier::G2, Some(h(1)), &[h(2), h(3), h(4)]);
+        feed.removed_from(FeedTier::G2, &[h(2), h(4)]);
+        feed.removed(&[h(99)]);
+        assert_eq!(feed.digest(), digest_of([h(3), h(1), h(2)]), "order-free, each block once");
+        let other = digest_of([h(1), h(2), h(5)]);
+        assert_ne!(feed.digest(), other, "same size, another set");
+        assert_ne!(feed.digest().gauge(), other.gauge(), "and the gauge's 52 bits tell them apart");
+        feed.removed_from(FeedTier::G3, &[h(1), h(2), h(3)]);
+        assert_eq!((feed.len(), feed.digest()), (1, digest_of([h(3)])), "3 is still in G2");
+        feed.removed(&[h(3)]);
+        assert_eq!((feed.len(), feed.digest()), (0, SetDigest::default()));
     }
 
     #[test]
