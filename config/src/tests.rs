@@ -254,6 +254,10 @@ fn other_validation_rules() {
         ("[tiers.g4]\nheartbeat = \"1ms\"\n", "tiers.g4.heartbeat"),
         ("[tiers.g4]\ntls_cert = \"n.pem\"\ntls_ca = \"ca.pem\"\n", "tiers.g4.tls_key"),
         ("[tiers.g4]\ntls_key = \"n.key\"\n", "tiers.g4.tls_cert"),
+        (
+            "[node]\nname = \"gpu box 1\"\n[tiers.g4]\ntls_cert = \"n.pem\"\ntls_key = \"n.key\"\ntls_ca = \"ca.pem\"\n",
+            "node.name",
+        ),
         ("[cluster]\nmembership = \"etcd\"\n", "cluster.membership"),
         (
             "[tiers.g4]\nenabled = true\nsecret_file = \"s\"\nlisten = \"0.0.0.0:7100\"\n[cluster]\nmembership = \"etcd\"\n",

@@ -82,6 +82,20 @@ const MAX_WORKERS: usize = 1024;
 
 /// Checks `node.log_level` as `tracing`'s env-filter reads it: comma-separated directives, each
 /// a level or `target=level` (a target is a Rust path). Returns the first bad directive.
+/// Whether `name` can be a DNS name in a certificate: dot-separated labels of 1 to 63 letters,
+/// digits and hyphens, no label starting or ending with a hyphen, 253 bytes at most.
+fn is_dns_name(name: &str) -> bool {
+    let name = name.strip_suffix('.').unwrap_or(name);
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            (1..=63).contains(&label.len())
+                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
 fn check_log_level(value: &str) -> Result<(), &str> {
     const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
     let level_ok = |l: &str| LEVELS.contains(&l.trim().to_ascii_lowercase().as_str());
@@ -318,6 +332,16 @@ impl NodeConfig {
                 .find(|(_, f)| f.is_none())
                 .map_or("tls_cert", |(key, _)| key);
             c.fail(format!("tiers.g4.{missing}"), "mutual TLS needs all three of tls_cert, tls_key and tls_ca");
+        }
+        if g4.tls_cert.is_some() && !is_dns_name(&self.node.name) {
+            c.fail(
+                "node.name",
+                format!(
+                    "`{}` is not a DNS name: under mutual TLS (tiers.g4.tls_*) peers check that this node's \
+                     certificate names it, so it must be one (letters, digits, `-` and `.`)",
+                    self.node.name
+                ),
+            );
         }
         if g4.cluster.is_empty() || g4.cluster.len() > 255 {
             c.fail("tiers.g4.cluster", "must be 1 to 255 bytes");

@@ -245,8 +245,10 @@ fn tls_config(node: &str, ca: &str) -> String {
 async fn nodes_share_kv_over_mutual_tls_and_a_node_of_another_ca_gets_nothing() {
     let dirs: Vec<_> = (0..3).map(|_| Arc::new(tempfile::tempdir().unwrap())).collect();
     let secret = [0x48; 32];
+    // Each node is named as its certificate names it: a peer checks the two agree.
     let config = |i: usize, peers: &[String], node: &str| {
-        format!("{}{}", g4_config(&secret_file(&dirs[i], secret), peers), tls_config(node, "ca.pem"))
+        let g4 = g4_config(&secret_file(&dirs[i], secret), peers);
+        format!("[node]\nname = \"{node}\"\n\n{g4}{}", tls_config(node, "ca.pem"))
     };
     let a = Node::start_in(dirs[0].clone(), &config(0, &[], "node-a"));
     let b = Node::start_in(dirs[1].clone(), &config(1, &[g4_addr(&a)], "node-b"));

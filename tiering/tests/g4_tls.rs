@@ -1,7 +1,8 @@
 //! Mutual TLS under the block-serving protocol, on loopback with the test CA's certificates
 //! (`tests/fixtures/g4-tls`): nodes of the cluster CA hold and fetch as always; a client without
 //! TLS, one whose certificate another CA signed, and a server whose certificate names another
-//! host are all refused before a byte of the protocol.
+//! host are all refused before a byte of the protocol; a node whose certificate is the cluster's
+//! but names another node than the one it claims to be is refused after the handshake.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,9 +38,17 @@ fn sealed(hash: u128) -> Vec<u8> {
 
 /// A server with `tls` for as many connections as come; each one's outcome goes to the channel.
 async fn server(tls: Option<Arc<Tls>>) -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<Result<(), PeerError>>) {
+    server_named("node-a", tls).await
+}
+
+/// [`server`], claiming to be `node`.
+async fn server_named(
+    node: &str,
+    tls: Option<Arc<Tls>>,
+) -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<Result<(), PeerError>>) {
     let config = ServerConfig {
         secret: ClusterSecret::from_bytes([9; 32]),
-        me: identity("server"),
+        me: identity(node),
         wire: WireLimits::default(),
         integrity: Integrity::Checksum,
         holds: HoldLimits::default(),
@@ -66,9 +75,14 @@ async fn server(tls: Option<Arc<Tls>>) -> (SocketAddr, tokio::sync::mpsc::Unboun
 }
 
 fn client(tls: Option<Arc<Tls>>) -> ClientConfig {
+    client_named("node-b", tls)
+}
+
+/// [`client`], claiming to be `node`.
+fn client_named(node: &str, tls: Option<Arc<Tls>>) -> ClientConfig {
     ClientConfig {
         secret: ClusterSecret::from_bytes([9; 32]),
-        me: identity("client"),
+        me: identity(node),
         wire: WireLimits::default(),
         integrity: Integrity::Checksum,
         connect_timeout: Duration::from_secs(2),
@@ -83,7 +97,7 @@ async fn nodes_of_the_cluster_ca_hold_and_fetch_over_mutual_tls() {
     // By IP and by name: the certificate names both.
     for host in ["127.0.0.1", "localhost"] {
         let mut peer = PeerClient::connect_to(addr, host, &client(tls("node-b", "ca.pem"))).await.expect(host);
-        assert_eq!(peer.peer().node, "server");
+        assert_eq!(peer.peer().node, "node-a");
         let held = peer.hold(&[BlockHash(1), BlockHash(2)], Duration::from_secs(5)).await.unwrap();
         let fetched = peer.fetch(held.hold_id, &[BlockHash(1), BlockHash(2)]).await.unwrap();
         assert_eq!(fetched[0].1, Fetched::Verified(sealed(1)));
@@ -124,6 +138,40 @@ async fn a_server_whose_certificate_names_another_host_is_refused() {
     let (addr, _outcomes) = server(tls("elsewhere", "ca.pem")).await;
     let err = PeerClient::connect(addr, &client(tls("node-b", "ca.pem"))).await.unwrap_err();
     assert!(matches!(err, PeerError::Tls(ref why) if why.contains("not valid for name")), "{err}");
+}
+
+/// Whether a server refuses `client`: the server checks the client's name after the client's
+/// last handshake frame, so the client learns of it on its first request at the latest.
+async fn refused(addr: SocketAddr, client: &ClientConfig) -> bool {
+    match PeerClient::connect(addr, client).await {
+        Err(_) => true,
+        Ok(mut peer) => peer.ping().await.is_err(),
+    }
+}
+
+#[tokio::test]
+async fn a_node_whose_certificate_names_another_node_than_it_claims_is_refused() {
+    // A client with node-b's certificate that claims to be node-c: the server refuses it.
+    let (addr, mut outcomes) = server(tls("node-a", "ca.pem")).await;
+    assert!(refused(addr, &client_named("node-c", tls("node-b", "ca.pem"))).await);
+    let outcome = outcomes.recv().await.unwrap();
+    assert!(matches!(outcome, Err(PeerError::Tls(ref why)) if why.contains("\"node-c\"")), "{outcome:?}");
+
+    // A server with node-a's certificate that claims to be node-b: the client refuses it.
+    let (addr, _outcomes) = server_named("node-b", tls("node-a", "ca.pem")).await;
+    let err = PeerClient::connect(addr, &client(tls("node-b", "ca.pem"))).await.unwrap_err();
+    assert!(matches!(err, PeerError::Tls(ref why) if why.contains("\"node-b\"")), "{err}");
+
+    // A name that is no DNS name cannot be in a certificate.
+    let (addr, mut outcomes) = server(tls("node-a", "ca.pem")).await;
+    assert!(refused(addr, &client_named("node b!", tls("node-b", "ca.pem"))).await);
+    let outcome = outcomes.recv().await.unwrap();
+    assert!(matches!(outcome, Err(PeerError::Tls(ref why)) if why.contains("not a DNS name")), "{outcome:?}");
+
+    // Named as their certificates name them, the same two connect.
+    let (addr, _outcomes) = server(tls("node-a", "ca.pem")).await;
+    let peer = PeerClient::connect(addr, &client(tls("node-b", "ca.pem"))).await.expect("names agree");
+    assert_eq!(peer.peer().node, "node-a");
 }
 
 #[test]

@@ -57,7 +57,7 @@ pub struct BenchG4Args {
     pub lanes: usize,
     /// Also run under mutual TLS (with `integrity = "checksum"`: TLS authenticates every byte),
     /// with the certificates in this directory: `ca.pem`, and `node-a` and `node-b` `.pem`/`.key`
-    /// for 127.0.0.1 (`tests/fixtures/g4-tls` has test ones).
+    /// for 127.0.0.1 and their own names (`tests/fixtures/g4-tls` has test ones).
     #[arg(long)]
     pub tls: Option<std::path::PathBuf>,
 }
@@ -235,7 +235,8 @@ async fn protocol_passes(
     let secret = ClusterSecret::from_bytes(bench_secret());
     let server = Arc::new(ServerConfig {
         secret: secret.clone(),
-        me: PeerIdentity { cluster: "bench".into(), node: "server".into(), epoch: 1 },
+        // Named as the `--tls` certificates name them: under TLS a peer checks the two agree.
+        me: PeerIdentity { cluster: "bench".into(), node: "node-a".into(), epoch: 1 },
         wire: WireLimits { max_frame: (HEADER_LEN + payload + 64) as u32, max_hashes: args.batch as u32 },
         integrity,
         holds: HoldLimits { max_holds: 4, max_blocks: args.batch * 4, max_ttl: Duration::from_secs(10) },
@@ -246,7 +247,7 @@ async fn protocol_passes(
     });
     let client = ClientConfig {
         secret,
-        me: PeerIdentity { cluster: "bench".into(), node: "client".into(), epoch: 1 },
+        me: PeerIdentity { cluster: "bench".into(), node: "node-b".into(), epoch: 1 },
         wire: server.wire,
         integrity,
         connect_timeout: Duration::from_secs(5),

@@ -523,20 +523,23 @@ pub async fn serve_peer_into<S: BlockSource>(
     // One deadline for TLS and the protocol's handshake together: a peer that has proved nothing
     // holds a connection for `handshake_timeout` at most.
     let deadline = tokio::time::Instant::now() + config.handshake_timeout;
-    let stream: Box<dyn PeerStream> = match &config.tls {
-        Some(tls) => Box::new(
-            tokio::time::timeout_at(deadline, tls.accept(stream))
+    let (stream, certificate): (Box<dyn PeerStream>, _) = match &config.tls {
+        Some(tls) => {
+            let stream = tokio::time::timeout_at(deadline, tls.accept(stream))
                 .await
                 .map_err(|_| PeerError::Timeout("TLS handshake"))?
-                .map_err(tls_error)?,
-        ),
-        None => Box::new(stream),
+                .map_err(tls_error)?;
+            let certificate = super::tls::peer_certificate(stream.get_ref().1);
+            (Box::new(stream), certificate)
+        }
+        None => (Box::new(stream), None),
     };
     let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToClient);
     let result = async {
         let session = tokio::time::timeout_at(deadline, server_handshake(&mut conn, config))
             .await
             .map_err(|_| PeerError::Timeout("handshake"))??;
+        bind_certificate(config.tls.is_some(), certificate.as_ref(), &session.peer)?;
         served.peer = Some(session.peer.clone());
         conn.session = Some(session);
         serve_frames(&mut conn, config, source, served).await
@@ -553,6 +556,19 @@ pub async fn serve_peer_into<S: BlockSource>(
             Err(e)
         }
     }
+}
+
+/// Under TLS, the peer's certificate must name the node the peer proved the secret as.
+fn bind_certificate(
+    tls: bool,
+    certificate: Option<&rustls::pki_types::CertificateDer<'static>>,
+    peer: &PeerIdentity,
+) -> Result<(), PeerError> {
+    if !tls {
+        return Ok(());
+    }
+    let certificate = certificate.ok_or_else(|| PeerError::Tls("the peer showed no certificate".into()))?;
+    super::tls::certificate_names_node(certificate, &peer.node).map_err(PeerError::Tls)
 }
 
 /// A failed TLS handshake: the TLS layer's own refusals (certificates, protocol) are `Tls`; a
@@ -844,9 +860,13 @@ impl PeerClient {
         tokio::time::timeout(config.connect_timeout, async {
             let stream = TcpStream::connect(addr).await?;
             tune_socket(&stream, config.request_timeout.max(Duration::from_secs(1)))?;
-            let stream: Box<dyn PeerStream> = match &config.tls {
-                Some(tls) => Box::new(tls.connect(host, stream).await.map_err(tls_error)?),
-                None => Box::new(stream),
+            let (stream, certificate): (Box<dyn PeerStream>, _) = match &config.tls {
+                Some(tls) => {
+                    let stream = tls.connect(host, stream).await.map_err(tls_error)?;
+                    let certificate = super::tls::peer_certificate(stream.get_ref().1);
+                    (Box::new(stream), certificate)
+                }
+                None => (Box::new(stream), None),
             };
             let mut conn = Conn::new(stream, config.wire, config.integrity, Direction::ToServer);
             let (pending, hello) =
@@ -862,6 +882,7 @@ impl PeerClient {
                 }
             };
             conn.send(1, proof).await?;
+            bind_certificate(config.tls.is_some(), certificate.as_ref(), &session.peer)?;
             let peer = session.peer.clone();
             conn.session = Some(session);
             Ok(Self { conn, peer, next_req: 2, request_timeout: config.request_timeout })

@@ -4,8 +4,10 @@
 //! With it, every connection runs TLS 1.3 before the protocol's own handshake. Each side shows a
 //! certificate signed by the cluster's CA: the server requires one from every client, and the
 //! client checks that the server's names the host it dialled. The cluster-secret handshake then
-//! runs inside TLS as always, so a peer must hold both a CA-signed key and the secret. TLS
-//! encrypts everything and authenticates every record, images included.
+//! runs inside TLS as always, so a peer must hold both a CA-signed key and the secret; and each
+//! side checks that the other's certificate names (as a DNS name) the node the other claims to
+//! be in that handshake ([`certificate_names_node`]), so a node's certificate cannot speak for
+//! another node. TLS encrypts everything and authenticates every record, images included.
 //!
 //! The cryptography is RustCrypto's, through `rustls-rustcrypto`: pure Rust, so building it
 //! needs no C library.
@@ -104,7 +106,8 @@ impl Tls {
         Ok(Self { server: Arc::new(server), client: Arc::new(client) })
     }
 
-    /// The server's side: requires a client certificate signed by the cluster CA.
+    /// The server's side: requires a client certificate signed by the cluster CA (the client's
+    /// end-entity certificate is [`peer_certificate`] of the stream).
     pub async fn accept(&self, stream: TcpStream) -> std::io::Result<tokio_rustls::server::TlsStream<TcpStream>> {
         tokio_rustls::TlsAcceptor::from(self.server.clone()).accept(stream).await
     }
@@ -120,4 +123,18 @@ impl Tls {
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{host:?}: {e}")))?;
         tokio_rustls::TlsConnector::from(self.client.clone()).connect(name, stream).await
     }
+}
+
+/// The end-entity certificate the peer of a TLS connection showed (and TLS verified).
+pub fn peer_certificate(connection: &rustls::CommonState) -> Option<CertificateDer<'static>> {
+    connection.peer_certificates()?.first().map(|c| c.clone().into_owned())
+}
+
+/// Whether `cert`, a peer's certificate that TLS verified against the cluster CA, names `node`,
+/// the node the peer claims to be in the protocol's handshake, as a DNS name; why not, if not.
+pub fn certificate_names_node(cert: &CertificateDer<'_>, node: &str) -> Result<(), String> {
+    let name = ServerName::try_from(node).map_err(|_| format!("node name {node:?} is not a DNS name"))?;
+    let parsed = rustls::server::ParsedCertificate::try_from(cert).map_err(|e| format!("peer certificate: {e}"))?;
+    rustls::client::verify_server_name(&parsed, &name)
+        .map_err(|_| format!("the peer's certificate does not name node {node:?}, which the peer claims to be"))
 }
