@@ -16,7 +16,7 @@ use crate::block::BlockHash;
 /// The protocol version a [`Message::Hello`] offers; a server refuses any other. Version 2 added
 /// the feed (subscribe, snapshot, changes) and the integrity mode of image frames; version 3 the
 /// RDMA handshake and holds that answer with places ([`Message::HoldAt`]); version 4 MACs frames
-/// with AEGIS-128L, where 3 used keyed BLAKE3.
+/// with AEGIS-128X4, where 3 used keyed BLAKE3.
 pub const PROTOCOL_VERSION: u16 = 4;
 
 /// How image frames are protected after the handshake; both sides of a connection must agree.
