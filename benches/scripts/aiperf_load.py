@@ -220,10 +220,15 @@ def compare(name: str, report: dict, ttft: Histogram, itl: Histogram, answered: 
         # aiperf interpolates between the two observations around the quantile; with few samples
         # those may lie buckets apart, so its value must fall within their buckets' bounds (a
         # client's TTFT also holds the HTTP round trip: 2% + 5 ms of slack above).
-        estimate, width = ttft.quantile(int(q[1:]) / 100)
-        low, high = ttft.sample_range(int(q[1:]) / 100)
+        quantile = int(q[1:]) / 100
+        estimate, width = ttft.quantile(quantile)
+        low, high = ttft.sample_range(quantile)
         within = (low * 1e3, high * 1e3 * 1.02 + 5)
-        check(f"TTFT {q} (ms)", estimate * 1e3, report["time_to_first_token"][q], width * 1e3, True, within)
+        # A quantile above the second-slowest request is the slowest one's TTFT, which a single
+        # hiccup of the client (not of the node) decides: reported, not required.
+        decided_by_one = ttft.count * (1 - quantile) < 1
+        check(f"TTFT {q} (ms)", estimate * 1e3, report["time_to_first_token"][q], width * 1e3,
+              not decided_by_one, within)
     if itl.count:
         mean = itl.sum / itl.count
         theirs = report["itl_per_gap_ms"] or report["inter_token_latency"]["avg"]
