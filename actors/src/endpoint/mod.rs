@@ -403,11 +403,13 @@ impl Core {
     /// `remote`'s fetch from that peer and the lookup answers *pending*.
     fn fetch_from_peer(&self, hash: BlockHash, remote: &mut RemoteFetches) -> bool {
         let Some(g4) = self.tiers.g4.as_ref() else { return false };
-        if self.promoting.lock().expect("promoting lock").contains(&hash) {
+        // One look under the lock: two lookups of one block start one fetch.
+        let mut promoting = self.promoting.lock().expect("promoting lock");
+        if promoting.contains(&hash) {
             return true;
         }
         let Some((link, _)) = g4.remote.locate(std::slice::from_ref(&hash)) else { return false };
-        self.promoting.lock().expect("promoting lock").insert(hash);
+        promoting.insert(hash);
         remote.entry(Arc::as_ptr(&link) as usize).or_insert_with(|| (link, Vec::new())).1.push(hash);
         true
     }
@@ -688,8 +690,7 @@ impl Connection {
                 let mut remote = RemoteFetches::default();
                 let found = keys.iter().map(|key| self.lookup(key, now, &mut remote)).collect();
                 let (_, engine) = self.identity();
-                let region = self.registered.as_ref().map_or(self.core.region, |r| r.region);
-                self.core.start_fetches(remote, engine, region);
+                self.core.start_fetches(remote, engine, self.region());
                 Reply::Looked(found)
             }
             Request::PrepareStore(keys) => {
@@ -710,6 +711,11 @@ impl Connection {
     fn identity(&self) -> (ForeignEngine, Arc<str>) {
         let r = self.registered.as_ref().expect("registered");
         (r.identity, r.label.clone())
+    }
+
+    /// The retention region of this connection's engine's blocks.
+    fn region(&self) -> RegionKind {
+        self.registered.as_ref().map_or(self.core.region, |r| r.region)
     }
 
     /// The verified G2 image of `hash`, if resident. An image that fails verification is
@@ -743,11 +749,7 @@ impl Connection {
         let answer = match pinned {
             Some(slot) => (Found::Hit, slot),
             None if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash))
-                && self.core.promote(
-                    hash,
-                    engine.clone(),
-                    self.registered.as_ref().map_or(self.core.region, |r| r.region),
-                ) =>
+                && self.core.promote(hash, engine.clone(), self.region()) =>
             {
                 (Found::Pending, -1)
             }

@@ -423,9 +423,10 @@ impl PrefixIndex {
         self.shard(location.source).read().store.held_count(location)
     }
 
-    /// The digest of the set of blocks `location` holds, as its events and resyncs left it.
-    pub fn held_digest(&self, location: Location) -> SetDigest {
-        self.shard(location.source).read().store.held_digest(location)
+    /// Blocks `location` holds and the digest of their set, as its events and resyncs left it
+    /// (one look, so the two agree).
+    pub fn held_set(&self, location: Location) -> (u64, SetDigest) {
+        self.shard(location.source).read().store.held_set(location)
     }
 
     /// Counters and sizes, as of now, summed over the shards (shard by shard, so not one

@@ -240,9 +240,12 @@ impl Store {
         self.existing_location_id(location).map_or(0, |id| self.locations[id as usize].live)
     }
 
-    /// The digest of the set of blocks `location` holds.
-    pub(crate) fn held_digest(&self, location: Location) -> SetDigest {
-        self.existing_location_id(location).map_or_else(SetDigest::default, |id| self.locations[id as usize].digest)
+    /// Blocks `location` holds, and the digest of their set.
+    pub(crate) fn held_set(&self, location: Location) -> (u64, SetDigest) {
+        self.existing_location_id(location).map_or_else(Default::default, |id| {
+            let state = &self.locations[id as usize];
+            (state.live, state.digest)
+        })
     }
 
     /// The id of `location` if it was ever seen.

@@ -150,7 +150,8 @@ impl LinkState {
     /// Reports how many blocks the index holds for the peer (after a change the link made).
     fn report_held(&self, index: &PrefixIndex) {
         let location = Location { source: SourceId::node_store(self.node), tier: TierName::G2, approximate: false };
-        telemetry::set_peer_index_blocks(&self.addr, index.held_count(location), index.held_digest(location));
+        let (blocks, digest) = index.held_set(location);
+        telemetry::set_peer_index_blocks(&self.addr, blocks, digest);
     }
 
     /// Runs `change` on the index unless the link is stopped; whether it ran.
