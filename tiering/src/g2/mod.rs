@@ -166,17 +166,17 @@ fn map_huge_aligned(bytes: usize, flags: libc::c_int, fd: libc::c_int) -> std::i
         return Err(error);
     }
     let tail = reserve - lead - bytes;
-    // SAFETY: the head and tail of the reservation, outside the mapping just placed, unused.
-    unsafe {
-        if lead > 0 {
-            libc::munmap(area, lead);
-        }
-        if tail > 0 {
-            libc::munmap(start.wrapping_byte_add(bytes), tail);
-        }
-        // A hint; its failure (THP compiled out) changes nothing but speed.
-        libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE);
+    if lead > 0 {
+        // SAFETY: the reservation's head, before the mapping just placed, which nothing uses.
+        unsafe { libc::munmap(area, lead) };
     }
+    if tail > 0 {
+        // SAFETY: the reservation's tail, after the mapping just placed, which nothing uses.
+        unsafe { libc::munmap(start.wrapping_byte_add(bytes), tail) };
+    }
+    // A hint; where it fails (THP compiled out) only speed changes.
+    // SAFETY: advice on exactly the mapping just placed.
+    unsafe { libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE) };
     Ok(ptr)
 }
 
@@ -498,6 +498,21 @@ mod tests {
     use std::collections::HashSet;
 
     use super::*;
+
+    #[test]
+    fn pools_start_on_a_huge_page_boundary_private_or_shared() {
+        for shared in [false, true] {
+            let options = HostPoolOptions { slot_bytes: (1 << 20) + 4096, slots: 5, mlock: MlockPolicy::Off };
+            let pool = if shared { HostPool::shared(options) } else { HostPool::new(options) }.expect("pool");
+            let mut first = pool.try_alloc().expect("a slot");
+            let base = first.as_mut_slice().as_ptr() as usize;
+            assert_eq!(base % HUGE_PAGE, 0, "shared: {shared}");
+            // Every byte of the mapping is usable: the last slot's last byte too.
+            let mut slots: Vec<SlotMut> = std::iter::from_fn(|| pool.try_alloc()).collect();
+            let last = slots.last_mut().expect("slots");
+            *last.as_mut_slice().last_mut().expect("a byte") = 7;
+        }
+    }
 
     fn pool(slots: u32) -> HostPool {
         HostPool::new(HostPoolOptions { slot_bytes: 8192, slots, mlock: MlockPolicy::Try }).expect("pool")
