@@ -344,7 +344,7 @@ fn blocks_come_back_from_g3_verified_and_outlive_a_restart_but_a_corrupt_one_is_
     let _worker = register(&sock, registration("vllm-a", Role::Worker)).expect("register a worker");
     // Three times what G2 holds (30 slots of 68 KiB): the first ones leave G2 for G3 only. A slot
     // whose write to G3 is still in flight cannot be reused yet: on a loaded machine a store can
-    // meet "no room" until the writes land, which an engine takes as "not cached" and the test waits out.
+    // meet "no room" until the writes land. An engine takes that as "not cached"; the test waits.
     let keys: Vec<Vec<u8>> = (0..90).map(|i| key("g3", i)).collect();
     for chunk in keys.chunks(5) {
         assert_eq!(a.store_all(chunk, payload, Duration::from_secs(20)), 5);
