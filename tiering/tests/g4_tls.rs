@@ -13,7 +13,7 @@ use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::g4::auth::ClusterSecret;
 use dynamo_tiering::g4::holds::HoldLimits;
 use dynamo_tiering::g4::tcp::{ClientConfig, Fetched, PeerClient, PeerError, ServerConfig, serve_peer};
-use dynamo_tiering::g4::tls::{Tls, TlsError};
+use dynamo_tiering::g4::tls::{Tls, TlsCrypto, TlsError};
 use dynamo_tiering::g4::wire::{Integrity, WireLimits};
 use tokio::net::TcpListener;
 
@@ -107,6 +107,35 @@ async fn nodes_of_the_cluster_ca_hold_and_fetch_over_mutual_tls() {
         let held = peer.hold(&large, Duration::from_secs(5)).await.unwrap();
         let fetched = peer.fetch(held.hold_id, &large).await.unwrap();
         assert!(fetched.iter().all(|(h, f)| *f == Fetched::Verified(sealed(h.0))), "every large image arrives");
+        peer.goodbye().await.unwrap();
+        assert!(outcomes.recv().await.unwrap().is_ok(), "a clean goodbye");
+    }
+}
+
+/// A node on Graviola's cryptography and one on RustCrypto's (a CPU without AES-NI, or another
+/// architecture) share blocks, whichever of them serves.
+#[tokio::test]
+#[ignore = "needs a CPU that runs Graviola (x86-64: AES-NI, PCLMULQDQ, AVX2, BMI1, ADX; arm64: AES, PMULL, SHA-2); .ci/run runs it"]
+async fn nodes_on_either_cryptography_interoperate() {
+    assert_eq!(dynamo_tiering::g4::tls::crypto(), TlsCrypto::Graviola, "this CPU cannot run Graviola's cryptography");
+    let on = |node: &str, crypto| {
+        let (cert, key) = (fixture(&format!("{node}.pem")), fixture(&format!("{node}.key")));
+        Some(Arc::new(
+            Tls::from_files_with(&cert, &key, &fixture("ca.pem"), crypto).expect("the test certificates load"),
+        ))
+    };
+    for (server_side, client_side) in
+        [(TlsCrypto::Graviola, TlsCrypto::RustCrypto), (TlsCrypto::RustCrypto, TlsCrypto::Graviola)]
+    {
+        let (addr, mut outcomes) = server(on("node-a", server_side)).await;
+        let mut peer = PeerClient::connect(addr, &client(on("node-b", client_side))).await.expect("connect");
+        let large: Vec<BlockHash> = (100..116).map(BlockHash).collect();
+        let held = peer.hold(&large, Duration::from_secs(5)).await.unwrap();
+        let fetched = peer.fetch(held.hold_id, &large).await.unwrap();
+        assert!(
+            fetched.iter().all(|(h, f)| *f == Fetched::Verified(sealed(h.0))),
+            "server {server_side:?}, client {client_side:?}"
+        );
         peer.goodbye().await.unwrap();
         assert!(outcomes.recv().await.unwrap().is_ok(), "a clean goodbye");
     }
