@@ -195,13 +195,22 @@ pub fn run(args: &BenchG4Args) -> anyhow::Result<G4Report> {
     let hashes: Vec<BlockHash> = (1..=args.blocks as u128).map(|i| BlockHash(i * 0x9e37_79b9_7f4a_7c15)).collect();
     let images: HashMap<BlockHash, Arc<Vec<u8>>> = hashes.iter().map(|&h| (h, Arc::new(sealed(h, payload)))).collect();
     let bytes: u64 = images.values().map(|i| i.len() as u64).sum();
+    // Each end on a runtime of its own, as two nodes would be: the reading end here, the serving
+    // end (protocol servers, plain writers) on `serving`, so neither end's tasks queue behind the
+    // other's on one worker.
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let serving_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("g4-bench-server")
+        .enable_all()
+        .build()?;
+    let serving = serving_runtime.handle();
     runtime.block_on(async move {
         // One landing pool for every side that keeps its images, so each lands in the same memory.
         let pool = landing_pool(args, payload)?;
         let mut rigs = Vec::new();
         for integrity in [Integrity::Mac, Integrity::Checksum] {
-            rigs.push(ProtocolRig::start(args, integrity, None, &images, payload).await?);
+            rigs.push(ProtocolRig::start(serving, args, integrity, None, &images, payload).await?);
         }
         if let Some(dir) = &args.tls {
             let tls = |node: &str| {
@@ -210,7 +219,7 @@ pub fn run(args: &BenchG4Args) -> anyhow::Result<G4Report> {
                     .with_context(|| format!("--tls {}", dir.display()))
             };
             let pair = (tls("node-a")?, tls("node-b")?);
-            rigs.push(ProtocolRig::start(args, Integrity::Checksum, Some(pair), &images, payload).await?);
+            rigs.push(ProtocolRig::start(serving, args, Integrity::Checksum, Some(pair), &images, payload).await?);
         }
         let ping = rigs[0].peers[0].ping().await?;
         // Rounds: one pass of every side in turn, so that a slow spell of this shared machine
@@ -221,8 +230,8 @@ pub fn run(args: &BenchG4Args) -> anyhow::Result<G4Report> {
             for rig in &mut rigs {
                 round.push(rig.pass(&hashes, args, &pool, bytes).await?);
             }
-            round.push(plain_pass(args, &hashes, &images, None).await?);
-            round.push(plain_pass(args, &hashes, &images, Some(&pool)).await?);
+            round.push(plain_pass(serving, args, &hashes, &images, None).await?);
+            round.push(plain_pass(serving, args, &hashes, &images, Some(&pool)).await?);
             rounds.push(round);
         }
         for rig in rigs {
@@ -258,6 +267,7 @@ impl ProtocolRig {
     /// Serves `images` with images protected by `integrity` (under `tls`, the server's and the
     /// client's, when given), and connects a client per lane.
     async fn start(
+        serving: &tokio::runtime::Handle,
         args: &BenchG4Args,
         integrity: Integrity,
         tls: Option<(Arc<Tls>, Arc<Tls>)>,
@@ -286,11 +296,11 @@ impl ProtocolRig {
             request_timeout: Duration::from_secs(30),
             tls: tls.map(|(_, client)| client),
         };
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let listener = serving.spawn(TcpListener::bind("127.0.0.1:0")).await??;
         let addr = listener.local_addr()?;
         let source = Arc::new(Resident(images.clone()));
         let lanes = args.lanes;
-        let served = tokio::spawn(async move {
+        let served = serving.spawn(async move {
             let mut conns = Vec::new();
             for _ in 0..lanes {
                 let (stream, _) = listener.accept().await?;
@@ -382,6 +392,7 @@ fn landing_pool(args: &BenchG4Args, payload: usize) -> anyhow::Result<HostPool> 
 /// The same bytes over plain sockets (as many as lanes), each image read into one reused buffer
 /// or, given a pool, into a slot of its own: one pass, in GB/s.
 async fn plain_pass(
+    serving: &tokio::runtime::Handle,
     args: &BenchG4Args,
     hashes: &[BlockHash],
     images: &HashMap<BlockHash, Arc<Vec<u8>>>,
@@ -391,33 +402,44 @@ async fn plain_pass(
     let image_len = images.values().next().map_or(0, |i| i.len());
     let batches: Vec<Vec<Arc<Vec<u8>>>> =
         hashes.chunks(args.batch).map(|c| c.iter().map(|h| images[h].clone()).collect()).collect();
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let listener = serving.spawn(TcpListener::bind("127.0.0.1:0")).await??;
     let addr = listener.local_addr()?;
-    let mut writers = Vec::new();
-    let mut readers = Vec::new();
-    for lane in 0..args.lanes {
-        let send: Vec<Arc<Vec<u8>>> =
-            batches.iter().skip(lane).step_by(args.lanes).flat_map(|b| b.iter().cloned()).collect();
-        let count = send.len();
-        let stream = tokio::net::TcpStream::connect(addr).await?;
-        let (mut accepted, _) = listener.accept().await?;
-        accepted.set_nodelay(true)?;
-        writers.push(async move {
-            for image in &send {
-                accepted.write_all(image).await?;
-            }
-            anyhow::Ok(())
-        });
-        readers.push((stream, count));
+    // The serving end accepts every lane, then writes once told to go.
+    let (go, going) = tokio::sync::watch::channel(false);
+    let lanes = args.lanes;
+    let sends: Vec<Vec<Arc<Vec<u8>>>> = (0..lanes)
+        .map(|lane| batches.iter().skip(lane).step_by(lanes).flat_map(|b| b.iter().cloned()).collect())
+        .collect();
+    let counts: Vec<usize> = sends.iter().map(Vec::len).collect();
+    let writers = serving.spawn(async move {
+        let mut writers = Vec::new();
+        for send in sends {
+            let (mut accepted, _) = listener.accept().await?;
+            accepted.set_nodelay(true)?;
+            let mut going = going.clone();
+            writers.push(tokio::spawn(async move {
+                going.wait_for(|&go| go).await?;
+                for image in &send {
+                    accepted.write_all(image).await?;
+                }
+                anyhow::Ok(())
+            }));
+        }
+        for writer in writers {
+            writer.await??;
+        }
+        anyhow::Ok(())
+    });
+    let mut streams = Vec::new();
+    for _ in 0..lanes {
+        streams.push(tokio::net::TcpStream::connect(addr).await?);
     }
     let started = Instant::now();
-    let mut tasks = Vec::new();
-    for writer in writers {
-        tasks.push(tokio::spawn(writer));
-    }
-    for (mut stream, count) in readers {
+    go.send(true)?;
+    let mut readers = Vec::new();
+    for (mut stream, count) in streams.into_iter().zip(counts) {
         let landing = landing.cloned();
-        tasks.push(tokio::spawn(async move {
+        readers.push(tokio::spawn(async move {
             let mut buf = vec![0u8; image_len];
             for _ in 0..count {
                 match &landing {
@@ -433,9 +455,10 @@ async fn plain_pass(
             anyhow::Ok(())
         }));
     }
-    for task in tasks {
-        task.await??;
+    for reader in readers {
+        reader.await??;
     }
+    writers.await??;
     Ok(bytes as f64 / started.elapsed().as_secs_f64() / 1e9)
 }
 
