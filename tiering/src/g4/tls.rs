@@ -110,7 +110,11 @@ impl Tls {
     }
 
     /// [`Tls::from_files`] on the cryptography given (tests run the two against each other).
+    /// Graviola where [`crypto`] does not pick it is refused: Graviola would panic on first use.
     pub fn from_files_with(cert: &Path, key: &Path, ca: &Path, crypto: TlsCrypto) -> Result<Self, TlsError> {
+        if crypto == TlsCrypto::Graviola && self::crypto() != TlsCrypto::Graviola {
+            return Err(TlsError::Setup("this CPU cannot run Graviola's cryptography".into()));
+        }
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
             .map_err(|e| file_error(cert, e))?
             .collect::<Result<_, _>>()
