@@ -91,8 +91,9 @@ fn kernels(c: &mut Criterion) {
     });
     let positions: Vec<u32> = (0..rows as u32).collect();
     let mut q = rand_vec(7, rows * hidden);
+    let inv_freq = dynamo_kernels::backend::rope_inv_freq(500_000.0, 64);
     g.bench_function("rope 64x32x64", |b| {
-        b.iter(|| cpu.rope(&mut q, rows, 32, 64, &positions, 500000.0).expect("rope"))
+        b.iter(|| cpu.rope(&mut q, rows, 32, 64, &positions, &inv_freq).expect("rope"))
     });
     g.finish();
 

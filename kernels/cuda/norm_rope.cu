@@ -16,9 +16,10 @@ extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, const bf16_t
 
 // Rotate-half RoPE in place over x: [rows, heads, head_dim]; one thread per (row, head, i < head_dim/2):
 //   (a, b) = (x[i], x[i + half]);  x[i] = a cos - b sin;  x[i + half] = b cos + a sin
-// with angle = pos * theta^(-2i/head_dim), computed in f32 like the CPU reference.
-extern "C" __global__ void rope_f32(float* __restrict__ x, const unsigned int* __restrict__ positions, int rows,
-                                    int heads, int head_dim, float theta) {
+// with angle = (float)pos * inv_freq[i], one f32 product as in transformers; the frequencies come
+// from the host (the same table for every backend), and sincosf is the accurate one (no fast math).
+extern "C" __global__ void rope_f32(float* __restrict__ x, const unsigned int* __restrict__ positions,
+                                    const float* __restrict__ inv_freq, int rows, int heads, int head_dim) {
     const int half = head_dim / 2;
     const long long total = (long long)rows * heads * half;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
@@ -26,8 +27,7 @@ extern "C" __global__ void rope_f32(float* __restrict__ x, const unsigned int* _
         const int i = (int)(idx % half);
         const long long rh = idx / half;
         const int r = (int)(rh / heads);
-        const float inv_freq = powf(theta, -2.0f * (float)i / (float)head_dim);
-        const float angle = (float)positions[r] * inv_freq;
+        const float angle = __fmul_rn((float)positions[r], inv_freq[i]);
         float s, c;
         sincosf(angle, &s, &c);
         float* base = x + rh * head_dim;

@@ -154,8 +154,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn matmul(&self, x: &Self::Buf, rows: usize, w: &Self::Weight, out: &mut Self::Buf) -> Result<(), KernelError>;
 
     /// Rotary position embedding in place (rotate-half convention, as Hugging Face Llama), over
-    /// `x: [rows, heads, head_dim]`, row `r` at position `positions[r]`, frequencies
-    /// `theta^(-2i/head_dim)`.
+    /// `x: [rows, heads, head_dim]`, row `r` at position `positions[r]`, pair `i` rotated by the
+    /// f32 angle `positions[r] as f32 * inv_freq[i]` (`inv_freq` has `head_dim / 2` entries, from
+    /// [`rope_inv_freq`] or a scaled variant), as `transformers` computes it.
     fn rope(
         &self,
         x: &mut Self::Buf,
@@ -163,7 +164,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         heads: usize,
         head_dim: usize,
         positions: &[u32],
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<(), KernelError>;
 
     /// `out = silu(gate) * up` element-wise over `len` elements.
@@ -364,4 +365,12 @@ impl SeqBatch<'_> {
         }
         Ok(())
     }
+}
+
+/// RoPE's inverse frequencies as `transformers` computes them for the default rope type, in f32
+/// step by step: `1 / theta^((2i) / head_dim)`. Every backend rotates by these same f32 values:
+/// at position 32K an angle moves by 2e-3 radians per ulp of its frequency, so a table computed
+/// once on the host is what keeps the backends (and `transformers`) in agreement.
+pub fn rope_inv_freq(theta: f32, head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect()
 }

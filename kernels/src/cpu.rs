@@ -246,22 +246,26 @@ impl Backend for CpuBackend {
         heads: usize,
         head_dim: usize,
         positions: &[u32],
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<(), KernelError> {
         check_len("rope", "x", x.len(), rows * heads * head_dim)?;
-        if positions.len() != rows || !head_dim.is_multiple_of(2) {
+        if positions.len() != rows || !head_dim.is_multiple_of(2) || inv_freq.len() != head_dim / 2 {
             return Err(KernelError::shape(
                 "rope",
-                format!("{} positions for {rows} rows, head_dim {head_dim}", positions.len()),
+                format!(
+                    "{} positions for {rows} rows, head_dim {head_dim}, {} frequencies",
+                    positions.len(),
+                    inv_freq.len()
+                ),
             ));
         }
         let half = head_dim / 2;
-        let inv_freq: Vec<f64> = (0..half).map(|i| (theta as f64).powf(-((2 * i) as f64) / head_dim as f64)).collect();
         for (r, &pos) in positions.iter().enumerate() {
+            // The angle is an f32 product, as in `transformers`; its sine and cosine are exact.
             let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq
                 .iter()
-                .map(|f| {
-                    let a = pos as f64 * f;
+                .map(|&f| {
+                    let a = f64::from(pos as f32 * f);
                     (a.sin() as f32, a.cos() as f32)
                 })
                 .unzip();
@@ -533,10 +537,10 @@ mod tests {
 
         // Position 0 is the identity; position p rotates pair (i, i+half) by p·θ^(-2i/d).
         let mut x = vec![1.0, 2.0, 3.0, 4.0];
-        cpu.rope(&mut x, 1, 1, 4, &[0], 10000.0).expect("rope");
+        cpu.rope(&mut x, 1, 1, 4, &[0], &crate::backend::rope_inv_freq(10000.0, 4)).expect("rope");
         assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0]);
         let mut x = vec![1.0, 0.0, 0.0, 0.0];
-        cpu.rope(&mut x, 1, 1, 4, &[1], 10000.0).expect("rope");
+        cpu.rope(&mut x, 1, 1, 4, &[1], &crate::backend::rope_inv_freq(10000.0, 4)).expect("rope");
         assert!((x[0] - 1f32.cos()).abs() < 1e-6 && (x[2] - 1f32.sin()).abs() < 1e-6);
 
         let mut o = vec![0.0; 1];

@@ -236,9 +236,9 @@ impl Backend for EmulatedCopyEngine {
         heads: usize,
         head_dim: usize,
         positions: &[u32],
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<(), KernelError> {
-        self.cpu.rope(x, rows, heads, head_dim, positions, theta)
+        self.cpu.rope(x, rows, heads, head_dim, positions, inv_freq)
     }
     fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
         self.cpu.swiglu(gate, up, len, out)

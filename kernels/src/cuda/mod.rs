@@ -325,7 +325,7 @@ struct Staging {
 
 /// How far (scaled, as [`check::difference`]) the tensor-core attention may be from the fp32
 /// kernel in its start-up check.
-const MMA_CHECK_TOLERANCE: f64 = 1.0 / 32.0;
+const MMA_CHECK_TOLERANCE: f64 = check::TOL_ATTENTION_BF16;
 
 /// Dynamic shared memory of the tensor-core attention at `head_dim`: two buffers of one K and one V
 /// tile of 64 keys, rows padded by 8 bf16.
@@ -483,6 +483,11 @@ impl CudaBackend {
             None => "fp32 (the tensor-core kernel is switched off)".into(),
             Some(why) => format!("fp32 (the tensor-core kernel is off: {why})"),
         }
+    }
+
+    /// Whether the tensor-core attention serves (for head dims 64 and 128).
+    pub fn mma_attention_on(&self) -> bool {
+        self.mma_off.is_none() && self.mma_attention.load(Ordering::Relaxed)
     }
 
     /// Switches the tensor-core attention on or off (gpu-check compares both kernels); it cannot be
@@ -1034,12 +1039,16 @@ impl Backend for CudaBackend {
         heads: usize,
         head_dim: usize,
         positions: &[u32],
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<(), KernelError> {
-        if !head_dim.is_multiple_of(2) || positions.len() != rows {
+        if !head_dim.is_multiple_of(2) || positions.len() != rows || inv_freq.len() != head_dim / 2 {
             return Err(KernelError::shape(
                 "rope",
-                format!("head_dim {head_dim}, {} positions for {rows} rows", positions.len()),
+                format!(
+                    "head_dim {head_dim}, {} positions for {rows} rows, {} frequencies",
+                    positions.len(),
+                    inv_freq.len()
+                ),
             ));
         }
         check_len("rope", "x", x.len(), rows * heads * head_dim)?;
@@ -1047,11 +1056,15 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let d_pos = self.upload_u32("rope", positions)?;
+        let d_freq = self
+            .stream
+            .clone_htod(inv_freq)
+            .map_err(|e| KernelError::Cuda { op: "rope", detail: format!("upload: {e:?}") })?;
         let (r, h, d) = (rows as i32, heads as i32, head_dim as i32);
         let mut b = self.stream.launch_builder(&self.kernels.rope);
-        b.arg(x).arg(&d_pos).arg(&r).arg(&h).arg(&d).arg(&theta);
-        // SAFETY: rope_f32(float*, const unsigned*, int, int, int, float): x holds rows × heads ×
-        // head_dim, positions holds rows (checked).
+        b.arg(x).arg(&d_pos).arg(&d_freq).arg(&r).arg(&h).arg(&d);
+        // SAFETY: rope_f32(float*, const unsigned*, const float*, int, int, int): x holds rows ×
+        // heads × head_dim, positions holds rows, inv_freq head_dim / 2 (checked).
         unsafe { b.launch(grid_1d(rows * heads * head_dim / 2, 256)) }.map_err(driver_err("rope_f32"))?;
         Ok(())
     }

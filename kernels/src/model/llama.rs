@@ -126,7 +126,8 @@ pub fn forward_bytes(shape: &ModelShape, tokens: usize) -> u64 {
 pub struct Llama<B: Backend> {
     backend: B,
     shape: ModelShape,
-    rope_theta: f32,
+    /// RoPE's inverse frequencies, one table for every layer and backend.
+    rope_inv_freq: Vec<f32>,
     rms_eps: f32,
     embed: B::Weight,
     layers: Vec<Layer<B>>,
@@ -179,7 +180,7 @@ impl<B: Backend> Llama<B> {
         let norm = w("model.norm.weight", &[h])?;
         Ok(Self {
             shape: s,
-            rope_theta: src.rope_theta(),
+            rope_inv_freq: crate::backend::rope_inv_freq(src.rope_theta(), s.head_dim),
             rms_eps: src.rms_eps(),
             embed,
             layers,
@@ -301,8 +302,8 @@ impl<B: Backend> Llama<B> {
             be.matmul(&normed, t, &layer.wq, &mut q)?;
             be.matmul(&normed, t, &layer.wk, &mut k)?;
             be.matmul(&normed, t, &layer.wv, &mut v)?;
-            be.rope(&mut q, t, s.heads, hd, &positions, self.rope_theta)?;
-            be.rope(&mut k, t, s.kv_heads, hd, &positions, self.rope_theta)?;
+            be.rope(&mut q, t, s.heads, hd, &positions, &self.rope_inv_freq)?;
+            be.rope(&mut k, t, s.kv_heads, hd, &positions, &self.rope_inv_freq)?;
             be.kv_write(kv, i, &k, &v, &slots)?;
             be.attention_batch(&q, kv, i, spec, seqs, &positions, &mut attn)?;
             be.matmul(&attn, t, &layer.wo, &mut proj)?;
