@@ -106,6 +106,14 @@ pub struct ServeArgs {
     /// Overrides `frontend.tool_call_parser` (`hermes`, `qwen3_coder`, `llama3_json`, …).
     #[arg(long, value_name = "NAME")]
     pub tool_call_parser: Option<String>,
+    /// Overrides `frontend.strip_anthropic_preamble` (NVIDIA Dynamo's flag): drop Claude Code's
+    /// per-request billing-header line from system text. `--strip-anthropic-preamble=false`
+    /// or `--no-strip-anthropic-preamble` keeps it.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub strip_anthropic_preamble: Option<bool>,
+    /// Keeps Claude Code's billing-header line (`frontend.strip_anthropic_preamble = false`).
+    #[arg(long, conflicts_with = "strip_anthropic_preamble")]
+    pub no_strip_anthropic_preamble: bool,
 }
 
 /// `config` subcommands.
@@ -319,6 +327,12 @@ pub fn serve_config(args: &ServeArgs) -> Result<NodeConfig, ConfigError> {
     if let Some(name) = &args.tool_call_parser {
         cfg.frontend.tool_call_parser = Some(name.clone());
     }
+    if let Some(strip) = args.strip_anthropic_preamble {
+        cfg.frontend.strip_anthropic_preamble = strip;
+    }
+    if args.no_strip_anthropic_preamble {
+        cfg.frontend.strip_anthropic_preamble = false;
+    }
     cfg.validate()?;
     Ok(cfg)
 }
@@ -358,5 +372,24 @@ mod tests {
         assert_eq!(text.matches("os error 28").count(), 1, "{text}");
         assert!(text.starts_with("opening the G3 store: G3 file /x: "), "{text}");
         assert_eq!(format!("{e:#}").matches("os error 28").count(), 2, "anyhow's own form says it twice");
+    }
+
+    /// NVIDIA Dynamo's `--strip-anthropic-preamble` sets the key, and the command line can turn
+    /// it off as well (`=false` or `--no-strip-anthropic-preamble`); without a flag the file's
+    /// value stands.
+    #[test]
+    fn the_preamble_flag_overrides_the_key_both_ways() {
+        let strip = |args: &[&str]| {
+            let cli = Cli::try_parse_from([&["dynamo-node", "serve"], args].concat()).expect("parses");
+            let Some(Command::Serve(serve)) = cli.command else { panic!("serve") };
+            serve_config(&serve).expect("valid").frontend.strip_anthropic_preamble
+        };
+        assert!(strip(&[]), "on by default");
+        assert!(strip(&["--strip-anthropic-preamble"]));
+        assert!(strip(&["--strip-anthropic-preamble=true"]));
+        assert!(!strip(&["--strip-anthropic-preamble=false"]));
+        assert!(!strip(&["--no-strip-anthropic-preamble"]));
+        let both = ["dynamo-node", "serve", "--strip-anthropic-preamble", "--no-strip-anthropic-preamble"];
+        assert!(Cli::try_parse_from(both).is_err(), "the two flags conflict");
     }
 }

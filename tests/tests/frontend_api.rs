@@ -716,6 +716,84 @@ async fn the_billing_header_does_not_change_the_prompt() {
     assert_ne!(keeping.fake.last().prompt, a);
 }
 
+/// Only the billing header's line goes, in every shape a client puts it: sharing one text block
+/// with the system prompt (Claude Code's own shape), as the first line of a `system` string, in an
+/// inline system turn, and in Chat Completions' and Responses' system and developer text. The
+/// system prompt after it is kept whole, and two requests differing only in the header render
+/// the same prompt tokens.
+#[tokio::test]
+async fn the_billing_header_line_goes_and_the_system_prompt_after_it_stays() {
+    let server = Server::start(agent_server_config(true)).await;
+    let header =
+        |cch: &str| format!("x-anthropic-billing-header: cc_version=2.1.332.1c9; cc_entrypoint=cli; cch={cch};");
+    let system = "You are a coding agent.\nRead before you edit.";
+    let shapes: Vec<(&str, Box<dyn Fn(&str) -> Value>)> = vec![
+        (
+            "/v1/messages",
+            Box::new(|cch| {
+                json!({"model": "agent", "max_tokens": 8, "system": [{"type": "text", "text": format!("{}\n{system}", header(cch))}],
+                    "messages": [{"role": "user", "content": "hi"}]})
+            }),
+        ),
+        (
+            "/v1/messages",
+            Box::new(|cch| {
+                json!({"model": "agent", "max_tokens": 8, "system": format!("{}\n{system}", header(cch)),
+                    "messages": [{"role": "user", "content": "hi"}]})
+            }),
+        ),
+        (
+            "/v1/messages",
+            Box::new(|cch| {
+                json!({"model": "agent", "max_tokens": 8, "messages": [
+                    {"role": "system", "content": [{"type": "text", "text": format!("{}\n{system}", header(cch))}]},
+                    {"role": "user", "content": "hi"}]})
+            }),
+        ),
+        (
+            "/v1/chat/completions",
+            Box::new(|cch| {
+                json!({"model": "agent", "max_tokens": 8, "messages": [
+                    {"role": "system", "content": [{"type": "text", "text": format!("{}\n{system}", header(cch))}]},
+                    {"role": "user", "content": "hi"}]})
+            }),
+        ),
+        (
+            "/v1/chat/completions",
+            Box::new(|cch| {
+                json!({"model": "agent", "max_tokens": 8, "messages": [
+                    {"role": "developer", "content": format!("{}\n{system}", header(cch))},
+                    {"role": "user", "content": "hi"}]})
+            }),
+        ),
+        (
+            "/v1/responses",
+            Box::new(|cch| {
+                json!({"model": "agent", "max_output_tokens": 8, "store": false,
+                    "instructions": format!("{}\n{system}", header(cch)), "input": "hi"})
+            }),
+        ),
+        (
+            "/v1/responses",
+            Box::new(|cch| {
+                json!({"model": "agent", "max_output_tokens": 8, "store": false, "input": [
+                    {"role": "system", "content": format!("{}\n{system}", header(cch))},
+                    {"role": "user", "content": "hi"}]})
+            }),
+        ),
+    ];
+    for (i, (route, request)) in shapes.iter().enumerate() {
+        let (status, _, value) = post(&server, route, &request("fa690")).await;
+        assert_eq!(status, 200, "shape {i}: {value}");
+        let first = server.fake.last().prompt;
+        let text = Tokenizer::builtin().decode(&first).unwrap();
+        assert!(!text.contains("billing"), "shape {i}: {text}");
+        assert!(text.contains(system), "shape {i}: the system prompt after the header is kept: {text}");
+        post(&server, route, &request("0b1c2")).await;
+        assert_eq!(server.fake.last().prompt, first, "shape {i}: identical prompt tokens");
+    }
+}
+
 /// The SSE grammar the SDK enforces: `message_start` first with exact usage, a `ping`, blocks started in
 /// index order and each stopped before the next, a thinking block's `signature_delta` before its
 /// stop, tool input as `input_json_delta`, then `message_delta` and `message_stop`; the blocks

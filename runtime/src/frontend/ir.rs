@@ -236,10 +236,64 @@ impl Conversation {
             + self.tools.iter().map(|t| t.name.len() + t.description.as_ref().map_or(0, String::len)).sum::<usize>()
     }
 
+    /// Drops Claude Code's billing-header lines (`x-anthropic-billing-header: cc_version=…;`,
+    /// different on every request) from the system text and from system and developer turns,
+    /// wherever they sit: a string of their own, a text block of their own, or the first line of
+    /// a block that goes on with the system prompt. Only the header line goes; a block left empty
+    /// goes with it. Returns how many lines were dropped.
+    pub fn strip_billing_header(&mut self) -> usize {
+        let mut dropped = strip_blocks(&mut self.system);
+        for turn in &mut self.turns {
+            if matches!(turn.role, Role::System | Role::Developer) {
+                dropped += strip_blocks(&mut turn.blocks);
+            }
+        }
+        if dropped > 0 {
+            self.turns.retain(|t| !(matches!(t.role, Role::System | Role::Developer) && t.blocks.is_empty()));
+        }
+        dropped
+    }
+
     /// Assistant turns so far (the scripted engine's turn number).
     pub fn assistant_turns(&self) -> usize {
         self.turns.iter().filter(|t| t.role == Role::Assistant).count()
     }
+}
+
+/// The line Claude Code puts first in its system text, different on every request.
+pub const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
+/// `text` without its billing-header lines, and how many there were.
+pub fn strip_billing_header(text: &str) -> (String, usize) {
+    let mut dropped = 0;
+    let kept = text
+        .split_inclusive('\n')
+        .filter(|line| {
+            let header = line.trim_start().starts_with(BILLING_HEADER);
+            dropped += usize::from(header);
+            !header
+        })
+        .collect();
+    (kept, dropped)
+}
+
+/// [`strip_billing_header`] over the text blocks of `blocks`; a block left empty is removed.
+fn strip_blocks(blocks: &mut Vec<Block>) -> usize {
+    let mut dropped = 0;
+    blocks.retain_mut(|block| {
+        let Block::Text { text, .. } = block else { return true };
+        if !text.contains(BILLING_HEADER) {
+            return true;
+        }
+        let (kept, n) = strip_billing_header(text);
+        if n == 0 {
+            return true;
+        }
+        dropped += n;
+        *text = kept;
+        !text.is_empty()
+    });
+    dropped
 }
 
 /// The kind of an output block.

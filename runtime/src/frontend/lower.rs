@@ -49,6 +49,16 @@ pub(super) struct Tail {
     pub(super) single_call: bool,
 }
 
+/// Drops Claude Code's billing header from `conversation`'s system text, in every API, unless
+/// `frontend.strip_anthropic_preamble` is off.
+pub(super) fn strip_preamble(state: &FrontendState, conversation: &mut Conversation) {
+    if state.inner.strip_anthropic_preamble {
+        for _ in 0..conversation.strip_billing_header() {
+            crate::metrics::record_preamble_stripped();
+        }
+    }
+}
+
 /// Refuses a model this node does not serve.
 pub(super) fn check_model(state: &FrontendState, model: &str) -> Result<(), ApiError> {
     if state.inner.generator.models().iter().any(|m| m == model) {

@@ -31,10 +31,6 @@ use super::error::ApiError;
 use super::http::{SessionFields, object_id, prepare_off_thread, session_id};
 use super::ir::{Block, CacheMark, Conversation, Role, Thinking, ToolChoice, ToolDef, Turn};
 use super::lower;
-use crate::metrics;
-
-/// The text block Claude Code puts first in `system`, different on every request.
-const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
 /// A `POST /v1/messages` (or `count_tokens`) body. Fields this node does not use are accepted
 /// and ignored.
@@ -108,26 +104,14 @@ fn mark_of(control: &Value) -> CacheMark {
     }
 }
 
-/// `system` (or an inline system turn) as text blocks, without Claude Code's billing header
-/// when `strip` (a block that starts with it, or such a line of a string).
-fn system_blocks(content: &Content, strip: bool) -> Vec<Block> {
-    let is_header = |text: &str| {
-        let header = strip && text.trim_start().starts_with(BILLING_HEADER);
-        if header {
-            metrics::record_preamble_stripped();
-        }
-        header
-    };
+/// `system` (or an inline system turn) as text blocks.
+fn system_blocks(content: &Content) -> Vec<Block> {
     match content {
-        Content::Text(text) => {
-            let kept: String = text.split_inclusive('\n').filter(|line| !is_header(line)).collect();
-            if kept.is_empty() { Vec::new() } else { vec![Block::text(kept)] }
-        }
+        Content::Text(text) if text.is_empty() => Vec::new(),
+        Content::Text(text) => vec![Block::text(text.clone())],
         Content::Blocks(blocks) => blocks
             .iter()
-            .filter_map(|b| Some((block_text(b)?, cache_mark(b))))
-            .filter(|(text, _)| !is_header(text))
-            .map(|(text, cache)| Block::Text { text: text.to_owned(), cache })
+            .filter_map(|b| Some(Block::Text { text: block_text(b)?.to_owned(), cache: cache_mark(b) }))
             .collect(),
     }
 }
@@ -242,8 +226,7 @@ fn conversation(
     if !(0.0..=1.0).contains(&temperature) {
         return Err(ApiError::invalid("temperature: must be between 0 and 1", Some("temperature")));
     }
-    let strip = state.inner.strip_anthropic_preamble;
-    let system = req.system.as_ref().map(|s| system_blocks(s, strip)).unwrap_or_default();
+    let system = req.system.as_ref().map(system_blocks).unwrap_or_default();
     let mut turns = Vec::with_capacity(req.messages.len());
     for (i, m) in req.messages.iter().enumerate() {
         let role = match m.role.as_str() {
@@ -257,7 +240,7 @@ fn conversation(
                 ));
             }
         };
-        let blocks = if role == Role::System { system_blocks(&m.content, strip) } else { blocks(i, &m.content)? };
+        let blocks = if role == Role::System { system_blocks(&m.content) } else { blocks(i, &m.content)? };
         turns.push(Turn::new(role, blocks));
     }
     let tools = tools(req.tools);
@@ -283,7 +266,7 @@ fn conversation(
     }
     let user_id = req.metadata.as_ref().and_then(|m| m.user_id.as_deref());
     let session = session_id(caller, SessionFields { metadata_user_id: user_id, ..Default::default() });
-    Ok(Conversation {
+    let mut conversation = Conversation {
         model: req.model,
         system,
         turns,
@@ -302,7 +285,9 @@ fn conversation(
         cache: req.cache_control.as_ref().map(mark_of),
         cache_salt: req.cache_salt,
         stream: req.stream,
-    })
+    };
+    lower::strip_preamble(state, &mut conversation);
+    Ok(conversation)
 }
 
 pub(super) async fn count_tokens(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {

@@ -259,7 +259,8 @@ fn conversation(caller: &Caller, req: ChatCompletionRequest) -> Result<Conversat
 fn prepare_chat(state: &FrontendState, caller: &Caller, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
     lower::check_model(state, &req.model)?;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let conversation = conversation(caller, req)?;
+    let mut conversation = conversation(caller, req)?;
+    lower::strip_preamble(state, &mut conversation);
     let lowered = lower::lower(state, &conversation)?;
     let (request, tail) =
         lower::generate_request(state, &conversation, lowered, object_id("chatcmpl"), caller.request_id.clone())?;

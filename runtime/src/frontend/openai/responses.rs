@@ -338,7 +338,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
         ..Default::default()
     };
     let session = session_id(caller, fields).or_else(|| previous.as_ref().and_then(|p| p.session.clone()));
-    let conversation = Conversation {
+    let mut conversation = Conversation {
         model: req.model.clone(),
         system: req.instructions.iter().map(|i| Block::text(i.clone())).collect(),
         turns: conversation_turns,
@@ -363,6 +363,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
         cache_salt: None,
         stream: req.stream,
     };
+    lower::strip_preamble(state, &mut conversation);
     if conversation.turns.is_empty() {
         return Err(ApiError::invalid("'input' must contain at least one item.", Some("input")));
     }
