@@ -1115,3 +1115,84 @@ async fn cache_breakpoints_become_leases_at_message_ends() {
     post(&small, "/v1/messages", &body).await;
     assert!(small.fake.last().cache_leases.is_empty(), "the default minimum is 1024 tokens");
 }
+
+/// What Anthropic and OpenAI refuse is refused here too, in the API's shape, never silently
+/// changed: `cache_control` TTLs other than `5m`/`1h` (or another `type`) anywhere in a Messages
+/// request, a `thinking.type` Anthropic does not define, Responses input items that are not
+/// objects (this was a panic); and `/v1/completions` honours `prompt_cache_retention` as the chat
+/// routes do.
+#[tokio::test]
+async fn what_the_reference_apis_refuse_is_refused_and_completions_lease_for_a_day() {
+    let server = Server::start(FrontendSection { cache_min_tokens: 8, ..FrontendSection::default() }).await;
+    let anthropic_400 = |status: u16, body: &Value| {
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(
+            (&body["type"], &body["error"]["type"]),
+            (&json!("error"), &json!("invalid_request_error")),
+            "{body}"
+        );
+    };
+    let messages = |system: Value, content: Value| json!({"model": "fake", "max_tokens": 4, "system": system, "messages": [{"role": "user", "content": content}]});
+    let text = |control: Value| json!([{"type": "text", "text": "hello", "cache_control": control}]);
+    for bad in [
+        json!({"type": "ephemeral", "ttl": "24h"}),
+        json!({"type": "ephemeral", "ttl": "10m"}),
+        json!({"type": "ephemeral", "ttl": 300}),
+        json!({"type": "ephemeral", "ttl": "-5m"}),
+        json!({"type": "persistent"}),
+        json!("ephemeral"),
+    ] {
+        for body in [messages(text(bad.clone()), json!("hi")), messages(json!("sys"), text(bad.clone()))] {
+            let (status, _, err) = post(&server, "/v1/messages", &body).await;
+            anthropic_400(status, &err);
+            assert!(err["error"]["message"].as_str().unwrap().contains("cache_control"), "{bad}: {err}");
+        }
+        let mut top = messages(json!("sys"), json!("hi"));
+        top["cache_control"] = bad.clone();
+        let (status, _, err) = post(&server, "/v1/messages", &top).await;
+        anthropic_400(status, &err);
+    }
+    for good in [
+        json!({"type": "ephemeral"}),
+        json!({"type": "ephemeral", "ttl": "5m"}),
+        json!({"type": "ephemeral", "ttl": "1h"}),
+    ] {
+        let (status, _, value) = post(&server, "/v1/messages", &messages(text(good), json!("hi"))).await;
+        assert_eq!(status, 200, "{value}");
+    }
+    for (thinking, ok) in [
+        (json!({"type": "sometimes"}), false),
+        (json!({}), false),
+        (json!({"type": "enabled"}), false),
+        (json!({"type": "enabled", "budget_tokens": "lots"}), false),
+        (json!({"type": "enabled", "budget_tokens": 2048}), true),
+        (json!({"type": "disabled"}), true),
+        (json!({"type": "adaptive"}), true),
+    ] {
+        let mut body = messages(json!("sys"), json!("hi"));
+        body["thinking"] = thinking.clone();
+        let (status, _, value) = post(&server, "/v1/messages", &body).await;
+        if ok {
+            assert_eq!(status, 200, "{thinking}: {value}");
+        } else {
+            anthropic_400(status, &value);
+        }
+    }
+
+    for input in [json!([5]), json!(["text"]), json!([{"role": "user", "content": "hi"}, null]), json!([[1]])] {
+        let (status, _, err) = post(&server, "/v1/responses", &json!({"model": "fake", "input": input})).await;
+        assert_error(status, &err, 400, "invalid_request_error", None);
+        assert!(err["error"]["param"].as_str().unwrap().starts_with("input["), "{err}");
+    }
+
+    let long: String = (0..40).map(|i| format!("word{i} ")).collect();
+    let mut completion = json!({"model": "fake", "prompt": long, "max_tokens": 2, "prompt_cache_retention": "24h"});
+    let (status, _, value) = post(&server, "/v1/completions", &completion).await;
+    assert_eq!(status, 200, "{value}");
+    let req = server.fake.last();
+    let leases: Vec<(usize, u64)> = req.cache_leases.iter().map(|(t, ttl)| (*t, ttl.as_secs())).collect();
+    assert_eq!(leases, [(req.prompt.len(), 86_400)], "the whole prompt, for a day");
+    completion["prompt_cache_retention"] = json!("forever");
+    let (status, _, err) = post(&server, "/v1/completions", &completion).await;
+    assert_error(status, &err, 400, "invalid_request_error", None);
+}

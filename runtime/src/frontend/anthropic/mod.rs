@@ -96,6 +96,82 @@ fn cache_mark(block: &Value) -> Option<CacheMark> {
     block.get("cache_control").filter(|c| !c.is_null()).map(mark_of)
 }
 
+/// Refuses a `cache_control` Anthropic refuses: not an object, a `type` other than `ephemeral`, a
+/// `ttl` other than `5m` or `1h` (`at` names where, as Anthropic's errors do).
+fn check_cache_control(control: &Value, at: &str) -> Result<(), ApiError> {
+    if control.is_null() {
+        return Ok(());
+    }
+    let Some(object) = control.as_object() else {
+        return Err(ApiError::invalid(format!("{at}: Input should be a valid dictionary"), Some("cache_control")));
+    };
+    if object.get("type").and_then(Value::as_str) != Some("ephemeral") {
+        return Err(ApiError::invalid(format!("{at}.type: Input should be 'ephemeral'"), Some("cache_control")));
+    }
+    match object.get("ttl") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(ttl)) if ttl == "5m" || ttl == "1h" => Ok(()),
+        Some(_) => {
+            Err(ApiError::invalid(format!("{at}.ephemeral.ttl: Input should be '5m' or '1h'"), Some("cache_control")))
+        }
+    }
+}
+
+/// Every `cache_control` of the request, checked before anything is built from it: the top-level
+/// one, the system blocks', the messages' blocks' (a tool result's inner blocks too), the tools'.
+fn check_cache_controls(req: &MessagesRequest) -> Result<(), ApiError> {
+    let blocks_of = |content: &Content, at: &str| -> Result<(), ApiError> {
+        let Content::Blocks(blocks) = content else { return Ok(()) };
+        for (j, block) in blocks.iter().enumerate() {
+            if let Some(control) = block.get("cache_control") {
+                check_cache_control(control, &format!("{at}.{j}.cache_control"))?;
+            }
+            for (k, inner) in block["content"].as_array().into_iter().flatten().enumerate() {
+                if let Some(control) = inner.get("cache_control") {
+                    check_cache_control(control, &format!("{at}.{j}.content.{k}.cache_control"))?;
+                }
+            }
+        }
+        Ok(())
+    };
+    if let Some(control) = &req.cache_control {
+        check_cache_control(control, "cache_control")?;
+    }
+    if let Some(system) = &req.system {
+        blocks_of(system, "system")?;
+    }
+    for (i, m) in req.messages.iter().enumerate() {
+        blocks_of(&m.content, &format!("messages.{i}.content"))?;
+    }
+    for (i, tool) in req.tools.iter().flatten().enumerate() {
+        if let Some(control) = tool.get("cache_control") {
+            check_cache_control(control, &format!("tools.{i}.cache_control"))?;
+        }
+    }
+    Ok(())
+}
+
+/// `thinking`: `enabled` (with an integer `budget_tokens`), `disabled` or `adaptive`, as
+/// Anthropic accepts it.
+fn check_thinking(thinking: &Value) -> Result<(), ApiError> {
+    let invalid = |message: String| Err(ApiError::invalid(message, Some("thinking")));
+    match thinking["type"].as_str() {
+        Some("enabled") => match thinking.get("budget_tokens") {
+            None | Some(Value::Null) => invalid("thinking.enabled.budget_tokens: Field required".into()),
+            Some(budget) if budget.as_u64().is_none() => {
+                invalid("thinking.enabled.budget_tokens: Input should be a valid integer".into())
+            }
+            Some(_) => Ok(()),
+        },
+        Some("disabled" | "adaptive") => Ok(()),
+        Some(other) => invalid(format!(
+            "thinking: Input tag '{}' found using 'type' does not match any of the expected tags: 'enabled', 'disabled', 'adaptive'",
+            super::error::clip(other, 64)
+        )),
+        None => invalid("thinking.type: Field required".into()),
+    }
+}
+
 /// The mark of a `cache_control` object: `ttl: "1h"`, else five minutes.
 fn mark_of(control: &Value) -> CacheMark {
     match control.get("ttl").and_then(Value::as_str) {
@@ -222,6 +298,10 @@ fn conversation(
         (None, false) => return Err(ApiError::invalid("max_tokens: Field required", Some("max_tokens"))),
         (n, _) => n,
     };
+    check_cache_controls(&req)?;
+    if let Some(thinking) = &req.thinking {
+        check_thinking(thinking)?;
+    }
     let temperature = req.temperature.unwrap_or(state.inner.messages_temperature);
     if !(0.0..=1.0).contains(&temperature) {
         return Err(ApiError::invalid("temperature: must be between 0 and 1", Some("temperature")));

@@ -271,6 +271,7 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
     lower::check_model(state, &req.model)?;
     let temperature = check_sampling(req.temperature, req.n)?;
     let stop = check_stop(req.stop)?;
+    let retention = super::wire::retention_mark(req.prompt_cache_retention.as_deref())?;
     let inner = &state.inner;
     let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
     let one = |n: usize| {
@@ -310,6 +311,12 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
     }
     let max_tokens = lower::fit(state, prompt.len(), req.max_tokens, "prompt")?;
     let regions = vec![(0..prompt.len(), RegionKind::Conversation)];
+    // `prompt_cache_retention: "24h"` leases the whole prompt, as on the chat routes.
+    let cache_leases = retention
+        .filter(|_| prompt.len() >= inner.cache_min_tokens)
+        .map(|mark| (prompt.len(), mark.ttl()))
+        .into_iter()
+        .collect();
     Ok(Prepared {
         api: Api::Completion,
         request: GenerateRequest {
@@ -325,7 +332,7 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
             session_id: session_id(caller, SessionFields { user: req.user.as_deref(), ..Default::default() }),
             tenant: caller.tenant.clone(),
             cache_salt: req.cache_salt,
-            cache_leases: Vec::new(),
+            cache_leases,
             hints: req.nvext.unwrap_or_default(),
             forced: lower::scripted(state, 0)?,
         },

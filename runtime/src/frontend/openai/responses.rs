@@ -257,6 +257,18 @@ fn turns(items: &[Value]) -> Result<Vec<Turn>, ApiError> {
     Ok(turns)
 }
 
+/// The JSON type of `value`, as an error names it.
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
 /// The input items with ids, as `/input_items` lists them.
 fn listed_items(input: &Option<Input>, response_id: &str) -> Vec<Value> {
     let items = match input {
@@ -295,6 +307,14 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
             message: "The Conversations API is not supported by this server; use previous_response_id.".into(),
             param: "conversation".into(),
         });
+    }
+    if let Some(Input::Items(items)) = &req.input
+        && let Some(i) = items.iter().position(|item| !item.is_object())
+    {
+        return Err(ApiError::invalid(
+            format!("Invalid 'input[{i}]': expected an object (an input item), got {}.", json_kind(&items[i])),
+            Some(&format!("input[{i}]")),
+        ));
     }
     let store = req.store.unwrap_or(true);
     let store_enabled = state.inner.responses.enabled();

@@ -104,6 +104,9 @@ pub struct CompletionRequest {
     /// vLLM's `cache_salt`: the request's blocks are shared only with requests of the same salt.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// OpenAI's `prompt_cache_retention`: `"24h"` leases the prompt for a day after each use.
+    #[serde(default)]
+    pub prompt_cache_retention: Option<String>,
     /// Agent hints.
     #[serde(default)]
     pub nvext: Option<AgentHints>,
