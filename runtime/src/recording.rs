@@ -19,16 +19,18 @@
 //! - `mooncake`: every prompt whole, at its `timestamp`.
 //!
 //! A file is closed past `recording.max_file_size` or `recording.rotate_every`, and at most
-//! `recording.max_files` are kept (the oldest are deleted). Each file is a whole trace: its
+//! `recording.max_files` are kept (the oldest are deleted, but only once the new file holds
+//! lines: a file that could not be written never costs an old one). Each file is a whole trace: its
 //! sessions start in it. Lines are written by a thread of their own behind a queue bounded in
-//! tokens; when the queue is full or the disk refuses a write, the line is lost and counted
-//! (`dynamo_node_recording_dropped_total`), and serving goes on.
+//! tokens; when the queue is full or the disk refuses a write, every line lost is counted
+//! (`dynamo_node_recording_dropped_total`), the file is cut back to its last whole line and kept,
+//! and serving goes on.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -47,6 +49,9 @@ const MAX_QUEUED_TOKENS: usize = 16 << 20;
 /// Sessions a file follows at most; past it, the least recently served half are forgotten (their
 /// next requests start new sessions).
 const MAX_SESSIONS: usize = 100_000;
+
+/// Lines buffered before they are written out (one write per batch otherwise).
+const FLUSH_BYTES: usize = 1 << 20;
 
 /// Ids are kept below 2^53, so every JSON reader holds them exactly.
 const ID_MASK: u64 = (1 << 53) - 1;
@@ -75,17 +80,47 @@ pub struct Recorder {
     format: RecordingFormat,
     tx: Mutex<Option<crossbeam_channel::Sender<Served>>>,
     queued_tokens: Arc<AtomicUsize>,
+    tally: Arc<Tally>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
+
+/// Lines written and lost since the recorder started (the metrics count them too).
+#[derive(Debug, Default)]
+struct Tally {
+    written: AtomicU64,
+    lost: AtomicU64,
+}
+
+impl Tally {
+    fn written(&self, n: u64) {
+        self.written.fetch_add(n, Ordering::Relaxed);
+        metrics::record_recorded(n);
+    }
+
+    fn lost(&self, reason: &'static str, n: u64) {
+        self.lost.fetch_add(n, Ordering::Relaxed);
+        metrics::record_recording_dropped(reason, n);
+    }
+}
+
+/// How the writer creates a file (a test makes every file refuse writes).
+type Create = fn(&Path) -> io::Result<File>;
 
 impl Recorder {
     /// Starts recording into `section.dir` (under `data_dir` when relative), creating it.
     pub fn start(section: &RecordingSection, data_dir: &Path) -> io::Result<Arc<Recorder>> {
+        Self::start_with(section, data_dir, |path| File::create_new(path))
+    }
+
+    fn start_with(section: &RecordingSection, data_dir: &Path, create: Create) -> io::Result<Arc<Recorder>> {
         let dir = if section.dir.is_absolute() { section.dir.clone() } else { data_dir.join(&section.dir) };
         std::fs::create_dir_all(&dir)?;
         let (tx, rx) = crossbeam_channel::unbounded();
         let queued_tokens = Arc::new(AtomicUsize::new(0));
+        let tally = Arc::new(Tally::default());
         let writer = Writer {
+            create,
+            tally: tally.clone(),
             dir: dir.clone(),
             format: section.format,
             max_file_size: section.max_file_size.as_u64(),
@@ -107,6 +142,7 @@ impl Recorder {
             format: section.format,
             tx: Mutex::new(Some(tx)),
             queued_tokens,
+            tally,
             thread: Mutex::new(Some(thread)),
         }))
     }
@@ -127,15 +163,20 @@ impl Recorder {
         let tokens = served.prompt.len().max(1);
         if self.queued_tokens.fetch_add(tokens, Ordering::Relaxed) + tokens > MAX_QUEUED_TOKENS {
             self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
-            metrics::record_recording_dropped("queue_full", 1);
+            self.tally.lost("queue_full", 1);
             return;
         }
         let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
         let sent = tx.as_ref().is_some_and(|tx| tx.send(served).is_ok());
         if !sent {
             self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
-            metrics::record_recording_dropped("queue_full", 1);
+            self.tally.lost("queue_full", 1);
         }
+    }
+
+    /// Lines written and lines lost so far.
+    pub fn tally(&self) -> (u64, u64) {
+        (self.tally.written.load(Ordering::Relaxed), self.tally.lost.load(Ordering::Relaxed))
     }
 
     /// Writes what is queued, closes the file and stops the writer. Later records are dropped.
@@ -156,11 +197,17 @@ impl Drop for Recorder {
 /// The file being written.
 struct Open {
     path: PathBuf,
-    out: BufWriter<File>,
+    file: File,
+    /// Bytes of whole lines in the file.
     written: u64,
+    /// Lines not yet written out, and how many.
+    pending: Vec<u8>,
+    pending_lines: u64,
     opened: Instant,
     /// The file's key: ids and session names are keyed with it.
     key: [u8; 32],
+    /// The oldest recordings were deleted for it (once it held lines).
+    pruned: bool,
 }
 
 /// What a file knows of one session: its last prompt, to tell whether the next one extends it.
@@ -178,6 +225,8 @@ struct Followed {
 }
 
 struct Writer {
+    create: Create,
+    tally: Arc<Tally>,
     dir: PathBuf,
     format: RecordingFormat,
     max_file_size: u64,
@@ -198,56 +247,91 @@ impl Writer {
             batch.extend(rx.try_iter().take(255));
             for served in batch {
                 queued.fetch_sub(served.prompt.len().max(1), Ordering::Relaxed);
-                match self.write(&served) {
-                    Ok(()) => metrics::record_recorded(1),
-                    Err(e) => self.failed(e),
+                if let Err(e) = self.write(&served) {
+                    self.tally.lost("write_error", 1);
+                    self.warn(&e);
                 }
             }
-            if let Some(open) = &mut self.file
-                && let Err(e) = open.out.flush()
-            {
-                self.failed(e);
-            }
+            self.flush();
         }
-        if let Some(mut open) = self.file.take() {
-            let _ = open.out.flush();
-        }
+        self.close();
     }
 
-    /// A write that failed: counted, logged once per file, and the file is reopened next time.
-    fn failed(&mut self, e: io::Error) {
-        metrics::record_recording_dropped("write_error", 1);
+    /// A failed write, logged once until a write succeeds again.
+    fn warn(&mut self, e: &io::Error) {
         if !self.warned {
             self.warned = true;
             let path = self.file.as_ref().map(|f| f.path.display().to_string()).unwrap_or_default();
             tracing::warn!(error = %e, %path, "cannot write the traffic recording; requests go unrecorded meanwhile");
         }
-        self.file = None;
+    }
+
+    /// Writes the pending lines out. When the disk refuses them, every one of them is counted
+    /// lost, the file is cut back to its last whole line and kept (the next lines go to it), and
+    /// the sessions start over (a lost line may have been one a later line builds on).
+    fn flush(&mut self) {
+        let Some(open) = &mut self.file else { return };
+        if open.pending.is_empty() {
+            return;
+        }
+        let lines = std::mem::take(&mut open.pending_lines);
+        match open.file.write_all(&open.pending) {
+            Ok(()) => {
+                open.written += open.pending.len() as u64;
+                open.pending.clear();
+                self.tally.written(lines);
+                self.warned = false;
+                if !open.pruned {
+                    open.pruned = true;
+                    let path = open.path.clone();
+                    self.prune(&path);
+                }
+            }
+            Err(e) => {
+                open.pending.clear();
+                let _ = open.file.set_len(open.written);
+                let _ = open.file.seek(SeekFrom::Start(open.written));
+                self.tally.lost("write_error", lines);
+                self.sessions.clear();
+                self.warn(&e);
+            }
+        }
+    }
+
+    /// Writes what is pending and closes the file; a file that never held a line is removed.
+    fn close(&mut self) {
+        self.flush();
+        if let Some(open) = self.file.take()
+            && open.written == 0
+        {
+            let _ = std::fs::remove_file(&open.path);
+        }
     }
 
     fn write(&mut self, served: &Served) -> io::Result<()> {
-        let rotate = self
-            .file
-            .as_ref()
-            .is_some_and(|f| f.written >= self.max_file_size || f.opened.elapsed() >= self.rotate_every);
-        if rotate && let Some(mut open) = self.file.take() {
-            open.out.flush()?;
+        let rotate = self.file.as_ref().is_some_and(|f| {
+            f.written + f.pending.len() as u64 >= self.max_file_size || f.opened.elapsed() >= self.rotate_every
+        });
+        if rotate {
+            self.close();
         }
         if self.file.is_none() {
             self.file = Some(self.open()?);
             self.sessions.clear();
-            self.warned = false;
         }
         let line = self.line(served);
-        let open = self.file.as_mut().expect("opened above");
         let mut bytes = serde_json::to_vec(&line).map_err(io::Error::other)?;
         bytes.push(b'\n');
-        open.out.write_all(&bytes)?;
-        open.written += bytes.len() as u64;
+        let open = self.file.as_mut().expect("opened above");
+        open.pending.extend_from_slice(&bytes);
+        open.pending_lines += 1;
+        if open.pending.len() >= FLUSH_BYTES {
+            self.flush();
+        }
         Ok(())
     }
 
-    /// A new file with a new key; the oldest files go beyond `max_files`.
+    /// A new file with a new key. The oldest files go beyond `max_files` once it holds lines.
     fn open(&mut self) -> io::Result<Open> {
         let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
         let mut path = self.dir.join(format!("traffic-{ms:013}.jsonl"));
@@ -258,9 +342,17 @@ impl Writer {
         }
         let mut key = [0u8; 32];
         getrandom::fill(&mut key).map_err(|e| io::Error::other(format!("no randomness for the file's key: {e}")))?;
-        let file = File::create_new(&path)?;
-        self.prune(&path);
-        Ok(Open { path, out: BufWriter::with_capacity(1 << 20, file), written: 0, opened: Instant::now(), key })
+        let file = (self.create)(&path)?;
+        Ok(Open {
+            path,
+            file,
+            written: 0,
+            pending: Vec::new(),
+            pending_lines: 0,
+            opened: Instant::now(),
+            key,
+            pruned: false,
+        })
     }
 
     /// Deletes the oldest recordings so that `max_files` remain, `keep` (the new one) among them.
@@ -541,5 +633,54 @@ mod tests {
         recorder.record(served(None, tokens(1, 10), 1, Instant::now()));
         assert_eq!(recorder.queued_tokens.load(Ordering::Relaxed), 0);
         assert!(lines(dir.path()).is_empty());
+    }
+
+    /// A disk that refuses every write (`/dev/full`): every line is counted lost, none is counted
+    /// written, the recordings already there are all kept (none is pruned for a file that holds
+    /// nothing), and no empty file is left behind.
+    #[test]
+    fn a_full_disk_loses_lines_counted_and_deletes_no_recording() {
+        let dir = tempfile::tempdir().unwrap();
+        let old: Vec<PathBuf> = (1..=3).map(|n| dir.path().join(format!("traffic-{n:013}.jsonl"))).collect();
+        for path in &old {
+            std::fs::write(path, "{\"timestamp\":0}\n").unwrap();
+        }
+        let mut cfg = section(dir.path(), RecordingFormat::Mooncake);
+        cfg.max_files = 3;
+        cfg.max_file_size = dynamo_config::ByteSize(4096);
+        let full: Create = |_| File::options().write(true).open("/dev/full");
+        let recorder = Recorder::start_with(&cfg, Path::new("/"), full).unwrap();
+        let prompt = tokens(3, 20 * TRACE_BLOCK_TOKENS);
+        for _ in 0..40 {
+            recorder.record(served(None, prompt.clone(), 3, Instant::now()));
+        }
+        recorder.finish();
+        assert_eq!(recorder.tally(), (0, 40), "every line lost is counted, one by one");
+        for path in &old {
+            assert_eq!(std::fs::read_to_string(path).unwrap(), "{\"timestamp\":0}\n", "{} kept whole", path.display());
+        }
+        assert_eq!(lines(dir.path()).len(), 3, "no new, empty file");
+    }
+
+    /// A writable disk: every line counted written, and the old recordings pruned only for a
+    /// file that holds lines.
+    #[test]
+    fn written_lines_are_counted_and_prune_waits_for_a_file_with_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = dir.path().join(format!("traffic-{:013}.jsonl", 1));
+        std::fs::write(&old, "{\"timestamp\":0}\n").unwrap();
+        let mut cfg = section(dir.path(), RecordingFormat::Mooncake);
+        cfg.max_files = 1;
+        let recorder = Recorder::start(&cfg, Path::new("/")).unwrap();
+        assert!(old.exists(), "nothing written yet: the old recording stays");
+        for _ in 0..5 {
+            recorder.record(served(None, tokens(4, 3 * TRACE_BLOCK_TOKENS), 3, Instant::now()));
+        }
+        recorder.finish();
+        assert_eq!(recorder.tally(), (5, 0));
+        assert!(!old.exists(), "pruned once the new file held lines");
+        let files = lines(dir.path());
+        assert_eq!(files.len(), 1);
+        assert_eq!(files[0].len(), 5, "every line in the one file kept");
     }
 }
