@@ -86,6 +86,24 @@ pub enum LeaseFileError {
 const LEASE_FILE_MAGIC: &[u8; 8] = b"DNLEASE1";
 const LEASE_RECORD: usize = 16 + 8 + 8;
 
+/// The longest lease any API can ask for (OpenAI's `prompt_cache_retention: "24h"`).
+pub const MAX_LEASE_TTL: Millis = 24 * 3600 * 1000;
+
+/// The largest lease file of a store of `slots` G3 blocks (one lease per block at most).
+pub fn file_bytes(slots: u64) -> u64 {
+    24 + LEASE_RECORD as u64 * slots
+}
+
+/// `saved` as a restart may honour it: no TTL over [`MAX_LEASE_TTL`], no deadline further than
+/// that from `now` (a damaged or forged file cannot make a lease that never ends).
+pub fn clamp(mut saved: Vec<SavedLease>, now: Millis) -> Vec<SavedLease> {
+    for l in &mut saved {
+        l.ttl = l.ttl.min(MAX_LEASE_TTL);
+        l.until = l.until.min(now.saturating_add(MAX_LEASE_TTL));
+    }
+    saved
+}
+
 /// The bytes of a lease file: magic, count, records (hash, deadline, TTL; little-endian), and
 /// an xxh3 checksum of everything before it.
 pub fn encode(leases: &[SavedLease]) -> Vec<u8> {
@@ -496,6 +514,22 @@ mod tests {
             assert!(tiers.book.until(h, 1).is_none(), "the last word was a release");
             assert_eq!(tiers.g2.lock().unwrap().stats().leases.live, 0, "round {round}: a stale lease in G2");
         }
+    }
+
+    /// Restored leases never outlive what an API can ask for: `u64::MAX` deadlines and TTLs (a
+    /// forged file with a valid checksum) become a day from now.
+    #[test]
+    fn restored_deadlines_and_ttls_are_clamped_to_a_day() {
+        let now = 1_000_000;
+        let saved = vec![
+            SavedLease { hash: BlockHash(1), until: u64::MAX, ttl: u64::MAX },
+            SavedLease { hash: BlockHash(2), until: now + 5_000, ttl: 300_000 },
+        ];
+        let decoded = decode(&encode(&saved)).expect("a valid file");
+        let clamped = clamp(decoded, now);
+        assert_eq!((clamped[0].until, clamped[0].ttl), (now + MAX_LEASE_TTL, MAX_LEASE_TTL));
+        assert_eq!((clamped[1].until, clamped[1].ttl), (now + 5_000, 300_000), "a sane lease is unchanged");
+        assert_eq!(file_bytes(2), encode(&saved).len() as u64, "the bound fits a full store's file exactly");
     }
 
     #[test]

@@ -88,9 +88,11 @@ struct LeaseSaver {
 impl LeaseSaver {
     /// Restores what `path` saved onto the blocks G3 recovered, then starts saving.
     fn start(tiers: &Arc<NodeTiers>, path: std::path::PathBuf) -> Self {
-        match std::fs::read(&path) {
+        let slots = tiers.g3.as_ref().map_or(0, |g3| g3.store.capacity_slots());
+        match read_lease_file(&path, leases::file_bytes(slots)) {
             Ok(bytes) => match leases::decode(&bytes) {
                 Ok(saved) => {
+                    let saved = leases::clamp(saved, tiers.now());
                     let restored = tiers.restore(&saved, tiers.now());
                     tracing::info!(path = %path.display(), saved = saved.len(), restored, "restored leases");
                 }
@@ -123,6 +125,32 @@ impl LeaseSaver {
         let path = self.path;
         let _ = tokio::task::spawn_blocking(move || save_leases(&tiers, &path)).await;
     }
+}
+
+/// The bytes of the lease file at `path`, read only if it is what the node wrote: a regular file
+/// (not followed through a symbolic link, never waited on as a FIFO or a device would be) of at
+/// most `limit` bytes.
+fn read_lease_file(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)?;
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "not a regular file"));
+    }
+    if meta.len() > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} bytes, more than G3's blocks can have leases for ({limit})", meta.len()),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.by_ref().take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "it grew while it was read"));
+    }
+    Ok(bytes)
 }
 
 /// Writes the live leases of `tiers` to `path` (a new file renamed over the old one, so a crash
@@ -528,6 +556,32 @@ fn events(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lease file is read only when it is a regular file within its bound: a symbolic link
+    /// (to `/dev/zero`, which once took RSS to 16 GB), a FIFO (which once hung the start), a
+    /// directory and an oversized file are refused at once, without reading them.
+    #[test]
+    fn the_lease_file_is_read_only_as_a_bounded_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let regular = dir.path().join("leases.bin");
+        std::fs::write(&regular, [7u8; 100]).unwrap();
+        assert_eq!(read_lease_file(&regular, 100).unwrap(), vec![7u8; 100]);
+        assert!(read_lease_file(&regular, 99).is_err(), "over the bound");
+
+        let link = dir.path().join("link.bin");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        assert!(read_lease_file(&link, u64::MAX).is_err(), "a symbolic link is not followed");
+
+        let fifo = dir.path().join("fifo.bin");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        let err = read_lease_file(&fifo, u64::MAX).expect_err("a FIFO is refused");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+
+        assert!(read_lease_file(dir.path(), u64::MAX).is_err(), "a directory is refused");
+        assert_eq!(read_lease_file(&dir.path().join("absent"), 10).unwrap_err().kind(), std::io::ErrorKind::NotFound);
+    }
 
     #[test]
     fn a_speculative_prefill_waits_behind_real_work_and_never_wraps_to_the_front() {
