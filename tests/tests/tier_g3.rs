@@ -299,6 +299,45 @@ async fn a_foreign_path_is_refused_unless_formatting_is_asked_for() {
     G3Store::open(&opts, &pool).expect("and a G3 store is ours");
 }
 
+/// Data that does not start in the first 4 KiB is foreign too: a file of zeros with data after
+/// 4 KiB, a btrfs superblock at 64 KiB (named in the error), a ZFS label at the end, a sparse
+/// file with one data extent in its middle. Each is refused and left as it was.
+#[tokio::test]
+async fn foreign_data_past_the_first_4_kib_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_for(PAYLOAD, 8);
+    let opts = options(dir.path(), 1, 4, engines()[0]);
+    let path = opts.paths[0].clone();
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let with = |len: usize, at: usize, bytes: &[u8]| {
+        let mut v = vec![0u8; len];
+        v[at..at + bytes.len()].copy_from_slice(bytes);
+        v
+    };
+    let cases: Vec<(&str, Vec<u8>, Option<&str>)> = vec![
+        ("data after 4 KiB of zeros", with(64 << 10, 4096, b"important data"), None),
+        ("btrfs", with(2 << 20, 0x10040, b"_BHRfS_M"), Some("btrfs")),
+        ("a ZFS back label", with(4 << 20, (4 << 20) - (300 << 10), &[0xde, 0xad, 0xbe, 0xef]), None),
+    ];
+    for (what, bytes, named) in cases {
+        std::fs::write(&path, &bytes).unwrap();
+        let err = G3Store::open(&opts, &pool).map(|_| ()).expect_err(what);
+        assert_eq!(err.kind(), "foreign", "{what}: {err}");
+        if let Some(name) = named {
+            assert!(err.to_string().contains(name), "{what}: {err}");
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "{what}: untouched");
+    }
+
+    // A sparse file of 64 MiB with 4 KiB of data at 20 MiB: found through its data extents.
+    let file = std::fs::File::create(&path).unwrap();
+    file.set_len(64 << 20).unwrap();
+    std::os::unix::fs::FileExt::write_at(&file, &[0x5a; 4096], 20 << 20).unwrap();
+    drop(file);
+    let err = G3Store::open(&opts, &pool).map(|_| ()).expect_err("an extent in the middle");
+    assert_eq!(err.kind(), "foreign", "{err}");
+}
+
 /// An open that fails part-way removes what it created: files and directories that were not
 /// there before, but never a file that was.
 #[tokio::test]

@@ -86,14 +86,17 @@ pub enum G3Error {
     },
     /// The path holds data that is not a G3 store, and formatting it was not asked for.
     #[error(
-        "G3 path {path} already holds {bytes} bytes of data that is not a dynamo-node G3 store; refusing to \
-         format it. Point tiers.g3.paths at a new file, or set tiers.g3.format_foreign = true to overwrite it"
+        "G3 path {path} already holds {bytes} bytes of data that is not a dynamo-node G3 store{}; refusing to \
+         format it. Point tiers.g3.paths at a new file, or set tiers.g3.format_foreign = true to overwrite it",
+        what.map(|w| format!(" (it looks like {w})")).unwrap_or_default()
     )]
     Foreign {
         /// The path.
         path: PathBuf,
         /// Its size.
         bytes: u64,
+        /// What it looks like, when a known signature says.
+        what: Option<&'static str>,
     },
     /// The file system has less free space than the file needs.
     #[error(
@@ -724,29 +727,104 @@ fn human_bytes(bytes: u64) -> String {
     if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {} ({bytes} bytes)", UNITS[unit]) }
 }
 
-/// Refuses a path that holds data other than a G3 store (unless `format_foreign`): a file or
-/// device whose first 4 KiB are neither a G3 superblock nor all zeros.
+/// Bytes read at each end of a path that has no G3 superblock: every file system, volume manager
+/// and partition table in common use keeps its signature there — ext2/3/4 at 1 KiB, XFS, LUKS,
+/// squashfs and NTFS at 0, LVM and GPT at 512, ISO 9660 at 32 KiB, btrfs at 64 KiB, ZFS's front
+/// labels at 0 and 256 KiB and its back labels in the last 512 KiB, md 0.90 in the last 128 KiB,
+/// the GPT backup in the last sector.
+const FOREIGN_PROBE: u64 = 1 << 20;
+
+/// Refuses a path that holds data other than a G3 store (unless `format_foreign`): a file or device
+/// without a G3 superblock that has a byte other than zero in its first or last MiB, or (a
+/// regular file) at the start of any of its data extents.
 fn check_not_foreign(path: &Path, bytes: u64, format_foreign: bool) -> Result<(), G3Error> {
-    use std::io::Read;
     if bytes == 0 || format_foreign {
         return Ok(());
     }
-    let mut head = vec![0u8; SUPERBLOCK_LEN as usize];
-    let mut file = File::open(path).map_err(|source| G3Error::Open { path: path.to_path_buf(), source })?;
+    let open_err = |source| G3Error::Open { path: path.to_path_buf(), source };
+    let file = File::open(path).map_err(open_err)?;
+    let head = read_at_most(&file, 0, FOREIGN_PROBE.min(bytes)).map_err(open_err)?;
+    if Superblock::decode(&head[..head.len().min(SUPERBLOCK_LEN as usize)]).is_some() {
+        return Ok(());
+    }
+    let foreign = |what: Option<&'static str>| G3Error::Foreign { path: path.to_path_buf(), bytes, what };
+    if let Some(what) = signature(&head) {
+        return Err(foreign(Some(what)));
+    }
+    let tail_at = bytes.saturating_sub(FOREIGN_PROBE).max(head.len() as u64);
+    let tail = read_at_most(&file, tail_at, bytes - tail_at).map_err(open_err)?;
+    if head.iter().chain(&tail).any(|&b| b != 0) {
+        return Err(foreign(None));
+    }
+    if file.metadata().map_err(open_err)?.file_type().is_file() {
+        // A file's data past its ends: the start of each data extent (at most 1024 of them).
+        let mut at = 0;
+        for _ in 0..1024 {
+            let Some(start) = seek_data(&file, at) else { break };
+            if start >= bytes {
+                break;
+            }
+            let piece = read_at_most(&file, start, (64 << 10).min(bytes - start)).map_err(open_err)?;
+            if piece.iter().any(|&b| b != 0) {
+                return Err(foreign(None));
+            }
+            at = start + (1 << 20);
+        }
+    }
+    Ok(())
+}
+
+/// The name of a well-known signature in the first MiB of a device or file, for the error.
+fn signature(head: &[u8]) -> Option<&'static str> {
+    let at = |offset: usize, magic: &[u8]| head.get(offset..offset + magic.len()) == Some(magic);
+    const KNOWN: &[(usize, &[u8], &str)] = &[
+        (0x438, &[0x53, 0xef], "an ext2/3/4 file system"),
+        (0, b"XFSB", "an XFS file system"),
+        (0x10040, b"_BHRfS_M", "a btrfs file system"),
+        (0, b"LUKS\xba\xbe", "a LUKS volume"),
+        (512, b"LABELONE", "an LVM physical volume"),
+        (512, b"EFI PART", "a GPT partition table"),
+        (3, b"NTFS    ", "an NTFS file system"),
+        (0, b"hsqs", "a squashfs image"),
+        (0x8001, b"CD001", "an ISO 9660 image"),
+        (4086, b"SWAPSPACE2", "a swap area"),
+        (0x400, &[0x10, 0x20, 0xf5, 0xf2], "an F2FS file system"),
+        (4096, &[0xfc, 0x4e, 0x2b, 0xa9], "an md RAID member"),
+    ];
+    if let Some((_, _, what)) = KNOWN.iter().find(|(offset, magic, _)| at(*offset, magic)) {
+        return Some(what);
+    }
+    // ZFS: an uberblock (magic 0x00bab10c, either byte order) in the first label's ring at 128 KiB.
+    let zfs = (128 << 10..256 << 10)
+        .step_by(1 << 10)
+        .any(|o| at(o, &0x00ba_b10c_u64.to_le_bytes()) || at(o, &0x00ba_b10c_u64.to_be_bytes()));
+    zfs.then_some("a ZFS pool member")
+}
+
+/// Up to `len` bytes of `file` from `offset` (fewer at its end).
+fn read_at_most(file: &File, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len as usize];
     let mut read = 0;
-    while read < head.len() {
-        match file.read(&mut head[read..]) {
+    while read < buf.len() {
+        match file.read_at(&mut buf[read..], offset + read as u64) {
             Ok(0) => break,
             Ok(n) => read += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(source) => return Err(G3Error::Open { path: path.to_path_buf(), source }),
+            Err(e) => return Err(e),
         }
     }
-    if Superblock::decode(&head[..read]).is_some() || head[..read].iter().all(|&b| b == 0) {
-        Ok(())
-    } else {
-        Err(G3Error::Foreign { path: path.to_path_buf(), bytes })
-    }
+    buf.truncate(read);
+    Ok(buf)
+}
+
+/// The next offset at or after `from` where `file` holds data (`SEEK_DATA`); `None` past the last.
+fn seek_data(file: &File, from: u64) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: lseek on an open descriptor this function borrows; it only moves its offset, which
+    // nothing else here uses (reads are positioned).
+    let at = unsafe { libc::lseek(file.as_raw_fd(), from as libc::off_t, libc::SEEK_DATA) };
+    (at >= 0).then_some(at as u64)
 }
 
 /// What opening `path` as a G3 file of `capacity` bytes would refuse, checked without writing
