@@ -55,7 +55,7 @@
 //! | `dynamo_node_router_mispredictions_total` | counter | | requests whose prediction was off |
 //! | `dynamo_node_requests_cancelled_total` | counter | `stage` | requests stopped because nobody waited for them (`queued`, `prefill`, `decode`) |
 //! | `dynamo_node_http_connections` | gauge | | HTTP connections open |
-//! | `dynamo_node_http_connections_refused_total` | counter | `reason` | connections the node closed: `limit`, `accept_error`, `header_timeout` |
+//! | `dynamo_node_http_connections_refused_total` | counter | `reason` | connections the node closed: `limit`, `client_limit`, `idle_closed`, `accept_error`, `header_timeout` |
 //! | `dynamo_node_anthropic_preambles_stripped_total` | counter | | Claude Code billing headers dropped from system text |
 //! | `dynamo_node_replayed_turns_total` | counter | | echoed assistant turns whose generated tokens were spliced into the prompt |
 //! | `dynamo_node_auth_failures_total` | counter | `endpoint` | requests refused 401 for a missing or unknown key: `api`, `metrics` |

@@ -389,6 +389,7 @@ impl NodeConfig {
         c.at_least_one("frontend.default_max_tokens", self.frontend.default_max_tokens);
         c.at_least_one("frontend.max_sessions", self.frontend.max_sessions);
         c.at_least_one("frontend.max_connections", self.frontend.max_connections);
+        c.at_least_one("frontend.max_connections_per_client", self.frontend.max_connections_per_client);
         for (key, d) in [
             ("frontend.header_timeout", self.frontend.header_timeout),
             ("frontend.body_timeout", self.frontend.body_timeout),

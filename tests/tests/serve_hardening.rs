@@ -215,20 +215,61 @@ async fn slow_and_silent_connections_are_cut_off() {
     assert_eq!(node.stop(), 0);
 }
 
-/// Past `frontend.max_connections`, a connection gets a 503 in the API's shape at once, and is
-/// counted; once the others close, clients are served again.
+/// A connection with a request in flight: a head whose body has not arrived (the handler waits on
+/// it for `frontend.body_timeout`).
+fn busy_connection(addr: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+              content-length: 1000\r\n\r\n{\"model\"",
+        )
+        .expect("write");
+    stream
+}
+
+/// The first response on `stream` (read until it closes or 5 s pass).
+fn answer_of(mut stream: TcpStream) -> String {
+    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+/// `/health` from another client address (127.0.0.2; loopback takes any 127/8 address).
+async fn health_from_another_client(node: &Node) -> u16 {
+    let client = reqwest::Client::builder()
+        .local_address(std::net::IpAddr::from([127, 0, 0, 2]))
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("client");
+    client.get(format!("http://{}/health", node.addr())).send().await.expect("request").status().as_u16()
+}
+
+/// At `frontend.max_connections`, a newcomer is served by closing an idle connection (one that
+/// never sent a request), so one client re-opening idle sockets cannot hold every slot (it once
+/// left a second client 503 on 38 of 40 tries). Only when every connection has a request in
+/// flight is the newcomer answered 503 in the API's shape, and counted; once they close, clients
+/// are served again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_past_the_cap_get_a_503() {
+async fn connections_past_the_cap_close_an_idle_one_or_get_a_503() {
     let node = start("[frontend]\nmax_connections = 3\nheader_timeout = \"30s\"\n");
     let addr = node.addr().to_string();
+    let idle: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&addr).expect("connect")).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..5 {
+        assert_eq!(health_from_another_client(&node).await, 200, "an idle connection made room");
+    }
+    assert!(node.metric("dynamo_node_http_connections_refused_total{reason=\"idle_closed\"}").await >= 1.0);
+    drop(idle);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let busy_addr = addr.clone();
     let answer = tokio::task::spawn_blocking(move || {
-        let idle: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&addr).expect("connect")).collect();
+        let busy: Vec<TcpStream> = (0..3).map(|_| busy_connection(&busy_addr)).collect();
         std::thread::sleep(Duration::from_millis(300));
-        let mut extra = TcpStream::connect(&addr).expect("connect");
-        extra.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-        let mut answer = String::new();
-        let _ = extra.read_to_string(&mut answer);
-        drop(idle);
+        let answer = answer_of(TcpStream::connect(&busy_addr).expect("connect"));
+        drop(busy);
         answer
     })
     .await
@@ -242,6 +283,37 @@ async fn connections_past_the_cap_get_a_503() {
     let (status, _) =
         node.chat(json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})).await;
     assert_eq!(status, 200);
+    assert_eq!(node.stop(), 0);
+}
+
+/// One client address holds at most `frontend.max_connections_per_client`: past it, its own idle
+/// connection makes room, and with none idle it is answered 503 (`client_limit`) while another
+/// client is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_holds_at_most_its_share_of_connections() {
+    let node = start("[frontend]\nmax_connections = 16\nmax_connections_per_client = 2\nheader_timeout = \"30s\"\n");
+    let addr = node.addr().to_string();
+    let busy_addr = addr.clone();
+    let (answer, busy) = tokio::task::spawn_blocking(move || {
+        let busy: Vec<TcpStream> = (0..2).map(|_| busy_connection(&busy_addr)).collect();
+        std::thread::sleep(Duration::from_millis(300));
+        (answer_of(TcpStream::connect(&busy_addr).expect("connect")), busy)
+    })
+    .await
+    .expect("join");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer:?}");
+    assert_eq!(node.metric("dynamo_node_http_connections_refused_total{reason=\"client_limit\"}").await, 1.0);
+    assert_eq!(health_from_another_client(&node).await, 200, "another client is served");
+    drop(busy);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Its own idle connections make room for its next request.
+    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(&addr).expect("connect")).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, _) =
+        node.chat(json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})).await;
+    assert_eq!(status, 200);
+    drop(idle);
     assert_eq!(node.stop(), 0);
 }
 

@@ -33,6 +33,11 @@ pub struct FrontendSection {
     /// `dynamo_node_http_connections_refused_total`. Capped below the process's file limit.
     /// Default `1024`.
     pub max_connections: usize,
+    /// HTTP connections one client address may hold open at once. At this cap, or at
+    /// `max_connections`, the node closes an idle connection (no request in flight: one that never
+    /// sent a request first, then the oldest) of that client (or, at `max_connections`, of the
+    /// client holding the most) to make room, and answers 503 only when none is idle. Default `256`.
+    pub max_connections_per_client: usize,
     /// On a loopback address, requests must name the node by a loopback `Host` (`localhost`,
     /// `127.0.0.1`, `[::1]`) or one of these, and a browser's `Origin` must be one of them too,
     /// so a web page cannot drive a local node (DNS rebinding, cross-site requests). Ignored on
@@ -108,6 +113,7 @@ impl Default for FrontendSection {
             header_timeout: HumanDuration::secs(15),
             body_timeout: HumanDuration::secs(30),
             max_connections: 1024,
+            max_connections_per_client: 256,
             allowed_hosts: Vec::new(),
             reasoning_parser: None,
             tool_call_parser: None,

@@ -195,6 +195,7 @@ impl FrontendState {
                 limits: server::ServerLimits {
                     header_timeout: config.header_timeout.0,
                     max_connections: config.max_connections,
+                    max_per_client: config.max_connections_per_client,
                 },
                 allowed_hosts: config.allowed_hosts.clone(),
                 keys: Arc::new(auth::Keys::new(&config.auth)),

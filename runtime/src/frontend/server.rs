@@ -3,20 +3,26 @@
 //!
 //! - A connection must send a complete request head within `frontend.header_timeout` of opening,
 //!   and of the end of its previous response (so an idle keep-alive connection closes too).
-//! - At most `frontend.max_connections` are open at once, and never more than the process's
-//!   open-file limit leaves room for ([`connection_limit`]); one more is answered 503 in the API's
-//!   shape and closed. Refusals and accept errors are logged (at most once a second) and counted
-//!   in `dynamo_node_http_connections_refused_total`; `dynamo_node_http_connections` is the
-//!   number open.
+//! - At most `frontend.max_connections` are open at once (never more than the process's
+//!   open-file limit leaves room for, [`connection_limit`]), and at most
+//!   `frontend.max_connections_per_client` from one client address. At either cap a newcomer is
+//!   not refused while an idle connection (no request in flight) can make room: one of the same
+//!   client's at its own cap, else one of the client holding the most — one that never sent a
+//!   request first, then the oldest — is closed (`reason="idle_closed"`). Only when none is idle
+//!   is the newcomer answered 503 in the API's shape and closed. So one client re-opening idle
+//!   sockets cannot hold every slot. Refusals and accept errors are logged (at most once a
+//!   second) and counted in `dynamo_node_http_connections_refused_total`;
+//!   `dynamo_node_http_connections` is the number open.
 //! - Shutdown: [`serve`] stops accepting when its `shutdown` future completes and returns once
 //!   every connection has finished its requests (streams included). Dropping the future instead
 //!   closes every connection at once, which drops their streams and so cancels their requests.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
@@ -27,8 +33,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::task::{AbortHandle, JoinSet};
 
 use crate::metrics;
 
@@ -43,6 +48,144 @@ pub struct ServerLimits {
     pub header_timeout: Duration,
     /// Connections open at once.
     pub max_connections: usize,
+    /// Connections one client address holds at once.
+    pub max_per_client: usize,
+}
+
+/// What the accept loop knows of one open connection.
+#[derive(Debug)]
+struct Open {
+    peer: IpAddr,
+    opened: Instant,
+    state: Arc<ConnState>,
+    abort: AbortHandle,
+}
+
+/// A connection's requests, as its service sees them.
+#[derive(Debug, Default)]
+struct ConnState {
+    /// Requests in flight: from the head being read to the response body's end.
+    in_flight: AtomicUsize,
+    /// It has sent a request.
+    sent: AtomicBool,
+}
+
+/// The open connections, by task, and how many each client address holds.
+#[derive(Debug, Default)]
+struct Table {
+    open: HashMap<tokio::task::Id, Open>,
+    per_peer: HashMap<IpAddr, usize>,
+}
+
+impl Table {
+    fn insert(&mut self, id: tokio::task::Id, open: Open) {
+        *self.per_peer.entry(open.peer).or_default() += 1;
+        self.open.insert(id, open);
+    }
+
+    fn remove(&mut self, id: tokio::task::Id) {
+        if let Some(open) = self.open.remove(&id)
+            && let Some(n) = self.per_peer.get_mut(&open.peer)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.per_peer.remove(&open.peer);
+            }
+        }
+    }
+
+    fn held_by(&self, peer: IpAddr) -> usize {
+        self.per_peer.get(&peer).copied().unwrap_or(0)
+    }
+
+    /// Closes an idle connection of `peer` (or, `None`, of the client holding the most): one that
+    /// never sent a request first, then the oldest. Whether one was closed.
+    fn close_idle(&mut self, peer: Option<IpAddr>) -> bool {
+        let victim = self
+            .open
+            .iter()
+            .filter(|(_, o)| peer.is_none_or(|p| o.peer == p) && o.state.in_flight.load(Ordering::Acquire) == 0)
+            .max_by_key(|(_, o)| {
+                (self.held_by(o.peer), !o.state.sent.load(Ordering::Relaxed), std::cmp::Reverse(o.opened))
+            })
+            .map(|(id, _)| *id);
+        let Some(id) = victim else { return false };
+        if let Some(open) = self.open.get(&id) {
+            open.abort.abort();
+        }
+        self.remove(id);
+        metrics::record_connection_refused("idle_closed");
+        true
+    }
+}
+
+/// The router's service with its connection's requests counted in flight.
+#[derive(Clone, Debug)]
+struct Counted<S> {
+    inner: S,
+    state: Arc<ConnState>,
+}
+
+/// Decrements its connection's requests in flight when dropped.
+#[derive(Debug)]
+struct InFlight(Arc<ConnState>);
+
+impl InFlight {
+    fn new(state: Arc<ConnState>) -> Self {
+        state.sent.store(true, Ordering::Relaxed);
+        state.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(state)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request in flight until it is done with (sent or dropped).
+#[derive(Debug)]
+struct Tracked<B> {
+    body: B,
+    _in_flight: InFlight,
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl<S, R, B> hyper::service::Service<R> for Counted<S>
+where
+    S: hyper::service::Service<R, Response = axum::http::Response<B>>,
+    S::Future: Send + 'static,
+    B: http_body::Body + Unpin,
+{
+    type Response = axum::http::Response<Tracked<B>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn call(&self, req: R) -> Self::Future {
+        let in_flight = InFlight::new(self.state.clone());
+        let response = self.inner.call(req);
+        Box::pin(async move { Ok(response.await?.map(|body| Tracked { body, _in_flight: in_flight })) })
+    }
 }
 
 /// `wanted` connections, lowered to what the process's open-file limit leaves after
@@ -81,7 +224,8 @@ pub async fn serve(
     limits: ServerLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let (max, per_client) = (limits.max_connections.max(1), limits.max_per_client.max(1));
+    let mut table = Table::default();
     let graceful = GracefulShutdown::new();
     // Owned here: dropping `serve` aborts every connection.
     let mut connections = JoinSet::new();
@@ -92,8 +236,9 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             () = &mut shutdown => break,
-            Some(_) = connections.join_next() => {
-                metrics::set_http_connections(connections.len());
+            Some(ended) = connections.join_next_with_id() => {
+                table.remove(ended.map_or_else(|e| e.id(), |(id, ())| id));
+                metrics::set_http_connections(table.open.len());
                 continue;
             }
             accepted = listener.accept() => accepted,
@@ -108,33 +253,35 @@ pub async fn serve(
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            metrics::record_connection_refused("limit");
-            warn.warn(|n| {
-                tracing::warn!(
-                    %peer,
-                    limit = limits.max_connections,
-                    refused_since_last = n,
-                    "HTTP connection refused: frontend.max_connections are open"
-                )
-            });
+        let client = peer.ip();
+        let room = (table.held_by(client) < per_client || table.close_idle(Some(client)))
+            && (table.open.len() < max || table.close_idle(None));
+        if !room {
+            let (reason, what) = if table.held_by(client) >= per_client {
+                ("client_limit", "frontend.max_connections_per_client of this client are busy")
+            } else {
+                ("limit", "frontend.max_connections are busy")
+            };
+            metrics::record_connection_refused(reason);
+            warn.warn(|n| tracing::warn!(%peer, refused_since_last = n, "HTTP connection refused: {what}"));
             connections.spawn(refuse(stream));
             continue;
-        };
+        }
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
+        let state = Arc::new(ConnState::default());
+        let service = Counted { inner: TowerToHyperService::new(router.clone()), state: state.clone() };
         let io = TokioIo::new(ErrorBodies::new(stream));
         let connection = graceful.watch(builder.serve_connection(io, service));
-        connections.spawn(async move {
+        let abort = connections.spawn(async move {
             if let Err(e) = connection.await
                 && e.is_timeout()
             {
                 metrics::record_connection_refused("header_timeout");
                 tracing::debug!(%peer, "closed a connection that sent no complete request head in time");
             }
-            drop(permit);
         });
-        metrics::set_http_connections(connections.len());
+        table.insert(abort.id(), Open { peer: client, opened: Instant::now(), state, abort });
+        metrics::set_http_connections(table.open.len());
     }
     drop(listener);
     // Every connection finishes the request it serves and closes (hyper's graceful shutdown).
