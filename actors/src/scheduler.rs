@@ -407,23 +407,25 @@ impl SchedulerState {
         Err(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
     }
 
-    /// When a full node is expected to have a queue slot free: the least busy worker's queued
-    /// engine time divided by its queued requests (the cost model's estimate), at least a second.
+    /// When a full node is worth retrying: the least busy worker's queued engine time (the cost
+    /// model's estimate of what a request admitted now would wait), at least a second.
     fn retry_after(&self) -> Option<Duration> {
         let kv = self.args.kv.as_ref()?;
-        let per_request = self
+        // The wait a request admitted now would see on the least busy worker: the whole queue
+        // ahead of it, not one request's share (a share said 1 s while admitted requests waited
+        // 10.9 s).
+        let wait = self
             .workers
             .iter()
             .flatten()
             .filter(|w| w.load.requests() > 0)
             .map(|w| {
                 let queued = w.load.queued();
-                let busy = kv.cost.estimate(1, Default::default(), queued).ttft_s
-                    - kv.cost.estimate(1, Default::default(), Queued::default()).ttft_s;
-                busy / w.load.requests() as f64
+                kv.cost.estimate(1, Default::default(), queued).ttft_s
+                    - kv.cost.estimate(1, Default::default(), Queued::default()).ttft_s
             })
             .min_by(f64::total_cmp)?;
-        Some(Duration::from_secs_f64(per_request.clamp(1.0, 600.0)))
+        Some(Duration::from_secs_f64(wait.clamp(1.0, 600.0)))
     }
 
     /// The chains `req`'s leases cover (complete blocks, with their regions), and the hashes

@@ -380,6 +380,14 @@ fn what_serve_would_refuse_is_refused_with_its_line() {
     }
     let err = parse("[frontend]\nmax_connections = 0\n").unwrap_err();
     assert_eq!(err.key(), Some("frontend.max_connections"));
+    let err = parse("[frontend]\nmax_connections_per_client = 0\n").unwrap_err();
+    assert_eq!(err.key(), Some("frontend.max_connections_per_client"));
+    for key in ["default_max_tokens", "max_prompt_tokens"] {
+        let err = parse(&format!("[frontend]\n{key} = 1000000000000\n")).unwrap_err();
+        assert_eq!(err.key(), Some(format!("frontend.{key}").as_str()), "{err}");
+        assert_eq!(err.line(), Some(2));
+    }
+    parse("[frontend]\ndefault_max_tokens = 131072\n").unwrap();
     let err = parse("[engine]\nkind = \"scripted\"\n").unwrap_err();
     assert_eq!(err.key(), Some("engine.script"));
     parse("[engine]\nkind = \"scripted\"\nscript = \"answers.json\"\n").unwrap();

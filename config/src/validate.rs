@@ -10,6 +10,9 @@ use crate::{ByteSize, DeviceKind, MembershipKind, ModelShape, NodeConfig, Region
 /// Shortest API key or bearer token accepted.
 const MIN_KEY_BYTES: usize = 16;
 
+/// Tokens no model's context reaches (16M): a token count above it is refused.
+const MAX_CONTEXT_TOKENS: usize = 1 << 24;
+
 /// Collects problems.
 #[derive(Debug, Default)]
 struct Checks {
@@ -387,6 +390,15 @@ impl NodeConfig {
             c.fail("frontend.request_timeout", "must be longer than 0s");
         }
         c.at_least_one("frontend.default_max_tokens", self.frontend.default_max_tokens);
+        // More tokens than any model's context is a typo, not a setting.
+        for (key, tokens) in [
+            ("frontend.default_max_tokens", self.frontend.default_max_tokens),
+            ("frontend.max_prompt_tokens", self.frontend.max_prompt_tokens),
+        ] {
+            if tokens > MAX_CONTEXT_TOKENS {
+                c.fail(key, format!("{tokens} tokens is more than any model's context (at most {MAX_CONTEXT_TOKENS})"));
+            }
+        }
         c.at_least_one("frontend.max_sessions", self.frontend.max_sessions);
         c.at_least_one("frontend.max_connections", self.frontend.max_connections);
         c.at_least_one("frontend.max_connections_per_client", self.frontend.max_connections_per_client);

@@ -199,6 +199,19 @@ pub struct ResolvedTiers {
     pub shared_g2: bool,
 }
 
+/// G4's secret file and TLS files, loaded as the block server and the peer links load them.
+fn check_g4_files(cfg: &NodeConfig) -> anyhow::Result<()> {
+    let g4 = &cfg.tiers.g4;
+    if !g4.enabled {
+        return Ok(());
+    }
+    if let Some(path) = &g4.secret_file {
+        dynamo_tiering::g4::auth::ClusterSecret::from_file(path).context("tiers.g4.secret_file")?;
+    }
+    dynamo_actors::peer::tls(g4)?;
+    Ok(())
+}
+
 impl ResolvedTiers {
     /// Resolves a validated configuration on this machine (probing for a GPU when
     /// `engine.device` allows one).
@@ -252,6 +265,10 @@ impl ResolvedTiers {
             };
             (plan, MlockPolicy::from(cfg.tiers.g2.mlock))
         });
+        // G4's secret and TLS files, read as the node will read them, before G3 is formatted
+        // (and by `config check`): a secret readable by others, or empty, is refused here
+        // rather than after the store is made.
+        check_g4_files(cfg)?;
         let g3 = if cfg.tiers.g3.enabled {
             if g2.is_none() {
                 bail!(

@@ -328,6 +328,43 @@ fn serve_once(data: &std::path::Path, config: &std::path::Path) -> std::process:
         .expect("serve")
 }
 
+/// A G4 secret that `serve` refuses — readable by others, or empty — is refused by `config
+/// check` too, and by `serve` before G3 is formatted: no store is left behind.
+#[test]
+fn a_bad_g4_secret_is_refused_before_anything_is_made() {
+    use std::os::unix::fs::PermissionsExt;
+    for (what, bytes, mode) in [("readable by others", vec![7u8; 32], 0o644), ("empty", Vec::new(), 0o600)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let secret = dir.path().join("g4.secret");
+        std::fs::write(&secret, &bytes).expect("write");
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        let data = dir.path().join("data");
+        let config = dir.path().join("node.toml");
+        let toml = format!(
+            "[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:0\"\nsecret_file = \"{}\"\n\n\
+             [tiers.g3]\ncapacity_per_path = \"64MiB\"\n",
+            secret.display()
+        );
+        std::fs::write(&config, &toml).expect("write config");
+        let check = std::process::Command::new(dynamo_tests::node_binary())
+            .args(["config", "check"])
+            .arg(&config)
+            .output()
+            .expect("config check");
+        let said = String::from_utf8_lossy(&check.stderr);
+        assert_eq!(check.status.code(), Some(2), "{what}: config check passed it: {said}");
+        assert!(said.contains("secret"), "{what}: {said}");
+        let served = serve_once(&data, &config);
+        assert_ne!(served.status.code(), Some(0), "{what}");
+        let g3 = data.join("g3");
+        assert!(
+            !g3.exists(),
+            "{what}: serve formatted G3 before refusing the secret: {:?}",
+            std::fs::read_dir(&g3).ok()
+        );
+    }
+}
+
 /// A text file named as the G3 path: `config check` and `serve` refuse it, naming it, and leave
 /// it as it was; `tiers.g3.format_foreign = true` formats it.
 #[test]

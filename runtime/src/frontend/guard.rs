@@ -41,6 +41,17 @@ impl HostGuard {
     }
 
     fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        // RFC 9112 §3.2: a request with more than one Host is answered 400, wherever the node
+        // listens (checking only the first would let a second name pass unseen).
+        for name in [header::HOST, header::ORIGIN] {
+            if headers.get_all(&name).iter().nth(1).is_some() {
+                return Err(ApiError::refused(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    format!("The request has more than one {name} header."),
+                ));
+            }
+        }
         if !self.enabled {
             return Ok(());
         }
@@ -126,5 +137,21 @@ mod tests {
         }
         let open = HostGuard::new(false, &[]);
         assert!(check(&open, Some("evil.example"), Some("https://evil.example")));
+    }
+
+    /// Two `Host` (or `Origin`) headers are a 400 whatever they name, on any address: only the
+    /// first used to be checked.
+    #[test]
+    fn a_second_host_or_origin_is_refused() {
+        for guard in [HostGuard::new(true, &[]), HostGuard::new(false, &[])] {
+            for name in [header::HOST, header::ORIGIN] {
+                let mut headers = HeaderMap::new();
+                headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8000"));
+                headers.insert(name.clone(), HeaderValue::from_static("http://localhost"));
+                headers.append(name.clone(), HeaderValue::from_static("evil.example"));
+                let err = guard.check(&headers).expect_err("two of them");
+                assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{name}");
+            }
+        }
     }
 }
