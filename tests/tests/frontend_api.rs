@@ -1196,3 +1196,55 @@ async fn what_the_reference_apis_refuse_is_refused_and_completions_lease_for_a_d
     let (status, _, err) = post(&server, "/v1/completions", &completion).await;
     assert_error(status, &err, 400, "invalid_request_error", None);
 }
+
+/// The events of a streamed Messages answer, as (name, data).
+async fn anthropic_events(server: &Server, body: &Value) -> Vec<(String, Value)> {
+    let response = reqwest::Client::new().post(server.url("/v1/messages")).json(body).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.unwrap();
+    text.split_terminator("\n\n")
+        .map(|frame| {
+            let (name, data) = frame.split_once('\n').expect("event and data lines");
+            (
+                name.trim_start_matches("event: ").to_owned(),
+                serde_json::from_str(data.trim_start_matches("data: ")).expect("JSON data"),
+            )
+        })
+        .collect()
+}
+
+/// A tool call whose arguments are not JSON — `{bad json}`, a raw NUL, nesting deeper than 128
+/// levels — streams as the very object the non-streamed answer gives (`{}`), as JSON an SDK's
+/// `messages.stream()` parses; a call with good arguments streams them whole.
+#[tokio::test]
+async fn anthropic_streamed_tool_input_is_the_object_the_answer_gives() {
+    let server = Server::start(agent_server_config(true)).await;
+    let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+    let cases = [
+        ("{bad json}".to_owned(), json!({})),
+        ("{\"a\": \"x\u{0}y\"}".to_owned(), json!({})),
+        (format!("{{\"a\": {deep}}}"), json!({})),
+        ("{\"path\": \"src\", \"depth\": 2}".to_owned(), json!({"path": "src", "depth": 2})),
+    ];
+    for (arguments, want) in cases {
+        let said = format!("<tool_call>\n{{\"name\": \"ls\", \"arguments\": {arguments}}}\n</tool_call>");
+        let body = |stream: bool| {
+            json!({"model": "parrot", "max_tokens": 900, "stream": stream,
+                   "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+                   "messages": [{"role": "user", "content": format!("<<say>>{said}<</say>>")}]})
+        };
+        let (status, _, whole) = post(&server, "/v1/messages", &body(false)).await;
+        assert_eq!(status, 200, "{whole}");
+        let call = whole["content"].as_array().unwrap().iter().find(|b| b["type"] == "tool_use").expect("a call");
+        assert_eq!(call["input"], want, "{arguments}: {whole}");
+        let events = anthropic_events(&server, &body(true)).await;
+        let partial: String = events
+            .iter()
+            .filter(|(_, d)| d["delta"]["type"] == "input_json_delta")
+            .map(|(_, d)| d["delta"]["partial_json"].as_str().unwrap())
+            .collect();
+        let streamed: Value =
+            serde_json::from_str(&partial).unwrap_or_else(|e| panic!("{arguments}: {partial:?}: {e}"));
+        assert_eq!(streamed, call["input"], "{arguments}: streamed as answered");
+    }
+}

@@ -4,8 +4,9 @@
 //! cached, and stop with `length` at `max_tokens`; `slow` does the same with 30 ms between events;
 //! `overloaded`, `vanishing` (listed, but the generator says it does not exist), `too-long` and
 //! `broken` fail at admission with the matching [`GenerateError`]; `midstream` fails after two
-//! tokens; `agent` answers [`AGENT_ANSWER`] (reasoning, text, two tool calls). The last request of
-//! every model is kept for inspection.
+//! tokens; `agent` answers [`AGENT_ANSWER`] (reasoning, text, two tool calls); `parrot` answers
+//! whatever its prompt holds between the last `<<say>>` and `<</say>>` (a test writes the model's
+//! output, hostile or not). The last request of every model is kept for inspection.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -29,6 +30,7 @@ pub const MAX_CONTEXT: usize = 1024;
 
 #[derive(Debug)]
 pub struct FakeGenerator {
+    tokenizer: Tokenizer,
     answer: Vec<u32>,
     agent: Vec<u32>,
     pub last: Mutex<Option<GenerateRequest>>,
@@ -40,6 +42,7 @@ impl FakeGenerator {
         FakeGenerator {
             answer: t.encode(ANSWER).unwrap(),
             agent: t.encode(AGENT_ANSWER).unwrap(),
+            tokenizer: t,
             last: Mutex::new(None),
         }
     }
@@ -51,7 +54,7 @@ impl FakeGenerator {
 
 impl Generator for FakeGenerator {
     fn models(&self) -> Vec<String> {
-        ["fake", "fake-2", "slow", "overloaded", "vanishing", "too-long", "broken", "midstream", "agent"]
+        ["fake", "fake-2", "slow", "overloaded", "vanishing", "too-long", "broken", "midstream", "agent", "parrot"]
             .map(String::from)
             .to_vec()
     }
@@ -72,7 +75,18 @@ impl Generator for FakeGenerator {
         }
         let mut events =
             vec![Ok(GenerateEvent::Started { cached_tokens: req.prompt.len() / 2, leased_tokens: (0, 0) })];
-        let answer = if req.model == "agent" { &self.agent } else { &self.answer };
+        let said;
+        let answer = match req.model.as_str() {
+            "agent" => &self.agent,
+            "parrot" => {
+                let prompt = self.tokenizer.decode(&req.prompt).unwrap_or_default();
+                let start = prompt.rfind("<<say>>").map_or(0, |i| i + "<<say>>".len());
+                let end = prompt[start..].find("<</say>>").map_or(prompt.len(), |i| start + i);
+                said = self.tokenizer.encode(&prompt[start..end]).unwrap();
+                &said
+            }
+            _ => &self.answer,
+        };
         let n = answer.len().min(req.max_tokens);
         events.extend(answer[..n].iter().map(|&id| Ok(GenerateEvent::Token { id })));
         if req.model == "midstream" {

@@ -61,7 +61,8 @@ fn message_id(id: &str) -> String {
     format!("msg_{}", id.trim_start_matches("msg-"))
 }
 
-/// A tool call's input: its arguments as JSON (`{}` when the model wrote something else).
+/// A tool call's input: its arguments as JSON (`{}` when the model wrote something else, or
+/// nested deeper than `serde_json`'s 128 levels).
 fn input(arguments: &str) -> Value {
     serde_json::from_str(arguments).ok().filter(Value::is_object).unwrap_or_else(|| json!({}))
 }
@@ -114,6 +115,10 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
             return;
         }
         let mut kinds: Vec<BlockKind> = Vec::new();
+        // A tool call's arguments as the model writes them, sent whole at the call's end as the
+        // same object the non-streamed answer gives: what a model writes need not be JSON, and
+        // an SDK parses `partial_json` as it comes.
+        let mut arguments: Vec<String> = Vec::new();
         loop {
             // A `ping` whenever the answer is silent for a while, as Anthropic's API sends them;
             // `step` only awaits the next generation event, so a timeout loses nothing.
@@ -142,6 +147,7 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
                             }
                         };
                         kinds.push(kind);
+                        arguments.push(String::new());
                         frames.push(event(
                             "content_block_start",
                             &json!({"type": "content_block_start", "index": index, "content_block": block}),
@@ -152,8 +158,10 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
                             BlockKind::Thinking if omit => continue,
                             BlockKind::Thinking => json!({"type": "thinking_delta", "thinking": text}),
                             BlockKind::Text => json!({"type": "text_delta", "text": text}),
-                            // The input as the JSON text the model writes, piece by piece.
-                            BlockKind::ToolCall { .. } => json!({"type": "input_json_delta", "partial_json": text}),
+                            BlockKind::ToolCall { .. } => {
+                                arguments[index].push_str(&text);
+                                continue;
+                            }
                         };
                         frames.push(event(
                             "content_block_delta",
@@ -161,6 +169,14 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
                         ));
                     }
                     Output::Stop { index, handle, .. } => {
+                        if matches!(kinds[index], BlockKind::ToolCall { .. }) {
+                            let whole = input(&std::mem::take(&mut arguments[index])).to_string();
+                            let delta = json!({"type": "input_json_delta", "partial_json": whole});
+                            frames.push(event(
+                                "content_block_delta",
+                                &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                            ));
+                        }
                         if let Some(signature) = handle {
                             let delta = json!({"type": "signature_delta", "signature": signature});
                             frames.push(event(
