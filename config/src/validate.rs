@@ -405,6 +405,7 @@ impl NodeConfig {
         for (key, d) in [
             ("frontend.header_timeout", self.frontend.header_timeout),
             ("frontend.body_timeout", self.frontend.body_timeout),
+            ("frontend.write_timeout", self.frontend.write_timeout),
             ("frontend.replay_ttl", self.frontend.replay_ttl),
             ("frontend.responses_ttl", self.frontend.responses_ttl),
         ] {

@@ -1248,3 +1248,28 @@ async fn anthropic_streamed_tool_input_is_the_object_the_answer_gives() {
         assert_eq!(streamed, call["input"], "{arguments}: streamed as answered");
     }
 }
+
+/// What the Responses store would keep without bound is refused: ids over 512 characters,
+/// `metadata` past OpenAI's limits, a megabyte of items this node does not serve.
+#[tokio::test]
+async fn responses_refuse_what_the_store_would_keep_without_bound() {
+    let server = server().await;
+    let long = "c".repeat(4 << 20);
+    let bodies = [
+        json!({"model": "fake", "input": [{"type": "function_call_output", "call_id": long, "output": "ok"}]}),
+        json!({"model": "fake", "input": [{"type": "function_call", "call_id": "x".repeat(513), "name": "f", "arguments": "{}"}]}),
+        json!({"model": "fake", "input": "hi", "previous_response_id": "resp_".repeat(200)}),
+        json!({"model": "fake", "input": "hi", "metadata": {"k": "v".repeat(513)}}),
+        json!({"model": "fake", "input": "hi", "metadata": (0..17).map(|i| (format!("k{i}"), json!("v"))).collect::<serde_json::Map<_, _>>()}),
+        json!({"model": "fake", "input": "hi", "metadata": {"k": {"nested": true}}}),
+        json!({"model": "fake", "input": [{"type": "web_search_call", "payload": "w".repeat(2 << 20)}, {"role": "user", "content": "hi"}]}),
+    ];
+    for body in bodies {
+        let (status, _, err) = post(&server, "/v1/responses", &body).await;
+        assert_error(status, &err, 400, "invalid_request_error", None);
+    }
+    let ok = json!({"model": "fake", "input": "hi", "metadata": {"run": "42", "owner": "me"}});
+    let (status, _, value) = post(&server, "/v1/responses", &ok).await;
+    assert_eq!(status, 200, "{value}");
+    assert_eq!(value["metadata"], json!({"run": "42", "owner": "me"}));
+}

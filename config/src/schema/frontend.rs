@@ -29,6 +29,9 @@ pub struct FrontendSection {
     pub header_timeout: HumanDuration,
     /// A request body must arrive within this long of its head (HTTP 408 otherwise). Default `"30s"`.
     pub body_timeout: HumanDuration,
+    /// A response write that makes no progress for this long (a client that stopped reading)
+    /// closes the connection, which cancels its request. Default `"60s"`.
+    pub write_timeout: HumanDuration,
     /// HTTP connections open at once; more are answered 503 and closed, with a log line and
     /// `dynamo_node_http_connections_refused_total`. Capped below the process's file limit.
     /// Default `1024`.
@@ -64,6 +67,10 @@ pub struct FrontendSection {
     /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (`store: true`,
     /// the Responses API's default); past it the oldest is forgotten. `0` stores none. Default `1024`.
     pub responses_store: usize,
+    /// Bytes the stored responses may keep in all: their objects, input items and conversations
+    /// (a continuation shares its history, not a copy). With keys, each tenant gets an equal share
+    /// of this and of `responses_store`, and its own oldest go past it. Default `"256MiB"`.
+    pub responses_store_bytes: ByteSize,
     /// A stored response is forgotten after this long. Default `"24h"`.
     pub responses_ttl: HumanDuration,
     /// A cache breakpoint (`cache_control`, `prompt_cache_retention`) covering fewer prompt tokens
@@ -112,6 +119,7 @@ impl Default for FrontendSection {
             max_sessions: 16_384,
             header_timeout: HumanDuration::secs(15),
             body_timeout: HumanDuration::secs(30),
+            write_timeout: HumanDuration::secs(60),
             max_connections: 1024,
             max_connections_per_client: 256,
             allowed_hosts: Vec::new(),
@@ -122,6 +130,7 @@ impl Default for FrontendSection {
             replay_tokens: 4 << 20,
             replay_ttl: HumanDuration::mins(60),
             responses_store: 1024,
+            responses_store_bytes: ByteSize::mib(256),
             responses_ttl: HumanDuration::mins(24 * 60),
             cache_min_tokens: 1024,
             auth: AuthSection::default(),

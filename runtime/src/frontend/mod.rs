@@ -194,6 +194,7 @@ impl FrontendState {
                 preparing: Arc::new(tokio::sync::Semaphore::new(preparers)),
                 limits: server::ServerLimits {
                     header_timeout: config.header_timeout.0,
+                    write_timeout: config.write_timeout.0,
                     max_connections: config.max_connections,
                     max_per_client: config.max_connections_per_client,
                 },
@@ -206,7 +207,12 @@ impl FrontendState {
                 messages_temperature: config.messages_temperature,
                 script: None,
                 replay: Arc::new(replay::ReplayStore::new(config.replay_tokens, config.replay_ttl.0)),
-                responses: Arc::new(openai::store::ResponseStore::new(config.responses_store, config.responses_ttl.0)),
+                responses: Arc::new(openai::store::ResponseStore::new(
+                    config.responses_store,
+                    usize::try_from(config.responses_store_bytes.as_u64()).unwrap_or(usize::MAX),
+                    config.auth.keys.iter().map(|k| &k.tenant).collect::<std::collections::HashSet<_>>().len(),
+                    config.responses_ttl.0,
+                )),
                 end_markers: Vec::new(),
                 recorder: None,
             }),

@@ -13,6 +13,9 @@
 //!   sockets cannot hold every slot. Refusals and accept errors are logged (at most once a
 //!   second) and counted in `dynamo_node_http_connections_refused_total`;
 //!   `dynamo_node_http_connections` is the number open.
+//! - A response write that makes no progress for `frontend.write_timeout` (a client that stopped
+//!   reading, its socket buffers full) fails, and the connection closes: its request is cancelled
+//!   and what the response held is freed (`reason="write_timeout"`).
 //! - Shutdown: [`serve`] stops accepting when its `shutdown` future completes and returns once
 //!   every connection has finished its requests (streams included). Dropping the future instead
 //!   closes every connection at once, which drops their streams and so cancels their requests.
@@ -46,6 +49,8 @@ const RESERVED_FDS: u64 = 64;
 pub struct ServerLimits {
     /// A request head must be complete within this long (see the module doc).
     pub header_timeout: Duration,
+    /// A write that makes no progress for this long fails, closing the connection.
+    pub write_timeout: Duration,
     /// Connections open at once.
     pub max_connections: usize,
     /// Connections one client address holds at once.
@@ -270,7 +275,7 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let state = Arc::new(ConnState::default());
         let service = Counted { inner: TowerToHyperService::new(router.clone()), state: state.clone() };
-        let io = TokioIo::new(ErrorBodies::new(stream));
+        let io = TokioIo::new(ErrorBodies::new(WriteDeadline::new(stream, limits.write_timeout)));
         let connection = graceful.watch(builder.serve_connection(io, service));
         let abort = connections.spawn(async move {
             if let Err(e) = connection.await
@@ -456,7 +461,115 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for ErrorBodies<S> 
     }
 }
 
+/// A stream whose writes fail once one has made no progress for its timeout.
+#[derive(Debug)]
+struct WriteDeadline<S> {
+    inner: S,
+    timeout: Duration,
+    /// Running while a write waits for room.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> WriteDeadline<S> {
+    fn new(inner: S, timeout: Duration) -> Self {
+        Self { inner, timeout, stalled: None }
+    }
+
+    /// `poll` of a write: progress clears the deadline; waiting starts it, and past it is an error.
+    fn deadline<T>(&mut self, cx: &mut Context<'_>, poll: Poll<std::io::Result<T>>) -> Poll<std::io::Result<T>> {
+        if poll.is_ready() {
+            self.stalled = None;
+            return poll;
+        }
+        let timeout = self.timeout;
+        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if stalled.as_mut().poll(cx).is_ready() {
+            self.stalled = None;
+            metrics::record_connection_refused("write_timeout");
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client read nothing of the response for frontend.write_timeout",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for WriteDeadline<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteDeadline<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.deadline(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.deadline(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.deadline(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.deadline(cx, poll)
+    }
+}
+
 /// Whether `addr` is a loopback address (the Host/Origin check applies there).
 pub fn is_loopback(addr: SocketAddr) -> bool {
     addr.ip().is_loopback()
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+
+    /// A write to a peer that reads nothing fails once it has waited the timeout; a peer that
+    /// reads, however slowly, keeps it going.
+    #[tokio::test]
+    async fn a_write_that_makes_no_progress_fails_at_the_timeout() {
+        let (near, mut far) = tokio::io::duplex(1024);
+        let mut stalled = WriteDeadline::new(near, Duration::from_millis(100));
+        let started = Instant::now();
+        let err = stalled.write_all(&[7u8; 64 << 10]).await.expect_err("nobody reads");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= Duration::from_millis(100), "{:?}", started.elapsed());
+
+        let (near, mut reader) = tokio::io::duplex(1024);
+        let mut slow = WriteDeadline::new(near, Duration::from_millis(100));
+        let reading = tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            let mut total = 0;
+            while total < (16 << 10) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                total += tokio::io::AsyncReadExt::read(&mut reader, &mut buf).await.unwrap();
+            }
+            total
+        });
+        slow.write_all(&[7u8; 16 << 10]).await.expect("a reader that keeps reading");
+        assert_eq!(reading.await.unwrap(), 16 << 10);
+        drop(far.shutdown().await);
+    }
 }

@@ -33,7 +33,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::chat::{check_sampling, function_tools, tool_choice};
-use super::store::Stored;
+use super::store::History;
 use super::wire::ToolChoiceWire;
 use crate::frontend::FrontendState;
 use crate::frontend::answer::{Answer, Done};
@@ -137,6 +137,9 @@ struct Prepared {
     echo: Echo,
     /// The input items as stored (with ids).
     input_items: Vec<Value>,
+    /// The stored conversation it continues, and how many of its turns that is.
+    parent: Option<std::sync::Arc<History>>,
+    inherited: usize,
 }
 
 /// Text of a message's content: a string, or parts (`input_text`, `output_text`, `text`,
@@ -257,6 +260,76 @@ fn turns(items: &[Value]) -> Result<Vec<Turn>, ApiError> {
     Ok(turns)
 }
 
+/// Longest id a request may carry (`previous_response_id`, an item's `id` or `call_id`).
+const MAX_ID_BYTES: usize = 512;
+/// Bytes of input items this node keeps without serving them (hosted tools' calls, references).
+const MAX_UNSERVED_BYTES: usize = 1 << 20;
+/// OpenAI's `metadata` limits: 16 pairs, keys of 64 characters, string values of 512.
+const MAX_METADATA_PAIRS: usize = 16;
+const MAX_METADATA_KEY: usize = 64;
+const MAX_METADATA_VALUE: usize = 512;
+
+/// Item types turned into the conversation; the others are kept (listed by `/input_items`) only.
+const SERVED_ITEMS: [&str; 4] = ["message", "function_call", "reasoning", "function_call_output"];
+
+/// Refuses what the store would keep without bound: ids over [`MAX_ID_BYTES`], `metadata` past
+/// OpenAI's limits, unserved items over [`MAX_UNSERVED_BYTES`] in all.
+fn check_kept(req: &ResponsesRequest) -> Result<(), ApiError> {
+    let too_long = |param: String| {
+        Err(ApiError::invalid(format!("Invalid '{param}': longer than {MAX_ID_BYTES} characters."), Some(&param)))
+    };
+    if req.previous_response_id.as_ref().is_some_and(|id| id.len() > MAX_ID_BYTES) {
+        return too_long("previous_response_id".into());
+    }
+    if let Some(Input::Items(items)) = &req.input {
+        let mut unserved = 0;
+        for (i, item) in items.iter().enumerate() {
+            for key in ["id", "call_id"] {
+                if item[key].as_str().is_some_and(|id| id.len() > MAX_ID_BYTES) {
+                    return too_long(format!("input[{i}].{key}"));
+                }
+            }
+            let kind = item["type"].as_str().unwrap_or("message");
+            if !SERVED_ITEMS.contains(&kind) {
+                unserved += super::store::json_bytes(item);
+            }
+        }
+        if unserved > MAX_UNSERVED_BYTES {
+            return Err(ApiError::invalid(
+                format!(
+                    "'input' holds {unserved} bytes of items this server does not serve (at most {MAX_UNSERVED_BYTES})."
+                ),
+                Some("input"),
+            ));
+        }
+    }
+    if let Some(metadata) = &req.metadata {
+        let invalid = |message: String| Err(ApiError::invalid(message, Some("metadata")));
+        let Some(pairs) = metadata.as_object() else {
+            return if metadata.is_null() { Ok(()) } else { invalid("Invalid 'metadata': expected an object.".into()) };
+        };
+        if pairs.len() > MAX_METADATA_PAIRS {
+            return invalid(format!("Invalid 'metadata': {} pairs, at most {MAX_METADATA_PAIRS}.", pairs.len()));
+        }
+        for (key, value) in pairs {
+            if key.chars().count() > MAX_METADATA_KEY {
+                return invalid(format!("Invalid 'metadata': a key longer than {MAX_METADATA_KEY} characters."));
+            }
+            match value.as_str() {
+                Some(v) if v.chars().count() <= MAX_METADATA_VALUE => {}
+                Some(_) => {
+                    return invalid(format!(
+                        "Invalid 'metadata.{}': longer than {MAX_METADATA_VALUE} characters.",
+                        clip(key, 64)
+                    ));
+                }
+                None => return invalid(format!("Invalid 'metadata.{}': expected a string.", clip(key, 64))),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The JSON type of `value`, as an error names it.
 fn json_kind(value: &Value) -> &'static str {
     match value {
@@ -316,6 +389,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
             Some(&format!("input[{i}]")),
         ));
     }
+    check_kept(&req)?;
     let store = req.store.unwrap_or(true);
     let store_enabled = state.inner.responses.enabled();
     let previous = match &req.previous_response_id {
@@ -346,7 +420,9 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
     let tool_choice = tool_choice(choice, &tools)?;
     let id = object_id("resp").replacen('-', "_", 1);
     let items = listed_items(&req.input, &id);
-    let mut conversation_turns = previous.as_ref().map(|p| p.turns.clone()).unwrap_or_default();
+    let parent = previous.as_ref().map(|p| p.history.clone());
+    let mut conversation_turns = parent.as_ref().map(|h| h.turns()).unwrap_or_default();
+    let inherited = conversation_turns.len();
     conversation_turns.extend(match &req.input {
         None => Vec::new(),
         Some(Input::Text(text)) => vec![Turn::new(Role::User, vec![Block::text(text.clone())])],
@@ -414,7 +490,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
         user: json!(req.user),
         encrypted: req.include.iter().flatten().any(|i| i == "reasoning.encrypted_content"),
     };
-    Ok(Prepared { request, tail, conversation, echo, input_items: items })
+    Ok(Prepared { request, tail, conversation, echo, input_items: items, parent, inherited })
 }
 
 pub(crate) async fn create(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {
@@ -573,23 +649,18 @@ fn output_turn(blocks: &[Done]) -> Turn {
 
 /// The finished response: its object, stored when `store` is on.
 fn finish_response(state: &FrontendState, prepared: Finished, answer: &Answer, finish: &Finish) -> Value {
-    let Finished { echo, conversation, input_items } = prepared;
+    let Finished { echo, conversation, input_items, parent, inherited } = prepared;
     let output: Vec<Value> = answer.blocks().iter().enumerate().map(|(i, b)| item(&echo, i, b)).collect();
     let status = if finish.reason == FinishReason::Length { "incomplete" } else { "completed" };
     let object = response_object(&echo, status, output, Some(answer.usage()), Some(finish));
     if echo.store {
+        // Only the turns this request added: the history before them is shared, not copied.
         let mut turns = conversation.turns;
-        turns.push(output_turn(answer.blocks()));
-        state.inner.responses.insert(
-            echo.id.clone(),
-            Stored {
-                response: object.clone(),
-                input_items,
-                turns,
-                session: conversation.session,
-                tenant: conversation.tenant,
-            },
-        );
+        let mut added = turns.split_off(inherited.min(turns.len()));
+        added.push(output_turn(answer.blocks()));
+        let store = &state.inner.responses;
+        let history = store.history(&conversation.tenant, parent, added);
+        store.insert(echo.id.clone(), object.clone(), input_items, history, conversation.session, conversation.tenant);
     }
     object
 }
@@ -599,16 +670,18 @@ struct Finished {
     echo: Echo,
     conversation: Conversation,
     input_items: Vec<Value>,
+    parent: Option<std::sync::Arc<History>>,
+    inherited: usize,
 }
 
 async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Response {
-    let Prepared { request, tail, conversation, echo, input_items } = prepared;
+    let Prepared { request, tail, conversation, echo, input_items, parent, inherited } = prepared;
     let mut answer = Answer::start(&state, request, tail, Vec::new(), "call", arrived);
     if let Err(e) = answer.admit().await {
         return e.into_response();
     }
     let stream = conversation.stream;
-    let rest = Finished { echo, conversation, input_items };
+    let rest = Finished { echo, conversation, input_items, parent, inherited };
     if !stream {
         return match answer.complete().await {
             Ok(finish) => axum::Json(finish_response(&state, rest, &answer, &finish)).into_response(),
