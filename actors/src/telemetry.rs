@@ -44,7 +44,7 @@
 //! | `dynamo_node_request_ttft_seconds` | histogram | | time to first token |
 //! | `dynamo_node_inter_token_seconds` | histogram | | time between streamed tokens |
 //! | `dynamo_node_kv_write_through_lag_seconds` | histogram | `tier` | block completion in G1 to the tier's acknowledgment |
-//! | `dynamo_node_kv_write_through_skipped_total` | counter | `tier` | blocks kept above a tier whose writes were too far behind |
+//! | `dynamo_node_kv_write_through_skipped_total` | counter | `tier` | blocks kept above a tier whose writes were too far behind, or that had no room for them |
 //! | `dynamo_node_worker_restarts_total` | counter | | workers restarted by the supervisor |
 //! | `dynamo_node_router_decision_seconds` | histogram | | time to choose a worker |
 //! | `dynamo_node_index_events_total` | counter | `kind`, `result` | KV events offered to the prefix index |
@@ -604,6 +604,11 @@ pub fn record_prediction(predicted: u64, actual: u64) {
 /// Counts a block write-through left above `tier` because that tier's writes were behind.
 pub fn record_write_skipped(tier: Tier) {
     counter!(names::WRITE_THROUGH_SKIPPED, "tier" => tier.as_str()).increment(1);
+}
+
+/// Counts `n` blocks write-through left above `tier` because it had no room for them.
+pub fn record_writes_skipped(tier: Tier, n: u64) {
+    counter!(names::WRITE_THROUGH_SKIPPED, "tier" => tier.as_str()).increment(n);
 }
 
 /// Records how long a completed block took to be acknowledged by `tier` (write-through lag).

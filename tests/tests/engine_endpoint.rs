@@ -537,3 +537,74 @@ fn an_engine_loads_what_an_engine_on_a_peer_node_stored() {
     assert_eq!(node_b.stop(), 0);
     assert_eq!(node_a.stop(), 0);
 }
+
+/// Slots granted by a PREPARE_STORE.
+fn granted(client: &mut Client, keys: &[Vec<u8>]) -> usize {
+    let Reply::StoreSlots(slots) = client.call(Request::PrepareStore(keys.to_vec())) else { panic!("prepare_store") };
+    slots.iter().filter(|&&s| s >= 0).count()
+}
+
+/// What one engine, or all of them, may hold of G2 is bounded however many connections they
+/// open: slots held for stores not yet completed are capped per engine (all its connections
+/// together; two connections of one engine once took 126 of 127 slots) at half of G2, and for
+/// every engine together at three quarters, so the node's own write-through keeps its room. A
+/// request of more than 65,536 keys is the protocol's error, not a 42 MB reply; an engine that
+/// does not read its replies is disconnected.
+#[test]
+fn engines_hold_a_bounded_share_of_g2_and_requests_are_bounded() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let config = config().replace("capacity = \"2MiB\"", "capacity = \"8MiB\"");
+    let node = Node::start_in(dir.clone(), &config);
+    let sock = socket(&dir);
+    let mut a1 = register(&sock, registration("vllm-a", Role::Manager)).expect("register");
+    let _wa = register(&sock, registration("vllm-a", Role::Worker)).expect("worker");
+    let mut a2 = register(&sock, registration("vllm-a", Role::Manager)).expect("a second connection of a");
+    let slots = a1.map_len / a1.slot_bytes;
+    assert!(slots >= 100, "{slots} slots");
+    let keys: Vec<Vec<u8>> = (0..slots).map(|i| key("a", i)).collect();
+    let (half, three_quarters) = ((slots / 2).max(16), (slots * 3 / 4).max(16));
+    let first = granted(&mut a1, &keys[..slots / 2]);
+    let second = granted(&mut a2, &keys[slots / 2..]);
+    assert_eq!(first + second, half, "one engine holds half of G2 at most, over all its connections");
+    let mut b = register(&sock, registration("vllm-b", Role::Manager)).expect("register b");
+    let _wb = register(&sock, registration("vllm-b", Role::Worker)).expect("worker b");
+    let other: Vec<Vec<u8>> = (0..slots).map(|i| key("b", i)).collect();
+    assert_eq!(granted(&mut b, &other), three_quarters - half, "engines together hold three quarters at most");
+    // A connection that closes gives its slots back.
+    drop(a2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut more = 0;
+    while more == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        more = granted(&mut b, &other[slots / 2..]);
+    }
+    assert_eq!(more, second, "the closed connection's slots went back");
+
+    // Too many keys in one request: the protocol's error, the connection closed, the node fine.
+    let many: Vec<Vec<u8>> = (0..65_537).map(|i| key("m", i)).collect();
+    match b.call(Request::Lookup(many)) {
+        Reply::Error { code, message } => {
+            assert_eq!(code, ErrorCode::Malformed);
+            assert!(message.contains("65536"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut c = register(&sock, registration("vllm-c", Role::Manager)).expect("the node goes on");
+    assert_eq!(c.lookup(&keys[..3]), vec![Found::Miss; 3]);
+
+    // An engine that sends lookups and never reads the replies is cut off (10 s of no progress).
+    let mut silent = register(&sock, registration("vllm-d", Role::Manager)).expect("register d");
+    let lookup = Request::Lookup((0..65_536).map(|i| key("s", i)).collect()).encode();
+    silent.stream.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+    let started = Instant::now();
+    let mut cut = false;
+    for _ in 0..64 {
+        if silent.stream.write_all(&lookup).is_err() {
+            cut = true;
+            break;
+        }
+    }
+    assert!(cut, "a connection that reads nothing is closed ({:?})", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(25), "{:?}", started.elapsed());
+    assert_eq!(node.stop(), 0);
+}

@@ -24,6 +24,9 @@ pub const PROTOCOL_VERSION: u16 = 1;
 pub const MAX_FRAME: usize = 16 << 20;
 /// Longest key accepted, in bytes.
 pub const MAX_KEY: usize = 64;
+/// Most keys one request may carry: its reply (5 bytes a key at most) stays far inside
+/// [`MAX_FRAME`], and one request cannot hold a connection's thread for long.
+pub const MAX_KEYS: usize = 1 << 16;
 
 /// Who is registering: the engine's scheduler (lookups, stores, loads) or one of its workers
 /// (which only maps the region and copies).
@@ -277,6 +280,9 @@ impl<'a> Reader<'a> {
     }
     fn keys(&mut self) -> Result<Vec<Vec<u8>>, WireError> {
         let n = self.count(2, "keys")?;
+        if n > MAX_KEYS {
+            return Err(WireError(format!("{n} keys in one request; at most {MAX_KEYS} (split it)")));
+        }
         (0..n).map(|_| self.key()).collect()
     }
     fn end(self) -> Result<(), WireError> {
@@ -350,6 +356,9 @@ impl Request {
             0x07 => Request::TakeEvents,
             0x08 => {
                 let n = r.count(12, "chain")?;
+                if n > MAX_KEYS {
+                    return Err(WireError(format!("a chain of {n} blocks; at most {MAX_KEYS}")));
+                }
                 Request::Locate((0..n).map(|_| Ok((r.u32("group")?, r.u64("hash")?))).collect::<Result<_, _>>()?)
             }
             other => return Err(WireError(format!("unknown op 0x{other:02x}"))),

@@ -192,6 +192,8 @@ async fn accept_loop(listener: UnixListener, core: Arc<Core>) {
 #[derive(Debug)]
 struct EngineEntry {
     index: u32,
+    /// G2 slots its connections hold for stores not yet completed.
+    storing: Arc<AtomicUsize>,
     identity: ForeignEngine,
     connections: usize,
     /// Worker connections per rank: stores need every rank's worker to write its share.
@@ -215,6 +217,8 @@ pub struct Core {
     /// Blocks being read from G3 into G2.
     promoting: Mutex<std::collections::HashSet<BlockHash>>,
     g3_writes: Arc<AtomicUsize>,
+    /// G2 slots every engine together holds for stores not yet completed.
+    storing: Arc<AtomicUsize>,
 }
 
 impl Core {
@@ -241,6 +245,7 @@ impl Core {
             engines: Mutex::new(HashMap::new()),
             promoting: Mutex::new(Default::default()),
             g3_writes: Arc::new(AtomicUsize::new(0)),
+            storing: Arc::default(),
         })
     }
 
@@ -268,7 +273,7 @@ impl Core {
     }
 
     /// Registers one connection of engine `r.engine_id`.
-    fn register(&self, r: &Registration) -> Result<(u32, ForeignEngine), (ErrorCode, String)> {
+    fn register(&self, r: &Registration) -> Result<(u32, ForeignEngine, Arc<AtomicUsize>), (ErrorCode, String)> {
         let refuse = |message: String| Err((ErrorCode::Refused, message));
         if r.version != PROTOCOL_VERSION {
             return Err((
@@ -316,6 +321,7 @@ impl Core {
                 let index = (0..).find(|i| engines.values().all(|e| e.index != *i)).expect("a free index");
                 engines.entry(r.engine_id.clone()).or_insert(EngineEntry {
                     index,
+                    storing: Arc::default(),
                     identity,
                     connections: 0,
                     workers: vec![0; r.world_size as usize],
@@ -340,11 +346,11 @@ impl Core {
             }));
             entry.follower = Some(stop);
         }
-        let index = entry.index;
+        let (index, storing) = (entry.index, entry.storing.clone());
         let registered = engines.len();
         drop(engines);
         telemetry::set_engines_registered(registered);
-        Ok((index, identity))
+        Ok((index, identity, storing))
     }
 
     /// A connection of `engine_id` (a worker of `rank`, or its manager) closed.
@@ -546,6 +552,8 @@ struct Registered {
     region: RegionKind,
     block_bytes: u64,
     block_tokens: u32,
+    /// Its engine's slots held for stores (every connection of the engine shares it).
+    storing: Arc<AtomicUsize>,
 }
 
 /// One engine process's connection.
@@ -578,7 +586,8 @@ impl Connection {
         }
     }
 
-    async fn serve(mut self, mut stream: UnixStream) {
+    async fn serve(self, mut stream: UnixStream) {
+        let mut conn = self;
         let mut body = Vec::new();
         loop {
             let mut len = [0u8; 4];
@@ -602,12 +611,28 @@ impl Connection {
                 }
             };
             let registering = matches!(request, Request::Register(_));
-            let reply = self.answer(request);
+            // A request of many keys runs on a blocking thread: a lookup of 64K keys must not
+            // hold an async worker (and `/health` with it).
+            let reply;
+            (conn, reply) = if keys_of(&request) > INLINE_KEYS {
+                match tokio::task::spawn_blocking(move || {
+                    let reply = conn.answer(request);
+                    (conn, reply)
+                })
+                .await
+                {
+                    Ok(done) => done,
+                    Err(_) => return,
+                }
+            } else {
+                let reply = conn.answer(request);
+                (conn, reply)
+            };
             let sent = match (&reply, registering) {
                 (Reply::Registered { .. }, true) => {
-                    let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+                    let g2 = conn.core.tiers.g2.as_ref().expect("checked at start");
                     let fd = g2.pool.share_fd().expect("checked at start");
-                    fd::send_with_fd(&mut stream, &reply.encode(), fd).await
+                    written_in_time(fd::send_with_fd(&mut stream, &reply.encode(), fd)).await
                 }
                 _ => send(&mut stream, reply).await,
             };
@@ -615,8 +640,9 @@ impl Connection {
                 break;
             }
         }
-        if let Some(r) = &self.registered {
-            self.core.unregister(&r.engine_id, r.role, r.rank);
+        conn.release_store_slots(conn.storing.len());
+        if let Some(r) = &conn.registered {
+            conn.core.unregister(&r.engine_id, r.role, r.rank);
             telemetry::set_engine_g2_blocks(&r.label, 0);
         }
     }
@@ -639,7 +665,7 @@ impl Connection {
             },
         };
         match self.core.register(&registration) {
-            Ok((index, identity)) => {
+            Ok((index, identity, storing)) => {
                 let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
                 let (_, region_bytes) = g2.pool.region();
                 tracing::info!(
@@ -659,6 +685,7 @@ impl Connection {
                     region,
                     block_bytes: registration.block_bytes,
                     block_tokens: registration.block_tokens,
+                    storing,
                 });
                 Reply::Registered {
                     region_id: self.core.region_id,
@@ -767,9 +794,18 @@ impl Connection {
         if self.storing.contains_key(&hash) || g2.contains(hash) {
             return -1;
         }
-        // One engine cannot take G2 from everyone else: slots it holds for stores not yet
-        // completed are capped at half the pool (at least 16).
-        if self.storing.len() >= (g2.pool.slots() as usize / 2).max(16) {
+        // Engines cannot take G2 from the node or from each other: slots held for stores not
+        // yet completed are capped per engine (all its connections together) at half the pool,
+        // and for every engine together at three quarters, so the node's own write-through and
+        // loads keep a quarter (at least 16 slots each way).
+        let slots = g2.pool.slots() as usize;
+        let r = self.registered.as_ref().expect("registered");
+        if !take_one(&r.storing, (slots / 2).max(16)) {
+            telemetry::record_engine_blocks(&engine, "no_room", 1);
+            return -2;
+        }
+        if !take_one(&self.core.storing, (slots * 3 / 4).max(16)) {
+            r.storing.fetch_sub(1, Ordering::AcqRel);
             telemetry::record_engine_blocks(&engine, "no_room", 1);
             return -2;
         }
@@ -780,9 +816,18 @@ impl Connection {
                 index
             }
             None => {
+                self.release_store_slots(1);
                 telemetry::record_engine_blocks(&engine, "no_room", 1);
                 -2
             }
+        }
+    }
+
+    /// `n` slots held for stores were completed or given back.
+    fn release_store_slots(&self, n: usize) {
+        if let Some(r) = &self.registered {
+            r.storing.fetch_sub(n, Ordering::AcqRel);
+            self.core.storing.fetch_sub(n, Ordering::AcqRel);
         }
     }
 
@@ -799,6 +844,7 @@ impl Connection {
         for key in keys {
             let hash = identity.block_hash(key);
             let Some(mut slot) = self.storing.remove(&hash) else { continue };
+            self.release_store_slots(1);
             if !success {
                 continue;
             }
@@ -918,5 +964,37 @@ fn malformed(message: String) -> Reply {
 }
 
 async fn send(stream: &mut UnixStream, reply: Reply) -> std::io::Result<()> {
-    stream.write_all(&reply.encode()).await
+    written_in_time(stream.write_all(&reply.encode())).await
+}
+
+/// How long a reply may wait for its engine to read it: past it the connection closes (an engine
+/// that stops reading cannot keep its replies, and what they pin, in memory).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `write` unless it has not finished within [`WRITE_TIMEOUT`].
+async fn written_in_time(write: impl Future<Output = std::io::Result<()>>) -> std::io::Result<()> {
+    tokio::time::timeout(WRITE_TIMEOUT, write).await.unwrap_or_else(|_| {
+        Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the engine read nothing of its reply in 10 s"))
+    })
+}
+
+/// Keys a request carries.
+fn keys_of(request: &Request) -> usize {
+    match request {
+        Request::Lookup(keys)
+        | Request::PrepareStore(keys)
+        | Request::PrepareLoad(keys)
+        | Request::CompleteLoad(keys) => keys.len(),
+        Request::CompleteStore { keys, .. } => keys.len(),
+        Request::Locate(chain) => chain.len(),
+        _ => 0,
+    }
+}
+
+/// Requests of more keys than this are answered on a blocking thread.
+const INLINE_KEYS: usize = 1024;
+
+/// Takes one of `held`'s at most `cap` units; whether there was room.
+fn take_one(held: &AtomicUsize, cap: usize) -> bool {
+    held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1)).is_ok()
 }

@@ -64,7 +64,7 @@ use crate::leases::LeasedTiers;
 use crate::peer::{Arrival, FetchError, Land};
 use crate::telemetry::{
     Tier, record_corrupt_block, record_preemption, record_tier_error, record_transfer, record_write_lag,
-    record_write_skipped,
+    record_write_skipped, record_writes_skipped,
 };
 use crate::tiers::{BlockSite, NodeTiers};
 
@@ -1345,18 +1345,23 @@ impl<B: Backend> Worker<B> {
         let pending = std::mem::take(&mut self.gathers);
         let mut blocks = Vec::with_capacity(pending.len());
         let mut slots = Vec::with_capacity(pending.len());
+        // G2 cannot take more once an allocation fails: the rest stays in G1 only, counted.
+        let mut skipped = 0;
         for p in pending {
             if g2.contains(p.hash) {
                 continue;
             }
-            match g2.alloc(now) {
-                Some(slot) => {
-                    slots.push(slot);
-                    blocks.push(p);
-                }
-                // G2 cannot take more now; the rest stays in G1 only.
-                None => break,
+            if skipped == 0
+                && let Some(slot) = g2.alloc(now)
+            {
+                slots.push(slot);
+                blocks.push(p);
+                continue;
             }
+            skipped += 1;
+        }
+        if skipped > 0 {
+            record_writes_skipped(Tier::G2, skipped as u64);
         }
         if blocks.is_empty() {
             return;

@@ -33,6 +33,8 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# Most keys one request may carry (the node refuses more): longer lists go in several requests.
+MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 64
 
 
@@ -187,6 +189,13 @@ def encode_str(value: str) -> bytes:
     if len(raw) > 0xFFFF:
         raise ValueError(f"string of {len(raw)} bytes is too long for the protocol")
     return struct.pack("<H", len(raw)) + raw
+
+
+def chunks(keys: Sequence[bytes]) -> list[Sequence[bytes]]:
+    """`keys` in requests of at most MAX_KEYS (one, possibly empty, for a short list)."""
+    if len(keys) <= MAX_KEYS:
+        return [keys]
+    return [keys[i : i + MAX_KEYS] for i in range(0, len(keys), MAX_KEYS)]
 
 
 def encode_keys(keys: Sequence[bytes]) -> bytes:
@@ -515,30 +524,40 @@ class NodeClient:
 
     def lookup(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
         """Per key, a LookupAnswer value and, for a hit, its pinned slot (else -1)."""
-        r = Reader(self.call(Op.LOOKUP, encode_keys(keys)))
-        n = r.u32()
-        if n != len(keys):
-            raise NodeUnavailable(f"reply has {n} answers for {len(keys)} keys")
-        answers = [r.unpack("<Bi") for _ in range(n)]
-        r.end()
+        answers: list[tuple[int, int]] = []
+        for chunk in chunks(keys):
+            r = Reader(self.call(Op.LOOKUP, encode_keys(chunk)))
+            n = r.u32()
+            if n != len(chunk):
+                raise NodeUnavailable(f"reply has {n} answers for {len(chunk)} keys")
+            answers.extend(r.unpack("<Bi") for _ in range(n))
+            r.end()
         return answers
 
     def prepare_store(self, keys: Sequence[bytes]) -> list[int]:
         """One slot per key: >= 0 to write, -1 already stored, SLOT_NO_ROOM."""
-        return decode_counted(self.call(Op.PREPARE_STORE, encode_keys(keys)), "i", len(keys))
+        return [
+            slot
+            for chunk in chunks(keys)
+            for slot in decode_counted(self.call(Op.PREPARE_STORE, encode_keys(chunk)), "i", len(chunk))
+        ]
 
     def complete_store(self, keys: Sequence[bytes], success: bool) -> int:
         """Seal (success) or give back the keys' slots; returns how many were stored."""
-        body = bytes((1 if success else 0,)) + encode_keys(keys)
-        return self._single_u32(self.call(Op.COMPLETE_STORE, body))
+        flag = bytes((1 if success else 0,))
+        return sum(self._single_u32(self.call(Op.COMPLETE_STORE, flag + encode_keys(chunk))) for chunk in chunks(keys))
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         """Pin the keys; one slot per key, or SLOT_NOT_AVAILABLE."""
-        return decode_counted(self.call(Op.PREPARE_LOAD, encode_keys(keys)), "i", len(keys))
+        return [
+            slot
+            for chunk in chunks(keys)
+            for slot in decode_counted(self.call(Op.PREPARE_LOAD, encode_keys(chunk)), "i", len(chunk))
+        ]
 
     def complete_load(self, keys: Sequence[bytes]) -> int:
         """Unpin the keys; returns how many were released."""
-        return self._single_u32(self.call(Op.COMPLETE_LOAD, encode_keys(keys)))
+        return sum(self._single_u32(self.call(Op.COMPLETE_LOAD, encode_keys(chunk))) for chunk in chunks(keys))
 
     def take_events(self) -> list[Event]:
         r = Reader(self.call(Op.TAKE_EVENTS))
