@@ -383,6 +383,9 @@ impl NodeConfig {
 
         // [frontend]
         c.socket_addr("frontend.http", &self.frontend.http);
+        if self.frontend.max_prompt_bytes.as_u64() == 0 {
+            c.fail("frontend.max_prompt_bytes", "must be larger than 0B");
+        }
         if self.frontend.max_body.as_u64() == 0 {
             c.fail("frontend.max_body", "must be larger than 0B");
         }

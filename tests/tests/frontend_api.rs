@@ -1273,3 +1273,45 @@ async fn responses_refuse_what_the_store_would_keep_without_bound() {
     assert_eq!(status, 200, "{value}");
     assert_eq!(value["metadata"], json!({"run": "42", "owner": "me"}));
 }
+
+/// A prompt over `frontend.max_prompt_bytes` is refused from its size; a long one under it is
+/// counted in chunks and refused as soon as it is sure to be too long: the count in the error is
+/// where counting stopped (about one 64 KiB chunk), not the whole text's (a 30 MiB message once
+/// cost 20 s of CPU before its 400).
+#[tokio::test]
+async fn long_prompts_are_refused_from_their_size_or_a_chunk_past_the_limit() {
+    let server = Server::start(FrontendSection {
+        max_prompt_bytes: dynamo_config::ByteSize::kib(512),
+        ..FrontendSection::default()
+    })
+    .await;
+    let big = "word ".repeat(120 << 10);
+    let (status, _, err) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"model": "fake", "messages": [{"role": "user", "content": big}]}),
+    )
+    .await;
+    assert_error(status, &err, 400, "invalid_request_error", None);
+    assert!(err["error"]["message"].as_str().unwrap().contains("max_prompt_bytes"), "{err}");
+
+    // ~126 KiB of two-token words: about 86K tokens, 84 times the fake's context of 1024 (and
+    // short enough in bytes to pass the size pre-check); counting stops after the first chunk.
+    let long: String = (0..43_000).map(|i| format!("w{} ", i % 10)).collect();
+    let whole = Tokenizer::builtin().encode(&long).unwrap().len();
+    for (route, body) in [
+        ("/v1/chat/completions", json!({"model": "fake", "messages": [{"role": "user", "content": long}]})),
+        ("/v1/completions", json!({"model": "fake", "prompt": long})),
+    ] {
+        let (status, _, err) = post(&server, route, &body).await;
+        assert_error(status, &err, 400, "invalid_request_error", Some("context_length_exceeded"));
+        let message = err["error"]["message"].as_str().unwrap();
+        let counted: usize = message
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|n| n.parse().ok())
+            .filter(|&n| n > 1024)
+            .max()
+            .unwrap_or_else(|| panic!("{route}: no count in {message}"));
+        assert!(counted < whole * 3 / 5, "{route}: counted {counted} of {whole} tokens before refusing: {message}");
+    }
+}

@@ -21,6 +21,9 @@ pub struct FrontendSection {
     /// Longest prompt accepted, in tokens; `0` means the model's context (what G1 holds). A
     /// longer prompt is refused with `context_length_exceeded` before it is queued. Default `0`.
     pub max_prompt_tokens: usize,
+    /// Most bytes of text a prompt may carry (messages, system text, tools): a request over it is
+    /// refused from its size, before it is rendered or tokenized. Default `"8MiB"`.
+    pub max_prompt_bytes: ByteSize,
     /// Conversations (sessions) tracked at once; past it the idlest is forgotten. Default `16384`.
     pub max_sessions: usize,
     /// A connection must send a complete request head within this long of opening, or of the
@@ -116,6 +119,7 @@ impl Default for FrontendSection {
             session_idle_timeout: HumanDuration::mins(10),
             default_max_tokens: 512,
             max_prompt_tokens: 0,
+            max_prompt_bytes: ByteSize::mib(8),
             max_sessions: 16_384,
             header_timeout: HumanDuration::secs(15),
             body_timeout: HumanDuration::secs(30),

@@ -163,7 +163,13 @@ pub(crate) struct Caller {
     pub(crate) tenant: Tenant,
     /// Its id ([`request_id`](super::request_id)).
     pub(crate) request_id: std::sync::Arc<str>,
+    /// The client's address, where the server knows it.
+    pub(crate) client: Option<std::net::IpAddr>,
 }
+
+/// The address of the client a request came from (set by the server on every request).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientAddr(pub std::net::IpAddr);
 
 impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = std::convert::Infallible;
@@ -176,7 +182,8 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
             Some(id) => id.0.clone(),
             None => super::request_id::fresh(),
         };
-        Ok(Caller { headers: parts.headers.clone(), tenant, request_id })
+        let client = parts.extensions.get::<ClientAddr>().map(|c| c.0);
+        Ok(Caller { headers: parts.headers.clone(), tenant, request_id, client })
     }
 }
 

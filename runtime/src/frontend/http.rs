@@ -1,7 +1,9 @@
 //! What every route shares: reading and parsing the body off the async threads, session and
 //! request ids, the event-stream response, and the routes that are not an API's own.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -75,14 +77,83 @@ where
     F: FnOnce(&FrontendState, &Caller, T) -> Result<P, ApiError> + Send + 'static,
 {
     let bytes = read_body(state, &caller.headers, body).await?;
+    // A client's share of the preparers first, so one client's huge prompts cannot hold them all.
+    let _mine = state.inner.preparing_by_client.acquire(caller.client).await;
     let _permit = state.inner.preparing.clone().acquire_owned().await.map_err(|_| ApiError::internal("closed"))?;
     let state = state.clone();
     let span = tracing::Span::current();
+    // Set when this future is dropped (the client went away): tokenizing stops at its next chunk.
+    let gone = Arc::new(AtomicBool::new(false));
+    let _gone_on_drop = SetOnDrop(gone.clone());
     tokio::task::spawn_blocking(move || {
-        span.in_scope(|| parse::<T>(&bytes).and_then(|req| prepare(&state, &caller, req)))
+        CLIENT_GONE.with(|flag| *flag.borrow_mut() = Some(gone));
+        let prepared = span.in_scope(|| parse::<T>(&bytes).and_then(|req| prepare(&state, &caller, req)));
+        CLIENT_GONE.with(|flag| *flag.borrow_mut() = None);
+        prepared
     })
     .await
     .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+}
+
+thread_local! {
+    /// The flag of the request this blocking thread prepares, set once its client is gone.
+    static CLIENT_GONE: std::cell::RefCell<Option<Arc<AtomicBool>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Whether the client of the request being prepared on this thread has gone away.
+pub(super) fn client_gone() -> bool {
+    CLIENT_GONE.with(|flag| flag.borrow().as_ref().is_some_and(|gone| gone.load(Ordering::Relaxed)))
+}
+
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Each client's share of the preparers: at most `per_client` of its requests are rendered and
+/// tokenized at once (a client is its address; requests without one share a share).
+#[derive(Debug)]
+pub(crate) struct ClientPermits {
+    per_client: usize,
+    clients: parking_lot::Mutex<std::collections::HashMap<Option<IpAddr>, Arc<tokio::sync::Semaphore>>>,
+}
+
+impl ClientPermits {
+    pub(crate) fn new(per_client: usize) -> Self {
+        Self { per_client: per_client.max(1), clients: Default::default() }
+    }
+
+    /// Waits for one of `client`'s permits.
+    pub(crate) async fn acquire(&self, client: Option<IpAddr>) -> ClientPermit<'_> {
+        let semaphore = {
+            let mut clients = self.clients.lock();
+            clients.entry(client).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.per_client))).clone()
+        };
+        let permit = semaphore.clone().acquire_owned().await.ok();
+        ClientPermit { owner: self, client, permit, semaphore }
+    }
+}
+
+/// One of a client's permits; the client's entry goes with its last one.
+pub(crate) struct ClientPermit<'a> {
+    owner: &'a ClientPermits,
+    client: Option<IpAddr>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    semaphore: Arc<tokio::sync::Semaphore>,
+}
+
+impl Drop for ClientPermit<'_> {
+    fn drop(&mut self) {
+        self.permit.take();
+        let mut clients = self.owner.clients.lock();
+        // Only the map and this guard hold it, and nobody waits: forget the client.
+        if Arc::strong_count(&self.semaphore) == 2 && self.semaphore.available_permits() == self.owner.per_client {
+            clients.remove(&self.client);
+        }
+    }
 }
 
 /// The body of a JSON request: 415 unless `Content-Type` is JSON, 413 over `frontend.max_body`,
@@ -266,7 +337,7 @@ mod tests {
         for (name, value) in headers {
             map.insert(*name, HeaderValue::from_str(value).unwrap());
         }
-        Caller { headers: map, tenant, request_id: "test".into() }
+        Caller { headers: map, tenant, request_id: "test".into(), client: None }
     }
 
     #[test]

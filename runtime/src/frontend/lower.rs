@@ -98,9 +98,74 @@ pub(super) fn fit(
 }
 
 /// Refuses, before any rendering or tokenizing, a prompt whose text is sure to be too long:
-/// `bytes` of text make at least `bytes / max_token_bytes` tokens, and every message at least one.
+/// more than `frontend.max_prompt_bytes`, or `bytes` of text that make at least
+/// `bytes / max_token_bytes` tokens (and every message at least one) past the limit.
 pub(super) fn precheck(state: &FrontendState, messages: usize, text_bytes: usize, param: &str) -> Result<(), ApiError> {
+    let max = state.inner.max_prompt_bytes;
+    if text_bytes > max {
+        return Err(ApiError::invalid(
+            format!(
+                "The prompt's text is {text_bytes} bytes; this server takes at most {max} (frontend.max_prompt_bytes)."
+            ),
+            Some(param),
+        ));
+    }
     check_prompt(state, (text_bytes / state.inner.max_token_bytes).max(messages), param)
+}
+
+/// The most prompt tokens accepted: the context (less one generated token) or
+/// `frontend.max_prompt_tokens`, whichever is lower.
+pub(super) fn prompt_limit(state: &FrontendState) -> usize {
+    let context = state.inner.generator.max_context().saturating_sub(1);
+    match state.inner.max_prompt_tokens {
+        0 => context,
+        max => max.min(context),
+    }
+}
+
+/// Bytes of text tokenized at a time while a prompt's length is still being found out.
+pub(super) const COUNT_CHUNK: usize = 64 << 10;
+
+/// `text` as it is tokenized in [`COUNT_CHUNK`]s, refusing it as soon as it is sure to be longer
+/// than `limit` tokens (or the client is gone): a 30 MiB message costs a chunk past the limit,
+/// not its whole tokenization. Chunks end before whitespace, where the pre-tokenizer splits
+/// anyway; a boundary may still move a token, so each chunk counts one token fewer.
+pub(super) fn count_within(
+    state: &FrontendState,
+    text: &str,
+    have: usize,
+    limit: usize,
+    param: &str,
+) -> Result<(), ApiError> {
+    let tokenizer = &state.inner.tokenizer;
+    let mut counted = have;
+    let mut rest = text;
+    while !rest.is_empty() {
+        if super::http::client_gone() {
+            return Err(ApiError::internal("the client went away while its prompt was tokenized"));
+        }
+        let mut end = rest.len().min(COUNT_CHUNK);
+        while !rest.is_char_boundary(end) {
+            end += 1;
+        }
+        if end < rest.len()
+            && let Some(space) = rest[..end].rfind(char::is_whitespace).filter(|&at| at > 0)
+        {
+            end = space;
+        }
+        let n = tokenizer.encode(&rest[..end]).map_err(|e| ApiError::internal(e.to_string()))?.len();
+        counted += n.saturating_sub(1);
+        if counted > limit {
+            return Err(ApiError::ContextLength {
+                tokens: counted,
+                limit,
+                param: param.to_owned(),
+                server_limit: state.inner.max_prompt_tokens > 0,
+            });
+        }
+        rest = &rest[end..];
+    }
+    Ok(())
 }
 
 /// The scripted answer of a request at `turn`, tokenized; `None` when the engine is not scripted.
@@ -455,7 +520,14 @@ fn tokenize(state: &FrontendState, pieces: &[Piece], kept: &[Option<Kept>]) -> R
                 i = end;
             }
             None => {
+                if piece.text.len() > COUNT_CHUNK {
+                    // A long piece is counted in chunks first: past the limit it stops there.
+                    count_within(state, &piece.text, ids.len(), prompt_limit(state), "messages")?;
+                }
                 ids.extend(tokenizer.encode(&piece.text).map_err(internal)?);
+                if ids.len() > prompt_limit(state) {
+                    check_prompt(state, ids.len(), "messages")?;
+                }
                 i += 1;
             }
         }

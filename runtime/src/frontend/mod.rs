@@ -113,6 +113,10 @@ struct Inner {
     max_token_bytes: usize,
     /// Rendering and tokenizing run on the blocking pool, this many at a time.
     preparing: Arc<tokio::sync::Semaphore>,
+    /// Each client's share of `preparing`.
+    preparing_by_client: Arc<http::ClientPermits>,
+    /// `frontend.max_prompt_bytes`.
+    max_prompt_bytes: usize,
     limits: server::ServerLimits,
     allowed_hosts: Vec<String>,
     /// `[frontend.auth]`: the API keys and their tenants.
@@ -192,6 +196,8 @@ impl FrontendState {
                 body_timeout: config.body_timeout.0,
                 max_prompt_tokens: config.max_prompt_tokens,
                 preparing: Arc::new(tokio::sync::Semaphore::new(preparers)),
+                preparing_by_client: Arc::new(http::ClientPermits::new((preparers / 2).max(1))),
+                max_prompt_bytes: usize::try_from(config.max_prompt_bytes.as_u64()).unwrap_or(usize::MAX),
                 limits: server::ServerLimits {
                     header_timeout: config.header_timeout.0,
                     write_timeout: config.write_timeout.0,

@@ -124,11 +124,13 @@ impl Table {
     }
 }
 
-/// The router's service with its connection's requests counted in flight.
+/// The router's service with its connection's requests counted in flight, each request told
+/// its client's address.
 #[derive(Clone, Debug)]
 struct Counted<S> {
     inner: S,
     state: Arc<ConnState>,
+    client: IpAddr,
 }
 
 /// Decrements its connection's requests in flight when dropped.
@@ -176,9 +178,9 @@ impl<B: http_body::Body + Unpin> http_body::Body for Tracked<B> {
     }
 }
 
-impl<S, R, B> hyper::service::Service<R> for Counted<S>
+impl<S, R, B> hyper::service::Service<axum::http::Request<R>> for Counted<S>
 where
-    S: hyper::service::Service<R, Response = axum::http::Response<B>>,
+    S: hyper::service::Service<axum::http::Request<R>, Response = axum::http::Response<B>>,
     S::Future: Send + 'static,
     B: http_body::Body + Unpin,
 {
@@ -186,7 +188,8 @@ where
     type Error = S::Error;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
-    fn call(&self, req: R) -> Self::Future {
+    fn call(&self, mut req: axum::http::Request<R>) -> Self::Future {
+        req.extensions_mut().insert(super::auth::ClientAddr(self.client));
         let in_flight = InFlight::new(self.state.clone());
         let response = self.inner.call(req);
         Box::pin(async move { Ok(response.await?.map(|body| Tracked { body, _in_flight: in_flight })) })
@@ -274,7 +277,7 @@ pub async fn serve(
         }
         let _ = stream.set_nodelay(true);
         let state = Arc::new(ConnState::default());
-        let service = Counted { inner: TowerToHyperService::new(router.clone()), state: state.clone() };
+        let service = Counted { inner: TowerToHyperService::new(router.clone()), state: state.clone(), client };
         let io = TokioIo::new(ErrorBodies::new(WriteDeadline::new(stream, limits.write_timeout)));
         let connection = graceful.watch(builder.serve_connection(io, service));
         let abort = connections.spawn(async move {

@@ -287,6 +287,11 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
         Prompt::Tokens(_) | Prompt::TokenLists(_) => 0,
     };
     lower::precheck(state, 1, text_bytes, "prompt")?;
+    if let Prompt::Text(text) = &req.prompt
+        && text.len() > lower::COUNT_CHUNK
+    {
+        lower::count_within(state, text, 0, lower::prompt_limit(state), "prompt")?;
+    }
     let prompt = match req.prompt {
         Prompt::Text(text) => inner.tokenizer.encode(&text).map_err(internal)?,
         Prompt::Texts(mut texts) => {
