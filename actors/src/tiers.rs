@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dynamo_config::{RegionKind, RetentionSection, TierName, TiersSection};
+use dynamo_tiering::block::guard::{ImageGuard, Tag};
 use dynamo_tiering::block::{BlockHash, BlockLayout, BlockMap, Salt};
 use dynamo_tiering::cost::{CostModel, Measurements};
 use dynamo_tiering::g2::{HostPool, SlotMut, SlotRef};
@@ -71,23 +72,43 @@ pub struct G2Tier {
     registry: Arc<Mutex<TierRegistry>>,
     inner: Mutex<G2Inner>,
     observer: Arc<dyn KvObserver>,
+    /// With a pool other processes map (the engine endpoint's), every image is tagged under a key
+    /// only this process has when it is admitted, and checked against its tag on every read:
+    /// an engine that rewrites an image, checksums and all, is caught before its bytes are used.
+    guard: Option<ImageGuard>,
 }
 
 #[derive(Debug)]
 struct G2Inner {
     slots: BlockMap<SlotRef>,
+    tags: BlockMap<Tag>,
 }
 
 impl G2Tier {
     /// A G2 tier over `pool`, with `registry` deciding what stays (shared with whoever reports
     /// its stats).
     pub fn new(pool: HostPool, registry: Arc<Mutex<TierRegistry>>) -> Self {
+        let guard = pool.share_fd().is_some().then(|| ImageGuard::new().expect("the OS's randomness"));
         Self {
             pool,
             registry,
-            inner: Mutex::new(G2Inner { slots: BlockMap::default() }),
+            inner: Mutex::new(G2Inner { slots: BlockMap::default(), tags: BlockMap::default() }),
             observer: Arc::new(NoObserver),
+            guard,
         }
+    }
+
+    /// `slot` if it is still the image admitted as `hash` (always, in a private pool). One that is
+    /// not is dropped from G2 and counted corrupt: its bytes are never used.
+    fn checked(&self, hash: BlockHash, slot: SlotRef, tag: Option<Tag>) -> Option<SlotRef> {
+        let (Some(guard), Some(tag)) = (&self.guard, tag) else { return Some(slot) };
+        if guard.check(slot.as_slice(), &tag) {
+            return Some(slot);
+        }
+        tracing::warn!(%hash, "a G2 image changed after it was admitted (written by another process); dropped");
+        crate::telemetry::record_corrupt_block(crate::telemetry::Tier::G2);
+        self.forget(hash);
+        None
     }
 
     /// Reports what this tier stores and drops to `observer`.
@@ -113,14 +134,20 @@ impl G2Tier {
     pub fn get(&self, hash: BlockHash, now: Millis) -> Option<SlotRef> {
         let (g, mut registry) = self.lock();
         let slot = g.slots.get(&hash).cloned()?;
+        let tag = g.tags.get(&hash).copied();
         let _ = registry.touch(hash, now);
-        Some(slot)
+        drop((g, registry));
+        self.checked(hash, slot, tag)
     }
 
     /// The image of `hash`, if resident, without counting an access (write-through reading it
     /// on to G3 is not a use of the block).
     pub fn peek(&self, hash: BlockHash) -> Option<SlotRef> {
-        self.inner.lock().expect("G2 lock").slots.get(&hash).cloned()
+        let g = self.inner.lock().expect("G2 lock");
+        let slot = g.slots.get(&hash).cloned()?;
+        let tag = g.tags.get(&hash).copied();
+        drop(g);
+        self.checked(hash, slot, tag)
     }
 
     /// Whether `hash` is resident.
@@ -147,6 +174,7 @@ impl G2Tier {
         let evicted = registry.evict(1, now);
         for victim in &evicted {
             g.slots.remove(&victim.hash);
+            g.tags.remove(&victim.hash);
         }
         drop((g, registry));
         self.report_removed(victims(&evicted));
@@ -156,11 +184,17 @@ impl G2Tier {
     /// Admits a sealed image. Returns false when the tier refused it (everything pinned) or
     /// already had it.
     pub fn admit(&self, hash: BlockHash, meta: BlockMeta, image: SlotRef, now: Millis) -> bool {
+        // Tagged before it is visible to any reader; the MAC runs outside the locks.
+        let tag = self.guard.as_ref().map(|guard| guard.tag(image.as_slice()));
         let (mut g, mut registry) = self.lock();
         match registry.insert(hash, meta, now) {
             Ok(Admission::Inserted { evicted }) => {
                 for victim in &evicted {
                     g.slots.remove(&victim.hash);
+                    g.tags.remove(&victim.hash);
+                }
+                if let Some(tag) = tag {
+                    g.tags.insert(hash, tag);
                 }
                 g.slots.insert(hash, image);
                 drop((g, registry));
@@ -177,6 +211,7 @@ impl G2Tier {
     pub fn forget(&self, hash: BlockHash) {
         let (mut g, mut registry) = self.lock();
         let removed = g.slots.remove(&hash).is_some();
+        g.tags.remove(&hash);
         let _ = registry.remove(hash);
         drop((g, registry));
         if removed {
@@ -206,6 +241,7 @@ impl G2Tier {
         let evicted = registry.evict_to(target, now);
         for victim in &evicted {
             g.slots.remove(&victim.hash);
+            g.tags.remove(&victim.hash);
         }
         drop((g, registry));
         let n = evicted.len();
@@ -497,5 +533,75 @@ impl LeasedTiers for NodeTiers {
 
     fn lowest_tier(&self, region: RegionKind) -> TierName {
         self.retention.policy(region).lowest_tier
+    }
+}
+
+#[cfg(test)]
+mod guard_tests {
+    use dynamo_config::RegionKind;
+    use dynamo_tiering::block::image::{HEADER_LEN, ImageSpec, RetentionMeta, seal, verify_image};
+    use dynamo_tiering::block::{BlockHash, BlockLayout, Salt};
+    use dynamo_tiering::g2::{HostPool, HostPoolOptions, MlockPolicy};
+    use dynamo_tiering::registry::{BlockMeta, PolicyKind, TierRegistry};
+
+    use super::*;
+
+    fn admitted(g2: &G2Tier, hash: BlockHash) -> SlotRef {
+        let mut slot = g2.pool.try_alloc().expect("a slot");
+        let buf = &mut slot.as_mut_slice()[..HEADER_LEN + 4096];
+        buf[HEADER_LEN..].fill(9);
+        let spec = ImageSpec {
+            hash,
+            parent: None,
+            salt: Salt(0),
+            layout: BlockLayout::opaque(4096),
+            token_count: 1,
+            retention: RetentionMeta::default(),
+        };
+        seal(buf, &spec);
+        let image = slot.freeze();
+        let meta = BlockMeta { parent: None, region: RegionKind::Conversation, priority: 50, retain_until: 0 };
+        assert!(g2.admit(hash, meta, image.clone(), 1));
+        image
+    }
+
+    /// In a pool engines map, an image rewritten after it was admitted — its checksums
+    /// recomputed, so it still verifies as an image — is caught on the next read and dropped;
+    /// in a private pool nothing is tagged and nothing is paid.
+    #[test]
+    fn a_shared_pool_catches_an_image_rewritten_after_admission() {
+        let options = HostPoolOptions { slot_bytes: HEADER_LEN + 4096, slots: 8, mlock: MlockPolicy::Off };
+        let registry = || Arc::new(Mutex::new(TierRegistry::new(8, PolicyKind::Lru)));
+        let g2 = G2Tier::new(HostPool::shared(options).expect("shared pool"), registry());
+        let (hash, other) = (BlockHash(7), BlockHash(8));
+        let image = admitted(&g2, hash);
+        admitted(&g2, other);
+        assert!(g2.get(hash, 2).is_some() && g2.peek(hash).is_some(), "untouched images read");
+
+        // What an engine with the region mapped can do: new bytes, and the checksums to match.
+        let (base, _) = g2.pool.region();
+        let at = image.index() as usize * g2.pool.slot_bytes();
+        // SAFETY: the slot lies inside the pool's mapping; nothing reads it concurrently here.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(base.add(at), HEADER_LEN + 4096) };
+        bytes[HEADER_LEN + 100] ^= 0xff;
+        let spec = ImageSpec {
+            hash,
+            parent: None,
+            salt: Salt(0),
+            layout: BlockLayout::opaque(4096),
+            token_count: 1,
+            retention: RetentionMeta::default(),
+        };
+        seal(bytes, &spec);
+        assert!(verify_image(bytes, hash).is_ok(), "the forgery passes the image's own checks");
+        drop(image);
+        assert!(g2.peek(hash).is_none(), "caught on read");
+        assert!(!g2.contains(hash), "and dropped from G2");
+        assert!(g2.get(other, 3).is_some(), "the others are untouched");
+
+        let private = G2Tier::new(HostPool::new(options).expect("pool"), registry());
+        assert!(private.guard.is_none(), "a private pool is not tagged");
+        admitted(&private, hash);
+        assert!(private.get(hash, 2).is_some());
     }
 }

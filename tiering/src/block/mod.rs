@@ -1,5 +1,6 @@
 //! What a KV block is: its identity ([`hash`]) and its self-describing byte form ([`image`]).
 
+pub mod guard;
 pub mod hash;
 pub mod image;
 pub mod map;
