@@ -176,6 +176,9 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     let addr = listener.local_addr()?;
     if announce {
         print!("{}", plan.render());
+        if let Some(warning) = plan.slot_warning() {
+            tracing::warn!("{warning}");
+        }
     }
     let (open_cfg, open_plan) = (cfg.clone(), plan.clone());
     let stores =

@@ -364,6 +364,21 @@ impl ResolvedTiers {
         Ok(StorePlan { g2, g3, lease_budget: tiers.lease_budget })
     }
 
+    /// What slots sized for external engines' blocks cost the node's own, when that is more than
+    /// twice their image: G2 and G3 hold that many times fewer of the node's blocks.
+    pub fn slot_warning(&self) -> Option<String> {
+        let ratio = self.slot_bytes / self.image_bytes.max(1);
+        (self.shared_g2 && ratio >= 2).then(|| {
+            format!(
+                "engine_endpoint.max_block_bytes makes every G2 and G3 slot {} for the node's own images of {}: \
+                 G2 and G3 hold {ratio}× fewer of the node's blocks than their capacity allows; set \
+                 engine_endpoint.max_block_bytes to the engines' block size",
+                ByteSize(self.slot_bytes as u64),
+                ByteSize(self.image_bytes as u64),
+            )
+        })
+    }
+
     /// A table for operators: one line per tier.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -378,6 +393,9 @@ impl ResolvedTiers {
             ByteSize(self.image_bytes as u64),
             ByteSize(self.slot_bytes as u64),
         );
+        if let Some(warning) = self.slot_warning() {
+            let _ = writeln!(out, "WARNING: {warning}");
+        }
         let _ = writeln!(out, "engines: {} × reference on {}", self.workers, self.device);
         let _ = writeln!(out, "{:<4} {:<44} {:>10} {:>9} {:<6}", "tier", "medium", "capacity", "blocks", "policy");
         let policy = |p: PolicyKind| if p == PolicyKind::Lru { "lru" } else { "lfu" };
@@ -496,6 +514,23 @@ mod tests {
 
     fn no_gpu() -> Result<DeviceInfo, KernelError> {
         Err(KernelError::CudaUnavailable("libcuda.so.1 not found".into()))
+    }
+
+    /// The engine endpoint's default 2 MiB slots for the tiny model's 16 KiB images: the start-up
+    /// table says what that costs, loudly; slots sized to the engines' blocks say nothing.
+    #[test]
+    fn slots_sized_for_engines_are_announced_when_they_cost_the_node() {
+        let mut cfg = NodeConfig::embedded_default();
+        cfg.engine_endpoint.enabled = true;
+        let tiers = ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap();
+        let table = tiers.render();
+        let warning = table.lines().find(|l| l.starts_with("WARNING: ")).unwrap_or_else(|| panic!("{table}"));
+        assert!(warning.contains("fewer of the node's blocks") && warning.contains("max_block_bytes"), "{warning}");
+        cfg.engine_endpoint.max_block_bytes = ByteSize(tiers.image_bytes as u64 - 128);
+        let fitted = ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap();
+        assert!(fitted.slot_warning().is_none(), "{}", fitted.render());
+        cfg.engine_endpoint.enabled = false;
+        assert!(ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap().slot_warning().is_none());
     }
 
     #[test]
