@@ -66,7 +66,9 @@
 //! (`max_blocks` divided by the shard count, rounded up), and a block held by sources of two
 //! shards counts in both (as it does in [`IndexStats::blocks`]). When a shard is full, a block new to
 //! that shard is refused (counted in [`IndexStats::rejected_full`]); a block the shard already indexes can
-//! still gain locations. Refusing errs on the safe side: the index may miss a cached prefix (a
+//! still gain locations. An external engine's location (its G1, from its own KV events) holds at
+//! most a quarter of its shard's share, so one engine's events cannot fill the index and push the
+//! node's own routing entries out. Refusing errs on the safe side: the index may miss a cached prefix (a
 //! routing opportunity lost) but never claims a block that is not there, and sources evict
 //! continuously, so room comes back without a scan.
 

@@ -197,6 +197,11 @@ impl Store {
         }
     }
 
+    /// The most blocks one external engine's location may hold: a quarter of the store.
+    fn engine_share(&self) -> u64 {
+        (self.max_blocks as u64 / 4).max(1)
+    }
+
     /// Distinct blocks in the index.
     pub(crate) fn blocks(&self) -> usize {
         self.blocks.len()
@@ -294,14 +299,21 @@ impl Store {
         parent: Option<BlockHash>,
         parent_slot: Option<usize>,
     ) -> (Insert, Option<usize>) {
+        // An external engine holds at most its share: its events cannot fill the index and push
+        // out the node's own routing entries.
+        let engine_full = self.keys[loc as usize].location.source.external_engine().is_some()
+            && self.locations[loc as usize].live >= self.engine_share();
         let slot = match self.blocks.probe(hash) {
             Probe::Found(i) => {
                 let entry = self.blocks.at_mut(i);
                 let Err(at) = entry.find(loc) else { return (Insert::Present, Some(i)) };
+                if engine_full {
+                    return (Insert::Rejected, None);
+                }
                 entry.holders.insert(at, Holder { loc, children: 0 });
                 i
             }
-            Probe::Vacant(_) if self.blocks.len() >= self.max_blocks => return (Insert::Rejected, None),
+            Probe::Vacant(_) if engine_full || self.blocks.len() >= self.max_blocks => return (Insert::Rejected, None),
             Probe::Vacant(i) => {
                 let mut holders = SmallVec::new();
                 holders.push(Holder { loc, children: 0 });

@@ -369,6 +369,28 @@ fn a_full_index_refuses_new_blocks_but_not_new_holders() {
     assert_eq!((stats.blocks, stats.rejected_full), (8, 6 + 4));
 }
 
+/// One external engine's events fill at most a quarter of the index (10M entries of one vLLM
+/// once pushed the node's own out); the node's workers still index theirs, and another engine
+/// gets its own quarter.
+#[test]
+fn an_external_engine_holds_at_most_its_share_of_the_index() {
+    let index = PrefixIndex::with_shards(IndexConfig { max_blocks: 400, ..IndexConfig::default() }, 1);
+    let (vllm, other) = (SourceId::external(0, 0), SourceId::external(0, 1));
+    let c = chain(21, 300);
+    index.apply(&stored(vllm, 1, TierName::G1, None, &c));
+    let stats = index.stats();
+    assert_eq!((stats.blocks, stats.rejected_full), (100, 200), "a quarter of 400");
+    index.apply(&stored(other, 1, TierName::G1, None, &c[..150]));
+    assert_eq!(answers(&index, &c)[&exact(other, TierName::G1)], 100, "its own quarter, shared blocks included");
+    let mine = chain(22, 200);
+    index.apply(&stored(W00, 1, TierName::G1, None, &mine));
+    assert_eq!(answers(&index, &mine)[&exact(W00, TierName::G1)], 200, "the node's own workers are not crowded out");
+    // The engine's evictions give its room back.
+    index.apply(&removed(vllm, 2, TierName::G1, &c[50..100]));
+    index.apply(&stored(vllm, 3, TierName::G1, Some(c[49]), &c[50..120]));
+    assert_eq!(answers(&index, &c)[&exact(vllm, TierName::G1)], 100);
+}
+
 #[test]
 fn a_full_index_does_not_grow_its_table() {
     let max_blocks = 1000;
