@@ -124,6 +124,9 @@ pub struct Hints {
     pub priority: i32,
     /// Tokens the answer is expected to have (the cost estimate's decode part).
     pub expected_output_tokens: Option<usize>,
+    /// Whose request it is (a digest of the tenant's name; 0 for the shared tenant): at the
+    /// session cap, sessions are ended from the tenant holding the most.
+    pub tenant: u64,
 }
 
 /// A queued request: its events, and the worker it went to.
@@ -206,6 +209,7 @@ pub struct SchedulerStatus {
 struct SessionEntry {
     actor: SessionRef,
     last_request: Instant,
+    tenant: u64,
 }
 
 /// The scheduler's state.
@@ -490,14 +494,32 @@ impl SchedulerState {
     }
 
     /// The actor of session `id`, started (supervised by the scheduler) if it has none; at the
-    /// cap the idlest conversation ends first (its leases end with it).
-    async fn session_actor(&mut self, myself: &SchedulerRef, id: String) -> Option<SessionRef> {
+    /// cap a conversation of the tenant holding the most sessions ends first, its idlest (its
+    /// leases end with it): one tenant opening sessions ends its own, not another's.
+    async fn session_actor(&mut self, myself: &SchedulerRef, id: String, tenant: u64) -> Option<SessionRef> {
         if let Some(entry) = self.sessions.get_mut(&id) {
             entry.last_request = Instant::now();
             return Some(entry.actor.clone());
         }
         while self.sessions.len() >= self.args.max_sessions.max(1) {
-            let Some(idlest) = self.sessions.iter().min_by_key(|(_, e)| e.last_request).map(|(k, _)| k.clone()) else {
+            let mut held: HashMap<u64, usize> = HashMap::new();
+            for e in self.sessions.values() {
+                *held.entry(e.tenant).or_default() += 1;
+            }
+            // The tenant holding the most (the newcomer's own on a tie).
+            let most = held.values().copied().max().unwrap_or(0);
+            let heaviest = if held.get(&tenant) == Some(&most) {
+                tenant
+            } else {
+                held.iter().find(|(_, n)| **n == most).map_or(tenant, |(t, _)| *t)
+            };
+            let Some(idlest) = self
+                .sessions
+                .iter()
+                .filter(|(_, e)| e.tenant == heaviest)
+                .min_by_key(|(_, e)| e.last_request)
+                .map(|(k, _)| k.clone())
+            else {
                 break;
             };
             if let Some(entry) = self.sessions.remove(&idlest) {
@@ -520,7 +542,7 @@ impl SchedulerState {
             }
         };
         self.session_of.insert(actor.get_id(), id.clone());
-        self.sessions.insert(id, SessionEntry { actor: actor.clone(), last_request: Instant::now() });
+        self.sessions.insert(id, SessionEntry { actor: actor.clone(), last_request: Instant::now(), tenant });
         Some(actor)
     }
 }
@@ -572,12 +594,13 @@ impl Actor for SchedulerActor {
         match msg {
             SchedulerMsg::Submit { req, session, hints, reply } => {
                 // A session's request goes through its actor, which sends it back to be routed.
+                let tenant = hints.tenant;
                 let mut msg = SessionMsg::Submit { req, hints, reply };
                 if let Some(id) = session {
                     // An actor that is ending (drained at its idle timeout, or at the cap) refuses
                     // new messages: the conversation goes on in a new one.
                     for _ in 0..2 {
-                        let Some(actor) = state.session_actor(&myself, id.clone()).await else { break };
+                        let Some(actor) = state.session_actor(&myself, id.clone(), tenant).await else { break };
                         match actor.cast(msg) {
                             Ok(()) => return Ok(()),
                             Err(ractor::MessagingErr::SendErr(back)) => {

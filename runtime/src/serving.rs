@@ -470,6 +470,7 @@ impl Generator for NodeGenerator {
         let hints = Hints {
             priority: queue_priority(req.hints.priority, speculative),
             expected_output_tokens: req.hints.expected_output_tokens,
+            tenant: req.tenant.name().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes()) | 1),
         };
         let job = GenRequest {
             prompt: req.prompt,

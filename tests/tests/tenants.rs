@@ -161,3 +161,62 @@ async fn tenants_never_share_blocks_and_wrong_keys_are_refused_in_each_apis_shap
 
     assert_eq!(node.stop(), 0);
 }
+
+/// At `frontend.max_sessions`, a new session ends one of the tenant holding the most: tenant a
+/// opening session after session ends its own, and tenant b's session — and the lease it holds
+/// in the tiers — lives on (it once went from 57 leased G3 blocks to 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_sessions_never_end_anothers() {
+    let config = format!(
+        "[frontend]\nmax_sessions = 3\ncache_min_tokens = 64\n\n\
+         [[frontend.auth.keys]]\nkey = \"{KEY_A}\"\ntenant = \"a\"\n\n\
+         [[frontend.auth.keys]]\nkey = \"{KEY_B}\"\ntenant = \"b\"\n"
+    );
+    let node = Node::start_in(std::sync::Arc::new(tempfile::tempdir().expect("tempdir")), &config);
+    let system: String = (0..200).map(|i| format!("b-rule{i} ")).collect();
+    let leased = json!({
+        "model": "tiny", "max_tokens": 2,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        "messages": [{"role": "user", "content": "hello"}],
+    });
+    let (status, answer) = post(
+        &node,
+        "/messages",
+        &[("x-api-key", KEY_B), ("anthropic-version", "2023-06-01"), ("x-claude-code-session-id", "b-1")],
+        &leased,
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let series = "dynamo_node_kv_leased_blocks{tier=\"g3\"}";
+    let wait = |want: fn(f64) -> bool| {
+        let node = &node;
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            loop {
+                let v = node.metric(series).await;
+                if want(v) || std::time::Instant::now() > deadline {
+                    return v;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let before = wait(|v| v > 0.0).await;
+    assert!(before > 0.0, "b's lease is in G3");
+    let auth_a = bearer(KEY_A);
+    for i in 0..6 {
+        let session = format!("a-{i}");
+        let (status, answer) = post(
+            &node,
+            "/chat/completions",
+            &[("authorization", &auth_a), ("x-session-id", &session)],
+            &chat(&format!("task {i}"), json!({})),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    // Two publications later: b's lease is still there.
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert_eq!(node.metric(series).await, before, "b's session and lease live on");
+    assert_eq!(node.stop(), 0);
+}
