@@ -49,6 +49,16 @@ fn assert_error(status: u16, body: &Value, want_status: u16, want_type: &str, wa
     assert_eq!(error["code"].as_str(), want_code, "{body}");
 }
 
+/// What the `agent` model calls, offered as OpenAI function tools.
+fn agent_chat() -> Value {
+    let mut body = chat("agent");
+    body["tools"] = json!([
+        {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "cat", "parameters": {"type": "object"}}},
+    ]);
+    body
+}
+
 fn chat(model: &str) -> Value {
     json!({"model": model, "messages": [
         {"role": "system", "content": "You are terse."},
@@ -542,7 +552,8 @@ async fn max_prompt_tokens_bounds_prompts_below_the_context() {
     let huge = json!({"model": "fake", "messages": [{"role": "user", "content": "a".repeat(30 << 20)}]});
     let started = std::time::Instant::now();
     let (status, _, value) = post(&server, "/v1/chat/completions", &huge).await;
-    assert_error(status, &value, 400, "invalid_request_error", Some("context_length_exceeded"));
+    assert_error(status, &value, 400, "invalid_request_error", None);
+    assert!(value["error"]["message"].as_str().unwrap().contains("max_prompt_bytes"), "{value}");
     assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
     let (status, _, value) = post(&server, "/v1/completions", &json!({"model": "fake", "prompt": vec![1; 101]})).await;
     assert_error(status, &value, 400, "invalid_request_error", Some("context_length_exceeded"));
@@ -577,7 +588,7 @@ async fn chat_answers_carry_reasoning_and_parsed_tool_calls() {
         ..FrontendSection::default()
     };
     let server = Server::start(config).await;
-    let (status, _, value) = post(&server, "/v1/chat/completions", &chat("agent")).await;
+    let (status, _, value) = post(&server, "/v1/chat/completions", &agent_chat()).await;
     assert_eq!(status, 200, "{value}");
     let choice = &value["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{value}");
@@ -592,7 +603,7 @@ async fn chat_answers_carry_reasoning_and_parsed_tool_calls() {
     assert_eq!(calls[1]["function"]["arguments"], "{\"file\": \"a.rs\", \"lines\": [1, 20]}");
     assert_ne!(calls[0]["id"], calls[1]["id"]);
 
-    let mut streamed = chat("agent");
+    let mut streamed = agent_chat();
     streamed["stream"] = json!(true);
     let events = post_stream(&server, "/v1/chat/completions", &streamed).await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
@@ -651,6 +662,7 @@ fn claude_request(cch: &str, stream: bool) -> Value {
             {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
         ],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "List the repository."}]}],
+        "tools": [{"name": "ls", "input_schema": {"type": "object"}}, {"name": "cat", "input_schema": {"type": "object"}}],
     })
 }
 
@@ -968,7 +980,7 @@ async fn a_single_call_answer_ends_before_the_second_call() {
         ..FrontendSection::default()
     };
     let server = Server::start(config).await;
-    let mut body = chat("agent");
+    let mut body = agent_chat();
     body["parallel_tool_calls"] = json!(false);
     let (status, _, value) = post(&server, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{value}");
@@ -1314,4 +1326,46 @@ async fn long_prompts_are_refused_from_their_size_or_a_chunk_past_the_limit() {
             .unwrap_or_else(|| panic!("{route}: no count in {message}"));
         assert!(counted < whole * 3 / 5, "{route}: counted {counted} of {whole} tokens before refusing: {message}");
     }
+}
+
+/// Only calls to tools the request offered are tool calls: a call to a tool never offered, or
+/// one whose name holds an escape or a bidirectional override, stays in the answer as the text
+/// of its JSON (control characters escaped), streamed and not; with no tools offered there are
+/// no calls at all.
+#[tokio::test]
+async fn calls_to_tools_not_offered_stay_text() {
+    let server = Server::start(agent_server_config(true)).await;
+    let call = |name: &str| format!("<tool_call>\n{}\n</tool_call>", json!({"name": name, "arguments": {"path": "."}}));
+    let said = format!("{}{}{}{}", call("ls"), call("rm"), call("l\u{1b}[2Js"), call("ls\u{202e}"));
+    let body = |stream: bool, tools: Value| {
+        json!({"model": "parrot", "max_tokens": 900, "stream": stream, "tools": tools,
+               "messages": [{"role": "user", "content": format!("<<say>>{said}<</say>>")}]})
+    };
+    let offered = json!([{"name": "ls", "input_schema": {"type": "object"}}]);
+    let (status, _, whole) = post(&server, "/v1/messages", &body(false, offered.clone())).await;
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["content"].as_array().unwrap();
+    let uses: Vec<&Value> = content.iter().filter(|b| b["type"] == "tool_use").collect();
+    assert_eq!(uses.len(), 1, "{whole}");
+    assert_eq!(uses[0]["name"], "ls");
+    let text: String = content.iter().filter(|b| b["type"] == "text").map(|b| b["text"].as_str().unwrap()).collect();
+    assert!(text.contains("\"name\":\"rm\""), "{text:?}");
+    // As text, a name is the model's words like any other: its escape is JSON-escaped, and no
+    // client shows it as a tool's name.
+    assert!(!text.contains('\u{1b}'), "control characters escaped: {text:?}");
+    assert!(text.contains("ls\u{202e}"), "{text:?}");
+    assert!(text.contains("\\u001b"), "{text:?}");
+
+    let events = anthropic_events(&server, &body(true, offered)).await;
+    let starts: Vec<&Value> = events
+        .iter()
+        .filter(|(n, d)| n == "content_block_start" && d["content_block"]["type"] == "tool_use")
+        .map(|(_, d)| &d["content_block"])
+        .collect();
+    assert_eq!(starts.len(), 1, "{events:?}");
+    assert_eq!(starts[0]["name"], "ls");
+
+    let (status, _, none) = post(&server, "/v1/messages", &body(false, json!([]))).await;
+    assert_eq!(status, 200, "{none}");
+    assert!(none["content"].as_array().unwrap().iter().all(|b| b["type"] != "tool_use"), "{none}");
 }

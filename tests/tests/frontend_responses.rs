@@ -40,6 +40,7 @@ fn request(model: &str) -> Value {
         "input": "List the repository.",
         "tools": [
             {"type": "function", "name": "ls", "description": "List files", "parameters": {"type": "object"}},
+            {"type": "function", "name": "cat", "description": "Show a file", "parameters": {"type": "object"}},
             {"type": "web_search"},
         ],
     })

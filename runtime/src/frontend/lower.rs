@@ -243,7 +243,13 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
     };
     let parser = (inner.reasoning.is_some() || inner.tools.is_some()).then(|| {
         let in_reasoning = inner.reasoning.is_some_and(|kind| kind.starts_in_reasoning(&generation_prompt));
-        AnswerParser::new(inner.reasoning, inner.tools, in_reasoning)
+        // Calls only to the tools the request offers (and the choice allows).
+        let offered = match &conversation.tool_choice {
+            ToolChoice::None => Default::default(),
+            ToolChoice::Named(name) => std::iter::once(name.clone()).collect(),
+            ToolChoice::Auto | ToolChoice::Required => conversation.tools.iter().map(|t| t.name.clone()).collect(),
+        };
+        AnswerParser::new(inner.reasoning, inner.tools, in_reasoning).offering(std::sync::Arc::new(offered))
     });
     Ok(Lowered {
         prompt,

@@ -79,6 +79,10 @@ pub struct AnswerParser {
     inner: Inner,
     /// What the reasoning parser emitted this push, before the tool parser reads its text.
     scratch: Vec<Segment>,
+    /// The tools the request offered ([`AnswerParser::offering`]); `None` takes every name.
+    offered: Option<std::sync::Arc<std::collections::HashSet<String>>>,
+    /// A call to a tool not offered, held to be said as text: its name and arguments so far.
+    refused: Option<(String, String)>,
 }
 
 #[derive(Debug)]
@@ -101,11 +105,59 @@ impl AnswerParser {
                 tools: tools.map(ToolParser::new),
             }
         };
-        AnswerParser { inner, scratch: Vec::new() }
+        AnswerParser { inner, scratch: Vec::new(), offered: None, refused: None }
+    }
+
+    /// Takes as tool calls only calls to `tools` (the request's offer; empty when it offered
+    /// none): a call to any other tool, or whose name holds a control or bidirectional-override
+    /// character, stays in the answer as the text of a JSON object of its name and arguments.
+    pub fn offering(mut self, tools: std::sync::Arc<std::collections::HashSet<String>>) -> AnswerParser {
+        self.offered = Some(tools);
+        self
+    }
+
+    /// Whether a call to `name` is a call.
+    fn takes(&self, name: &str) -> bool {
+        let hostile =
+            name.chars().any(|c| c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'));
+        !hostile && self.offered.as_ref().is_none_or(|offered| offered.contains(name))
+    }
+
+    /// Turns the calls the request did not offer, among `out[from..]`, into text.
+    fn screen(&mut self, out: &mut Vec<Segment>, from: usize) {
+        if self.offered.is_none()
+            && self.refused.is_none()
+            && !out[from..].iter().any(|s| matches!(s, Segment::ToolCallStart { .. } | Segment::ToolCall(_)))
+        {
+            return;
+        }
+        let fresh: Vec<Segment> = out.drain(from..).collect();
+        for segment in fresh {
+            match segment {
+                Segment::ToolCallStart { name, .. } if !self.takes(&name) => self.refused = Some((name, String::new())),
+                Segment::ToolCallArgs(args) if self.refused.is_some() => {
+                    self.refused.as_mut().expect("checked").1.push_str(&args);
+                }
+                Segment::ToolCall(call) if self.refused.is_some() || !self.takes(&call.name) => {
+                    self.refused = None;
+                    let arguments = serde_json::from_str::<serde_json::Value>(&call.arguments)
+                        .unwrap_or(serde_json::Value::String(call.arguments));
+                    let text = serde_json::json!({"name": call.name, "arguments": arguments}).to_string();
+                    push_segment(out, Segment::Text(text));
+                }
+                other => push_segment(out, other),
+            }
+        }
     }
 
     /// Parses the next `text` of the answer, appending what it can say now to `out`.
     pub fn push(&mut self, text: &str, out: &mut Vec<Segment>) {
+        let from = out.len();
+        self.parse(text, out);
+        self.screen(out, from);
+    }
+
+    fn parse(&mut self, text: &str, out: &mut Vec<Segment>) {
         match &mut self.inner {
             Inner::Harmony(h) => h.push(text, out),
             Inner::Chain { reasoning: None, tools: None } => push_text(out, text),
@@ -119,6 +171,16 @@ impl AnswerParser {
 
     /// The end of the answer: everything held back, as what it turned out to be.
     pub fn finish(&mut self, out: &mut Vec<Segment>) {
+        let from = out.len();
+        self.end(out);
+        self.screen(out, from);
+        // A refused call the answer ended inside: what it said, as text.
+        if let Some((name, args)) = self.refused.take() {
+            push_segment(out, Segment::Text(serde_json::json!({"name": name, "arguments": args}).to_string()));
+        }
+    }
+
+    fn end(&mut self, out: &mut Vec<Segment>) {
         match &mut self.inner {
             Inner::Harmony(h) => h.finish(out),
             Inner::Chain { reasoning: None, tools: None } => {}
