@@ -1369,3 +1369,30 @@ async fn calls_to_tools_not_offered_stay_text() {
     assert_eq!(status, 200, "{none}");
     assert!(none["content"].as_array().unwrap().iter().all(|b| b["type"] != "tool_use"), "{none}");
 }
+
+/// An argument that mentions `</tool_call>` does not cut its Hermes call short: the call ends at
+/// the tag after its JSON, streamed and not.
+#[tokio::test]
+async fn a_closing_tag_inside_an_argument_does_not_end_the_call() {
+    let server = Server::start(agent_server_config(true)).await;
+    let arguments = json!({"note": "a \"quoted\" </tool_call> and \\ more", "path": "."});
+    let said = format!("<tool_call>\n{}\n</tool_call>done", json!({"name": "ls", "arguments": arguments}));
+    let body = |stream: bool| {
+        json!({"model": "parrot", "max_tokens": 900, "stream": stream,
+               "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+               "messages": [{"role": "user", "content": format!("<<say>>{said}<</say>>")}]})
+    };
+    let (status, _, whole) = post(&server, "/v1/messages", &body(false)).await;
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["content"].as_array().unwrap();
+    let uses: Vec<&Value> = content.iter().filter(|b| b["type"] == "tool_use").collect();
+    assert_eq!(uses.len(), 1, "{whole}");
+    assert_eq!(uses[0]["input"], arguments, "{whole}");
+    let events = anthropic_events(&server, &body(true)).await;
+    let partial: String = events
+        .iter()
+        .filter(|(_, d)| d["delta"]["type"] == "input_json_delta")
+        .map(|(_, d)| d["delta"]["partial_json"].as_str().unwrap())
+        .collect();
+    assert_eq!(serde_json::from_str::<Value>(&partial).unwrap(), arguments);
+}

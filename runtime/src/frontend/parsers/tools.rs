@@ -570,11 +570,24 @@ impl ToolParser {
                 while !buf.is_char_boundary(from) {
                     from -= 1;
                 }
-                match scan(&buf[from..], tags) {
-                    Scan::Found { at, marker } => Some((from + at, from + at + tags[marker].len())),
-                    Scan::Partial { .. } => {
-                        self.scanned = buf.len();
-                        None
+                loop {
+                    match scan(&buf[from..], tags) {
+                        Scan::Found { at, marker } => {
+                            let (body_end, end) = (from + at, from + at + tags[marker].len());
+                            // A Hermes body is JSON: its closing tag inside one of its strings
+                            // (an argument that mentions `</tool_call>`) does not close the call;
+                            // the scan goes on after it.
+                            if self.format == ToolFormat::Hermes && json_string_open(&buf[..body_end]) {
+                                from = end;
+                                self.scanned = end;
+                                continue;
+                            }
+                            return Some((body_end, end));
+                        }
+                        Scan::Partial { .. } => {
+                            self.scanned = buf.len();
+                            return None;
+                        }
                     }
                 }
             }
@@ -905,4 +918,18 @@ fn deepseek_calls(body: &str, v3: bool) -> Option<Vec<ToolCall>> {
         rest = &after[next..];
     }
     Some(calls)
+}
+
+/// Whether `text`, read as JSON from its start, ends inside a string.
+fn json_string_open(text: &str) -> bool {
+    let (mut open, mut escaped) = (false, false);
+    for &b in text.as_bytes() {
+        match b {
+            _ if escaped => escaped = false,
+            b'\\' if open => escaped = true,
+            b'"' => open = !open,
+            _ => {}
+        }
+    }
+    open
 }
