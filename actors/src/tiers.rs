@@ -581,8 +581,10 @@ mod guard_tests {
         // What an engine with the region mapped can do: new bytes, and the checksums to match.
         let (base, _) = g2.pool.region();
         let at = image.index() as usize * g2.pool.slot_bytes();
-        // SAFETY: the slot lies inside the pool's mapping; nothing reads it concurrently here.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(base.add(at), HEADER_LEN + 4096) };
+        let start = base.wrapping_add(at);
+        // SAFETY: `start..start + HEADER_LEN + 4096` is the slot, inside the pool's mapping; nothing
+        // reads or writes it concurrently here.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(start, HEADER_LEN + 4096) };
         bytes[HEADER_LEN + 100] ^= 0xff;
         let spec = ImageSpec {
             hash,

@@ -739,7 +739,8 @@ async fn the_billing_header_line_goes_and_the_system_prompt_after_it_stays() {
     let header =
         |cch: &str| format!("x-anthropic-billing-header: cc_version=2.1.332.1c9; cc_entrypoint=cli; cch={cch};");
     let system = "You are a coding agent.\nRead before you edit.";
-    let shapes: Vec<(&str, Box<dyn Fn(&str) -> Value>)> = vec![
+    type Shape<'a> = Box<dyn Fn(&str) -> Value + 'a>;
+    let shapes: Vec<(&str, Shape<'_>)> = vec![
         (
             "/v1/messages",
             Box::new(|cch| {
