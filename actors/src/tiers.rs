@@ -546,19 +546,23 @@ mod guard_tests {
 
     use super::*;
 
-    fn admitted(g2: &G2Tier, hash: BlockHash) -> SlotRef {
-        let mut slot = g2.pool.try_alloc().expect("a slot");
-        let buf = &mut slot.as_mut_slice()[..HEADER_LEN + 4096];
-        buf[HEADER_LEN..].fill(9);
-        let spec = ImageSpec {
+    /// A 4 KiB opaque image of `hash`.
+    fn spec(hash: BlockHash) -> ImageSpec {
+        ImageSpec {
             hash,
             parent: None,
             salt: Salt(0),
             layout: BlockLayout::opaque(4096),
             token_count: 1,
             retention: RetentionMeta::default(),
-        };
-        seal(buf, &spec);
+        }
+    }
+
+    fn admitted(g2: &G2Tier, hash: BlockHash) -> SlotRef {
+        let mut slot = g2.pool.try_alloc().expect("a slot");
+        let buf = &mut slot.as_mut_slice()[..HEADER_LEN + 4096];
+        buf[HEADER_LEN..].fill(9);
+        seal(buf, &spec(hash));
         let image = slot.freeze();
         let meta = BlockMeta { parent: None, region: RegionKind::Conversation, priority: 50, retain_until: 0 };
         assert!(g2.admit(hash, meta, image.clone(), 1));
@@ -586,15 +590,7 @@ mod guard_tests {
         // reads or writes it concurrently here.
         let bytes = unsafe { std::slice::from_raw_parts_mut(start, HEADER_LEN + 4096) };
         bytes[HEADER_LEN + 100] ^= 0xff;
-        let spec = ImageSpec {
-            hash,
-            parent: None,
-            salt: Salt(0),
-            layout: BlockLayout::opaque(4096),
-            token_count: 1,
-            retention: RetentionMeta::default(),
-        };
-        seal(bytes, &spec);
+        seal(bytes, &spec(hash));
         assert!(verify_image(bytes, hash).is_ok(), "the forgery passes the image's own checks");
         drop(image);
         assert!(g2.peek(hash).is_none(), "caught on read");

@@ -1210,6 +1210,26 @@ async fn what_the_reference_apis_refuse_is_refused_and_completions_lease_for_a_d
     assert_error(status, &err, 400, "invalid_request_error", None);
 }
 
+/// A Messages request to the `parrot` model, whose answer is `said`, offering `tools`.
+fn parrot_messages(said: &str, stream: bool, tools: Value) -> Value {
+    json!({"model": "parrot", "max_tokens": 900, "stream": stream, "tools": tools,
+           "messages": [{"role": "user", "content": format!("<<say>>{said}<</say>>")}]})
+}
+
+/// One tool, `ls`, in Anthropic's shape.
+fn ls_tool() -> Value {
+    json!([{"name": "ls", "input_schema": {"type": "object"}}])
+}
+
+/// The tool input a streamed Messages answer sent: its `input_json_delta`s, joined.
+fn streamed_tool_input(events: &[(String, Value)]) -> String {
+    events
+        .iter()
+        .filter(|(_, d)| d["delta"]["type"] == "input_json_delta")
+        .map(|(_, d)| d["delta"]["partial_json"].as_str().unwrap())
+        .collect()
+}
+
 /// The events of a streamed Messages answer, as (name, data).
 async fn anthropic_events(server: &Server, body: &Value) -> Vec<(String, Value)> {
     let response = reqwest::Client::new().post(server.url("/v1/messages")).json(body).send().await.unwrap();
@@ -1241,21 +1261,13 @@ async fn anthropic_streamed_tool_input_is_the_object_the_answer_gives() {
     ];
     for (arguments, want) in cases {
         let said = format!("<tool_call>\n{{\"name\": \"ls\", \"arguments\": {arguments}}}\n</tool_call>");
-        let body = |stream: bool| {
-            json!({"model": "parrot", "max_tokens": 900, "stream": stream,
-                   "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
-                   "messages": [{"role": "user", "content": format!("<<say>>{said}<</say>>")}]})
-        };
+        let body = |stream: bool| parrot_messages(&said, stream, ls_tool());
         let (status, _, whole) = post(&server, "/v1/messages", &body(false)).await;
         assert_eq!(status, 200, "{whole}");
         let call = whole["content"].as_array().unwrap().iter().find(|b| b["type"] == "tool_use").expect("a call");
         assert_eq!(call["input"], want, "{arguments}: {whole}");
         let events = anthropic_events(&server, &body(true)).await;
-        let partial: String = events
-            .iter()
-            .filter(|(_, d)| d["delta"]["type"] == "input_json_delta")
-            .map(|(_, d)| d["delta"]["partial_json"].as_str().unwrap())
-            .collect();
+        let partial = streamed_tool_input(&events);
         let streamed: Value =
             serde_json::from_str(&partial).unwrap_or_else(|e| panic!("{arguments}: {partial:?}: {e}"));
         assert_eq!(streamed, call["input"], "{arguments}: streamed as answered");
@@ -1338,11 +1350,8 @@ async fn calls_to_tools_not_offered_stay_text() {
     let server = Server::start(agent_server_config(true)).await;
     let call = |name: &str| format!("<tool_call>\n{}\n</tool_call>", json!({"name": name, "arguments": {"path": "."}}));
     let said = format!("{}{}{}{}", call("ls"), call("rm"), call("l\u{1b}[2Js"), call("ls\u{202e}"));
-    let body = |stream: bool, tools: Value| {
-        json!({"model": "parrot", "max_tokens": 900, "stream": stream, "tools": tools,
-               "messages": [{"role": "user", "content": format!("<<say>>{said}<</say>>")}]})
-    };
-    let offered = json!([{"name": "ls", "input_schema": {"type": "object"}}]);
+    let body = |stream: bool, tools: Value| parrot_messages(&said, stream, tools);
+    let offered = ls_tool();
     let (status, _, whole) = post(&server, "/v1/messages", &body(false, offered.clone())).await;
     assert_eq!(status, 200, "{whole}");
     let content = whole["content"].as_array().unwrap();
@@ -1378,11 +1387,7 @@ async fn a_closing_tag_inside_an_argument_does_not_end_the_call() {
     let server = Server::start(agent_server_config(true)).await;
     let arguments = json!({"note": "a \"quoted\" </tool_call> and \\ more", "path": "."});
     let said = format!("<tool_call>\n{}\n</tool_call>done", json!({"name": "ls", "arguments": arguments}));
-    let body = |stream: bool| {
-        json!({"model": "parrot", "max_tokens": 900, "stream": stream,
-               "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
-               "messages": [{"role": "user", "content": format!("<<say>>{said}<</say>>")}]})
-    };
+    let body = |stream: bool| parrot_messages(&said, stream, ls_tool());
     let (status, _, whole) = post(&server, "/v1/messages", &body(false)).await;
     assert_eq!(status, 200, "{whole}");
     let content = whole["content"].as_array().unwrap();
@@ -1390,10 +1395,6 @@ async fn a_closing_tag_inside_an_argument_does_not_end_the_call() {
     assert_eq!(uses.len(), 1, "{whole}");
     assert_eq!(uses[0]["input"], arguments, "{whole}");
     let events = anthropic_events(&server, &body(true)).await;
-    let partial: String = events
-        .iter()
-        .filter(|(_, d)| d["delta"]["type"] == "input_json_delta")
-        .map(|(_, d)| d["delta"]["partial_json"].as_str().unwrap())
-        .collect();
+    let partial = streamed_tool_input(&events);
     assert_eq!(serde_json::from_str::<Value>(&partial).unwrap(), arguments);
 }

@@ -317,6 +317,15 @@ async fn one_client_holds_at_most_its_share_of_connections() {
     assert_eq!(node.stop(), 0);
 }
 
+/// Runs `config check` on `config`.
+fn config_check(config: &std::path::Path) -> std::process::Output {
+    std::process::Command::new(dynamo_tests::node_binary())
+        .args(["config", "check"])
+        .arg(config)
+        .output()
+        .expect("config check")
+}
+
 /// Runs `serve` with `config` on `data` to its end (a start that fails).
 fn serve_once(data: &std::path::Path, config: &std::path::Path) -> std::process::Output {
     std::process::Command::new(dynamo_tests::node_binary())
@@ -346,11 +355,7 @@ fn a_bad_g4_secret_is_refused_before_anything_is_made() {
             secret.display()
         );
         std::fs::write(&config, &toml).expect("write config");
-        let check = std::process::Command::new(dynamo_tests::node_binary())
-            .args(["config", "check"])
-            .arg(&config)
-            .output()
-            .expect("config check");
+        let check = config_check(&config);
         let said = String::from_utf8_lossy(&check.stderr);
         assert_eq!(check.status.code(), Some(2), "{what}: config check passed it: {said}");
         assert!(said.contains("secret"), "{what}: {said}");
@@ -377,11 +382,7 @@ fn a_foreign_file_is_refused_as_a_g3_path() {
     let toml = format!("[tiers.g3]\npaths = [\"{}\"]\ncapacity_per_path = \"64MiB\"\n", notes.display());
     std::fs::write(&config, &toml).expect("write config");
 
-    let check = std::process::Command::new(dynamo_tests::node_binary())
-        .args(["config", "check"])
-        .arg(&config)
-        .output()
-        .expect("config check");
+    let check = config_check(&config);
     let stderr = String::from_utf8_lossy(&check.stderr);
     assert_eq!(check.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("notes.txt") && stderr.contains("not a dynamo-node G3 store"), "{stderr}");

@@ -124,7 +124,18 @@ pub(super) fn prompt_limit(state: &FrontendState) -> usize {
 }
 
 /// Bytes of text tokenized at a time while a prompt's length is still being found out.
-pub(super) const COUNT_CHUNK: usize = 64 << 10;
+const COUNT_CHUNK: usize = 64 << 10;
+
+/// Bytes per token past which a text is counted in chunks before it is tokenized whole: text
+/// runs 3 to 5 bytes a token, so a piece of more than 8 bytes for every token the prompt may
+/// still take is almost surely too long, and one within it is tokenized once, not twice.
+const SUSPECT_BYTES_PER_TOKEN: usize = 8;
+
+/// Whether a text of `bytes` after `have` prompt tokens is counted in chunks first
+/// ([`count_within`]).
+pub(super) fn suspect(state: &FrontendState, have: usize, bytes: usize) -> bool {
+    bytes > COUNT_CHUNK.max(prompt_limit(state).saturating_sub(have).saturating_mul(SUSPECT_BYTES_PER_TOKEN))
+}
 
 /// `text` as it is tokenized in [`COUNT_CHUNK`]s, refusing it as soon as it is sure to be longer
 /// than `limit` tokens (or the client is gone): a 30 MiB message costs a chunk past the limit,
@@ -526,7 +537,7 @@ fn tokenize(state: &FrontendState, pieces: &[Piece], kept: &[Option<Kept>]) -> R
                 i = end;
             }
             None => {
-                if piece.text.len() > COUNT_CHUNK {
+                if suspect(state, ids.len(), piece.text.len()) {
                     // A long piece is counted in chunks first: past the limit it stops there.
                     count_within(state, &piece.text, ids.len(), prompt_limit(state), "messages")?;
                 }

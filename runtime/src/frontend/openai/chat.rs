@@ -288,7 +288,7 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
     };
     lower::precheck(state, 1, text_bytes, "prompt")?;
     if let Prompt::Text(text) = &req.prompt
-        && text.len() > lower::COUNT_CHUNK
+        && lower::suspect(state, 0, text.len())
     {
         lower::count_within(state, text, 0, lower::prompt_limit(state), "prompt")?;
     }
