@@ -29,6 +29,15 @@ extern "C" __global__ void add_assign_f32(float* __restrict__ x, const float* __
     }
 }
 
+// x[r][c] += bias[c] over rows × cols (a linear layer's bias, kept as bf16 like every weight).
+extern "C" __global__ void add_bias_f32(float* __restrict__ x, const bf16_t* __restrict__ bias, long long n,
+                                        int cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] += bf16_to_f32(bias[i % cols]);
+    }
+}
+
 // y = bf16(x), round to nearest even (the GEMM's activation input).
 extern "C" __global__ void f32_to_bf16_kernel(const float* __restrict__ x, bf16_t* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;

@@ -183,6 +183,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         self.upload(&picked)
     }
 
+    /// `x[r][c] += bias[c]` over `x: [rows, cols]`, for a bias vector of `cols` (a linear
+    /// layer's bias, Qwen2's `q_proj.bias`).
+    fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Weight, rows: usize, cols: usize) -> Result<(), KernelError>;
+
     /// `x += y` element-wise over `len` elements.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize) -> Result<(), KernelError>;
 

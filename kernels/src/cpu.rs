@@ -291,6 +291,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &CpuWeight, rows: usize, cols: usize) -> Result<(), KernelError> {
+        check_len("add_bias", "x", x.len(), rows * cols)?;
+        if bias.rows != 1 || bias.data.len() != cols {
+            let elements = bias.rows * bias.cols;
+            return Err(KernelError::shape("add_bias", format!("bias has {elements} elements for {cols} columns")));
+        }
+        for row in x[..rows * cols].chunks_exact_mut(cols.max(1)) {
+            for (a, b) in row.iter_mut().zip(&bias.data) {
+                *a += b;
+            }
+        }
+        Ok(())
+    }
+
     fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) -> Result<(), KernelError> {
         check_len("add_assign", "x", x.len(), len)?;
         check_len("add_assign", "y", y.len(), len)?;

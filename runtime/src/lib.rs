@@ -29,6 +29,7 @@
 //! Binaries and tests use `anyhow` here; the library crates below keep typed errors.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod cli;
 #[cfg(feature = "etcd")]
 pub mod cluster;

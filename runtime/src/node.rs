@@ -465,7 +465,22 @@ async fn frontend_state(cfg: &NodeConfig, serving: &Serving, announce: bool) -> 
     let (tokenizer, template) = frontend_parts(cfg)?;
     let vocab = tokenizer.vocab_size();
     let generator = serving.generator(Arc::new(tokenizer.decodable())).await?;
+    let end_of_turn = template_end_of_turn(&tokenizer, &template);
+    let origin = template.origin().to_owned();
     let mut state = FrontendState::new(Arc::new(generator), tokenizer, template, &cfg.frontend);
+    if let Some(dir) = &cfg.model.path {
+        let generation = crate::checkpoint::read_generation(dir)?;
+        let mut stops = state.stop_token_ids().to_vec();
+        for id in generation.eos_token_ids.into_iter().chain(end_of_turn) {
+            if !stops.contains(&id) {
+                stops.push(id);
+            }
+        }
+        state = state.with_stop_token_ids(stops).with_sampling_defaults(generation.sampling);
+    }
+    if announce {
+        println!("chat template: {origin}; stop tokens {:?}", state.stop_token_ids());
+    }
     if let Some(answers) = scripted_answers(cfg)? {
         if announce {
             println!(
@@ -523,14 +538,57 @@ fn frontend_parts(cfg: &NodeConfig) -> anyhow::Result<(crate::tokenizer::Tokeniz
         (Some(_), _) if named.is_some() => named.expect("checked"),
         (Some(file), _) => {
             let src = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-            ChatTemplate::new(&src, "", "").with_context(|| format!("parsing {}", file.display()))?
+            ChatTemplate::new(&src, "", "")
+                .with_context(|| format!("parsing {}", file.display()))?
+                .with_origin(file.display().to_string())
         }
-        (None, Some(dir)) => ChatTemplate::from_model_dir(dir)
+        (None, Some(dir)) => match ChatTemplate::from_model_dir(dir)
             .with_context(|| format!("reading the chat template of {}", dir.display()))?
-            .unwrap_or_else(ChatTemplate::builtin),
+        {
+            Some(template) => template,
+            None => {
+                let warning = format!(
+                    "WARNING: {} ships no chat template (no chat_template.jinja, chat_template.json or \
+                     `chat_template` in tokenizer_config.json); prompts use the built-in llama3 template, which \
+                     is wrong for other families: name the right one with model.chat_template (a file, or one of \
+                     {})",
+                    dir.display(),
+                    ChatTemplate::names().join(", ")
+                );
+                tracing::warn!("{warning}");
+                eprintln!("{warning}");
+                ChatTemplate::builtin()
+            }
+        },
         (None, None) => ChatTemplate::builtin(),
     };
     Ok((tokenizer, template))
+}
+
+/// The end-of-turn tokens a chat template writes, which its model samples to end an answer: the
+/// known markers of the families (Llama 3's `<|eot_id|>` and `<|eom_id|>`, ChatML's `<|im_end|>`,
+/// Gemma's `<end_of_turn>`, Phi's `<|end|>`, …) that the template's text names and the tokenizer
+/// has as one special token.
+fn template_end_of_turn(tokenizer: &crate::tokenizer::Tokenizer, template: &crate::frontend::ChatTemplate) -> Vec<u32> {
+    const MARKERS: [&str; 8] = [
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<end_of_turn>",
+        "<|end|>",
+        "<|endoftext|>",
+        "<|return|>",
+        "<|call|>",
+    ];
+    let specials = tokenizer.special_tokens();
+    MARKERS
+        .iter()
+        .filter(|m| template.source().contains(*m) && specials.iter().any(|s| s == *m))
+        .filter_map(|m| match tokenizer.encode(m).ok()?[..] {
+            [id] => Some(id),
+            _ => None,
+        })
+        .collect()
 }
 
 /// SIGTERM and SIGINT, listened for from the moment they are installed.

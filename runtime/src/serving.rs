@@ -31,7 +31,7 @@ use dynamo_actors::worker::{
 use dynamo_config::NodeConfig;
 use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
 use dynamo_kernels::model::{HostWeights, Llama};
-use dynamo_kernels::sampling::{Sampling, TokenSet};
+use dynamo_kernels::sampling::TokenSet;
 use dynamo_kernels::{Backend, CpuBackend};
 use dynamo_tiering::block::{Namespace, Salt, SaltInputs};
 use dynamo_tiering::registry::PolicyKind;
@@ -319,7 +319,18 @@ impl Serving {
             node,
             tiers,
             model: cfg.model.name.clone(),
-            max_context: pages * block_tokens,
+            max_context: match &cfg.model.path {
+                // The reference engine attends to every earlier position: a sliding-window model
+                // is computed exactly only within its window.
+                Some(dir) => match dynamo_kernels::model::weights::read_hf_config(dir)?.sliding_window {
+                    Some(window) if window < pages * block_tokens => {
+                        tracing::warn!(window, "the model's sliding window caps the context");
+                        window
+                    }
+                    _ => pages * block_tokens,
+                },
+                None => pages * block_tokens,
+            },
             prefill_tokens_per_s,
             decode_step,
             leases,
@@ -476,11 +487,7 @@ impl Generator for NodeGenerator {
             prompt: req.prompt,
             regions: req.regions,
             max_tokens: if speculative { 0 } else { req.max_tokens },
-            sampling: if req.temperature > 0.0 {
-                Sampling::Temperature { temperature: req.temperature }
-            } else {
-                Sampling::Greedy
-            },
+            sampling: req.sampling,
             seed: req.seed.unwrap_or(0),
             stop_tokens: req.stop_token_ids,
             allowed: Some(self.decodable.clone()),

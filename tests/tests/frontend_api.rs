@@ -113,7 +113,7 @@ async fn chat_completion_answers_with_usage_and_regions() {
 
     assert_eq!(req.response_id, value["id"].as_str().unwrap());
     assert_eq!(req.session_id, Some(session_key(b"agent-42")), "the session is the digest of x-session-id");
-    assert_eq!((req.max_tokens, req.temperature, req.seed), (100, 0.0, Some(7)));
+    assert_eq!((req.max_tokens, req.sampling.temperature, req.seed), (100, 0.0, Some(7)));
     assert_eq!(req.hints.priority, Some(3));
     assert_eq!(req.hints.expected_output_tokens, Some(40));
     assert_eq!(req.hints.speculative_prefill, Some(false));
@@ -220,7 +220,7 @@ async fn completions_text_tokens_streaming_length_and_stop_strings() {
     assert_eq!(req.regions, [(0..req.prompt.len(), RegionKind::Conversation)]);
     // `frontend.default_max_tokens`, clamped to what the context leaves.
     assert_eq!(req.max_tokens, FrontendSection::default().default_max_tokens.min(MAX_CONTEXT - req.prompt.len()));
-    assert_eq!(req.temperature, 1.0);
+    assert_eq!(req.sampling.temperature, 1.0);
 
     // Token ids, max_tokens cuts the answer: finish_reason length.
     let body = json!({"model": "fake", "prompt": [1, 2, 3, 4], "max_tokens": 3, "user": "u1"});

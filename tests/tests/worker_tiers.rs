@@ -246,6 +246,9 @@ impl Backend for EmulatedCopyEngine {
     fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) -> Result<(), KernelError> {
         self.cpu.add_assign(x, y, len)
     }
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Self::Weight, rows: usize, cols: usize) -> Result<(), KernelError> {
+        self.cpu.add_bias(x, bias, rows, cols)
+    }
     fn kv_pool(&self, layout: PagedLayout, num_blocks: usize) -> Result<HostKvPool, KernelError> {
         self.cpu.kv_pool(layout, num_blocks)
     }
@@ -760,7 +763,7 @@ async fn sampling_stays_inside_the_decodable_ids() {
     let banned: HashSet<u32> = free.iter().copied().collect();
     let vocab = w.model().shape().vocab;
     let allowed = Arc::new(TokenSet::from_fn(vocab - 7, |id| !banned.contains(&id)));
-    for sampling in [Sampling::Greedy, Sampling::Temperature { temperature: 2.0 }] {
+    for sampling in [Sampling::GREEDY, Sampling::temperature(2.0)] {
         for seed in 0..4 {
             let req =
                 GenRequest { allowed: Some(allowed.clone()), sampling, seed, ..GenRequest::greedy(prompt.clone(), 8) };
@@ -818,7 +821,7 @@ async fn a_batch_answers_every_request_as_it_would_be_answered_alone() {
         .map(|i| {
             let mut req = GenRequest::greedy(turn(B / 2 + i as usize * 11, 40 + i), 4 + 3 * i as usize);
             if i % 2 == 1 {
-                req.sampling = dynamo_kernels::sampling::Sampling::Temperature { temperature: 0.9 };
+                req.sampling = dynamo_kernels::sampling::Sampling::temperature(0.9);
                 req.seed = u64::from(i) * 77;
             }
             req

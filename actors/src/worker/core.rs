@@ -132,7 +132,7 @@ impl GenRequest {
             prompt,
             regions: vec![],
             max_tokens,
-            sampling: Sampling::Greedy,
+            sampling: Sampling::GREEDY,
             seed: 0,
             stop_tokens: vec![],
             allowed: None,
@@ -832,7 +832,7 @@ impl<B: Backend> Worker<B> {
             self.stats.resume_latency.push(resumed.unwrap_or(preempted).elapsed());
         }
         let rng = &mut seq.rng;
-        seq.run.emit(n, |req| sample_in(logits, req.allowed.as_deref(), req.sampling, rng))
+        seq.run.emit(n, |req, sequence| sample_in(logits, req.allowed.as_deref(), req.sampling, sequence, rng))
     }
 
     /// Frees `seq`'s G1 pages for others: its completed blocks are written through first (most

@@ -167,7 +167,7 @@ impl Run {
     pub(super) fn emit(
         &mut self,
         n: usize,
-        choose: impl FnOnce(&GenRequest) -> u32,
+        choose: impl FnOnce(&GenRequest, &[u32]) -> u32,
     ) -> Option<Result<Finish, WorkerError>> {
         let req = &self.ticket.req;
         let token = match &req.forced {
@@ -175,7 +175,7 @@ impl Run {
                 Some(&token) => token,
                 None => return Some(Ok(Finish::Stop)),
             },
-            None => choose(req),
+            None => choose(req, &self.tokens),
         };
         if n == 0 {
             self.outcome.ttft = self.start.elapsed();

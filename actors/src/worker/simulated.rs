@@ -736,7 +736,7 @@ impl SimulatedEngine {
             After::Token(n) => n,
         };
         let rng = &mut seq.rng;
-        seq.run.emit(n, |_| {
+        seq.run.emit(n, |_, _| {
             *rng = splitmix(*rng);
             1000 + (*rng % 100_000) as u32
         })

@@ -346,6 +346,8 @@ pub trait CaseRunner {
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>, KernelError>;
     /// `add_assign`.
     fn add(&self, x: &[f32], y: &[f32]) -> Result<Vec<f32>, KernelError>;
+    /// `add_bias` of a `cols`-element bias to `x: [rows, cols]`.
+    fn add_bias(&self, x: &[f32], bias: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>, KernelError>;
     /// `kv_write` of `[rows, kv_heads, head_dim]` K and V into `slots` of every layer, then every page
     /// of the pool as f32 (K then V, layer by layer, block by block).
     fn kv_write_pages(
@@ -486,6 +488,13 @@ impl<B: Backend> CaseRunner for Runner<'_, B> {
         let b = self.0;
         let (mut dx, dy) = (b.upload(x)?, b.upload(y)?);
         b.add_assign(&mut dx, &dy, x.len())?;
+        fetch(b, &dx, x.len())
+    }
+
+    fn add_bias(&self, x: &[f32], bias: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>, KernelError> {
+        let b = self.0;
+        let (mut dx, w) = (b.upload(x)?, b.weight(bias, 1, cols)?);
+        b.add_bias(&mut dx, &w, rows, cols)?;
         fetch(b, &dx, x.len())
     }
 
@@ -647,6 +656,11 @@ pub fn compare_backends<T: Backend, R: Backend>(cuda: &T, cpu: &R, seed: u64) ->
     let (g, u) = (random(&mut rng, n, 6.0), random(&mut rng, n, 2.0));
     out.push(compare_case("swiglu 100003", TOL_F32, cuda, cpu, |r| r.swiglu(&g, &u)));
     out.push(compare_case("add_assign 100003", TOL_F32, cuda, cpu, |r| r.add(&g, &u)));
+    // Qwen2's q/k/v biases: a bf16-exact bias (the CUDA backend keeps weights as bf16).
+    let (rows, cols) = (37, 896);
+    let x = random(&mut rng, rows * cols, 2.0);
+    let bias = random_bf16(&mut rng, cols, 1.0);
+    out.push(compare_case("add_bias 37x896", TOL_F32, cuda, cpu, |r| r.add_bias(&x, &bias, rows, cols)));
 
     let layout = PagedLayout { layers: 2, block_tokens: 16, kv_heads: 4, head_dim: 64, elem_bytes: 4 };
     let blocks = 10;

@@ -67,6 +67,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "embed_bf16",
     "swiglu_f32",
     "add_assign_f32",
+    "add_bias_f32",
     "f32_to_bf16_kernel",
     "rmsnorm_f32",
     "rope_f32",
@@ -159,6 +160,7 @@ struct Kernels {
     embed: CudaFunction,
     swiglu: CudaFunction,
     add_assign: CudaFunction,
+    add_bias: CudaFunction,
     to_bf16: CudaFunction,
     rmsnorm: CudaFunction,
     rope: CudaFunction,
@@ -191,6 +193,7 @@ impl Kernels {
             embed: get("elementwise.cu", "embed_bf16")?,
             swiglu: get("elementwise.cu", "swiglu_f32")?,
             add_assign: get("elementwise.cu", "add_assign_f32")?,
+            add_bias: get("elementwise.cu", "add_bias_f32")?,
             to_bf16: get("elementwise.cu", "f32_to_bf16_kernel")?,
             rmsnorm: get("norm_rope.cu", "rmsnorm_f32")?,
             rope: get("norm_rope.cu", "rope_f32")?,
@@ -1108,6 +1111,23 @@ impl Backend for CudaBackend {
                 .map_err(driver_err("cuMemcpyDtoD"))?;
         }
         Ok(out)
+    }
+
+    fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaWeight, rows: usize, cols: usize) -> Result<(), KernelError> {
+        check_len("add_bias", "x", x.len(), rows * cols)?;
+        if bias.rows * bias.cols != cols {
+            return Err(KernelError::shape("add_bias", format!("bias {}×{} for {cols} columns", bias.rows, bias.cols)));
+        }
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        let (n, c) = ((rows * cols) as i64, i32::try_from(cols).map_err(|_| KernelError::shape("add_bias", "cols"))?);
+        let mut b = self.stream.launch_builder(&self.kernels.add_bias);
+        b.arg(x).arg(&bias.data).arg(&n).arg(&c);
+        // SAFETY: add_bias_f32(float*, const bf16*, long long, int): x holds rows × cols and the
+        // bias cols elements (checked); cols > 0.
+        unsafe { b.launch(grid_1d(rows * cols, 256)) }.map_err(driver_err("add_bias_f32"))?;
+        Ok(())
     }
 
     fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, len: usize) -> Result<(), KernelError> {

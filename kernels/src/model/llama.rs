@@ -1,5 +1,8 @@
 //! The reference model: a Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention over
 //! the paged KV pool, SwiGLU MLP), written once against [`Backend`] and so run on the CPU or CUDA.
+//! Its [`Variant`]s cover the dense models built on the same layer: Mistral (Llama's layer), Qwen2
+//! (biases on q, k and v), Qwen3 (RMSNorm of each query and key head before RoPE), and Llama's own
+//! `attention_bias`; RoPE's frequencies come from the checkpoint's scaling (`llama3`, `linear`).
 //!
 //! The caller owns the sequence: it allocates pool blocks, keeps the block table (logical block
 //! `i` of the sequence lives in pool block `block_table[i]`), and asks [`Llama::forward`] to process
@@ -9,6 +12,7 @@
 
 use dynamo_config::ModelShape;
 
+use super::weights::Variant;
 use crate::backend::{AttentionSpec, Backend, KernelError, SeqBatch};
 use crate::kv_layout::PagedLayout;
 
@@ -23,6 +27,14 @@ pub trait WeightSource {
     fn rms_eps(&self) -> f32;
     /// A tensor's shape and data, or `None` when absent.
     fn tensor(&self, name: &str) -> Option<(&[usize], &[f32])>;
+    /// What the architecture adds to Llama's layers; plain Llama unless overridden.
+    fn variant(&self) -> Variant {
+        Variant::default()
+    }
+    /// RoPE's inverse frequencies (`head_dim / 2` of them); unscaled unless overridden.
+    fn rope_inv_freq(&self) -> Vec<f32> {
+        crate::backend::rope_inv_freq(self.rope_theta(), self.shape().head_dim)
+    }
 }
 
 impl WeightSource for super::weights::HostWeights {
@@ -40,6 +52,14 @@ impl WeightSource for super::weights::HostWeights {
 
     fn tensor(&self, name: &str) -> Option<(&[usize], &[f32])> {
         self.tensors.get(name).map(|t| (t.shape.as_slice(), t.data.as_slice()))
+    }
+
+    fn variant(&self) -> Variant {
+        self.variant
+    }
+
+    fn rope_inv_freq(&self) -> Vec<f32> {
+        self.rope_scaling.inv_freq(self.rope_theta, self.shape.head_dim)
     }
 }
 
@@ -101,6 +121,12 @@ struct Layer<B: Backend> {
     w_gate: B::Weight,
     w_up: B::Weight,
     w_down: B::Weight,
+    /// `q_proj`, `k_proj`, `v_proj` biases (Qwen2, Llama's `attention_bias`).
+    qkv_bias: Option<[B::Weight; 3]>,
+    /// `o_proj`'s bias (Llama's `attention_bias`).
+    o_bias: Option<B::Weight>,
+    /// `q_norm`, `k_norm` over each head (Qwen3).
+    qk_norm: Option<[B::Weight; 2]>,
 }
 
 /// Bytes of the weights [`Llama::new`] uploads for `shape` to a backend that keeps them as bf16
@@ -157,10 +183,33 @@ impl<B: Backend> Llama<B> {
         let s = src.shape();
         let (h, q, kv, f, v) = (s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.ffn, s.vocab);
         let w = |name: &str, want: &[usize]| load(&backend, src, name, want);
+        let variant = src.variant();
         let mut layers = Vec::with_capacity(s.layers);
         for i in 0..s.layers {
             let p = format!("model.layers.{i}");
+            let qkv_bias = match variant.qkv_bias {
+                true => Some([
+                    w(&format!("{p}.self_attn.q_proj.bias"), &[q])?,
+                    w(&format!("{p}.self_attn.k_proj.bias"), &[kv])?,
+                    w(&format!("{p}.self_attn.v_proj.bias"), &[kv])?,
+                ]),
+                false => None,
+            };
+            let o_bias = match variant.o_bias {
+                true => Some(w(&format!("{p}.self_attn.o_proj.bias"), &[h])?),
+                false => None,
+            };
+            let qk_norm = match variant.qk_norm {
+                true => Some([
+                    w(&format!("{p}.self_attn.q_norm.weight"), &[s.head_dim])?,
+                    w(&format!("{p}.self_attn.k_norm.weight"), &[s.head_dim])?,
+                ]),
+                false => None,
+            };
             layers.push(Layer {
+                qkv_bias,
+                o_bias,
+                qk_norm,
                 attn_norm: w(&format!("{p}.input_layernorm.weight"), &[h])?,
                 wq: w(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
                 wk: w(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
@@ -180,7 +229,7 @@ impl<B: Backend> Llama<B> {
         let norm = w("model.norm.weight", &[h])?;
         Ok(Self {
             shape: s,
-            rope_inv_freq: crate::backend::rope_inv_freq(src.rope_theta(), s.head_dim),
+            rope_inv_freq: src.rope_inv_freq(),
             rms_eps: src.rms_eps(),
             embed,
             layers,
@@ -297,16 +346,35 @@ impl<B: Backend> Llama<B> {
         let mut gate = be.zeros(t * f)?;
         let mut up = be.zeros(t * f)?;
         let mut act = be.zeros(t * f)?;
+        // The per-head norms' outputs (Qwen3), swapped with `q` and `k`.
+        let mut head_normed = match self.layers.first().is_some_and(|l| l.qk_norm.is_some()) {
+            true => Some((be.zeros(t * qd)?, be.zeros(t * kvd)?)),
+            false => None,
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             be.rmsnorm(&x, &layer.attn_norm, t, h, self.rms_eps, &mut normed)?;
             be.matmul(&normed, t, &layer.wq, &mut q)?;
             be.matmul(&normed, t, &layer.wk, &mut k)?;
             be.matmul(&normed, t, &layer.wv, &mut v)?;
+            if let Some([bq, bk, bv]) = &layer.qkv_bias {
+                be.add_bias(&mut q, bq, t, qd)?;
+                be.add_bias(&mut k, bk, t, kvd)?;
+                be.add_bias(&mut v, bv, t, kvd)?;
+            }
+            if let (Some([nq, nk]), Some((q_out, k_out))) = (&layer.qk_norm, head_normed.as_mut()) {
+                be.rmsnorm(&q, nq, t * s.heads, hd, self.rms_eps, q_out)?;
+                be.rmsnorm(&k, nk, t * s.kv_heads, hd, self.rms_eps, k_out)?;
+                std::mem::swap(&mut q, q_out);
+                std::mem::swap(&mut k, k_out);
+            }
             be.rope(&mut q, t, s.heads, hd, &positions, &self.rope_inv_freq)?;
             be.rope(&mut k, t, s.kv_heads, hd, &positions, &self.rope_inv_freq)?;
             be.kv_write(kv, i, &k, &v, &slots)?;
             be.attention_batch(&q, kv, i, spec, seqs, &positions, &mut attn)?;
             be.matmul(&attn, t, &layer.wo, &mut proj)?;
+            if let Some(bo) = &layer.o_bias {
+                be.add_bias(&mut proj, bo, t, h)?;
+            }
             be.add_assign(&mut x, &proj, t * h)?;
             be.rmsnorm(&x, &layer.ffn_norm, t, h, self.rms_eps, &mut normed)?;
             be.matmul(&normed, t, &layer.w_gate, &mut gate)?;

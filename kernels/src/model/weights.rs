@@ -206,6 +206,84 @@ pub struct HfConfig {
     pub rms_norm_eps: f32,
     /// `tie_word_embeddings`; defaults to false.
     pub tie_word_embeddings: bool,
+    /// What the architecture adds to Llama's layers (biases, per-head norms).
+    pub variant: Variant,
+    /// `rope_parameters` (or `rope_scaling`): how RoPE's frequencies are scaled.
+    pub rope_scaling: RopeScaling,
+    /// The attention window of a sliding-window model (Mistral's `sliding_window`; Qwen's when
+    /// `use_sliding_window`): a sequence longer than it is not served.
+    pub sliding_window: Option<usize>,
+}
+
+/// The architectures the reference engine computes, as `transformers` names them.
+pub const SUPPORTED_ARCHITECTURES: [&str; 4] =
+    ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
+
+/// What an architecture adds to the Llama layer: which projections have biases, and whether
+/// queries and keys are RMS-normed per head before RoPE.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Variant {
+    /// `q_proj`, `k_proj` and `v_proj` have biases (Qwen2; Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// `o_proj` has a bias (Llama's `attention_bias`).
+    pub o_bias: bool,
+    /// `self_attn.q_norm` and `self_attn.k_norm` over each head (Qwen3).
+    pub qk_norm: bool,
+}
+
+/// RoPE's frequency scaling, as `transformers`' `ROPE_INIT_FUNCTIONS` computes it. Types that
+/// change with the sequence length or scale the attention (`dynamic`, `yarn`, `longrope`) are
+/// refused when the config is read.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum RopeScaling {
+    /// `default`: `1 / theta^(2i/d)`.
+    #[default]
+    Default,
+    /// `linear`: the default frequencies divided by `factor`.
+    Linear {
+        /// The factor.
+        factor: f32,
+    },
+    /// `llama3` (Llama 3.1 and later): low frequencies divided by `factor`, high ones kept, the
+    /// band between smoothly interpolated.
+    Llama3 {
+        /// `factor`.
+        factor: f32,
+        /// `low_freq_factor`.
+        low_freq_factor: f32,
+        /// `high_freq_factor`.
+        high_freq_factor: f32,
+        /// `original_max_position_embeddings`.
+        original_max_position_embeddings: f32,
+    },
+}
+
+impl RopeScaling {
+    /// The inverse frequencies of a head of `head_dim` at base `theta`, in f32 step by step as
+    /// `transformers` computes them.
+    pub fn inv_freq(self, theta: f32, head_dim: usize) -> Vec<f32> {
+        let base = crate::backend::rope_inv_freq(theta, head_dim);
+        match self {
+            RopeScaling::Default => base,
+            RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let old = original_max_position_embeddings;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base.into_iter()
+                    .map(|f| {
+                        let wavelen = (2.0 * std::f64::consts::PI) as f32 / f;
+                        let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                        if wavelen < high_wavelen || wavelen > low_wavelen {
+                            return scaled;
+                        }
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * scaled / factor + smooth * scaled
+                    })
+                    .collect()
+            }
+        }
+    }
 }
 
 /// `config.json` as written, before defaults. Unknown keys are ignored: real configs carry many
@@ -220,15 +298,21 @@ struct RawHfConfig {
     intermediate_size: Option<usize>,
     vocab_size: Option<usize>,
     rope_theta: Option<f64>,
-    rope_parameters: Option<RawRopeParameters>,
+    rope_parameters: Option<serde_json::Value>,
+    rope_scaling: Option<serde_json::Value>,
     rms_norm_eps: Option<f64>,
     tie_word_embeddings: Option<bool>,
-}
-
-/// Newer `transformers` versions move `rope_theta` into `rope_parameters`.
-#[derive(serde::Deserialize)]
-struct RawRopeParameters {
-    rope_theta: Option<f64>,
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_act: Option<String>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    partial_rotary_factor: Option<f64>,
 }
 
 impl HfConfig {
@@ -245,6 +329,9 @@ impl HfConfig {
             rope_theta,
             rms_norm_eps,
             tie_word_embeddings,
+            variant: Variant::default(),
+            rope_scaling: RopeScaling::Default,
+            sliding_window: None,
         }
     }
 
@@ -276,9 +363,25 @@ impl HfConfig {
             Dtype::F16 => "float16",
             Dtype::Bf16 => "bfloat16",
         };
+        let (architecture, model_type) = match self.variant {
+            Variant { qk_norm: true, .. } => ("Qwen3ForCausalLM", "qwen3"),
+            Variant { qkv_bias: true, o_bias: false, .. } => ("Qwen2ForCausalLM", "qwen2"),
+            _ => ("LlamaForCausalLM", "llama"),
+        };
+        let rope_scaling = match self.rope_scaling {
+            RopeScaling::Default => serde_json::Value::Null,
+            RopeScaling::Linear { factor } => serde_json::json!({"rope_type": "linear", "factor": factor}),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                serde_json::json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings})
+            }
+        };
         serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [architecture],
+            "model_type": model_type,
+            "attention_bias": self.variant.o_bias,
+            "rope_scaling": rope_scaling,
             "hidden_act": "silu",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -313,6 +416,88 @@ pub fn read_hf_config(dir: &Path) -> Result<HfConfig, WeightsError> {
     if num_attention_heads == 0 {
         return Err(invalid("num_attention_heads is 0".into()));
     }
+    let architecture = match (raw.architectures.as_deref(), raw.model_type.as_deref()) {
+        (Some([first, ..]), _) => first.clone(),
+        (_, Some("llama") | None) => "LlamaForCausalLM".to_owned(),
+        (_, Some("mistral")) => "MistralForCausalLM".to_owned(),
+        (_, Some("qwen2")) => "Qwen2ForCausalLM".to_owned(),
+        (_, Some("qwen3")) => "Qwen3ForCausalLM".to_owned(),
+        (_, Some(other)) => format!("model_type {other:?}"),
+    };
+    let unsupported = |why: &str| {
+        invalid(format!(
+            "{architecture}{why} is not an architecture the reference engine computes (it computes {}: \
+             Llama, Mistral, Qwen2 and Qwen3 dense models); serve it with an engine that does, such as vLLM \
+             attached through [engine_endpoint]",
+            SUPPORTED_ARCHITECTURES.join(", ")
+        ))
+    };
+    let mut variant = match architecture.as_str() {
+        "LlamaForCausalLM" | "MistralForCausalLM" => Variant::default(),
+        "Qwen2ForCausalLM" => Variant { qkv_bias: true, ..Variant::default() },
+        "Qwen3ForCausalLM" => Variant { qk_norm: true, ..Variant::default() },
+        _ => return Err(unsupported("")),
+    };
+    // Qwen2's q, k and v always have biases and its o never has; the others follow the key.
+    if raw.attention_bias == Some(true) && architecture != "Qwen2ForCausalLM" {
+        variant.qkv_bias = true;
+        variant.o_bias = true;
+    }
+    if raw.num_experts.or(raw.num_local_experts).is_some_and(|n| n > 0) {
+        return Err(unsupported(" with experts (num_experts)"));
+    }
+    if raw.kv_lora_rank.is_some() {
+        return Err(unsupported(" with latent attention (kv_lora_rank)"));
+    }
+    if raw.mlp_bias == Some(true) {
+        return Err(unsupported(" with mlp_bias"));
+    }
+    if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "silu") {
+        return Err(unsupported(&format!(" with hidden_act {act:?}")));
+    }
+    if raw.partial_rotary_factor.is_some_and(|f| f != 1.0) {
+        return Err(unsupported(" with partial_rotary_factor"));
+    }
+    // `transformers` 5 writes `rope_parameters` (with `rope_theta` in it); older ones
+    // `rope_theta` and `rope_scaling` (its type under `type` before 4.45).
+    let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref()).filter(|r| !r.is_null());
+    let rope_number = |key: &str| rope.and_then(|r| r.get(key)).and_then(serde_json::Value::as_f64);
+    let rope_type =
+        rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|t| t.as_str()).unwrap_or("default");
+    let factor = || -> Result<f32, WeightsError> {
+        match rope_number("factor") {
+            Some(f) if f.is_finite() && f >= 1.0 => Ok(f as f32),
+            _ => Err(invalid(format!("rope type {rope_type:?} needs a `factor` of at least 1"))),
+        }
+    };
+    let rope_scaling = match rope_type {
+        "default" => RopeScaling::Default,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "llama3" => {
+            let field = |key: &'static str| {
+                rope_number(key)
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .map(|v| v as f32)
+                    .ok_or_else(|| invalid(format!("rope type \"llama3\" needs a positive `{key}`")))
+            };
+            let (low, high) = (field("low_freq_factor")?, field("high_freq_factor")?);
+            if high <= low {
+                return Err(invalid("rope type \"llama3\": high_freq_factor must exceed low_freq_factor".into()));
+            }
+            RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: field("original_max_position_embeddings")?,
+            }
+        }
+        other => return Err(unsupported(&format!(" with rope type {other:?}"))),
+    };
+    let sliding_window = match architecture.as_str() {
+        "MistralForCausalLM" => raw.sliding_window,
+        _ if raw.use_sliding_window == Some(true) => raw.sliding_window,
+        _ => None,
+    };
     let config = HfConfig {
         hidden_size,
         num_hidden_layers,
@@ -321,9 +506,12 @@ pub fn read_hf_config(dir: &Path) -> Result<HfConfig, WeightsError> {
         head_dim: raw.head_dim.unwrap_or(hidden_size / num_attention_heads),
         intermediate_size,
         vocab_size,
-        rope_theta: raw.rope_theta.or(raw.rope_parameters.and_then(|r| r.rope_theta)).unwrap_or(10_000.0) as f32,
+        rope_theta: raw.rope_theta.or(rope_number("rope_theta")).unwrap_or(10_000.0) as f32,
         rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-5) as f32,
         tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+        variant,
+        rope_scaling,
+        sliding_window,
     };
     for (key, value) in [
         ("hidden_size", config.hidden_size),
@@ -355,10 +543,36 @@ pub fn read_hf_config(dir: &Path) -> Result<HfConfig, WeightsError> {
 /// Every tensor a Llama model of `shape` has, with its shape, in a fixed order (embedding,
 /// layers in order, final norm, output projection unless tied).
 pub fn tensor_specs(shape: &ModelShape, tie_word_embeddings: bool) -> Vec<(String, Vec<usize>)> {
+    variant_tensor_specs(shape, tie_word_embeddings, Variant::default())
+}
+
+/// [`tensor_specs`] of an architecture `variant`: each layer's biases (`….bias`, `[out]`) and
+/// per-head norms (`self_attn.{q,k}_norm.weight`, `[head_dim]`) after its Llama tensors.
+pub fn variant_tensor_specs(
+    shape: &ModelShape,
+    tie_word_embeddings: bool,
+    variant: Variant,
+) -> Vec<(String, Vec<usize>)> {
     let (hidden, q, kv, ffn) = (shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn);
     let mut specs = vec![(EMBED_TOKENS.to_owned(), vec![shape.vocab, hidden])];
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
+        if variant.qkv_bias {
+            specs.extend([
+                (format!("{p}.self_attn.q_proj.bias"), vec![q]),
+                (format!("{p}.self_attn.k_proj.bias"), vec![kv]),
+                (format!("{p}.self_attn.v_proj.bias"), vec![kv]),
+            ]);
+        }
+        if variant.o_bias {
+            specs.push((format!("{p}.self_attn.o_proj.bias"), vec![hidden]));
+        }
+        if variant.qk_norm {
+            specs.extend([
+                (format!("{p}.self_attn.q_norm.weight"), vec![shape.head_dim]),
+                (format!("{p}.self_attn.k_norm.weight"), vec![shape.head_dim]),
+            ]);
+        }
         specs.extend([
             (format!("{p}.input_layernorm.weight"), vec![hidden]),
             (format!("{p}.self_attn.q_proj.weight"), vec![q, hidden]),
@@ -413,6 +627,10 @@ pub struct HostWeights {
     pub rope_theta: f32,
     /// RMSNorm epsilon.
     pub rms_eps: f32,
+    /// What the architecture adds to Llama's layers.
+    pub variant: Variant,
+    /// RoPE's frequency scaling.
+    pub rope_scaling: RopeScaling,
     /// Tensors by Hugging Face name (see the module documentation).
     pub tensors: HashMap<String, HostTensor>,
 }
@@ -461,7 +679,14 @@ impl HostWeights {
             None => chunk.fill(1.0),
             Some(scale) => fill_uniform(chunk, chunk_seed, scale),
         });
-        HostWeights { shape, rope_theta, rms_eps: 1e-5, tensors }
+        HostWeights {
+            shape,
+            rope_theta,
+            rms_eps: 1e-5,
+            variant: Variant::default(),
+            rope_scaling: RopeScaling::Default,
+            tensors,
+        }
     }
 
     /// Loads a Llama-format checkpoint: `dir/config.json` and the safetensors files that
@@ -491,7 +716,7 @@ impl HostWeights {
             parsed.push(st);
         }
 
-        let specs = tensor_specs(&shape, config.tie_word_embeddings);
+        let specs = variant_tensor_specs(&shape, config.tie_word_embeddings, config.variant);
         let wanted: HashMap<&str, &[usize]> = specs.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
         let mut found: HashMap<&str, (usize, TensorView<'_>)> = HashMap::new();
         for (file_index, st) in parsed.iter().enumerate() {
@@ -545,7 +770,14 @@ impl HostWeights {
         }
         run_parallel(jobs, |(out, bytes, dtype)| convert_to_f32(dtype, bytes, out));
 
-        Ok(HostWeights { shape, rope_theta: config.rope_theta, rms_eps: config.rms_norm_eps, tensors })
+        Ok(HostWeights {
+            shape,
+            rope_theta: config.rope_theta,
+            rms_eps: config.rms_norm_eps,
+            variant: config.variant,
+            rope_scaling: config.rope_scaling,
+            tensors,
+        })
     }
 
     /// Writes `dir/config.json` and `dir/model.safetensors` (all tensors in `dtype`, rounded to
@@ -553,7 +785,7 @@ impl HostWeights {
     /// `lm_head.weight` is absent. Tensors that are not part of the model are not written.
     pub fn save_safetensors(&self, dir: &Path, dtype: Dtype) -> Result<(), WeightsError> {
         let tied = !self.tensors.contains_key(LM_HEAD);
-        let specs = tensor_specs(&self.shape, tied);
+        let specs = variant_tensor_specs(&self.shape, tied, self.variant);
         let mut checked = Vec::with_capacity(specs.len());
         for (name, dims) in specs {
             let inconsistent = |detail: String| WeightsError::Inconsistent { model: self.shape.name, detail };
@@ -586,7 +818,11 @@ impl HostWeights {
             safetensors::SafeTensorError::IoError(e) => WeightsError::io(&path, e),
             source => WeightsError::Safetensors { path: path.clone(), source },
         })?;
-        let config = HfConfig::from_shape(&self.shape, self.rope_theta, self.rms_eps, tied);
+        let config = HfConfig {
+            variant: self.variant,
+            rope_scaling: self.rope_scaling,
+            ..HfConfig::from_shape(&self.shape, self.rope_theta, self.rms_eps, tied)
+        };
         let config_path = dir.join("config.json");
         let text = serde_json::to_string_pretty(&config.to_json(dtype))
             .map_err(|source| WeightsError::Json { path: config_path.clone(), source })?;

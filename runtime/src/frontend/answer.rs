@@ -170,7 +170,10 @@ impl Answer {
             model: request.model.clone(),
             created,
             usage: Usage { prompt_tokens: request.prompt.len(), ..Usage::default() },
-            decoder: IncrementalDecoder::new(inner.tokenizer.clone(), request.stop_token_ids.iter().copied()),
+            decoder: IncrementalDecoder::new(
+                inner.tokenizer.clone(),
+                request.stop_token_ids.iter().chain(inner.hidden_ids.iter()).copied(),
+            ),
             stop: StopMatcher::new(stop),
             deadline: arrived + inner.request_timeout,
             arrived,

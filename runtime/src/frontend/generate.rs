@@ -86,8 +86,8 @@ pub struct GenerateRequest {
     pub regions: RegionRanges,
     /// Most tokens to generate (at least 1; never more than `max_context - prompt.len()`).
     pub max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    pub temperature: f32,
+    /// How to pick each token (temperature 0 is greedy).
+    pub sampling: dynamo_kernels::sampling::Sampling,
     /// Seed of the sampler, for reproducible sampling.
     pub seed: Option<u64>,
     /// Generation finishes with [`FinishReason::Stop`] after emitting one of these.

@@ -204,8 +204,8 @@ pub struct Conversation {
     /// Template arguments (`chat_template_kwargs`); `enable_thinking` is set from
     /// [`Thinking::enabled`] when the client said.
     pub template_kwargs: super::template::Kwargs,
-    /// Sampling temperature (already defaulted per API).
-    pub temperature: f32,
+    /// What the request says of sampling (checked per API).
+    pub sampling: SamplingRequest,
     /// Sampler seed.
     pub seed: Option<u64>,
     /// Stop strings.
@@ -365,4 +365,79 @@ pub enum Output {
         /// A thinking block's replay handle: the `signature` / `encrypted_content` to send.
         handle: Option<String>,
     },
+}
+
+/// What a request says of sampling. A value it leaves unset is the model's default (its
+/// `generation_config.json`, as vLLM takes it), else the API's: temperature
+/// [`fallback_temperature`](Self::fallback_temperature), no top-p, top-k or repetition penalty.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingRequest {
+    /// `temperature`.
+    pub temperature: Option<f32>,
+    /// `top_p`, in `(0, 1]`.
+    pub top_p: Option<f32>,
+    /// `top_k`; 0 (or vLLM's -1) keeps every token.
+    pub top_k: Option<u32>,
+    /// `repetition_penalty` (vLLM's extension), above 0.
+    pub repetition_penalty: Option<f32>,
+    /// The API's temperature when neither the request nor the model sets one.
+    pub fallback_temperature: f32,
+}
+
+impl Default for SamplingRequest {
+    /// Nothing set; OpenAI's temperature 1.
+    fn default() -> Self {
+        SamplingRequest::unset(1.0)
+    }
+}
+
+impl SamplingRequest {
+    /// Nothing set; temperature `fallback` when the model has none either.
+    pub fn unset(fallback: f32) -> SamplingRequest {
+        SamplingRequest {
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            repetition_penalty: None,
+            fallback_temperature: fallback,
+        }
+    }
+
+    /// The sampler: each value from the request, else from `model`, else the API's default.
+    pub fn resolve(&self, model: &SamplingRequest) -> dynamo_kernels::sampling::Sampling {
+        dynamo_kernels::sampling::Sampling {
+            temperature: self.temperature.or(model.temperature).unwrap_or(self.fallback_temperature),
+            top_p: self.top_p.or(model.top_p).unwrap_or(1.0),
+            top_k: self.top_k.or(model.top_k).unwrap_or(0),
+            repetition_penalty: self.repetition_penalty.or(model.repetition_penalty).unwrap_or(1.0),
+        }
+    }
+
+    /// Checks `top_p`, `top_k` (a negative one is "all", as vLLM's -1) and `repetition_penalty`,
+    /// naming the field of a bad one.
+    pub fn check(
+        temperature: Option<f32>,
+        top_p: Option<f32>,
+        top_k: Option<i64>,
+        repetition_penalty: Option<f32>,
+        fallback: f32,
+    ) -> Result<SamplingRequest, (String, &'static str)> {
+        if let Some(p) = top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err((format!("Invalid 'top_p': {p} is not in (0, 1]."), "top_p"));
+        }
+        if let Some(r) = repetition_penalty
+            && !(r.is_finite() && r > 0.0)
+        {
+            return Err((format!("Invalid 'repetition_penalty': {r} is not above 0."), "repetition_penalty"));
+        }
+        Ok(SamplingRequest {
+            temperature,
+            top_p,
+            top_k: top_k.map(|k| u32::try_from(k.max(0)).unwrap_or(u32::MAX)),
+            repetition_penalty,
+            fallback_temperature: fallback,
+        })
+    }
 }

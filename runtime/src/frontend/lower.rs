@@ -202,7 +202,7 @@ pub(super) fn generate_request(
         prompt: lowered.prompt,
         regions: lowered.regions,
         max_tokens,
-        temperature: conversation.temperature,
+        sampling: conversation.sampling.resolve(&state.inner.sampling_defaults),
         seed: conversation.seed,
         stop_token_ids: state.inner.stop_token_ids.clone(),
         session_id: conversation.session.clone(),

@@ -102,6 +102,10 @@ struct Inner {
     stop_token_ids: Vec<u32>,
     /// Special-token strings escaped in chat messages: the tokenizer's, BOS and EOS.
     specials: Vec<String>,
+    /// Ids of the special tokens left out of an answer's text (as `transformers` decodes with
+    /// `skip_special_tokens`): every special token but the markers the configured reasoning and
+    /// tool-call parsers read (which they remove themselves). Usage still counts them.
+    hidden_ids: Arc<[u32]>,
     max_body: usize,
     default_max_tokens: usize,
     request_timeout: Duration,
@@ -131,6 +135,9 @@ struct Inner {
     strip_anthropic_preamble: bool,
     /// `frontend.messages_temperature`: Anthropic Messages' temperature when a request sends none.
     messages_temperature: f32,
+    /// The model's sampling defaults (its `generation_config.json`), for what a request leaves
+    /// unset.
+    sampling_defaults: ir::SamplingRequest,
     /// The scripted engine's answers, by turn ([`FrontendState::with_script`]).
     script: Option<Arc<Vec<String>>>,
     /// Generated turns, for token-identical replay.
@@ -142,6 +149,29 @@ struct Inner {
     end_markers: Vec<String>,
     /// `[recording]`: answered requests go to the traffic recording.
     recorder: Option<Arc<crate::recording::Recorder>>,
+}
+
+/// The ids of the special tokens an answer's text leaves out: each of `specials` that the
+/// tokenizer encodes as one token, unless its text is part of a marker the parsers read.
+fn hidden_special_ids(
+    tokenizer: &Tokenizer,
+    specials: &[String],
+    reasoning: Option<parsers::ReasoningKind>,
+    tools: Option<parsers::ToolFormat>,
+) -> Arc<[u32]> {
+    let mut markers: Vec<&str> = reasoning.into_iter().flat_map(parsers::ReasoningKind::markers).collect();
+    markers.extend(tools.map(parsers::ToolFormat::markers).unwrap_or_default());
+    let mut ids: Vec<u32> = specials
+        .iter()
+        .filter(|s| !markers.iter().any(|m| m.contains(s.as_str())))
+        .filter_map(|s| match tokenizer.encode(s).ok()?[..] {
+            [id] => Some(id),
+            _ => None,
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids.into()
 }
 
 impl fmt::Debug for FrontendState {
@@ -181,11 +211,15 @@ impl FrontendState {
                 specials.push(token.to_owned());
             }
         }
+        let reasoning = config.reasoning_parser.as_deref().and_then(parsers::ReasoningKind::from_name);
+        let tools = config.tool_call_parser.as_deref().and_then(parsers::ToolFormat::from_name);
+        let hidden_ids = hidden_special_ids(&tokenizer, &specials, reasoning, tools);
         let preparers = std::thread::available_parallelism().map_or(2, |n| n.get());
         FrontendState {
             inner: Arc::new(Inner {
                 generator,
                 specials,
+                hidden_ids,
                 max_token_bytes: tokenizer.max_token_bytes().max(1),
                 tokenizer,
                 template: Arc::new(template),
@@ -207,10 +241,11 @@ impl FrontendState {
                 allowed_hosts: config.allowed_hosts.clone(),
                 keys: Arc::new(auth::Keys::new(&config.auth)),
                 cache_min_tokens: config.cache_min_tokens,
-                reasoning: config.reasoning_parser.as_deref().and_then(parsers::ReasoningKind::from_name),
-                tools: config.tool_call_parser.as_deref().and_then(parsers::ToolFormat::from_name),
+                reasoning,
+                tools,
                 strip_anthropic_preamble: config.strip_anthropic_preamble,
                 messages_temperature: config.messages_temperature,
+                sampling_defaults: ir::SamplingRequest::unset(1.0),
                 script: None,
                 replay: Arc::new(replay::ReplayStore::new(config.replay_tokens, config.replay_ttl.0)),
                 responses: Arc::new(openai::store::ResponseStore::new(
@@ -224,6 +259,13 @@ impl FrontendState {
             }),
         }
         .with_end_markers()
+    }
+
+    /// The model's sampling defaults, for what a request leaves unset (vLLM's
+    /// `--generation-config auto`).
+    pub fn with_sampling_defaults(mut self, defaults: ir::SamplingRequest) -> FrontendState {
+        Arc::make_mut(&mut self.inner).sampling_defaults = defaults;
+        self
     }
 
     /// Replaces the stop tokens sent with every request (and dropped from the answer's text).

@@ -152,6 +152,12 @@ pub struct ChatTemplate {
     /// End-of-turn strings the model samples besides EOS (gpt-oss `<|call|>`, GLM's
     /// `<|observation|>`): stop tokens where the tokenizer has them as one token.
     stops: Vec<String>,
+    /// Whether the environment holds a `tool_use` template for requests with tools.
+    tool_use: bool,
+    /// Where the template came from ([`ChatTemplate::origin`]).
+    origin: String,
+    /// The (default) template's source.
+    source: String,
 }
 
 /// A family template of this project ([`ChatTemplate::named`]): its name, source, BOS, EOS
@@ -213,11 +219,92 @@ const FAMILIES: &[Family] = &[
 ];
 
 const NAME: &str = "chat_template";
+/// The name of the template that renders requests with tools, where a checkpoint has one.
+const TOOL_USE: &str = "tool_use";
+
+/// Python's `strftime` of a UTC time (seconds since the epoch) for the directives templates use:
+/// `%Y %y %m %d %e %j %H %M %S %p %b %B %a %A %%`.
+fn strftime(format: &str, secs: u64) -> Result<String, String> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    let days = (secs / 86_400) as i64;
+    let (hour, minute, second) = ((secs / 3600) % 24, (secs / 60) % 60, secs % 60);
+    // Civil date of a day count (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = before[month as usize - 1] + day + i64::from(leap && month > 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let month_name = MONTHS[month as usize - 1];
+        match chars.next() {
+            Some('Y') => out += &year.to_string(),
+            Some('y') => out += &format!("{:02}", year % 100),
+            Some('m') => out += &format!("{month:02}"),
+            Some('d') => out += &format!("{day:02}"),
+            Some('e') => out += &format!("{day:2}"),
+            Some('j') => out += &format!("{yday:03}"),
+            Some('H') => out += &format!("{hour:02}"),
+            Some('M') => out += &format!("{minute:02}"),
+            Some('S') => out += &format!("{second:02}"),
+            Some('p') => out += if hour < 12 { "AM" } else { "PM" },
+            Some('b') => out += &month_name[..3],
+            Some('B') => out += month_name,
+            Some('a') => out += &DAYS[weekday][..3],
+            Some('A') => out += DAYS[weekday],
+            Some('%') => out.push('%'),
+            other => return Err(format!("strftime_now: unsupported directive %{}", other.unwrap_or(' '))),
+        }
+    }
+    Ok(out)
+}
+
+/// A JSON file of a checkpoint; `Ok(None)` when it does not exist.
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>, TemplateError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(TemplateError::Io { path: path.to_owned(), source }),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| TemplateError::Config { path: path.to_owned(), message: e.to_string() })
+}
 
 impl ChatTemplate {
     /// [`DEFAULT_TEMPLATE`] with BOS `<|begin_of_text|>` and EOS `<|eot_id|>`.
     pub fn builtin() -> ChatTemplate {
-        ChatTemplate::new(DEFAULT_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>").expect("the built-in template compiles")
+        let mut template = ChatTemplate::new(DEFAULT_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>")
+            .expect("the built-in template compiles");
+        template.origin = "the built-in llama3 template".into();
+        template
     }
 
     /// The names [`named`](Self::named) knows: `llama3` (the built-in) and the model families
@@ -232,6 +319,7 @@ impl ChatTemplate {
         let family = FAMILIES.iter().find(|f| f.name == name)?;
         let mut template = ChatTemplate::new(family.source, family.bos, family.eos).expect("family templates compile");
         template.stops = family.stops.iter().map(|s| (*s).to_owned()).collect();
+        template.origin = format!("this project's `{name}` template");
         Some(template)
     }
 
@@ -249,6 +337,12 @@ impl ChatTemplate {
         env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
         });
+        // `transformers` gives templates the date (Llama 3.x writes "Today Date: 04 Dec 2026").
+        env.add_function("strftime_now", |format: String| -> Result<String, minijinja::Error> {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            strftime(&format, now.as_secs())
+                .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e))
+        });
         // `transformers` renders `tojson` as `json.dumps(x, ensure_ascii=False)`: `", "` and `": "`
         // separators (minijinja's own writes compact JSON), so a prompt is the one the model's
         // template gives under `transformers`. Keys keep the order they arrive in.
@@ -263,41 +357,110 @@ impl ChatTemplate {
             },
         );
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| TemplateError::Syntax(e.to_string()))?;
-        Ok(ChatTemplate { env, bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned(), stops: Vec::new() })
+        Ok(ChatTemplate {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+            stops: Vec::new(),
+            tool_use: false,
+            origin: String::new(),
+            source: source.to_owned(),
+        })
     }
 
-    /// The template of a checkpoint directory: `dir/tokenizer_config.json`'s `chat_template` (a
-    /// string, or a list of `{name, template}` of which `default` is taken) with its `bos_token`
-    /// and `eos_token`. `Ok(None)` when the file is absent or names no template.
+    /// The template of a checkpoint directory, found where `transformers` looks for it:
+    /// `chat_template.jinja` (what `transformers` ≥ 4.43 saves), with the named templates of
+    /// `additional_chat_templates/*.jinja` beside it; else `chat_template.json` (a processor's
+    /// `{"chat_template": …}`); else `tokenizer_config.json`'s `chat_template` (a string, or a list
+    /// of `{name, template}` with a `default`). A `tool_use` template, where there is one, renders
+    /// the requests that offer tools, as in `transformers`. BOS and EOS come from
+    /// `tokenizer_config.json` (strings or AddedToken objects), else `special_tokens_map.json`.
+    /// `Ok(None)` when the directory names no template.
     pub fn from_model_dir(dir: &Path) -> Result<Option<ChatTemplate>, TemplateError> {
-        let path = dir.join("tokenizer_config.json");
-        let text = match std::fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(TemplateError::Io { path, source }),
-        };
-        let config_error = |message: String| TemplateError::Config { path: path.clone(), message };
-        let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| config_error(e.to_string()))?;
-        let source = match config.get("chat_template") {
-            None | Some(serde_json::Value::Null) => return Ok(None),
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|t| t.get("template")?.as_str())
-                .ok_or_else(|| config_error("`chat_template` is a list without a `default` template".into()))?
-                .to_owned(),
-            Some(_) => return Err(config_error("`chat_template` is neither a string nor a list".into())),
-        };
+        let config_path = dir.join("tokenizer_config.json");
+        let config = read_json(&config_path)?;
+        let map = read_json(&dir.join("special_tokens_map.json"))?;
         // `bos_token` is a string or an AddedToken object `{"content": ...}`.
         let token = |key: &str| -> String {
-            match config.get(key) {
-                Some(serde_json::Value::String(s)) => s.clone(),
-                Some(v) => v.get("content").and_then(|c| c.as_str()).unwrap_or_default().to_owned(),
-                None => String::new(),
+            [&config, &map]
+                .into_iter()
+                .flatten()
+                .find_map(|file| match file.get(key)? {
+                    serde_json::Value::String(s) => Some(s.clone()),
+                    v => v.get("content").and_then(|c| c.as_str()).map(str::to_owned),
+                })
+                .unwrap_or_default()
+        };
+        let read = |path: PathBuf| -> Result<Option<String>, TemplateError> {
+            match std::fs::read_to_string(&path) {
+                Ok(text) => Ok(Some(text)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(source) => Err(TemplateError::Io { path, source }),
             }
         };
-        ChatTemplate::new(&source, &token("bos_token"), &token("eos_token")).map(Some)
+        let mut named: Vec<(String, String)> = Vec::new();
+        let (default, origin) = if let Some(source) = read(dir.join("chat_template.jinja"))? {
+            if let Some(tool_use) = read(dir.join("additional_chat_templates").join("tool_use.jinja"))? {
+                named.push(("tool_use".into(), tool_use));
+            }
+            (source, dir.join("chat_template.jinja"))
+        } else if let Some(file) = read_json(&dir.join("chat_template.json"))?
+            && let Some(source) = file.get("chat_template").and_then(|t| t.as_str())
+        {
+            (source.to_owned(), dir.join("chat_template.json"))
+        } else {
+            let config_error =
+                |message: &str| TemplateError::Config { path: config_path.clone(), message: message.into() };
+            let source = match config.as_ref().and_then(|c| c.get("chat_template")) {
+                None | Some(serde_json::Value::Null) => return Ok(None),
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Array(list)) => {
+                    let mut default = None;
+                    for t in list {
+                        let (Some(name), Some(template)) =
+                            (t.get("name").and_then(|n| n.as_str()), t.get("template").and_then(|t| t.as_str()))
+                        else {
+                            return Err(config_error("a `chat_template` entry lacks its `name` or `template`"));
+                        };
+                        match name {
+                            "default" => default = Some(template.to_owned()),
+                            _ => named.push((name.to_owned(), template.to_owned())),
+                        }
+                    }
+                    default.ok_or_else(|| config_error("`chat_template` is a list without a `default` template"))?
+                }
+                Some(_) => return Err(config_error("`chat_template` is neither a string nor a list")),
+            };
+            (source, config_path.clone())
+        };
+        let mut template = ChatTemplate::new(&default, &token("bos_token"), &token("eos_token"))
+            .map_err(|e| TemplateError::Config { path: origin.clone(), message: e.to_string() })?;
+        if let Some((_, tool_use)) = named.iter().find(|(name, _)| name == "tool_use") {
+            template
+                .env
+                .add_template_owned(TOOL_USE, tool_use.clone())
+                .map_err(|e| TemplateError::Config { path: origin.clone(), message: format!("`tool_use`: {e}") })?;
+            template.tool_use = true;
+        }
+        template.origin = origin.display().to_string();
+        Ok(Some(template))
+    }
+
+    /// Says where the template came from ([`origin`](Self::origin)).
+    pub fn with_origin(mut self, origin: impl Into<String>) -> ChatTemplate {
+        self.origin = origin.into();
+        self
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Where the template came from: a file of the checkpoint, or `built-in llama3` / a family's
+    /// name.
+    pub fn origin(&self) -> &str {
+        &self.origin
     }
 
     /// The BOS string.
@@ -341,8 +504,9 @@ impl ChatTemplate {
             bos_token: &'a str,
             eos_token: &'a str,
         }
-        let template = self.env.get_template(NAME).map_err(|e| TemplateError::Syntax(e.to_string()))?;
         let tools = tools.filter(|t| !t.is_empty());
+        let name = if self.tool_use && tools.is_some() { TOOL_USE } else { NAME };
+        let template = self.env.get_template(name).map_err(|e| TemplateError::Syntax(e.to_string()))?;
         let context = Context {
             kwargs,
             messages,
@@ -785,10 +949,44 @@ mod tests {
         std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
         let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
         assert_eq!(t.render(&[msg("user", "x")], None, true).unwrap(), "<s>x</s>");
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "ls"}})];
+        assert_eq!(t.render(&[msg("user", "x")], Some(&tools), true).unwrap(), "T");
         std::fs::write(dir.path().join("tokenizer_config.json"), "{\"eos_token\": \"</s>\"}").unwrap();
         assert!(ChatTemplate::from_model_dir(dir.path()).unwrap().is_none());
         std::fs::write(dir.path().join("tokenizer_config.json"), "{").unwrap();
         assert_eq!(ChatTemplate::from_model_dir(dir.path()).unwrap_err().kind(), "config");
+    }
+
+    #[test]
+    fn strftime_writes_pythons_directives() {
+        // 2026-12-04 19:05:09 UTC, a Friday; 2024-02-29, a leap day.
+        assert_eq!(strftime("%d %b %Y", 1_796_411_109).unwrap(), "04 Dec 2026");
+        assert_eq!(strftime("%Y-%m-%d %H:%M:%S %A %j", 1_796_411_109).unwrap(), "2026-12-04 19:05:09 Friday 338");
+        assert_eq!(strftime("%B %e, %y %a %p %%", 1_709_164_800).unwrap(), "February 29, 24 Thu AM %");
+        assert!(strftime("%Q", 0).is_err());
+    }
+
+    #[test]
+    fn transformers_5_checkpoints_keep_the_template_in_its_own_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = serde_json::json!({"bos_token": "<s>", "eos_token": {"content": "</s>", "special": true}});
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        std::fs::write(dir.path().join("chat_template.jinja"), "{{ bos_token }}D{{ messages[0].content }}").unwrap();
+        let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert!(t.origin().ends_with("chat_template.jinja"), "{}", t.origin());
+        assert_eq!((t.bos_token(), t.eos_token()), ("<s>", "</s>"));
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "ls"}})];
+        assert_eq!(t.render(&[msg("user", "x")], Some(&tools), true).unwrap(), "<s>Dx");
+        // A named `tool_use` template renders the requests that offer tools.
+        std::fs::create_dir(dir.path().join("additional_chat_templates")).unwrap();
+        std::fs::write(dir.path().join("additional_chat_templates/tool_use.jinja"), "T{{ tools | length }}").unwrap();
+        let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(t.render(&[msg("user", "x")], Some(&tools), true).unwrap(), "T1");
+        assert_eq!(t.render(&[msg("user", "x")], None, true).unwrap(), "<s>Dx");
+        // A template that does not compile names its file.
+        std::fs::write(dir.path().join("chat_template.jinja"), "{% for %}").unwrap();
+        let err = ChatTemplate::from_model_dir(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("chat_template.jinja"), "{err}");
     }
 
     #[test]

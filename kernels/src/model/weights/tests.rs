@@ -367,3 +367,86 @@ fn save_refuses_inconsistent_weights() {
     assert_eq!(err.kind(), "inconsistent");
     assert!(err.to_string().contains("model.layers.0.mlp.up_proj.weight"), "{err}");
 }
+
+/// Llama 3.1's scaled RoPE frequencies, bit for bit as `transformers` 5.19 computes them
+/// (`ROPE_INIT_FUNCTIONS["llama3"]` for head_dim 128, theta 500000, factor 8, low 1, high 4,
+/// original context 8192).
+#[test]
+fn llama3_rope_scaling_matches_transformers_bitwise() {
+    const TRANSFORMERS: [u32; 64] = [
+        0x3f800000, 0x3f508ac1, 0x3f29e1c6, 0x3f0a6384, 0x3ee177bc, 0x3eb7ab7d, 0x3e959ee3, 0x3e73c461, 0x3e4693b0,
+        0x3e21c3a0, 0x3e03c6a0, 0x3dd6b19c, 0x3daee4ad, 0x3d8e7898, 0x3d681e67, 0x3d3d1684, 0x3d1a08c8, 0x3cfaf53f,
+        0x3ccc6f49, 0x3ca68939, 0x3c87a9c3, 0x3c5d06ec, 0x3c340d6d, 0x3c12ac7f, 0x3beef74f, 0x3bc2aa76, 0x3b9e9402,
+        0x3b812e35, 0x3b527720, 0x3b0dfd06, 0x3ab3d11d, 0x3a60979e, 0x3a0995d2, 0x39a3f108, 0x393b2dd2, 0x38c86886,
+        0x38a3418d, 0x3884fdbf, 0x3858ac81, 0x38308199, 0x380fc8f8, 0x37ea426f, 0x37bed4f4, 0x379b7475, 0x377d45c3,
+        0x374e51f5, 0x3728126b, 0x3708ea0f, 0x36df10c4, 0x36b5b687, 0x369406cb, 0x36712b80, 0x36447610, 0x36200a69,
+        0x36025f34, 0x35d46808, 0x35ad07a7, 0x358cf400, 0x3565a54d, 0x353b12c7, 0x351864a7, 0x34f848c2, 0x34ca41b0,
+        0x34a4c2ff,
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 1, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 100, "vocab_size": 1000,
+        "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+    });
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let c = read_hf_config(dir.path()).unwrap();
+    assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor: 8.0, .. }), "{:?}", c.rope_scaling);
+    let got: Vec<u32> = c.rope_scaling.inv_freq(c.rope_theta, c.head_dim).iter().map(|f| f.to_bits()).collect();
+    assert_eq!(got, TRANSFORMERS);
+}
+
+/// Each supported architecture reads as its variant; the ones the engine cannot compute are
+/// refused at once with their name and a pointer to an engine that can.
+#[test]
+fn architectures_are_read_or_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let read = |extra: serde_json::Value| {
+        let mut config = serde_json::json!({
+            "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "vocab_size": 500,
+        });
+        config.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        read_hf_config(dir.path())
+    };
+    let variant = |extra| read(extra).unwrap().variant;
+    assert_eq!(variant(serde_json::json!({"architectures": ["LlamaForCausalLM"]})), Variant::default());
+    assert_eq!(variant(serde_json::json!({"model_type": "mistral"})), Variant::default());
+    assert_eq!(
+        variant(serde_json::json!({"architectures": ["LlamaForCausalLM"], "attention_bias": true})),
+        Variant { qkv_bias: true, o_bias: true, qk_norm: false }
+    );
+    assert_eq!(
+        variant(serde_json::json!({"architectures": ["Qwen2ForCausalLM"]})),
+        Variant { qkv_bias: true, ..Variant::default() }
+    );
+    assert_eq!(
+        variant(serde_json::json!({"architectures": ["Qwen3ForCausalLM"], "head_dim": 32})),
+        Variant { qk_norm: true, ..Variant::default() }
+    );
+    let c = read(serde_json::json!({"architectures": ["MistralForCausalLM"], "sliding_window": 4096})).unwrap();
+    assert_eq!(c.sliding_window, Some(4096));
+    let c = read(serde_json::json!({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
+                                     "use_sliding_window": false}))
+    .unwrap();
+    assert_eq!(c.sliding_window, None, "Qwen's window is off unless use_sliding_window");
+    let c =
+        read(serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 10000.0})).unwrap();
+    assert_eq!(c.rope_scaling.inv_freq(c.rope_theta, 16)[1], crate::backend::rope_inv_freq(10000.0, 16)[1] / 2.0);
+
+    for (extra, names) in [
+        (serde_json::json!({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}), "Qwen3MoeForCausalLM"),
+        (serde_json::json!({"architectures": ["DeepseekV3ForCausalLM"]}), "DeepseekV3ForCausalLM"),
+        (serde_json::json!({"architectures": ["MixtralForCausalLM"]}), "MixtralForCausalLM"),
+        (serde_json::json!({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}), "hidden_act"),
+        (serde_json::json!({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}), "yarn"),
+        (serde_json::json!({"model_type": "gemma3"}), "gemma3"),
+    ] {
+        let err = read(extra).unwrap_err().to_string();
+        assert!(err.contains(names) && err.contains("config.json") && err.contains("vLLM"), "{err}");
+    }
+    let err = read(serde_json::json!({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})).unwrap_err();
+    assert!(err.to_string().contains("low_freq_factor"), "{err}");
+}

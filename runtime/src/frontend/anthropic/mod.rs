@@ -29,7 +29,7 @@ use super::FrontendState;
 use super::auth::Caller;
 use super::error::ApiError;
 use super::http::{SessionFields, object_id, prepare_off_thread, session_id};
-use super::ir::{Block, CacheMark, Conversation, Role, Thinking, ToolChoice, ToolDef, Turn};
+use super::ir::{Block, CacheMark, Conversation, Role, SamplingRequest, Thinking, ToolChoice, ToolDef, Turn};
 use super::lower;
 
 /// A `POST /v1/messages` (or `count_tokens`) body. Fields this node does not use are accepted
@@ -50,6 +50,10 @@ pub(super) struct MessagesRequest {
     #[serde(default)]
     stop_sequences: Option<Vec<String>>,
     temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<i64>,
     #[serde(default, deserialize_with = "crate::frontend::http::null_as_default")]
     stream: bool,
     #[serde(default)]
@@ -302,10 +306,14 @@ fn conversation(
     if let Some(thinking) = &req.thinking {
         check_thinking(thinking)?;
     }
-    let temperature = req.temperature.unwrap_or(state.inner.messages_temperature);
-    if !(0.0..=1.0).contains(&temperature) {
+    if let Some(temperature) = req.temperature
+        && !(0.0..=1.0).contains(&temperature)
+    {
         return Err(ApiError::invalid("temperature: must be between 0 and 1", Some("temperature")));
     }
+    let sampling =
+        SamplingRequest::check(req.temperature, req.top_p, req.top_k, None, state.inner.messages_temperature)
+            .map_err(|(message, param)| ApiError::invalid(message, Some(param)))?;
     let system = req.system.as_ref().map(system_blocks).unwrap_or_default();
     let mut turns = Vec::with_capacity(req.messages.len());
     for (i, m) in req.messages.iter().enumerate() {
@@ -355,7 +363,7 @@ fn conversation(
         parallel_tool_calls: req.tool_choice.as_ref().is_none_or(|c| c["disable_parallel_tool_use"] != true),
         thinking,
         template_kwargs: Default::default(),
-        temperature,
+        sampling,
         seed: None,
         stop: req.stop_sequences.unwrap_or_default(),
         max_tokens,

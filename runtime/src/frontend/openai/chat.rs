@@ -29,7 +29,9 @@ use crate::frontend::generate::{FinishReason, GenerateRequest};
 use crate::frontend::http::{
     SessionFields, counted, event_stream, object_id, prepare_off_thread, send_all, session_id,
 };
-use crate::frontend::ir::{Block, BlockKind, Conversation, Output, Role, ToolChoice, ToolDef, Turn, Usage};
+use crate::frontend::ir::{
+    Block, BlockKind, Conversation, Output, Role, SamplingRequest, ToolChoice, ToolDef, Turn, Usage,
+};
 use crate::frontend::lower::{self, Tail};
 
 /// Which of the two routes.
@@ -67,10 +69,18 @@ pub(crate) async fn completions(State(state): State<FrontendState>, caller: Call
     counted(crate::frontend::Route::Completions, response)
 }
 
-/// Temperature 0..=2 (default 1) and `n` = 1.
-pub(super) fn check_sampling(temperature: Option<f32>, n: Option<usize>) -> Result<f32, ApiError> {
-    let temperature = temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
+/// Temperature 0..=2, top-p in (0, 1], a repetition penalty above 0 and `n` = 1; what the
+/// request leaves unset is the model's default, else OpenAI's (temperature 1).
+pub(super) fn check_sampling(
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    repetition_penalty: Option<f32>,
+    n: Option<usize>,
+) -> Result<SamplingRequest, ApiError> {
+    if let Some(temperature) = temperature
+        && !(0.0..=2.0).contains(&temperature)
+    {
         return Err(ApiError::invalid(
             format!("Invalid 'temperature': {temperature} is not between 0 and 2."),
             Some("temperature"),
@@ -79,7 +89,8 @@ pub(super) fn check_sampling(temperature: Option<f32>, n: Option<usize>) -> Resu
     if n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("Only n = 1 is supported.", Some("n")));
     }
-    Ok(temperature)
+    SamplingRequest::check(temperature, top_p, top_k, repetition_penalty, 1.0)
+        .map_err(|(message, param)| ApiError::invalid(message, Some(param)))
 }
 
 fn check_stop(stop: Option<StopStrings>) -> Result<Vec<String>, ApiError> {
@@ -143,7 +154,7 @@ pub(super) fn function_tools(tools: Option<Vec<Value>>) -> Vec<ToolDef> {
 
 /// The chat request as a [`Conversation`].
 fn conversation(caller: &Caller, req: ChatCompletionRequest) -> Result<Conversation, ApiError> {
-    let temperature = check_sampling(req.temperature, req.n)?;
+    let sampling = check_sampling(req.temperature, req.top_p, req.top_k, req.repetition_penalty, req.n)?;
     let stop = check_stop(req.stop)?;
     let tools = function_tools(req.tools);
     let tool_choice = tool_choice(req.tool_choice, &tools)?;
@@ -236,7 +247,7 @@ fn conversation(caller: &Caller, req: ChatCompletionRequest) -> Result<Conversat
             }
             kwargs
         },
-        temperature,
+        sampling,
         seed: req.seed,
         stop,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
@@ -269,7 +280,7 @@ fn prepare_chat(state: &FrontendState, caller: &Caller, req: ChatCompletionReque
 
 fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionRequest) -> Result<Prepared, ApiError> {
     lower::check_model(state, &req.model)?;
-    let temperature = check_sampling(req.temperature, req.n)?;
+    let sampling = check_sampling(req.temperature, req.top_p, req.top_k, req.repetition_penalty, req.n)?;
     let stop = check_stop(req.stop)?;
     let retention = super::wire::retention_mark(req.prompt_cache_retention.as_deref())?;
     let inner = &state.inner;
@@ -331,7 +342,7 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
             prompt,
             regions,
             max_tokens,
-            temperature,
+            sampling: sampling.resolve(&inner.sampling_defaults),
             seed: req.seed,
             stop_token_ids: inner.stop_token_ids.clone(),
             session_id: session_id(caller, SessionFields { user: req.user.as_deref(), ..Default::default() }),

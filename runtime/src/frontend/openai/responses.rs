@@ -406,7 +406,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
             param: Some("previous_response_id".into()),
         })?),
     };
-    let temperature = check_sampling(req.temperature, None)?;
+    let sampling = check_sampling(req.temperature, req.top_p, None, None, None)?;
     let tools = function_tools(req.tools.clone());
     let choice: Option<ToolChoiceWire> = match &req.tool_choice {
         None => None,
@@ -448,7 +448,7 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
             .and_then(|r| r["effort"].as_str())
             .map(|effort| [("reasoning_effort".to_owned(), Value::from(effort))].into_iter().collect())
             .unwrap_or_default(),
-        temperature,
+        sampling,
         seed: None,
         stop: Vec::new(),
         max_tokens: req.max_output_tokens,
@@ -480,11 +480,11 @@ fn prepare(state: &FrontendState, caller: &Caller, req: ResponsesRequest) -> Res
         previous_response_id: json!(req.previous_response_id),
         reasoning: req.reasoning.unwrap_or_else(|| json!({"effort": null, "summary": null})),
         store: store && store_enabled,
-        temperature,
+        temperature: request.sampling.temperature,
         text: req.text.unwrap_or_else(|| json!({"format": {"type": "text"}})),
         tool_choice: req.tool_choice.unwrap_or_else(|| json!("auto")),
         tools: json!(req.tools.unwrap_or_default()),
-        top_p: json!(req.top_p.unwrap_or(1.0)),
+        top_p: json!(request.sampling.top_p),
         truncation: req.truncation.unwrap_or_else(|| "disabled".into()),
         metadata: req.metadata.unwrap_or_else(|| json!({})),
         user: json!(req.user),

@@ -27,9 +27,18 @@ pub struct ChatCompletionRequest {
     /// Most tokens to generate.
     #[serde(default)]
     pub max_completion_tokens: Option<usize>,
-    /// Sampling temperature, 0..=2; 0 is greedy. Default 1.
+    /// Sampling temperature, 0..=2; 0 is greedy. Default: the model's, else 1.
     #[serde(default)]
     pub temperature: Option<f32>,
+    /// Nucleus sampling, in (0, 1]. Default: the model's, else 1.
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Top-k sampling (vLLM's extension); 0 or -1 keeps all. Default: the model's, else all.
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Repetition penalty (vLLM's extension), above 0. Default: the model's, else 1 (none).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
     /// Sampler seed.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -80,9 +89,18 @@ pub struct CompletionRequest {
     /// Most tokens to generate.
     #[serde(default)]
     pub max_tokens: Option<usize>,
-    /// Sampling temperature, 0..=2; 0 is greedy. Default 1.
+    /// Sampling temperature, 0..=2; 0 is greedy. Default: the model's, else 1.
     #[serde(default)]
     pub temperature: Option<f32>,
+    /// Nucleus sampling, in (0, 1]. Default: the model's, else 1.
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Top-k sampling (vLLM's extension); 0 or -1 keeps all. Default: the model's, else all.
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Repetition penalty (vLLM's extension), above 0. Default: the model's, else 1 (none).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
     /// Sampler seed.
     #[serde(default)]
     pub seed: Option<u64>,

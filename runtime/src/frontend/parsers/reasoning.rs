@@ -56,6 +56,12 @@ impl ReasoningKind {
         })
     }
 
+    /// Every marker this parser reads in an answer: what must stay in the decoded text for it
+    /// (a special token whose text is part of one is not dropped from the answer).
+    pub fn markers(self) -> impl Iterator<Item = &'static str> {
+        [self.open(), self.close(), self.close_kept()].into_iter().flatten().copied()
+    }
+
     fn open(self) -> &'static [&'static str] {
         match self {
             ReasoningKind::Think | ReasoningKind::KimiK25 => &["<think>"],

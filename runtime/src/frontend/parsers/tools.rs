@@ -107,6 +107,33 @@ impl ToolFormat {
         })
     }
 
+    /// Every marker this parser reads in an answer: what must stay in the decoded text for it
+    /// (a special token whose text is part of one is not dropped from the answer).
+    pub fn markers(self) -> Vec<&'static str> {
+        let mut markers = self.starts().to_vec();
+        if let End::Tags(tags) = self.end(0) {
+            markers.extend_from_slice(tags);
+        }
+        if let End::Tags(tags) = self.end(1) {
+            markers.extend_from_slice(tags);
+        }
+        if let Some((start, arguments, end)) = self.call_markers() {
+            markers.extend([start, arguments, end]);
+        }
+        if self == ToolFormat::Harmony {
+            markers.extend([
+                "<|start|>",
+                "<|channel|>",
+                "<|message|>",
+                "<|constrain|>",
+                "<|end|>",
+                "<|call|>",
+                "<|return|>",
+            ]);
+        }
+        markers
+    }
+
     fn starts(self) -> &'static [&'static str] {
         match self {
             ToolFormat::Hermes | ToolFormat::Qwen3Coder | ToolFormat::Glm47 => &["<tool_call>"],
