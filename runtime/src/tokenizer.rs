@@ -131,6 +131,11 @@ impl Tokenizer {
         Tokenizer { name: "o200k_base".into(), kind: Kind::Tiktoken(tiktoken_rs::o200k_base_singleton()) }
     }
 
+    /// Whether this is the built-in o200k BPE ([`builtin`](Self::builtin)).
+    pub fn is_builtin(&self) -> bool {
+        matches!(self.kind, Kind::Tiktoken(_))
+    }
+
     /// `o200k_base`, or the directory a `tokenizer.json` was loaded from.
     pub fn name(&self) -> &str {
         &self.name
@@ -194,6 +199,28 @@ impl Tokenizer {
                 .map(|encoding| encoding.get_ids().to_vec())
                 .map_err(|e| TokenizerError::Encode { tokenizer: self.name.to_string(), message: e.to_string() }),
             Kind::Tiktoken(bpe) => Ok(bpe.encode_with_special_tokens(text)),
+        }
+    }
+
+    /// [`encode`](Self::encode), with the byte offset in `text` where each token's text starts.
+    pub fn encode_with_starts(&self, text: &str) -> Result<(Vec<u32>, Vec<usize>), TokenizerError> {
+        match &self.kind {
+            Kind::HuggingFace(t) => {
+                let encoding = t
+                    .encode(text, false)
+                    .map_err(|e| TokenizerError::Encode { tokenizer: self.name.to_string(), message: e.to_string() })?;
+                Ok((encoding.get_ids().to_vec(), encoding.get_offsets().iter().map(|&(start, _)| start).collect()))
+            }
+            Kind::Tiktoken(bpe) => {
+                let ids = bpe.encode_with_special_tokens(text);
+                let mut starts = Vec::with_capacity(ids.len());
+                let mut at = 0;
+                for &id in &ids {
+                    starts.push(at);
+                    at += bpe.decode_bytes(&[id]).map_or(0, |b| b.len());
+                }
+                Ok((ids, starts))
+            }
         }
     }
 

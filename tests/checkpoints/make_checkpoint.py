@@ -32,7 +32,13 @@ import random
 import sys
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+                        trainers)
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
@@ -152,26 +158,29 @@ def to_hf(messages):
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
-WORDS = ("the a an of to and in is it you that for on with as be at this have from or by one had not but what all "
-         "were when we there can your which their said if do will each about how up out them then she many some so "
-         "these would other into has more her two like him see time could no make than first been its who now people "
-         "my made over did down only way find use may water long little very after words called just where most know "
-         "get through back much before go good new write our used me man too any day same right look think also around "
-         "another came come work three word must because does part even place well such here take why things help put "
-         "years different away again off went old number great tell men say small every found still between name "
-         "should home big give air line set own under read last never us left end along while might next sound below "
-         "saw something thought both few those always looked show large often together asked house world going want "
-         "school important until form food keep children feet land side without boy once animal life enough took four "
-         "head above kind began almost live page got earth need far hand high year mother light country father let "
-         "night picture being study second soon story since white ever paper hard near sentence better best across "
-         "during today however sure knew try told young sun thing whole hear example heard several change answer room "
-         "sea against top turned learn point city play toward five himself usually money seen car morning weather "
-         "capital France Paris London Berlin Tokyo sunny cloudy rain temperature celsius fahrenheit time zone color "
-         "red green blue yellow assistant user system tool function call result question helpful briefly").split()
+WORDS = """
+the a an of to and in is it you that for on with as be at this have from or by one had not but what all were
+when we there can your which their said if do will each about how up out them then she many some so these
+would other into has more her two like him see time could no make than first been its who now people my made
+over did down only way find use may water long little very after words called just where most know get
+through back much before go good new write our used me man too any day same right look think also around
+another came come work three word must because does part even place well such here take why things help put
+years different away again off went old number great tell men say small every found still between name
+should home big give air line set own under read last never us left end along while might next sound below
+saw something thought both few those always looked show large often together asked house world going want
+school important until form food keep children feet land side without boy once animal life enough took four
+head above kind began almost live page got earth need far hand high year mother light country father let
+night picture being study second soon story since white ever paper hard near sentence better best across
+during today however sure knew try told young sun thing whole hear example heard several change answer room
+sea against top turned learn point city play toward five himself usually money seen car morning weather
+capital France Paris London Berlin Tokyo sunny cloudy rain temperature celsius fahrenheit time zone color
+red green blue yellow assistant user system tool function call result question helpful briefly
+""".split()
 
 
-def corpus(arch, seed):
-    """Synthetic English-like text: sentences, numbers, JSON, the template and the test texts."""
+def corpus(arch, seed, prompts=()):
+    """Synthetic English-like text: sentences, numbers, JSON, the template, the test texts and (the
+    second time) the rendered test prompts, so that those tokenize compactly as with a real vocab."""
     rng = random.Random(seed)
     lines = []
     for _ in range(4000):
@@ -193,6 +202,10 @@ def corpus(arch, seed):
         lines += [m.get("content") or "" for m in messages]
     lines.append("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 {}[]():;,.\"'!?-_/\\|<>=+*&%$#@~`^")
     lines.append("Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024 Environment: ipython")
+    for prompt in prompts:
+        for content, _ in FAMILIES[arch]["added"]:
+            prompt = prompt.replace(content, "\n")
+        lines += [prompt] * 8
     text = "\n".join(lines)
     if arch == "mistral":  # like the real one: no newline piece, so "\n" goes through byte fallback
         text = text.replace("\n", " ").replace("\t", " ")
@@ -200,8 +213,15 @@ def corpus(arch, seed):
 
 
 def build_tokenizer(arch, seed):
+    """Trains twice: the second time also on the test prompts as the first tokenizer renders them."""
+    first = train_tokenizer(arch, corpus(arch, seed))
+    prompts = [first.apply_chat_template(to_hf(m), tools=t, add_generation_prompt=True, tokenize=False, **(k or {}))
+               for _, m, t, k in cases(arch)]
+    return train_tokenizer(arch, corpus(arch, seed, prompts))
+
+
+def train_tokenizer(arch, texts):
     fam = FAMILIES[arch]
-    texts = corpus(arch, seed)
     if arch == "mistral":
         # Train on words (Metaspace split), then lay the vocab out like the real one: the control
         # tokens first, then the 256 byte-fallback pieces, then the learned pieces.
@@ -224,7 +244,12 @@ def build_tokenizer(arch, seed):
         tok = Tokenizer(models.BPE())
         if arch.startswith("qwen"):
             tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        # The split the real tokenizers make before their byte-level BPE (transformers 5 rebuilds
+        # Qwen2Tokenizer and the Llama 3 tokenizer with these patterns whatever tokenizer.json says).
+        pattern = QWEN_SPLIT if arch.startswith("qwen") else LLAMA3_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
         tok.train_from_iterator(texts, trainers.BpeTrainer(
             vocab_size=1400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
@@ -245,6 +270,22 @@ def build_tokenizer(arch, seed):
 # Model
 # ---------------------------------------------------------------------------------------------
 
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+MODELS = {  # config class, model class, the family's own settings (as the real configs)
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(
+        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(
+        rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True, rope_parameters=DEFAULT_ROPE)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(  # head_dim 32 != hidden / heads
+        head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        rope_parameters=DEFAULT_ROPE)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(
+        rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False,
+        rope_parameters=DEFAULT_ROPE)),
+}
+
 
 def build_model(arch, tokenizer, seed):
     fam, ids = FAMILIES[arch], tokenizer.convert_tokens_to_ids
@@ -253,33 +294,20 @@ def build_model(arch, tokenizer, seed):
                   bos_token_id=ids(CONFIG_BOS[arch]), pad_token_id=ids(fam["pad"]) if fam["pad"] else None,
                   eos_token_id=[ids(t) for t in fam["config_eos"]] if isinstance(fam["config_eos"], list)
                   else ids(fam["config_eos"]))
+    config_class, model_class, specifics = MODELS[arch]
     torch.manual_seed(seed)
-    if arch == "llama":
-        config = LlamaConfig(**common, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
-                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                              "original_max_position_embeddings": 8192})
-        model = LlamaForCausalLM(config)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-        model = Qwen2ForCausalLM(config)
-    elif arch == "qwen3":
-        config = Qwen3Config(**{**common, "head_dim": 32}, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-        model = Qwen3ForCausalLM(config)
-    else:
-        config = MistralConfig(**common, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None,
-                               tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-        model = MistralForCausalLM(config)
+    model = model_class(config_class(**{**common, **specifics}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):  # Qwen2's q/k/v biases: make them matter
                 torch.nn.init.normal_(p, std=0.5)
             elif "norm" in name:  # RMSNorm weights: around 1, not all 1
                 torch.nn.init.normal_(p, mean=1.0, std=0.1)
-        # Round to bfloat16 now, so that what is generated here is what the saved model generates.
-        model = model.to(torch.bfloat16).to(torch.float32).eval()
+        # Round the weights (not the rotary buffers) to bfloat16 now, so that what is generated here
+        # is what the saved model generates.
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    model.eval()
     model.generation_config = generation_config(arch, tokenizer)
     return model
 
@@ -295,16 +323,38 @@ def generation_config(arch, tokenizer):
 
 
 def swap_end_of_turn(arch, model, tokenizer):
-    """Swap lm_head rows: the 6th greedy token of "plain" <-> the end-of-turn token."""
+    """Swaps lm_head rows: the 6th greedy token of "plain" <-> the end-of-turn token, so that "plain"
+    ends by step 6. Where the head is tied to the embeddings (Qwen2) a swap also changes the prompt
+    (which holds <|im_end|>) and so what follows; then, if that token does not do it, the other
+    tokens are tried in turn (the earlier generated ones, then by id), preferring one with which
+    "plain" says something (3 to 6 tokens) before it stops. Returns (eot, partner)."""
     _, messages, tools, kwargs = cases(arch)[0]
     ids = prompt_ids(tokenizer, messages, tools, kwargs)
-    out, _ = greedy(model, ids, eos=None, pad=0)
-    tok, eot = out[SWAP_STEP], tokenizer.convert_tokens_to_ids(FAMILIES[arch]["end_of_turn"])
-    head = model.get_output_embeddings().weight  # Qwen2 ties it to embed_tokens: swapping one swaps both
-    with torch.no_grad():
-        if tok != eot:
+    eot = tokenizer.convert_tokens_to_ids(FAMILIES[arch]["end_of_turn"])
+    out, _ = greedy(model, ids, eos=None, pad=0, n=SWAP_STEP + 1)
+    if eot in out:
+        return eot, None
+    head = model.get_output_embeddings().weight
+    specials = set(tokenizer.all_special_ids)
+    fallback = None
+    for tok in dict.fromkeys(out[::-1] + list(range(head.shape[0]))):
+        if tok in specials:
+            continue
+        with torch.no_grad():
             head[[tok, eot]] = head[[eot, tok]]
-    return tok, eot
+        after = greedy(model, ids, eos=None, pad=0, n=SWAP_STEP + 1)[0]
+        with torch.no_grad():
+            head[[tok, eot]] = head[[eot, tok]]
+        if eot in after[2:] and eot not in after[:2]:
+            fallback = tok
+            break
+        if eot in after and fallback is None:
+            fallback = tok
+    if fallback is None:
+        raise RuntimeError(f"{arch}: no swap makes \"plain\" stop by step {SWAP_STEP + 1}")
+    with torch.no_grad():
+        head[[fallback, eot]] = head[[eot, fallback]]
+    return eot, fallback
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,10 +368,12 @@ def prompt_ids(tokenizer, messages, tools, kwargs):
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)  # transformers 5: a BatchEncoding
 
 
-def greedy(model, ids, eos, pad):
-    """Pure greedy `generate`; returns the new ids and the top-2 logit gap of every step."""
-    cfg = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False, temperature=None, top_p=None, top_k=None,
-                           repetition_penalty=1.0, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+def greedy(model, ids, eos, pad, n=MAX_NEW_TOKENS, penalty=1.0):
+    """Greedy `generate` with the model's repetition penalty (what `generate(do_sample=False)` takes
+    from generation_config.json, and what vLLM applies by default); returns the new ids and the
+    top-2 logit gap of every step."""
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, temperature=None, top_p=None, top_k=None,
+                           repetition_penalty=penalty, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
     with torch.no_grad():
         res = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              generation_config=cfg, return_dict_in_generate=True, output_logits=True)
@@ -335,19 +387,25 @@ def reference(arch, out_dir):
     gen = GenerationConfig.from_pretrained(out_dir)
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    half = copy.deepcopy(model).to(torch.bfloat16)  # only to report whether bf16 compute agrees
     result, stats = [], []
     for name, messages, tools, kwargs in cases(arch):
         ids = prompt_ids(tokenizer, messages, tools, kwargs)
         with torch.no_grad():
             last = model(torch.tensor([ids])).logits[0, -1].float()
-        out, gaps = greedy(model, ids, eos, pad)
-        again, _ = greedy(model, ids, eos, pad)
+        penalty = gen.repetition_penalty or 1.0
+        out, gaps = greedy(model, ids, eos, pad, penalty=penalty)
+        again, _ = greedy(model, ids, eos, pad, penalty=penalty)
         assert out == again, f"{arch}/{name}: generate is not deterministic"
         finish = "stop" if out and out[-1] in eos else "length"
         result.append({"name": name, "messages": messages, "tools": tools, "chat_template_kwargs": kwargs,
                        "prompt_ids": ids, "output_ids": out, "finish_reason": finish,
-                       "text": tokenizer.decode(out, skip_special_tokens=True), "last_logits": last.tolist()})
-        stats.append((name, len(ids), len(out), finish, min(gaps)))
+                       "text": tokenizer.decode(out, skip_special_tokens=True), "last_logits": last.tolist(),
+                       "top2_gaps": gaps})
+        bf16 = greedy(half, ids, eos, pad, penalty=penalty)[0]
+        agree = next((f"diverges at {i}" for i, (x, y) in enumerate(zip(out, bf16)) if x != y),
+                     "same" if out == bf16 else "length differs")
+        stats.append((name, len(ids), len(out), finish, min(gaps), agree))
     return result, stats
 
 
@@ -361,9 +419,11 @@ def make(arch, out_dir, seed):
     cases_out, stats = reference(arch, out_dir)
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump({"arch": arch, "cases": cases_out}, f, indent=1)
-    added = AutoTokenizer.from_pretrained(out_dir).backend_tokenizer.get_added_tokens_decoder()
-    with open(os.path.join(out_dir, "special.json"), "w") as f:
-        json.dump({"all_special_ids": sorted(i for i, t in added.items() if t.special),
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    added = reloaded.backend_tokenizer.get_added_tokens_decoder()
+    with open(os.path.join(out_dir, "special.json"), "w") as f:  # transformers 5's all_special_ids: bos/eos/pad/unk
+        json.dump({"all_special_ids": sorted(reloaded.all_special_ids),
+                   "added_special": {t.content: i for i, t in sorted(added.items()) if t.special},
                    "added_not_special": {t.content: i for i, t in sorted(added.items()) if not t.special}}, f, indent=1)
     return len(tokenizer), swapped, stats
 
@@ -379,11 +439,11 @@ def main():
     if a.selfcheck is None and not (a.arch and a.dir):
         p.error("ARCH and DIR, or --selfcheck")
     for arch in ([a.arch] if a.selfcheck is None else ["llama", "qwen2", "qwen3", "mistral"]):
-        vocab, (tok, eot), stats = make(arch, a.dir or os.path.join(a.selfcheck, arch), a.seed)
-        print(f"{arch}: vocab {vocab}, swapped lm_head rows {tok} <-> {eot}")
-        print(f"  {'case':<15} {'prompt':>6} {'output':>6}  finish  min top-2 gap")
-        for name, n_in, n_out, finish, gap in stats:
-            print(f"  {name:<15} {n_in:>6} {n_out:>6}  {finish:<6}  {gap:.4g}")
+        vocab, (eot, swapped), stats = make(arch, a.dir or os.path.join(a.selfcheck, arch), a.seed)
+        print(f"{arch}: vocab {vocab}, lm_head row of {eot} swapped with {swapped}")
+        print(f"  {'case':<15} {'prompt':>6} {'output':>6}  finish  min top-2 gap  bf16 compute")
+        for name, n_in, n_out, finish, gap, agree in stats:
+            print(f"  {name:<15} {n_in:>6} {n_out:>6}  {finish:<6}  {gap:<12.4g}  {agree}")
     return 0
 
 

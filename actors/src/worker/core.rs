@@ -81,7 +81,7 @@ pub struct GenRequest {
     pub sampling: Sampling,
     /// Seed of temperature sampling.
     pub seed: u64,
-    /// Tokens that end generation (not emitted).
+    /// Tokens that end generation: emitted as the last token event, not kept in the sequence.
     pub stop_tokens: Vec<u32>,
     /// Sample only these ids (those the tokenizer can decode: its vocabulary may be smaller
     /// than the model's and have gaps); `None` for the model's whole vocabulary.

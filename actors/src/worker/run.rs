@@ -181,6 +181,9 @@ impl Run {
             self.outcome.ttft = self.start.elapsed();
         }
         if req.stop_tokens.contains(&token) {
+            // The caller sees the end-of-turn token (it counts in the answer's usage, and vLLM's
+            // `token_ids` end with it); the sequence does not keep it.
+            self.ticket.event(WorkerEvent::Token(token));
             return Some(Ok(Finish::Stop));
         }
         let max_tokens = req.max_tokens;

@@ -79,6 +79,8 @@ pub(super) struct Answer {
     /// The generated ids, kept for replay (end-of-turn tokens left out: the template writes the
     /// end of a turn).
     generated: Vec<u32>,
+    /// Every generated id, end-of-turn tokens included (vLLM's `token_ids`).
+    token_ids: Vec<u32>,
     stop_token_ids: Vec<u32>,
     /// The session and generation prompt the turn is kept under; none when replay is off.
     replay: Option<(String, String)>,
@@ -172,7 +174,7 @@ impl Answer {
             usage: Usage { prompt_tokens: request.prompt.len(), ..Usage::default() },
             decoder: IncrementalDecoder::new(
                 inner.tokenizer.clone(),
-                request.stop_token_ids.iter().chain(inner.hidden_ids.iter()).copied(),
+                request.stop_token_ids.iter().chain(inner.hidden_ids.iter().filter(|_| !tail.keep_specials)).copied(),
             ),
             stop: StopMatcher::new(stop),
             deadline: arrived + inner.request_timeout,
@@ -183,6 +185,7 @@ impl Answer {
             parser: tail.parser,
             blocks: Blocks { call_prefix, suffix, ..Blocks::default() },
             generated: Vec::new(),
+            token_ids: Vec::new(),
             stop_token_ids,
             replay,
             single_call: tail.single_call,
@@ -340,6 +343,11 @@ impl Answer {
         self.state.inner.replay.keep(&session, key, Kept { generation_prompt, tokens, thinking });
     }
 
+    /// Every id generated so far, end-of-turn tokens included.
+    pub(super) fn token_ids(&self) -> &[u32] {
+        &self.token_ids
+    }
+
     /// The next event, or a timeout / internal error.
     async fn next_event(&mut self) -> Result<GenerateEvent, ApiError> {
         let next = match tokio::time::timeout_at(self.deadline, self.events.next()).await {
@@ -360,6 +368,7 @@ impl Answer {
             GenerateEvent::Started { .. } => Ok((String::new(), None)),
             GenerateEvent::Token { id } => {
                 self.usage.completion_tokens += 1;
+                self.token_ids.push(id);
                 if !self.stop_token_ids.contains(&id) {
                     self.generated.push(id);
                 }

@@ -47,6 +47,11 @@ pub(super) struct Tail {
     /// At most one tool call (`parallel_tool_calls: false`, Anthropic's
     /// `disable_parallel_tool_use`): the answer ends where a second one would begin.
     pub(super) single_call: bool,
+    /// Keep special tokens in the answer's text: the tool-call parser reads the answer of a
+    /// request that offers tools, and formats write their calls in special tokens beyond the
+    /// markers it names (GLM's `<arg_key>`), as vLLM's tool parsers turn
+    /// `skip_special_tokens` off.
+    pub(super) keep_specials: bool,
 }
 
 /// Drops Claude Code's billing header from `conversation`'s system text, in every API, unless
@@ -270,6 +275,9 @@ pub(super) fn lower(state: &FrontendState, conversation: &Conversation) -> Resul
             parser,
             generation_prompt: Some(generation_prompt),
             single_call: !conversation.parallel_tool_calls,
+            keep_specials: inner.tools.is_some()
+                && !conversation.tools.is_empty()
+                && conversation.tool_choice != ToolChoice::None,
         },
     })
 }
@@ -284,10 +292,12 @@ fn template_tools(conversation: &Conversation) -> Option<Vec<Value>> {
     });
     let tools: Vec<Value> = offered
         .map(|t| {
-            let mut function = json!({"name": t.name, "parameters": t.parameters});
+            // vLLM's order (its `FunctionDefinition`): name, description, parameters.
+            let mut function = json!({"name": t.name});
             if let Some(description) = &t.description {
                 function["description"] = json!(description);
             }
+            function["parameters"] = t.parameters.clone();
             json!({"type": "function", "function": function})
         })
         .collect();
@@ -443,7 +453,9 @@ fn template_messages(state: &FrontendState, conversation: &Conversation) -> Resu
                 };
                 out.push(TemplateMessage {
                     role: "assistant".into(),
-                    content: (!text.is_empty() || calls.is_empty()).then(|| escape(&text)),
+                    // A turn of tool calls alone has empty content, not none, as vLLM renders
+                    // it: real templates test `'</think>' in message.content` (Qwen3).
+                    content: Some(escape(&text)),
                     reasoning_content: (!reasoning.is_empty()).then(|| escape(&reasoning)),
                     name,
                     tool_calls: (!calls.is_empty()).then_some(Value::Array(calls)),
@@ -498,21 +510,24 @@ fn texts(blocks: &[Block]) -> Vec<&str> {
         .collect()
 }
 
-/// Tokenizes each piece on its own and concatenates the ids, except that the pieces of an
-/// assistant message with a kept turn become that turn's ids ([`splice`]). Returns the ids, the
+/// Tokenizes the rendered prompt. A message is tokenized on its own where the next one starts
+/// with a special token of the tokenizer (as real templates' turns do), so that a turn's tokens
+/// never depend on what follows it and the next request of a conversation re-renders a
+/// token-identical prefix; anywhere else, pieces are tokenized together, as `transformers`
+/// tokenizes the whole text (the edge of the tool definitions inside a message, a turn that
+/// starts with text, where a SentencePiece tokenizer would add a leading space). The built-in
+/// o200k tokenizer has no special tokens for the built-in template's markup: its messages are
+/// always tokenized on their own. The pieces of an assistant message with a kept turn become
+/// that turn's ids ([`splice`]). Each token belongs to the piece its text starts in. Returns the ids, the
 /// token range of every region (adjacent ranges of one region merged), how many turns were
 /// spliced, and where each message rendered on its own ends in the ids.
 fn tokenize(state: &FrontendState, pieces: &[Piece], kept: &[Option<Kept>]) -> Result<Tokenized, ApiError> {
-    let tokenizer = &state.inner.tokenizer;
-    let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
-    let mut ids = Vec::new();
-    let mut regions: RegionRanges = Vec::new();
-    let mut ends: Vec<Option<usize>> = Vec::new();
+    // The ids of each piece; `None` for pieces of text still to tokenize.
+    let mut spans: Vec<Option<Vec<u32>>> = vec![None; pieces.len()];
     let mut spliced = 0;
     let mut i = 0;
     while i < pieces.len() {
         let piece = &pieces[i];
-        let start = ids.len();
         // The pieces of one message: more than one where the tool definitions split it.
         let mut end = i + 1;
         while end < pieces.len() && pieces[end].owner == piece.owner {
@@ -523,47 +538,95 @@ fn tokenize(state: &FrontendState, pieces: &[Piece], kept: &[Option<Kept>]) -> R
             Owner::Message(m) => kept.get(m).and_then(Option::as_ref),
             _ => None,
         };
-        let replayed = match turn {
-            Some(turn) if group.iter().all(|p| p.region == piece.region) => {
-                let text: String = group.iter().map(|p| p.text.as_str()).collect();
-                splice(state, &text, turn)?
-            }
-            _ => None,
-        };
-        match replayed {
-            Some(tokens) => {
-                ids.extend(tokens);
+        if let Some(turn) = turn.filter(|_| group.iter().all(|p| p.region == piece.region)) {
+            let text: String = group.iter().map(|p| p.text.as_str()).collect();
+            if let Some(tokens) = splice(state, &text, turn)? {
+                // The whole message's ids go to its first piece.
+                spans[i] = Some(tokens);
+                for span in &mut spans[i + 1..end] {
+                    *span = Some(Vec::new());
+                }
                 spliced += 1;
-                i = end;
+            }
+        }
+        i = end;
+    }
+    let mut ids = Vec::new();
+    let mut regions: RegionRanges = Vec::new();
+    let mut ends: Vec<Option<usize>> = Vec::new();
+    let mut i = 0;
+    while i < pieces.len() {
+        // A run of pieces to tokenize together, or one spliced piece.
+        let counts: Vec<usize> = match spans[i].take() {
+            Some(tokens) => {
+                let n = tokens.len();
+                ids.extend(tokens);
+                vec![n]
             }
             None => {
-                if suspect(state, ids.len(), piece.text.len()) {
-                    // A long piece is counted in chunks first: past the limit it stops there.
-                    count_within(state, &piece.text, ids.len(), prompt_limit(state), "messages")?;
+                let mut run = 1;
+                while i + run < pieces.len() && spans[i + run].is_none() && joins(state, &pieces[i + run - 1..=i + run])
+                {
+                    run += 1;
                 }
-                ids.extend(tokenizer.encode(&piece.text).map_err(internal)?);
-                if ids.len() > prompt_limit(state) {
-                    check_prompt(state, ids.len(), "messages")?;
+                tokenize_run(state, &pieces[i..i + run], &mut ids)?
+            }
+        };
+        let mut at = ids.len() - counts.iter().sum::<usize>();
+        for (piece, n) in pieces[i..i + counts.len()].iter().zip(counts.iter().copied()) {
+            let (start, end) = (at, at + n);
+            at = end;
+            if let Owner::Message(m) = piece.owner {
+                if ends.len() <= m {
+                    ends.resize(m + 1, None);
                 }
-                i += 1;
+                ends[m] = Some(end);
+            }
+            if end == start {
+                continue;
+            }
+            match regions.last_mut() {
+                Some((range, last)) if *last == piece.region && range.end == start => range.end = end,
+                _ => regions.push((start..end, piece.region)),
             }
         }
-        let end = ids.len();
-        if let Owner::Message(m) = piece.owner {
-            if ends.len() <= m {
-                ends.resize(m + 1, None);
-            }
-            ends[m] = Some(end);
-        }
-        if end == start {
-            continue;
-        }
-        match regions.last_mut() {
-            Some((range, last)) if *last == piece.region && range.end == start => range.end = end,
-            _ => regions.push((start..end, piece.region)),
-        }
+        i += counts.len();
     }
     Ok(Tokenized { ids, regions, spliced, ends })
+}
+
+/// Whether the two pieces of `pair` are tokenized together ([`tokenize`]).
+fn joins(state: &FrontendState, pair: &[Piece]) -> bool {
+    let [left, right] = pair else { return false };
+    left.owner == right.owner
+        || !state.inner.tokenizer.is_builtin()
+            && !state.inner.specials.iter().any(|s| right.text.starts_with(s.as_str()))
+}
+
+/// Tokenizes `run`'s texts as one text onto `ids` (a long text counted in chunks first, so that
+/// past the prompt limit it stops there); answers how many tokens each piece starts.
+fn tokenize_run(state: &FrontendState, run: &[Piece], ids: &mut Vec<u32>) -> Result<Vec<usize>, ApiError> {
+    let internal = |e: crate::tokenizer::TokenizerError| ApiError::internal(e.to_string());
+    let text: String = run.iter().map(|p| p.text.as_str()).collect();
+    if suspect(state, ids.len(), text.len()) {
+        count_within(state, &text, ids.len(), prompt_limit(state), "messages")?;
+    }
+    let (tokens, starts) = state.inner.tokenizer.encode_with_starts(&text).map_err(internal)?;
+    let mut counts = vec![0usize; run.len()];
+    let mut piece = 0;
+    let mut piece_end = run.first().map_or(0, |p| p.text.len());
+    for &start in &starts {
+        while start >= piece_end && piece + 1 < run.len() {
+            piece += 1;
+            piece_end += run[piece].text.len();
+        }
+        counts[piece] += 1;
+    }
+    ids.extend(tokens);
+    if ids.len() > prompt_limit(state) {
+        check_prompt(state, ids.len(), "messages")?;
+    }
+    Ok(counts)
 }
 
 /// The ids of an assistant message rendered as `rendered`, from its kept turn: the generation

@@ -545,7 +545,10 @@ impl ChatTemplate {
         let mut cuts: Vec<(usize, RegionKind, Owner)> = Vec::with_capacity(ks.len() + 1);
         let mut previous = None;
         for &k in &ks {
-            let prefix = render(&messages[..k], tools, false)?;
+            // A template may refuse a prefix it is never asked for alone (`messages[0]` of no
+            // messages, a conversation that must end on a user turn): that cut is skipped, and
+            // its text belongs to the next piece.
+            let Ok(prefix) = render(&messages[..k], tools, false) else { continue };
             let end = common_prefix(&full, &prefix);
             // A rewrite of earlier text moves the boundary back: earlier cuts end there too.
             for cut in cuts.iter_mut() {

@@ -49,6 +49,8 @@ struct Prepared {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// vLLM's `return_token_ids`: the prompt's ids, to answer with.
+    prompt_token_ids: Option<Vec<u32>>,
 }
 
 pub(crate) async fn chat_completions(State(state): State<FrontendState>, caller: Caller, body: Body) -> Response {
@@ -270,12 +272,24 @@ fn conversation(caller: &Caller, req: ChatCompletionRequest) -> Result<Conversat
 fn prepare_chat(state: &FrontendState, caller: &Caller, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
     lower::check_model(state, &req.model)?;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let return_token_ids = req.return_token_ids == Some(true);
+    if return_token_ids && req.stream {
+        return Err(ApiError::invalid("return_token_ids is served without streaming only.", Some("return_token_ids")));
+    }
     let mut conversation = conversation(caller, req)?;
     lower::strip_preamble(state, &mut conversation);
     let lowered = lower::lower(state, &conversation)?;
     let (request, tail) =
         lower::generate_request(state, &conversation, lowered, object_id("chatcmpl"), caller.request_id.clone())?;
-    Ok(Prepared { api: Api::Chat, request, tail, stop: conversation.stop, stream: conversation.stream, include_usage })
+    Ok(Prepared {
+        api: Api::Chat,
+        prompt_token_ids: return_token_ids.then(|| request.prompt.clone()),
+        request,
+        tail,
+        stop: conversation.stop,
+        stream: conversation.stream,
+        include_usage,
+    })
 }
 
 fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionRequest) -> Result<Prepared, ApiError> {
@@ -335,6 +349,7 @@ fn prepare_completion(state: &FrontendState, caller: &Caller, req: CompletionReq
         .collect();
     Ok(Prepared {
         api: Api::Completion,
+        prompt_token_ids: None,
         request: GenerateRequest {
             response_id: object_id("cmpl"),
             request_id: caller.request_id.clone(),
@@ -460,7 +475,7 @@ fn sse(data: &Value) -> Bytes {
 
 /// Starts the generation, waits for admission, then answers with JSON or SSE.
 async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Response {
-    let Prepared { api, request, tail, stop, stream, include_usage } = prepared;
+    let Prepared { api, request, tail, stop, stream, include_usage, prompt_token_ids } = prepared;
     let mut answer = Answer::start(&state, request, tail, stop, "call", arrived);
     // Admission: an error here is an HTTP status, even for a streaming request.
     if let Err(e) = answer.admit().await {
@@ -469,7 +484,14 @@ async fn run(state: FrontendState, prepared: Prepared, arrived: Instant) -> Resp
     if !stream {
         // Dropping `answer` after this cancels a generation that a stop string ended early.
         return match answer.complete().await {
-            Ok(finish) => axum::Json(Render { api, answer: &answer }.body(finish.reason)).into_response(),
+            Ok(finish) => {
+                let mut body = Render { api, answer: &answer }.body(finish.reason);
+                if let Some(prompt) = prompt_token_ids {
+                    body["prompt_token_ids"] = json!(prompt);
+                    body["choices"][0]["token_ids"] = json!(answer.token_ids());
+                }
+                axum::Json(body).into_response()
+            }
             Err(e) => e.into_response(),
         };
     }

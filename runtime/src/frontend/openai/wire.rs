@@ -70,6 +70,10 @@ pub struct ChatCompletionRequest {
     /// Agent hints.
     #[serde(default)]
     pub nvext: Option<AgentHints>,
+    /// vLLM's `return_token_ids`: the response carries the prompt's ids (`prompt_token_ids`) and
+    /// the answer's (`choices[].token_ids`, end-of-turn token included). Non-streaming only.
+    #[serde(default)]
+    pub return_token_ids: Option<bool>,
     /// Arguments for the chat template (`enable_thinking`, `preserve_thinking`, …), as vLLM
     /// and SGLang take them.
     #[serde(default)]
