@@ -44,7 +44,7 @@ use ractor::{Actor, SpawnErr};
 
 use crate::cost::CostModel;
 use crate::index::{IndexConfig, IndexWriter, PrefixIndex};
-use crate::leases::LeasedTiers;
+use crate::leases::{LeaseBook, LeasedTiers};
 use crate::peer::RemoteTier;
 use crate::publisher::KvPublisher;
 use crate::scheduler::{KvRouting, SchedulerArgs, SchedulerRef};
@@ -264,7 +264,11 @@ impl NodeBuilder {
             (Some(_), None) => return Err(BuildError::G3WithoutG2),
             (None, _) => None,
         };
-        Ok(NodeStores { builder: self, plan: plan.clone(), g2, g3, recovery })
+        // The book holds what the lowest tier may pin: past it, the tenant holding the most gives way.
+        let lowest = g3.as_ref().map(|(_, r)| r).or(g2.as_ref().map(|(_, r)| r));
+        let budget = lowest.map_or(usize::MAX, |r| r.lock().expect("tier registry lock").lease_budget());
+        let leases = Arc::new(LeaseBook::with_budget(budget));
+        Ok(NodeStores { builder: self, plan: plan.clone(), g2, g3, recovery, leases })
     }
 
     /// A node without stores whose engines keep their own tiers (the simulated engine's
@@ -294,6 +298,7 @@ pub struct NodeStores {
     g2: Option<(HostPool, Arc<Mutex<TierRegistry>>)>,
     g3: Option<(Arc<G3Store>, Arc<Mutex<TierRegistry>>)>,
     recovery: Recovery,
+    leases: Arc<LeaseBook>,
 }
 
 impl NodeStores {
@@ -317,6 +322,11 @@ impl NodeStores {
         self.g3.as_ref().map(|(_, registry)| registry)
     }
 
+    /// The node's leases (shared with whoever reports their figures).
+    pub fn leases(&self) -> &Arc<LeaseBook> {
+        &self.leases
+    }
+
     /// What G3 found when it opened (empty without G3).
     pub fn recovery(&self) -> &Recovery {
         &self.recovery
@@ -330,7 +340,7 @@ impl NodeStores {
     /// Builds the node's tiers over the open stores with the node's one cost model, and tells
     /// the index what G3 recovered.
     pub fn tiers(self, settings: TierSettings) -> NodeTiered {
-        let NodeStores { builder, plan, g2, g3, recovery } = self;
+        let NodeStores { builder, plan, g2, g3, recovery, leases } = self;
         // G4: the feed of G2 for peers, and the links to theirs (started by the caller).
         let g4 = settings.g4.then(|| G4Tier {
             feed: Arc::new(Feed::default()),
@@ -361,7 +371,7 @@ impl NodeStores {
             cost: settings.cost,
             measured: Default::default(),
             observer,
-            leases: Default::default(),
+            leases,
             g4,
         });
         let store = |watermarks: Watermarks| StoreArgs {

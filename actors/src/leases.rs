@@ -12,8 +12,9 @@
 //! Several sessions may lease one block (a shared system prompt): it stays leased until the last
 //! of their leases ends.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use dynamo_config::{RegionKind, TierName};
 use dynamo_tiering::block::{BlockHash, BlockMap};
@@ -22,13 +23,33 @@ use dynamo_tiering::registry::{Millis, TierRegistry};
 /// Who holds a lease: a session (its key's digest), or 0 for a request without one.
 pub type LeaseOwner = u64;
 
+/// Whose lease it is: the session that holds it (0: none) and its tenant (a digest of the
+/// tenant's name; 0 for the shared tenant).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Lessee {
+    /// The session holding the lease; 0 for a request without one.
+    pub owner: LeaseOwner,
+    /// The tenant whose budget share it counts against.
+    pub tenant: u64,
+}
+
 /// The longest a lease holds a block in G1 past a turn that used it (see [`LeaseBook::g1_hold`]).
 pub const G1_LEASE_HOLD: Millis = 60_000;
 
 /// The node's leases, by block.
-#[derive(Debug, Default)]
+///
+/// The book may hold at most its budget of blocks (the lease budget of the lowest tier,
+/// `tiers.lease_budget` of it). Past it, leases give way before anything else is taken, and
+/// they give way from the tenant holding the most: one tenant's day-long leases take its own
+/// share, never another tenant's. Within that tenant, a lease no session holds (it lives by its
+/// TTL alone) goes before a session's, and the one that ends soonest first.
+#[derive(Debug)]
 pub struct LeaseBook {
     inner: Mutex<Book>,
+    /// Blocks the book may hold.
+    budget: usize,
+    /// Leases that gave way to the budget so far.
+    degraded: AtomicU64,
     /// Blocks in the book (live or not yet swept), so that a node nobody leases on answers
     /// without taking the lock.
     blocks: AtomicUsize,
@@ -38,18 +59,12 @@ pub struct LeaseBook {
     /// registry lock, never while one is held.
     applying: Mutex<()>,
     /// Grants, refreshes and releases so far.
-    changes: std::sync::atomic::AtomicU64,
+    changes: AtomicU64,
 }
 
-/// Adds `new` to a block's holders; a later deadline or longer TTL of the same owner extends its
-/// lease.
-fn hold(holders: &mut Vec<Holder>, new: Holder) {
-    match holders.iter_mut().find(|l| l.owner == new.owner) {
-        Some(l) => {
-            l.until = l.until.max(new.until);
-            l.ttl = l.ttl.max(new.ttl);
-        }
-        None => holders.push(new),
+impl Default for LeaseBook {
+    fn default() -> Self {
+        Self::with_budget(usize::MAX)
     }
 }
 
@@ -148,45 +163,209 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<SavedLease>, LeaseFileError> {
 
 #[derive(Clone, Copy, Debug)]
 struct Holder {
-    owner: LeaseOwner,
+    who: Lessee,
     until: Millis,
     ttl: Millis,
+}
+
+/// A leased block: its region (what its leases mean in G2) and its holders.
+#[derive(Debug)]
+struct Leased {
+    region: RegionKind,
+    holders: Vec<Holder>,
+}
+
+impl Leased {
+    /// The deadline of its latest lease (0 for none).
+    fn until(&self) -> Millis {
+        self.holders.iter().map(|l| l.until).max().unwrap_or(0)
+    }
+}
+
+/// A lease whose deadline fell (it gave way to the budget): what the tiers must undo.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fell {
+    /// The block.
+    pub hash: BlockHash,
+    /// Its region.
+    pub region: RegionKind,
+    /// Its deadline before.
+    pub was: Millis,
+    /// Its deadline now (the leases left on it; 0 for none).
+    pub left: Millis,
+}
+
+/// What a grant did: blocks newly leased, and leases that gave way to the budget.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Granted {
+    /// Blocks of the chain that had no live lease before.
+    pub new: usize,
+    /// Blocks whose deadline fell because the book was past its budget.
+    pub fell: Vec<Fell>,
 }
 
 #[derive(Debug, Default)]
 struct Book {
     /// Each leased block's holders.
-    by_block: BlockMap<Vec<Holder>>,
-    /// Blocks at the last sweep of expired leases: the next one runs when twice as many are kept.
-    swept_at: usize,
+    by_block: BlockMap<Leased>,
+    /// Every holder by deadline: expired leases leave from the front.
+    deadlines: BTreeSet<(Millis, BlockHash, Lessee)>,
+    /// Every holder by tenant, in the order they give way to the budget: no session first, then
+    /// soonest ending.
+    by_tenant: HashMap<u64, BTreeSet<(bool, Millis, BlockHash, LeaseOwner)>>,
+}
+
+impl Book {
+    fn index(&mut self, hash: BlockHash, l: Holder) {
+        self.deadlines.insert((l.until, hash, l.who));
+        self.by_tenant.entry(l.who.tenant).or_default().insert((l.who.owner != 0, l.until, hash, l.who.owner));
+    }
+
+    fn unindex(&mut self, hash: BlockHash, l: Holder) {
+        self.deadlines.remove(&(l.until, hash, l.who));
+        if let Some(set) = self.by_tenant.get_mut(&l.who.tenant) {
+            set.remove(&(l.who.owner != 0, l.until, hash, l.who.owner));
+            if set.is_empty() {
+                self.by_tenant.remove(&l.who.tenant);
+            }
+        }
+    }
+
+    /// Adds `new` to `hash`'s holders (a block of `region`); a later deadline or longer TTL of
+    /// the same lessee extends its lease.
+    fn hold(&mut self, hash: BlockHash, region: RegionKind, new: Holder) {
+        let leased = self.by_block.entry(hash).or_insert_with(|| Leased { region, holders: Vec::new() });
+        let old = match leased.holders.iter_mut().find(|l| l.who == new.who) {
+            Some(l) => {
+                let old = *l;
+                l.until = l.until.max(new.until);
+                l.ttl = l.ttl.max(new.ttl);
+                Some((old, *l))
+            }
+            None => {
+                leased.holders.push(new);
+                None
+            }
+        };
+        match old {
+            Some((old, now)) => {
+                self.unindex(hash, old);
+                self.index(hash, now);
+            }
+            None => self.index(hash, new),
+        }
+    }
+
+    /// Ends `who`'s lease on `hash`, if it has one.
+    fn drop_holder(&mut self, hash: BlockHash, who: Lessee) {
+        let Some(leased) = self.by_block.get_mut(&hash) else { return };
+        let Some(i) = leased.holders.iter().position(|l| l.who == who) else { return };
+        let l = leased.holders.swap_remove(i);
+        if leased.holders.is_empty() {
+            self.by_block.remove(&hash);
+        }
+        self.unindex(hash, l);
+    }
+
+    /// Sets the deadline of every lease on `hash` to at least `now + its TTL`; the block's new
+    /// deadline.
+    fn extend(&mut self, hash: BlockHash, now: Millis) -> Millis {
+        let Some(leased) = self.by_block.get_mut(&hash) else { return 0 };
+        let before = leased.holders.clone();
+        for l in &mut leased.holders {
+            l.until = l.until.max(now.saturating_add(l.ttl));
+        }
+        let after = leased.holders.clone();
+        let until = leased.until();
+        for (old, new) in before.into_iter().zip(after) {
+            if old.until != new.until {
+                self.unindex(hash, old);
+                self.index(hash, new);
+            }
+        }
+        until
+    }
+
+    /// Drops every lease over at `now`.
+    fn sweep(&mut self, now: Millis) {
+        while let Some(&(until, hash, who)) = self.deadlines.first()
+            && until <= now
+        {
+            self.drop_holder(hash, who);
+        }
+    }
+
+    /// While more than `budget` blocks are leased, the tenant holding the most (`prefer` on a
+    /// tie) gives up its first lease in give-way order; returns the blocks whose deadline fell.
+    fn fit(&mut self, budget: usize, prefer: u64) -> Vec<Fell> {
+        let mut fell: Vec<Fell> = Vec::new();
+        while self.by_block.len() > budget {
+            let most = self.by_tenant.values().map(BTreeSet::len).max().unwrap_or(0);
+            let tenant = if self.by_tenant.get(&prefer).map(BTreeSet::len) == Some(most) {
+                prefer
+            } else {
+                match self.by_tenant.iter().find(|(_, set)| set.len() == most) {
+                    Some((&t, _)) => t,
+                    None => break,
+                }
+            };
+            let Some(&(_, _, hash, owner)) = self.by_tenant.get(&tenant).and_then(BTreeSet::first) else { break };
+            let Some(leased) = self.by_block.get(&hash) else { break };
+            let (region, was) = (leased.region, leased.until());
+            self.drop_holder(hash, Lessee { owner, tenant });
+            let left = self.by_block.get(&hash).map_or(0, Leased::until);
+            match fell.iter_mut().find(|f| f.hash == hash) {
+                Some(f) => f.left = left,
+                None => fell.push(Fell { hash, region, was, left }),
+            }
+        }
+        fell
+    }
 }
 
 impl LeaseBook {
-    /// Leases `chain` to `owner` for `ttl` from `now` (a later deadline of the same owner's
-    /// extends it). Returns how many of its blocks had no live lease before: the tokens newly
-    /// cached, as Anthropic's `cache_creation_input_tokens` counts them.
-    pub fn grant(&self, owner: LeaseOwner, chain: &[BlockHash], ttl: Millis, now: Millis) -> usize {
+    /// A book that holds at most `budget` blocks (see [`LeaseBook`]).
+    pub fn with_budget(budget: usize) -> Self {
+        Self {
+            inner: Mutex::default(),
+            budget,
+            degraded: AtomicU64::new(0),
+            blocks: AtomicUsize::new(0),
+            applying: Mutex::default(),
+            changes: AtomicU64::new(0),
+        }
+    }
+
+    /// Blocks the book may hold.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Leases that gave way to the budget so far.
+    pub fn degraded(&self) -> u64 {
+        self.degraded.load(Ordering::Relaxed)
+    }
+
+    /// Leases `chain` (blocks with their regions) to `who` for `ttl` from `now` (a later
+    /// deadline of the same lessee extends it). Returns how many of its blocks had no live lease
+    /// before (the tokens newly cached, as Anthropic's `cache_creation_input_tokens` counts
+    /// them), and the leases that gave way to the budget.
+    pub fn grant(&self, who: Lessee, chain: &[(BlockHash, RegionKind)], ttl: Millis, now: Millis) -> Granted {
         self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
+        book.sweep(now);
         let until = now.saturating_add(ttl);
         let mut new = 0;
-        for &h in chain {
-            let holders = book.by_block.entry(h).or_default();
-            holders.retain(|l| l.until > now);
-            if holders.is_empty() {
+        for &(h, region) in chain {
+            if !book.by_block.contains_key(&h) {
                 new += 1;
             }
-            hold(holders, Holder { owner, until, ttl });
+            book.hold(h, region, Holder { who, until, ttl });
         }
-        if book.by_block.len() > 2 * book.swept_at.max(1024) {
-            book.by_block.retain(|_, holders| {
-                holders.retain(|l| l.until > now);
-                !holders.is_empty()
-            });
-            book.swept_at = book.by_block.len();
-        }
+        let fell = book.fit(self.budget, who.tenant);
+        self.degraded.fetch_add(fell.len() as u64, Ordering::Relaxed);
         self.blocks.store(book.by_block.len(), Ordering::Relaxed);
-        new
+        Granted { new, fell }
     }
 
     /// A request hit `chain`: every live lease on its leading leased blocks runs its TTL again
@@ -198,49 +377,50 @@ impl LeaseBook {
         }
         self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
+        book.sweep(now);
         let mut out = Vec::new();
-        for h in chain {
-            let Some(holders) = book.by_block.get_mut(h) else { break };
-            holders.retain(|l| l.until > now);
-            if holders.is_empty() {
+        for &h in chain {
+            if !book.by_block.contains_key(&h) {
                 break;
             }
-            for l in holders.iter_mut() {
-                l.until = l.until.max(now.saturating_add(l.ttl));
-            }
-            out.push(holders.iter().map(|l| l.until).max().unwrap_or(0));
+            out.push(book.extend(h, now));
         }
+        self.blocks.store(book.by_block.len(), Ordering::Relaxed);
         out
     }
 
-    /// Ends `owner`'s leases on `chain`; returns, for each block, the deadline of the leases
-    /// that remain on it (0 for none).
-    pub fn release(&self, owner: LeaseOwner, chain: &[BlockHash], now: Millis) -> Vec<Millis> {
+    /// Ends `who`'s leases on `chain`; returns, for each block, the deadline of the leases that
+    /// remain on it (0 for none).
+    pub fn release(&self, who: Lessee, chain: &[BlockHash], now: Millis) -> Vec<Millis> {
         self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
+        book.sweep(now);
         let left = chain
             .iter()
-            .map(|h| {
-                let Some(holders) = book.by_block.get_mut(h) else { return 0 };
-                holders.retain(|l| l.owner != owner && l.until > now);
-                let left = holders.iter().map(|l| l.until).max().unwrap_or(0);
-                if holders.is_empty() {
-                    book.by_block.remove(h);
-                }
-                left
+            .map(|&h| {
+                book.drop_holder(h, who);
+                book.by_block.get(&h).map_or(0, Leased::until)
             })
             .collect();
         self.blocks.store(book.by_block.len(), Ordering::Relaxed);
         left
     }
 
-    /// Leases `h` to `owner` until `until`, each hit extending it by `ttl` (a lease saved before
-    /// a restart).
-    fn restore(&self, owner: LeaseOwner, h: BlockHash, until: Millis, ttl: Millis) {
+    /// Leases `h` (a block G3 recovered) to no session of the shared tenant until `until`, each
+    /// hit extending it by `ttl` (a lease saved before a restart). False when the book is at
+    /// its budget (a restart never pushes out what it restored first).
+    fn restore(&self, h: BlockHash, until: Millis, ttl: Millis, now: Millis) -> bool {
         self.changes.fetch_add(1, Ordering::Relaxed);
         let mut book = self.lock();
-        hold(book.by_block.entry(h).or_default(), Holder { owner, until, ttl });
+        book.sweep(now);
+        if book.by_block.len() >= self.budget && !book.by_block.contains_key(&h) {
+            return false;
+        }
+        // Its region is unknown: System stands for it (in G3, the only tier it is in, every
+        // region's lease is a pin).
+        book.hold(h, RegionKind::System, Holder { who: Lessee::default(), until, ttl });
         self.blocks.store(book.by_block.len(), Ordering::Relaxed);
+        true
     }
 
     /// Whether the book holds no block (then nothing is leased).
@@ -253,7 +433,7 @@ impl LeaseBook {
         if self.is_empty() {
             return None;
         }
-        self.lock().by_block.get(&h)?.iter().map(|l| l.until).filter(|&d| d > now).max()
+        self.lock().by_block.get(&h)?.holders.iter().map(|l| l.until).filter(|&d| d > now).max()
     }
 
     /// How long G1 holds `h` after a turn that used it: while its lease lives, but at most
@@ -271,8 +451,8 @@ impl LeaseBook {
         let mut out: Vec<SavedLease> = book
             .by_block
             .iter()
-            .filter_map(|(&hash, holders)| {
-                let last = holders.iter().filter(|l| l.until > now).max_by_key(|l| l.until)?;
+            .filter_map(|(&hash, leased)| {
+                let last = leased.holders.iter().filter(|l| l.until > now).max_by_key(|l| l.until)?;
                 Some(SavedLease { hash, until: last.until, ttl: last.ttl })
             })
             .collect();
@@ -287,7 +467,7 @@ impl LeaseBook {
 
     /// Blocks with a live lease.
     pub fn live(&self, now: Millis) -> usize {
-        self.lock().by_block.values().filter(|holders| holders.iter().any(|l| l.until > now)).count()
+        self.lock().by_block.values().filter(|leased| leased.holders.iter().any(|l| l.until > now)).count()
     }
 
     /// Serialises a book change with its application to the tiers (see `applying`).
@@ -328,32 +508,42 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
         !self.has_tier(TierName::G3) || self.lowest_tier(region) <= TierName::G2
     }
 
-    /// Leases `chain` (its blocks with their regions, in prefix order) to `owner` for `ttl`, in
+    /// Leases `chain` (its blocks with their regions, in prefix order) to `who` for `ttl`, in
     /// the book and in every tier below G1 that holds its blocks now; returns how many blocks
     /// were newly leased. Blocks that arrive later are leased on arrival ([`Self::arrived`]).
-    fn lease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], ttl: Millis, now: Millis) -> usize {
-        let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
+    /// Leases that gave way to the book's budget (the tenant holding the most gives first) fall
+    /// back to plain retention here too.
+    fn lease(&self, who: Lessee, chain: &[(BlockHash, RegionKind)], ttl: Millis, now: Millis) -> usize {
         let _applying = self.book().applying();
-        let new = self.book().grant(owner, &hashes, ttl, now);
+        let granted = self.book().grant(who, chain, ttl, now);
+        // What gave way first, so that no tier is past its budget even for a moment.
+        for fell in &granted.fell {
+            self.fall(fell.hash, fell.region, fell.was, fell.left);
+        }
         for &(h, region) in chain {
             self.apply(h, region, self.book().until(h, now).unwrap_or(0));
         }
-        new
+        granted.new
     }
 
-    /// Ends `owner`'s leases on `chain`: blocks nobody else leases fall back to plain retention.
-    fn unlease(&self, owner: LeaseOwner, chain: &[(BlockHash, RegionKind)], now: Millis) {
+    /// Ends `who`'s leases on `chain`: blocks nobody else leases fall back to plain retention.
+    fn unlease(&self, who: Lessee, chain: &[(BlockHash, RegionKind)], now: Millis) {
         let hashes: Vec<BlockHash> = chain.iter().map(|&(h, _)| h).collect();
         let _applying = self.book().applying();
         let before: Vec<Millis> = hashes.iter().map(|&h| self.book().until(h, now).unwrap_or(0)).collect();
-        let left = self.book().release(owner, &hashes, now);
-        for ((&(h, region), until), was) in chain.iter().zip(left).zip(before) {
-            if !self.g2_pins(region) && until < was {
-                // G2 only held it: that hold ends with the lease (down to what other leases need).
-                self.each_registry(TierName::G2, &mut |r| drop(r.end_hold(h, was)));
-            }
-            self.apply(h, region, until);
+        let left = self.book().release(who, &hashes, now);
+        for ((&(h, region), left), was) in chain.iter().zip(left).zip(before) {
+            self.fall(h, region, was, left);
         }
+    }
+
+    /// `hash`'s deadline went from `was` down to `left` (0: no lease is left on it).
+    fn fall(&self, hash: BlockHash, region: RegionKind, was: Millis, left: Millis) {
+        if !self.g2_pins(region) && left < was {
+            // G2 only held it: that hold ends with the lease (down to what other leases need).
+            self.each_registry(TierName::G2, &mut |r| drop(r.end_hold(hash, was)));
+        }
+        self.apply(hash, region, left);
     }
 
     /// A request hit `chain` (block `i` of region `region(i)`): the leases on its leased prefix
@@ -393,7 +583,9 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
             if !present {
                 continue;
             }
-            self.book().restore(0, l.hash, l.until, l.ttl);
+            if !self.book().restore(l.hash, l.until, l.ttl, now) {
+                break;
+            }
             self.each_registry(TierName::G3, &mut |r| lease_in(r, l.hash, l.until, true));
             restored += 1;
         }
@@ -428,25 +620,83 @@ mod tests {
         (1..=n).map(BlockHash).collect()
     }
 
+    fn who(owner: LeaseOwner) -> Lessee {
+        Lessee { owner, tenant: 0 }
+    }
+
+    fn sys(chain: &[BlockHash]) -> Vec<(BlockHash, RegionKind)> {
+        chain.iter().map(|&h| (h, RegionKind::System)).collect()
+    }
+
     #[test]
     fn a_block_stays_leased_until_its_last_holder_lets_go() {
         let book = LeaseBook::default();
-        assert_eq!(book.grant(1, &chain(3), 1000, 0), 3, "all new");
-        assert_eq!(book.grant(2, &chain(4), 1990, 10), 1, "only the fourth block is new");
-        assert_eq!(book.grant(1, &chain(3), 1480, 20), 0, "a refresh creates nothing");
+        assert_eq!(book.grant(who(1), &sys(&chain(3)), 1000, 0).new, 3, "all new");
+        assert_eq!(book.grant(who(2), &sys(&chain(4)), 1990, 10).new, 1, "only the fourth block is new");
+        assert_eq!(book.grant(who(1), &sys(&chain(3)), 1480, 20).new, 0, "a refresh creates nothing");
         assert_eq!(book.until(BlockHash(1), 30), Some(2000));
-        assert_eq!(book.release(2, &chain(4), 40), vec![1500, 1500, 1500, 0], "owner 1 still leases three");
+        assert_eq!(book.release(who(2), &chain(4), 40), vec![1500, 1500, 1500, 0], "owner 1 still leases three");
         assert_eq!(book.until(BlockHash(4), 40), None);
         // A hit runs the TTL again, on the leased prefix only.
         assert_eq!(book.refresh(&chain(4), 900), vec![2380, 2380, 2380], "900 + its longest TTL, 1480");
-        assert_eq!(book.release(1, &chain(3), 950), vec![0, 0, 0]);
+        assert_eq!(book.release(who(1), &chain(3), 950), vec![0, 0, 0]);
         assert_eq!(book.live(950), 0);
         assert!(book.is_empty(), "released blocks leave the book");
         // An expired lease is no lease: granting again creates the blocks anew.
-        book.grant(3, &chain(2), 40, 960);
+        book.grant(who(3), &sys(&chain(2)), 40, 960);
         assert_eq!(book.until(BlockHash(1), 1000), None, "expired at its deadline");
         assert_eq!(book.refresh(&chain(2), 1000), Vec::<Millis>::new());
-        assert_eq!(book.grant(3, &chain(2), 300, 1000), 2);
+        assert_eq!(book.grant(who(3), &sys(&chain(2)), 300, 1000).new, 2);
+        assert!(book.lock().deadlines.len() == 2 && book.lock().by_tenant[&0].len() == 2, "expired entries left");
+    }
+
+    /// One tenant's day-long leases past the budget take its own share, not another tenant's
+    /// five-minute lease (the lowest tier's budget once gave way from the lease ending soonest,
+    /// whoever held it); within the tenant, leases no session holds go first.
+    #[test]
+    fn past_the_budget_the_tenant_holding_the_most_gives_way() {
+        use dynamo_tiering::registry::{BlockMeta, PolicyKind};
+        const DAY: Millis = MAX_LEASE_TTL;
+        let meta = BlockMeta { parent: None, region: RegionKind::System, priority: 90, retain_until: 0 };
+        let g3 = Mutex::new(TierRegistry::new(32, PolicyKind::Lru).with_lease_budget(8));
+        for h in 1..=32 {
+            g3.lock().unwrap().insert(BlockHash(h), meta, 1).unwrap();
+        }
+        let tiers = OneTier {
+            book: LeaseBook::with_budget(8),
+            g2: Mutex::new(TierRegistry::new(8, PolicyKind::Lru)),
+            g3: Some(g3),
+        };
+        let (a, b) = (Lessee { owner: 7, tenant: 0xa }, Lessee { owner: 9, tenant: 0xb });
+        let b_chain = sys(&[BlockHash(1), BlockHash(2), BlockHash(3)]);
+        assert_eq!(tiers.lease(b, &b_chain, 300_000, 1), 3);
+        // Tenant a: a sessionless day-long lease of two blocks, then its session leases twelve.
+        let a_free = Lessee { owner: 0, tenant: 0xa };
+        tiers.lease(a_free, &sys(&[BlockHash(10), BlockHash(11)]), DAY, 1);
+        for h in 12..24 {
+            tiers.lease(a, &sys(&[BlockHash(h)]), DAY - 1_000 + h as u64, 1);
+        }
+        let g3_leases = tiers.g3.as_ref().unwrap().lock().unwrap().stats().leases;
+        assert_eq!(g3_leases.live, 8, "the budget holds");
+        assert_eq!(g3_leases.degradations_total, 0, "the book gave way before the tier had to");
+        for (h, _) in &b_chain {
+            assert_eq!(tiers.book.until(*h, 2), Some(300_001), "tenant b's lease lives on");
+        }
+        assert_eq!(tiers.book.until(BlockHash(10), 2), None, "a's sessionless leases went first");
+        assert_eq!(tiers.book.until(BlockHash(11), 2), None);
+        let kept: Vec<u128> = (12..24).filter(|&h| tiers.book.until(BlockHash(h), 2).is_some()).collect();
+        assert_eq!(kept, [19, 20, 21, 22, 23], "then a's session leases that end soonest");
+        assert_eq!(tiers.book.degraded(), 9);
+        // Tenant b growing past its share now takes from a, still the tenant holding the most.
+        tiers.lease(b, &sys(&[BlockHash(4)]), 300_000, 2);
+        assert_eq!(tiers.book.until(BlockHash(19), 3), None);
+        assert_eq!(tiers.book.until(BlockHash(4), 3), Some(300_002));
+        // Past its share, b gives way from its own.
+        tiers.lease(b, &sys(&[BlockHash(5)]), 300_000, 3);
+        assert_eq!(tiers.book.live(4), 8);
+        assert_eq!(tiers.book.until(BlockHash(5), 4), Some(300_003));
+        assert_eq!(tiers.book.until(BlockHash(1), 4), None, "b's soonest ending went");
+        assert_eq!(tiers.g3.as_ref().unwrap().lock().unwrap().stats().leases.live, 8);
     }
 
     /// A G2 registry and maybe a G3 one (without it G2 pins).
@@ -498,8 +748,8 @@ mod tests {
                 let tiers = tiers.clone();
                 std::thread::spawn(move || {
                     for _ in 0..500 {
-                        tiers.lease(1, &chain, 1_000_000, 1);
-                        tiers.unlease(1, &chain, 1);
+                        tiers.lease(who(1), &chain, 1_000_000, 1);
+                        tiers.unlease(who(1), &chain, 1);
                     }
                 })
             };
@@ -545,8 +795,8 @@ mod tests {
         };
         let before = node(&[1, 2, 3]);
         let chain: Vec<(BlockHash, RegionKind)> = (1..=3).map(|h| (BlockHash(h), RegionKind::System)).collect();
-        before.lease(5, &chain[..2], 1000, 10);
-        before.lease(6, &chain, 300, 20);
+        before.lease(who(5), &chain[..2], 1000, 10);
+        before.lease(who(6), &chain, 300, 20);
         let changes = before.book.changes();
         let saved = before.book.snapshot(30);
         assert_eq!(

@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 
 use crate::cost::{CostModel, Queued};
 use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId, WorkerViews};
-use crate::leases::{LeaseOwner, LeasedTiers};
+use crate::leases::{LeasedTiers, Lessee};
 use crate::session::{LeasedChain, SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
@@ -156,7 +156,7 @@ pub struct SessionTurn {
     /// The session, told where the turn went ([`SessionMsg::Routed`]).
     pub actor: SessionRef,
     /// Who its leases belong to.
-    pub owner: LeaseOwner,
+    pub lessee: Lessee,
     /// The worker of its last turn.
     pub sticky: Option<usize>,
 }
@@ -397,8 +397,8 @@ impl SchedulerState {
             match handle.queue.try_push(job) {
                 Ok(()) => {
                     tracing::debug!(worker = i, predicted_cached = ?predicted, cost_s, "routed");
-                    let owner = session.map_or(0, |s| s.owner);
-                    let (leased_tokens, chains) = self.grant(owner, leases);
+                    let lessee = session.map_or(Lessee { owner: 0, tenant: hints.tenant }, |s| s.lessee);
+                    let (leased_tokens, chains) = self.grant(lessee, leases);
                     return Ok((Submitted { events: rx, worker: i, leased_tokens }, chains));
                 }
                 Err(PushError::Full(j) | PushError::Closed(j)) => {
@@ -460,10 +460,10 @@ impl SchedulerState {
             .collect()
     }
 
-    /// Leases `plan` to `owner` in the node's tiers; the tokens newly leased by TTL and the chains.
+    /// Leases `plan` to `lessee` in the node's tiers; the tokens newly leased by TTL and the chains.
     fn grant(
         &self,
-        owner: LeaseOwner,
+        lessee: Lessee,
         plan: Vec<(Vec<(BlockHash, RegionKind)>, Duration)>,
     ) -> (LeasedTokens, Vec<LeasedChain>) {
         let mut tokens = LeasedTokens::default();
@@ -473,7 +473,7 @@ impl SchedulerState {
         let now = tiers.now();
         let mut chains = Vec::with_capacity(plan.len());
         for (blocks, ttl) in plan {
-            let new = tiers.lease(owner, &blocks, ttl.as_millis() as u64, now) * kv.block_tokens;
+            let new = tiers.lease(lessee, &blocks, ttl.as_millis() as u64, now) * kv.block_tokens;
             if ttl >= Duration::from_secs(3600) {
                 tokens.long += new;
             } else {
@@ -533,6 +533,7 @@ impl SchedulerState {
             idle_timeout: self.args.session_idle_timeout,
             scheduler: myself.clone(),
             leasing: self.args.kv.as_ref().and_then(|kv| kv.leases.clone()),
+            tenant,
         };
         let (actor, _) = match Actor::spawn_linked(None, SessionActor, args, myself.get_cell()).await {
             Ok(spawned) => spawned,
@@ -629,7 +630,7 @@ impl Actor for SchedulerActor {
                             // release these leases.
                             if let Some(tiers) = state.args.kv.as_ref().and_then(|kv| kv.leases.as_ref()) {
                                 for chain in leased {
-                                    tiers.unlease(turn.owner, &chain.blocks, tiers.now());
+                                    tiers.unlease(turn.lessee, &chain.blocks, tiers.now());
                                 }
                             }
                         }

@@ -19,7 +19,7 @@ use dynamo_config::RegionKind;
 use dynamo_tiering::block::BlockHash;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use crate::leases::{LeaseOwner, LeasedTiers};
+use crate::leases::{LeaseOwner, LeasedTiers, Lessee};
 use crate::scheduler::{Hints, SchedulerMsg, SchedulerRef, SessionTurn, SubmitError, Submitted};
 use crate::worker::GenRequest;
 
@@ -45,6 +45,8 @@ pub struct SessionArgs {
     pub scheduler: SchedulerRef,
     /// Where its leases are released (none on a node without leases).
     pub leasing: Option<std::sync::Arc<dyn LeasedTiers>>,
+    /// Its tenant (a digest of the tenant's name; 0 for the shared tenant).
+    pub tenant: u64,
 }
 
 /// A block chain a session leases, as the scheduler granted it.
@@ -58,7 +60,7 @@ pub struct LeasedChain {
 #[derive(Debug)]
 pub struct SessionState {
     id: String,
-    owner: LeaseOwner,
+    lessee: Lessee,
     idle_timeout: Duration,
     scheduler: SchedulerRef,
     leasing: Option<std::sync::Arc<dyn LeasedTiers>>,
@@ -129,7 +131,7 @@ impl Actor for SessionActor {
         let period = (args.idle_timeout / 4).max(Duration::from_millis(10));
         myself.send_interval(period, || SessionMsg::Tick);
         Ok(SessionState {
-            owner: next_lease_owner(),
+            lessee: Lessee { owner: next_lease_owner(), tenant: args.tenant },
             id: args.id,
             idle_timeout: args.idle_timeout,
             scheduler: args.scheduler,
@@ -154,7 +156,7 @@ impl Actor for SessionActor {
                 let _in = span.enter();
                 tracing::debug!(turn = state.turns + 1, sticky_worker = ?state.last_worker, "turn");
                 state.last_request = Instant::now();
-                let turn = SessionTurn { actor: myself, owner: state.owner, sticky: state.last_worker };
+                let turn = SessionTurn { actor: myself, lessee: state.lessee, sticky: state.last_worker };
                 if let Err(e) = state.scheduler.cast(SchedulerMsg::Route { req, session: Some(turn), hints, reply }) {
                     // The scheduler is gone (the node is stopping); the reply port drops with the
                     // message, and the caller sees the call fail.
@@ -194,7 +196,7 @@ impl Actor for SessionActor {
         if let Some(tiers) = &state.leasing {
             let now = tiers.now();
             for chain in state.leases.drain(..) {
-                tiers.unlease(state.owner, &chain.blocks, now);
+                tiers.unlease(state.lessee, &chain.blocks, now);
             }
         }
         Ok(())
@@ -223,7 +225,7 @@ impl SessionState {
             let only: Vec<(BlockHash, RegionKind)> =
                 oldest.blocks.into_iter().filter(|(h, _)| !kept.contains(h)).collect();
             if let Some(tiers) = &self.leasing {
-                tiers.unlease(self.owner, &only, tiers.now());
+                tiers.unlease(self.lessee, &only, tiers.now());
             }
         }
     }

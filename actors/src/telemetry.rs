@@ -22,7 +22,7 @@
 //! | `dynamo_node_kv_leased_blocks` | gauge | `tier` | blocks under a live lease (`cache_control`) |
 //! | `dynamo_node_kv_held_blocks` | gauge | `tier` | unreferenced blocks kept by an active hold |
 //! | `dynamo_node_kv_lease_expiries_total` | counter | `tier` | leases that ran out |
-//! | `dynamo_node_kv_lease_degradations_total` | counter | `tier` | leases dropped to plain retention by the lease budget |
+//! | `dynamo_node_kv_lease_degradations_total` | counter | `tier` | leases dropped to plain retention by the lease budget (the lowest tier's; there the tenant holding the most gives way first) |
 //! | `dynamo_node_kv_capacity_blocks` | gauge | `tier` | blocks the tier can hold (G1: all workers) |
 //! | `dynamo_node_kv_prompt_tokens_total` | counter | | prompt tokens of admitted requests |
 //! | `dynamo_node_kv_hit_tokens_total` | counter | `tier` | prompt tokens whose KV came from the tier instead of being computed |

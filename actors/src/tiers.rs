@@ -423,7 +423,7 @@ pub struct NodeTiers {
     /// Where G1 changes are reported (G2 and G3 report through their own observer).
     pub observer: Arc<dyn KvObserver>,
     /// Who leases which blocks until when.
-    pub leases: LeaseBook,
+    pub leases: Arc<LeaseBook>,
     /// G4, when `tiers.g4` is enabled: what this node serves to its peers and loads from theirs.
     pub g4: Option<G4Tier>,
 }

@@ -180,6 +180,9 @@ pub struct TierSources {
     pub g3: Option<Arc<G3Store>>,
     /// G3 bookkeeping.
     pub g3_registry: Option<Arc<Mutex<TierRegistry>>>,
+    /// The node's leases: what gave way to the lease budget there is counted as the lowest
+    /// tier's degradations.
+    pub leases: Option<Arc<dynamo_actors::leases::LeaseBook>>,
 }
 
 impl TierSources {
@@ -187,15 +190,20 @@ impl TierSources {
     /// G3 store's counters.
     pub fn publish(&self) {
         set_tier_capacity(Tier::G1, self.g1_capacity);
+        let book_degraded = self.leases.as_ref().map_or(0, |book| book.degraded());
         if let Some(registry) = &self.g2_registry {
-            let stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
+            let mut stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
+            if self.g3_registry.is_none() {
+                stats.leases.degradations_total += book_degraded;
+            }
             publish_registry(Tier::G2, &stats);
         }
         if let Some(pool) = &self.g2 {
             set_tier_capacity(Tier::G2, u64::from(pool.slots()));
         }
         if let Some(registry) = &self.g3_registry {
-            let stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
+            let mut stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
+            stats.leases.degradations_total += book_degraded;
             publish_registry(Tier::G3, &stats);
         }
         if let Some(store) = &self.g3 {

@@ -516,6 +516,7 @@ fn tier_sources(plan: &ResolvedTiers, stores: &NodeStores) -> TierSources {
         g2_registry: stores.g2_registry().cloned(),
         g3: stores.g3_store().cloned(),
         g3_registry: stores.g3_registry().cloned(),
+        leases: Some(stores.leases().clone()),
     }
 }
 

@@ -927,7 +927,7 @@ impl Engine for SimulatedEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::leases::G1_LEASE_HOLD;
+    use crate::leases::{G1_LEASE_HOLD, Lessee};
     use crate::tiers::NoObserver;
 
     fn node(write_through: WriteThrough) -> Arc<SimNode> {
@@ -1037,7 +1037,11 @@ mod tests {
             .take(8)
             .map(|h| (h, RegionKind::System))
             .collect();
-        assert_eq!(n.lease(1, &chain, 3_600_000, n.now()), 8, "all eight blocks newly leased");
+        assert_eq!(
+            n.lease(Lessee { owner: 1, tenant: 0 }, &chain, 3_600_000, n.now()),
+            8,
+            "all eight blocks newly leased"
+        );
         assert_eq!(n.book().live(n.now()), 8);
         // A flood of other system prompts, later (each newer than both).
         for k in 3..9 {
@@ -1051,7 +1055,7 @@ mod tests {
         assert_eq!(run(&mut engine, &system(2, 10)).await.cached_tokens, 0, "the unleased one is gone");
         // Its release makes it plain retention again (G1's soft hold ends within a minute): the
         // next flood takes it too.
-        n.unlease(1, &chain, n.now());
+        n.unlease(Lessee { owner: 1, tenant: 0 }, &chain, n.now());
         assert_eq!(n.book().live(n.now()), 0);
         tokio::time::sleep(Duration::from_millis(G1_LEASE_HOLD)).await;
         for k in 11..17 {

@@ -362,6 +362,11 @@ impl<P: EvictionPolicy> TierRegistry<P> {
         }
     }
 
+    /// Live leases this registry keeps at most (see [`Self::with_lease_budget`]).
+    pub fn lease_budget(&self) -> usize {
+        self.lease_budget
+    }
+
     /// This registry with at most `blocks` live leases: a lease past it makes the one that ends
     /// soonest fall back to plain retention.
     pub fn with_lease_budget(mut self, blocks: usize) -> Self {

@@ -518,6 +518,31 @@ fn hermes_arguments_stream_before_the_call_completes() {
     assert_eq!(blocks(out), [call("ls", "{\"pa")]);
 }
 
+/// Several call objects in one `<tool_call>` (one after another, or as a list) are that many
+/// calls, each with its own arguments as JSON; 50 of them once became one call whose arguments
+/// were the rest of the text. A call object with more after its arguments streams only them.
+#[test]
+fn several_objects_in_one_hermes_tag_are_several_calls() {
+    let objects: Vec<String> =
+        (0..50).map(|i| format!("{{\"name\": \"f{i}\", \"arguments\": {{\"i\": {i}}}}}")).collect();
+    let expected: Vec<Segment> = (0..50).map(|i| call(&format!("f{i}"), &format!("{{\"i\": {i}}}"))).collect();
+    let hermes = with(None, Some("hermes"), false);
+    check(&hermes, &format!("<tool_call>\n{}\n</tool_call>", objects.join("\n")), &expected);
+    check(&hermes, &format!("<tool_call>[{}]</tool_call>", objects.join(", ")), &expected);
+    for out in [parse_chunks(&hermes, &[&format!("<tool_call>{}</tool_call>", objects[..3].join(""))])] {
+        for segment in &out {
+            let Segment::ToolCall(c) = segment else { panic!("{segment:?}") };
+            serde_json::from_str::<serde_json::Value>(&c.arguments).expect("arguments are JSON");
+        }
+        assert_eq!(out.len(), 3);
+    }
+    check(
+        &hermes,
+        "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"}\"}, \"id\": \"c1\"}</tool_call>",
+        &[Segment::ToolCall(ToolCall { id: Some("c1".into()), name: "f".into(), arguments: "{\"a\": \"}\"}".into() })],
+    );
+}
+
 /// gpt-oss calls stream their arguments too: the body of a message to `functions.f`, without the
 /// whitespace around it.
 #[test]

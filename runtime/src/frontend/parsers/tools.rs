@@ -197,7 +197,7 @@ impl ToolFormat {
     /// call of this format.
     fn parse(self, body: &str) -> Option<Vec<ToolCall>> {
         let calls = match self {
-            ToolFormat::Hermes => vec![json_call(body)?],
+            ToolFormat::Hermes => hermes_calls(body)?,
             ToolFormat::NemotronDeci | ToolFormat::Jamba | ToolFormat::Phi4 => json_calls(body)?,
             ToolFormat::Llama3Json => {
                 let mut calls = Vec::new();
@@ -283,6 +283,52 @@ struct Streaming {
     args_at: usize,
     /// Bytes of it said so far.
     sent: usize,
+    /// Where the arguments object ends, once it has (the scan runs once over each byte).
+    object: ObjectScan,
+}
+
+/// An incremental scan for the end of one JSON object.
+#[derive(Debug, Default)]
+struct ObjectScan {
+    /// Bytes scanned.
+    at: usize,
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    /// Its end (one past the closing brace), once seen.
+    end: Option<usize>,
+}
+
+impl ObjectScan {
+    /// Scans on through `text` (the object's text so far, from its `{`); its end once seen.
+    fn advance(&mut self, text: &str) -> Option<usize> {
+        let b = text.as_bytes();
+        while self.end.is_none() && self.at < b.len() {
+            let c = b[self.at];
+            self.at += 1;
+            if self.in_string {
+                match (self.escaped, c) {
+                    (true, _) => self.escaped = false,
+                    (false, b'\\') => self.escaped = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => self.depth += 1,
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.depth == 0 {
+                        self.end = Some(self.at);
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.end
+    }
 }
 
 impl ToolParser {
@@ -478,7 +524,7 @@ impl ToolParser {
         if self.streaming.is_none() {
             let Some((name, args_at)) = hermes_head(&self.buf) else { return };
             push_segment(out, Segment::ToolCallStart { id: None, name: name.clone() });
-            self.streaming = Some(Streaming { name, args_at, sent: 0 });
+            self.streaming = Some(Streaming { name, args_at, sent: 0, object: ObjectScan::default() });
         }
         let Some(streaming) = &mut self.streaming else { return };
         let End::Tags(tags) = self.format.end(0) else { return };
@@ -487,7 +533,12 @@ impl ToolParser {
         // at, so a long call costs the same per piece.
         let safe = &self.buf[..self.buf.len() - held_suffix(&self.buf, tags)];
         let trimmed = safe.trim_end();
-        let upto = trimmed.strip_suffix('}').map_or(trimmed, str::trim_end).len();
+        let mut upto = trimmed.strip_suffix('}').map_or(trimmed, str::trim_end).len();
+        // Never past the arguments object: what follows it (the rest of the call, or more calls
+        // in one tag) is not its arguments.
+        if let Some(end) = streaming.object.advance(&self.buf[streaming.args_at..]) {
+            upto = upto.min(streaming.args_at + end);
+        }
         let from = streaming.args_at + streaming.sent;
         if upto > from {
             push_segment(out, Segment::ToolCallArgs(self.buf[from..upto].to_owned()));
@@ -715,6 +766,26 @@ fn json_call(text: &str) -> Option<ToolCall> {
     };
     let id = fields.iter().find(|(k, _)| k == "id").and_then(|(_, v)| json_str(v)).map(std::borrow::Cow::into_owned);
     Some(ToolCall { id, name, arguments })
+}
+
+/// A Hermes call body: one call object, or (as models write when they mean several calls) a
+/// list of them or several objects one after another.
+fn hermes_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let t = text.trim();
+    if t.starts_with('[') {
+        return json_calls(t);
+    }
+    let mut calls = Vec::new();
+    let mut i = 0;
+    while i < t.len() {
+        let e = value_end(t, i)?;
+        calls.push(json_call(&t[i..e])?);
+        i = skip_ws(t, e);
+        if t.as_bytes().get(i) == Some(&b',') {
+            i = skip_ws(t, i + 1);
+        }
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 /// A JSON list of calls (or one call).
