@@ -270,6 +270,7 @@ pub fn link_config(g4: &G4Config, node: &str, epoch: u64, max_image: usize) -> R
         lanes: g4.lanes,
         max_inflight: g4.max_inflight,
         hold_ttl: g4.hold_ttl.as_duration(),
+        min_fetch_budget: g4.min_fetch_budget.as_duration(),
         heartbeat: g4.heartbeat.as_duration(),
         max_snapshot_blocks: MAX_SNAPSHOT_BLOCKS,
         history: None,

@@ -71,6 +71,7 @@ fn link_config(max_snapshot_blocks: usize) -> LinkConfig {
         lanes: 1,
         max_inflight: 4,
         hold_ttl: Duration::from_secs(5),
+        min_fetch_budget: Duration::from_millis(50),
         heartbeat: Duration::from_millis(100),
         max_snapshot_blocks,
         rdma: None,

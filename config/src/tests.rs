@@ -391,4 +391,9 @@ fn what_serve_would_refuse_is_refused_with_its_line() {
     let err = parse("[engine]\nkind = \"scripted\"\n").unwrap_err();
     assert_eq!(err.key(), Some("engine.script"));
     parse("[engine]\nkind = \"scripted\"\nscript = \"answers.json\"\n").unwrap();
+
+    let err = parse("[tiers.g4]\nrequest_timeout = \"1s\"\nmin_fetch_budget = \"2s\"\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers.g4.min_fetch_budget"), "{err}");
+    assert_eq!(err.line(), Some(3));
+    parse("[tiers.g4]\nrequest_timeout = \"2s\"\nmin_fetch_budget = \"2s\"\n").unwrap();
 }

@@ -327,6 +327,9 @@ impl NodeConfig {
         if g4.request_timeout.as_duration().is_zero() {
             c.fail("tiers.g4.request_timeout", "must be longer than 0s");
         }
+        if g4.min_fetch_budget.as_duration() > g4.request_timeout.as_duration() {
+            c.fail("tiers.g4.min_fetch_budget", "must not be longer than tiers.g4.request_timeout");
+        }
         let tls = [&g4.tls_cert, &g4.tls_key, &g4.tls_ca];
         if tls.iter().any(|f| f.is_some()) && !tls.iter().all(|f| f.is_some()) {
             let missing = ["tls_cert", "tls_key", "tls_ca"]

@@ -7,18 +7,27 @@
 use std::time::{Duration, Instant};
 
 use crate::backend::{AttentionSpec, Backend, FinishedCopies, KernelError, SeqBatch};
-use crate::gemm;
+use crate::gemm::{self, Bf16};
 use crate::kv_layout::{HostKvPool, PagedLayout};
 
 /// A weight tensor in host memory, `[rows, cols]`: a vector (one row) as it is, a matrix packed
-/// in the GEMM's panels ([`crate::gemm::pack`]).
+/// in the GEMM's panels ([`crate::gemm::pack`]) — as bf16 when every value is one (a bf16
+/// checkpoint), which halves what a decode step reads and changes no result.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CpuWeight {
     /// Rows (output features).
     pub rows: usize,
     /// Columns (input features).
     pub cols: usize,
-    data: Vec<f32>,
+    data: Data,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Data {
+    /// A vector, or a matrix packed as `f32`.
+    F32(Vec<f32>),
+    /// A matrix of bf16 values, packed as bf16.
+    Bf16(Vec<Bf16>),
 }
 
 impl CpuWeight {
@@ -29,11 +38,32 @@ impl CpuWeight {
         out
     }
 
+    /// Whether a matrix is kept as bf16.
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.data, Data::Bf16(_))
+    }
+
+    /// Bytes its values take in memory.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            Data::F32(v) => v.len() * 4,
+            Data::Bf16(v) => v.len() * 2,
+        }
+    }
+
     fn row_into(&self, r: usize, out: &mut [f32]) {
-        if self.rows == 1 {
-            out[..self.cols].copy_from_slice(&self.data[..self.cols]);
-        } else {
-            gemm::unpack_row(&self.data, self.cols, r, out);
+        match &self.data {
+            Data::F32(v) if self.rows == 1 => out[..self.cols].copy_from_slice(&v[..self.cols]),
+            Data::F32(v) => gemm::unpack_row(v, self.cols, r, out),
+            Data::Bf16(v) => gemm::unpack_row(v, self.cols, r, out),
+        }
+    }
+
+    /// The values of a vector (`rows == 1`, always kept as `f32`).
+    fn vector(&self) -> Option<&[f32]> {
+        match &self.data {
+            Data::F32(v) if self.rows == 1 => Some(v),
+            _ => None,
         }
     }
 }
@@ -62,6 +92,32 @@ impl CpuBackend {
     /// Threads per call.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// `out[rows, n] = x[rows, k] · wᵀ` over packed weights, split across the threads.
+    fn gemm<W: gemm::Elem>(&self, x: &[f32], rows: usize, k: usize, packed: &[W], n: usize, out: &mut [f32]) {
+        let work = rows * k * n;
+        let panels = n.div_ceil(gemm::NR);
+        let dst = SharedMut(out.as_mut_ptr());
+        // Each thread reads its share of what dominates: with more rows than output columns (a
+        // prefill through a narrow layer) the rows, otherwise the weights — a decode batch of a
+        // few rows through a wide matrix reads every weight once, however many rows it holds.
+        if rows >= self.threads && rows > n {
+            self.split(rows, work, |range| {
+                let (r0, r1) = (range.start, range.end);
+                let out = gemm::Out { ptr: dst.at(r0 * n), stride: n };
+                // SAFETY: this range writes rows r0..r1 of `out` (rows × n elements, checked by
+                // the caller), which no other range touches.
+                unsafe { gemm::gemm(&x[r0 * k..r1 * k], r1 - r0, k, packed, n, 0..panels, out) };
+            });
+        } else {
+            self.split(panels, work, |range| {
+                let out = gemm::Out { ptr: dst.at(0), stride: n };
+                // SAFETY: this range writes the columns of its panels in every row of `out`, which
+                // no other range touches.
+                unsafe { gemm::gemm(&x[..rows * k], rows, k, packed, n, range, out) };
+            });
+        }
     }
 
     /// Runs `f(chunk_index, range)` over `0..n` split into at most `self.threads` contiguous ranges.
@@ -139,7 +195,10 @@ impl Backend for CpuBackend {
         if data.len() != rows * cols {
             return Err(KernelError::shape("weight", format!("{} elements for {rows}×{cols}", data.len())));
         }
-        let data = if rows == 1 { data.to_vec() } else { gemm::pack(data, rows, cols) };
+        let data = match rows {
+            1 => Data::F32(data.to_vec()),
+            _ => gemm::pack_bf16(data, rows, cols).map_or_else(|| Data::F32(gemm::pack(data, rows, cols)), Data::Bf16),
+        };
         Ok(CpuWeight { rows, cols, data })
     }
 
@@ -187,15 +246,15 @@ impl Backend for CpuBackend {
     ) -> Result<(), KernelError> {
         check_len("rmsnorm", "x", x.len(), rows * dim)?;
         check_len("rmsnorm", "out", out.len(), rows * dim)?;
-        if w.rows != 1 || w.data.len() != dim {
+        let Some(gain) = w.vector().filter(|v| v.len() == dim) else {
             let elements = w.rows * w.cols;
             return Err(KernelError::shape("rmsnorm", format!("weight has {elements} elements for dim {dim}")));
-        }
+        };
         for r in 0..rows {
             let row = &x[r * dim..(r + 1) * dim];
             let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
             let inv = 1.0 / (ms + eps).sqrt();
-            for ((o, v), g) in out[r * dim..(r + 1) * dim].iter_mut().zip(row).zip(&w.data) {
+            for ((o, v), g) in out[r * dim..(r + 1) * dim].iter_mut().zip(row).zip(gain) {
                 *o = v * inv * g;
             }
         }
@@ -206,35 +265,11 @@ impl Backend for CpuBackend {
         let (k, n) = (w.cols, w.rows);
         check_len("matmul", "x", x.len(), rows * k)?;
         check_len("matmul", "out", out.len(), rows * n)?;
-        let work = rows * k * n;
         // A one-row weight is kept as it is; the GEMM wants it packed (it is small).
-        let one_row;
-        let packed = if w.rows == 1 {
-            one_row = gemm::pack(&w.data, 1, k);
-            one_row.as_slice()
-        } else {
-            w.data.as_slice()
-        };
-        let panels = n.div_ceil(gemm::NR);
-        let dst = SharedMut(out.as_mut_ptr());
-        // Each thread reads its share of what dominates: with more rows than output columns (a
-        // prefill through a narrow layer) the rows, otherwise the weights — a decode batch of a
-        // few rows through a wide matrix reads every weight once, however many rows it holds.
-        if rows >= self.threads && rows > n {
-            self.split(rows, work, |range| {
-                let (r0, r1) = (range.start, range.end);
-                let out = gemm::Out { ptr: dst.at(r0 * n), stride: n };
-                // SAFETY: this range writes rows r0..r1 of `out` (rows × n elements, checked above),
-                // which no other range touches.
-                unsafe { gemm::gemm(&x[r0 * k..r1 * k], r1 - r0, k, packed, n, 0..panels, out) };
-            });
-        } else {
-            self.split(panels, work, |range| {
-                let out = gemm::Out { ptr: dst.at(0), stride: n };
-                // SAFETY: this range writes the columns of its panels in every row of `out`, which
-                // no other range touches.
-                unsafe { gemm::gemm(&x[..rows * k], rows, k, packed, n, range, out) };
-            });
+        match &w.data {
+            Data::F32(v) if w.rows == 1 => self.gemm(x, rows, k, &gemm::pack(v, 1, k), n, out),
+            Data::F32(packed) => self.gemm(x, rows, k, packed, n, out),
+            Data::Bf16(packed) => self.gemm(x, rows, k, packed, n, out),
         }
         Ok(())
     }
@@ -293,12 +328,12 @@ impl Backend for CpuBackend {
 
     fn add_bias(&self, x: &mut Vec<f32>, bias: &CpuWeight, rows: usize, cols: usize) -> Result<(), KernelError> {
         check_len("add_bias", "x", x.len(), rows * cols)?;
-        if bias.rows != 1 || bias.data.len() != cols {
+        let Some(bias) = bias.vector().filter(|v| v.len() == cols) else {
             let elements = bias.rows * bias.cols;
             return Err(KernelError::shape("add_bias", format!("bias has {elements} elements for {cols} columns")));
-        }
+        };
         for row in x[..rows * cols].chunks_exact_mut(cols.max(1)) {
-            for (a, b) in row.iter_mut().zip(&bias.data) {
+            for (a, b) in row.iter_mut().zip(bias) {
                 *a += b;
             }
         }

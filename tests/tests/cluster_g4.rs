@@ -500,7 +500,14 @@ async fn a_restarted_peer_serves_what_its_g3_recovered() {
     };
     let a_config = g4_config_on(&secret_file(&dir_a, secret), &[], "200ms", &listen);
     let a = Node::start_in(dir_a.clone(), &a_config);
-    let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), std::slice::from_ref(&listen)));
+    // B waits for A's fetches as long as they take: the restarted A reads each block from its
+    // disk before it serves it, and on a loaded machine that can take longer than recomputing.
+    // What this test asks is whether A serves what it recovered, not how soon.
+    let b_config = format!(
+        "{}request_timeout = \"60s\"\nmin_fetch_budget = \"60s\"\n",
+        g4_config(&secret_file(&dir_b, secret), std::slice::from_ref(&listen))
+    );
+    let b = Node::start_in(dir_b.clone(), &b_config);
 
     // A computes, writes through to G3 and stops; its G2 is gone with the process.
     let alpha = long_prompt("alpha");
@@ -514,7 +521,12 @@ async fn a_restarted_peer_serves_what_its_g3_recovered() {
     // from disk into G2 first) with the answer A gave before.
     let a = Node::start_in(dir_a.clone(), &a_config);
     assert!(a.announced.iter().any(|l| l.contains("recovered")), "{:?}", a.announced);
-    let known = b.wait_for_metric("dynamo_node_index_blocks", LIMIT, |v| v >= blocks as f64).await;
+    // B's index of A is emptied when A's first feed ends, so blocks it knows after that came
+    // from the restarted A's feed (not a stale view of the A that stopped).
+    let ended = b.wait_for_sum("dynamo_node_peer_feed_ended_total{", "peer=", LIMIT, |v| v >= 1.0).await;
+    assert!(ended >= 1.0, "B saw A's first feed end");
+    // (B retries the feed with a backoff of up to 5 s while A is down.)
+    let known = b.wait_for_metric("dynamo_node_index_blocks", 3 * LIMIT, |v| v >= blocks as f64).await;
     assert!(known >= blocks as f64, "B knows what A recovered: {known}");
     let (b_alpha, _, cached) = b.greedy(&alpha).await;
     assert_eq!(b_alpha, a_alpha, "the same tokens from a recovered block");

@@ -46,6 +46,8 @@ pub struct LinkConfig {
     pub max_inflight: usize,
     /// How long a peer keeps a fetch's blocks pinned at most.
     pub hold_ttl: Duration,
+    /// The least time a fetch is given (`tiers.g4.min_fetch_budget`).
+    pub min_fetch_budget: Duration,
     /// The feed connection is pinged this often; three missed answers end it.
     pub heartbeat: Duration,
     /// Most blocks a peer's snapshot may list.
@@ -230,6 +232,11 @@ impl PeerLink {
     /// The longest any fetch may take (`tiers.g4.request_timeout`).
     pub fn request_timeout(&self) -> Duration {
         self.state.config.client.request_timeout
+    }
+
+    /// The least time any fetch is given (`tiers.g4.min_fetch_budget`).
+    pub fn min_fetch_budget(&self) -> Duration {
+        self.state.config.min_fetch_budget
     }
 
     /// What carried the lanes' last connection.

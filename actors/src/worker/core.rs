@@ -450,15 +450,18 @@ enum Source {
     G4,
 }
 
-/// The shortest budget a peer fetch gets: a round trip and a few images on any network.
-const MIN_FETCH_BUDGET: Duration = Duration::from_millis(50);
-
 /// How long a fetch of the blocks covering tokens `[from, to)` may take before it is cancelled
 /// and they are recomputed: twice what recomputing them would take by the cost model, at least
-/// [`MIN_FETCH_BUDGET`], at most `ceiling` (`tiers.g4.request_timeout`).
-fn fetch_budget(cost: &dynamo_tiering::cost::CostModel, from: usize, to: usize, ceiling: Duration) -> Duration {
+/// `floor` (`tiers.g4.min_fetch_budget`), at most `ceiling` (`tiers.g4.request_timeout`).
+fn fetch_budget(
+    cost: &dynamo_tiering::cost::CostModel,
+    from: usize,
+    to: usize,
+    floor: Duration,
+    ceiling: Duration,
+) -> Duration {
     let recompute = cost.prefill.as_ref().map(|p| Duration::from_secs_f64(2.0 * p.seconds(from, to)));
-    recompute.unwrap_or(ceiling).clamp(MIN_FETCH_BUDGET.min(ceiling), ceiling)
+    recompute.unwrap_or(ceiling).clamp(floor.min(ceiling), ceiling)
 }
 
 /// Whether a verified image of `bytes` from a peer, in `slot`, is of this node's layout: a peer of
@@ -1049,7 +1052,14 @@ impl<B: Backend> Worker<B> {
             let wanted: Vec<BlockHash> = g4_blocks.iter().map(|&i| hashes[i]).collect();
             let started = Instant::now();
             let last = g4_blocks.last().copied().unwrap_or(first);
-            let deadline = started + fetch_budget(&tiers.cost_now(), first * b, (last + 1) * b, link.request_timeout());
+            let deadline = started
+                + fetch_budget(
+                    &tiers.cost_now(),
+                    first * b,
+                    (last + 1) * b,
+                    link.min_fetch_budget(),
+                    link.request_timeout(),
+                );
             let mut end = plan.len();
             let mut fetched_bytes = 0;
             let landing = tiers.clone();
@@ -1554,5 +1564,21 @@ mod tests {
         assert_eq!(req.block_hashes(Salt(2), 16), wrong, "carried ones are taken as they are");
         assert_eq!(req.block_hashes(Salt(1), 16), want, "another salt: computed again");
         assert_eq!(req.block_hashes(Salt(2), 32), BlockHasher::new(Salt(2), 32).hash_sequence(&prompt));
+    }
+
+    /// A fetch gets twice its recompute time, held within `tiers.g4.min_fetch_budget` and
+    /// `request_timeout`; with no prefill rate known it gets the whole `request_timeout`.
+    #[test]
+    fn a_fetch_budget_is_twice_its_recompute_within_the_configured_bounds() {
+        use dynamo_tiering::cost::{CostModel, Prefill};
+        let ms = Duration::from_millis;
+        let cost = CostModel { prefill: Prefill::rate(1_000.0), ..CostModel::unknown(32, 4096) };
+        // 100 tokens at 1,000 tokens/s: 0.1 s to recompute, 0.2 s to fetch.
+        assert_eq!(fetch_budget(&cost, 0, 100, ms(50), ms(2000)), ms(200));
+        assert_eq!(fetch_budget(&cost, 0, 100, ms(500), ms(2000)), ms(500), "raised to the floor");
+        assert_eq!(fetch_budget(&cost, 0, 100, ms(50), ms(150)), ms(150), "cut at the ceiling");
+        assert_eq!(fetch_budget(&cost, 0, 100, ms(500), ms(150)), ms(150), "the ceiling wins a crossed pair");
+        let unknown = CostModel::unknown(32, 4096);
+        assert_eq!(fetch_budget(&unknown, 0, 100, ms(50), ms(2000)), ms(2000));
     }
 }

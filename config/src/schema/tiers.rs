@@ -282,6 +282,11 @@ pub struct G4Config {
     /// A remote block request that takes longer fails and the blocks are recomputed.
     /// Default `"2s"`.
     pub request_timeout: HumanDuration,
+    /// The least time a fetch from a peer is given before its blocks are recomputed instead.
+    /// Each fetch gets twice what recomputing its blocks would take (by the cost model), at least
+    /// this and at most `request_timeout`: raise it where a peer's reads from disk or a loaded
+    /// link should be waited for rather than raced. Default `"50ms"`.
+    pub min_fetch_budget: HumanDuration,
     /// Most requests in flight per peer. Default `64`.
     pub max_inflight: usize,
     /// Connections per peer that carry block fetches, side by side. Default `2`.
@@ -325,6 +330,7 @@ impl Default for G4Config {
             listen: "127.0.0.1:7100".to_owned(),
             peers: Vec::new(),
             request_timeout: HumanDuration::secs(2),
+            min_fetch_budget: HumanDuration::millis(50),
             max_inflight: 64,
             lanes: 2,
             heartbeat: HumanDuration::secs(1),
