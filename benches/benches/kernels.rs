@@ -1,10 +1,11 @@
 //! CPU kernels of the reference model: GEMM (prefill-shaped and decode-shaped), paged attention
 //! (a decode query over a long context), RMSNorm, RoPE, and the KV block gather/scatter between
-//! the paged G1 layout and block-image payloads. Shapes are llama-1b's.
+//! the paged G1 layout and block-image payloads. Shapes are llama-1b's. First, the decode GEMV's
+//! memory stream against a plain read of as many bytes (a ratio, printed).
 //!
 //! `cargo bench -p dynamo-benches --bench kernels`
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use dynamo_kernels::kv_layout::PagedLayout;
@@ -119,9 +120,73 @@ fn kernels(c: &mut Criterion) {
     g.finish();
 }
 
+/// Decode at batch 1 streams every weight once per token: a one-row GEMM over bf16 matrices too
+/// many to stay in the caches (16 of llama-1b's FFN shape, 512 MiB), on all the backend's threads,
+/// against the limit it works under, a plain sequential read of as many bytes on as many threads
+/// (the compiler's vectorized sum), measured in the same run. Prints both and the ratio.
+fn decode_gemv_against_memory() {
+    let (hidden, ffn, matrices) = (2048usize, 8192usize, 16usize);
+    let cpu = CpuBackend::default();
+    // bf16-exact values, so the backend keeps the matrices as bf16 (as it does a bf16 checkpoint).
+    let raw: Vec<f32> =
+        rand_vec(8, ffn * hidden).into_iter().map(|v| f32::from_bits(v.to_bits() & 0xffff_0000)).collect();
+    let weights: Vec<_> = (0..matrices).map(|_| cpu.weight(&raw, ffn, hidden).expect("weight")).collect();
+    drop(raw);
+    let x = rand_vec(9, hidden);
+    let mut out = vec![0.0; ffn];
+    let bytes = (matrices * ffn * hidden * 2) as f64;
+    let best = |f: &mut dyn FnMut()| {
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                bytes / t.elapsed().as_secs_f64() / 1e9
+            })
+            .fold(0.0, f64::max)
+    };
+    let gemv = best(&mut || {
+        for w in &weights {
+            cpu.matmul(&x, 1, w, &mut out).expect("matmul");
+        }
+    });
+    drop(weights);
+    let words = vec![1u64; matrices * ffn * hidden / 4];
+    let threads = cpu.threads();
+    let read = best(&mut || {
+        let per = words.len().div_ceil(threads);
+        let sum: u64 = std::thread::scope(|s| {
+            let parts: Vec<_> = words
+                .chunks(per)
+                .map(|part| {
+                    s.spawn(move || {
+                        part.chunks_exact(8).fold([0u64; 8], |mut a, c| {
+                            for (a, c) in a.iter_mut().zip(c) {
+                                *a = a.wrapping_add(*c);
+                            }
+                            a
+                        })
+                    })
+                })
+                .collect();
+            parts.into_iter().map(|p| p.join().expect("reader").iter().sum::<u64>()).sum()
+        });
+        assert_eq!(sum, words.len() as u64);
+    });
+    println!(
+        "decode GEMV, 16 x {ffn}x{hidden} bf16, {threads} threads: {gemv:.1} GB/s; plain read: {read:.1} GB/s; \
+         ratio {:.2}x of the read",
+        gemv / read
+    );
+}
+
+fn all(c: &mut Criterion) {
+    decode_gemv_against_memory();
+    kernels(c);
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3)).sample_size(20);
-    targets = kernels
+    targets = all
 }
 criterion_main!(benches);
