@@ -383,9 +383,8 @@ mod simd {
 
     /// How far ahead of its loads a tile asks for the panel's bytes. The hardware prefetcher stops
     /// at each 4 KiB page and a decode row's few multiply-adds per byte leave the loads waiting
-    /// on memory; asking a page ahead doubles what one core streams (7 → 13 GB/s here, measured
-    /// by `benches/benches/kernels.rs`'s decode GEMV
-    /// against a plain read).
+    /// on memory; asking a page ahead doubles what one core streams (7 → 13 GB/s here; the
+    /// kernels bench prints the decode GEMV against a plain read).
     const PREFETCH_BYTES: usize = 4096;
 
     /// Asks for the cache lines of the panel row at `w` [`PREFETCH_BYTES`] ahead. A hint: it
