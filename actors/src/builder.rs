@@ -47,7 +47,7 @@ use crate::index::{IndexConfig, IndexWriter, PrefixIndex};
 use crate::leases::{LeaseBook, LeasedTiers};
 use crate::peer::RemoteTier;
 use crate::publisher::KvPublisher;
-use crate::scheduler::{KvRouting, SchedulerArgs, SchedulerRef};
+use crate::scheduler::{Admission, KvRouting, SchedulerArgs, SchedulerRef};
 use crate::stores::{StoreArgs, Watermarks};
 use crate::supervisor::{NodeArgs, NodeMsg, NodeRef, NodeSupervisor};
 use crate::tiers::{BlockSite, G2Tier, G3Tier, G4Tier, KvObserver, NoObserver, NodeTiers, WriteBatch};
@@ -288,6 +288,9 @@ pub struct Routing {
     pub block_tokens: usize,
     /// The node's one cost model.
     pub cost: CostModel,
+    /// Blocks the node's G2 holds (the cache below the workers' G1 that working-set admission
+    /// counts; 0 without G2).
+    pub g2_blocks: usize,
 }
 
 /// Stage 2: the stores are open.
@@ -359,7 +362,13 @@ impl NodeStores {
                 observer.stored(BlockSite::Node(TierName::G3), header.parent, &[header.hash]);
             }
         }
-        let routing = Routing { salt: settings.salt, block_tokens: settings.block_tokens, cost: settings.cost.clone() };
+        let g2_blocks = g2.as_ref().map_or(0, |g2| g2.capacity());
+        let routing = Routing {
+            salt: settings.salt,
+            block_tokens: settings.block_tokens,
+            cost: settings.cost.clone(),
+            g2_blocks,
+        };
         let tiers = Arc::new(NodeTiers {
             block_tokens: settings.block_tokens,
             salt: settings.salt,
@@ -508,6 +517,8 @@ pub struct Scheduling {
     pub temperature: f64,
     /// Workers per node when one scheduler routes over several nodes (0: all on this one).
     pub workers_per_node: usize,
+    /// Working-set admission of new sessions (`cache_blocks` is filled in from the tiers).
+    pub admission: Admission,
 }
 
 impl Scheduling {
@@ -521,6 +532,12 @@ impl Scheduling {
             sticky_bonus: cfg.router.sticky_bonus.as_duration(),
             temperature: cfg.router.temperature,
             workers_per_node: 0,
+            admission: Admission {
+                working_set: cfg.router.working_set,
+                cache_blocks: 0,
+                session_gap: cfg.router.session_gap.as_duration(),
+                max_wait: cfg.router.admission_max_wait.as_duration(),
+            },
         }
     }
 }
@@ -569,6 +586,7 @@ impl NodeEngines {
                     leases: leases.clone(),
                     sticky_bonus: scheduling.sticky_bonus,
                     temperature: scheduling.temperature,
+                    admission: Admission { cache_blocks: routing.g2_blocks, ..scheduling.admission },
                 }),
             },
             g2: stores.0,
@@ -749,6 +767,7 @@ mod tests {
             sticky_bonus: Duration::ZERO,
             temperature: 0.0,
             workers_per_node: 0,
+            admission: Admission::OFF,
         }
     }
 

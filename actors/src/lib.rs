@@ -35,6 +35,7 @@
 //! Blocking work never runs inside a handler: engines run on their workers' threads, G3 I/O on
 //! the store's ring threads.
 
+pub mod admission;
 pub mod builder;
 pub mod cost;
 pub mod endpoint;

@@ -20,8 +20,16 @@
 //! above 0 samples among workers by a softmax over their estimates, spreading load between
 //! near-equal choices. Without an index (`kv_aware` with no KV routing set up) it falls back to
 //! the session's worker, then the least loaded.
+//!
+//! Admission (`kv_aware` with an index and `router.working_set` above 0): a session's first
+//! request is routed only while the sessions being served leave the cache room for its context
+//! ([`crate::admission`]); otherwise it waits here, in priority order then arrival, and is
+//! routed, on the state of that moment, when sessions leave the working set or it has waited
+//! `router.admission_max_wait`. A turn of a session being served never waits. Waiting requests
+//! are at most as many as the workers' queues hold; past that the answer is
+//! [`SubmitError::Overloaded`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
@@ -33,6 +41,7 @@ use dynamo_tiering::pipeline::region_of;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 
+use crate::admission::WorkingSet;
 use crate::cost::{CostModel, Queued};
 use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId, WorkerViews};
 use crate::leases::{LeasedTiers, Lessee};
@@ -94,6 +103,28 @@ pub struct KvRouting {
     pub sticky_bonus: Duration,
     /// Softmax temperature over the estimates in milliseconds; 0 picks the best.
     pub temperature: f64,
+    /// Working-set admission of new sessions ([`crate::admission`]).
+    pub admission: Admission,
+}
+
+/// How new sessions are admitted under `kv_aware` routing ([`crate::admission`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Admission {
+    /// The fraction of the cache (the larger of the workers' G1 together and `cache_blocks`) the
+    /// contexts of the sessions in line may fill before a turn waits; 0: no admission.
+    pub working_set: f64,
+    /// Blocks the nodes' G2 hold beside the workers' G1.
+    pub cache_blocks: usize,
+    /// A session is being served until this long after its last turn was routed.
+    pub session_gap: Duration,
+    /// Longest a new session's first request waits for room before it is routed anyway.
+    pub max_wait: Duration,
+}
+
+impl Admission {
+    /// Every session admitted at once.
+    pub const OFF: Admission =
+        Admission { working_set: 0.0, cache_blocks: 0, session_gap: Duration::ZERO, max_wait: Duration::ZERO };
 }
 
 /// Why a request was not queued.
@@ -193,6 +224,9 @@ pub enum SchedulerMsg {
     WorkerUp(WorkerHandle),
     /// No reply: worker `0` is gone until a `WorkerUp`.
     WorkerDown(usize),
+    /// No reply: a waiting request may be admitted now (a session left the working set, or the
+    /// first waiting request has waited its longest).
+    Admit,
     /// Reply: the live sessions and the workers up.
     Status(RpcReplyPort<SchedulerStatus>),
 }
@@ -204,6 +238,36 @@ pub struct SchedulerStatus {
     pub workers_up: usize,
     /// Live sessions.
     pub sessions: usize,
+}
+
+/// A session's turn, waiting for the working set to have room for its context.
+struct Parked {
+    req: Box<GenRequest>,
+    session: Option<SessionTurn>,
+    hints: Hints,
+    reply: RpcReplyPort<Result<Submitted, SubmitError>>,
+    since: tokio::time::Instant,
+}
+
+/// What [`SchedulerState::route`] did with a request.
+enum Routed {
+    /// Queued on a worker, with the leases it was granted.
+    Queued(Submitted, Vec<LeasedChain>),
+    /// Refused.
+    Refused(SubmitError),
+    /// A session's turn that does not fit the working set now.
+    Wait(Box<GenRequest>),
+}
+
+/// Whether [`SchedulerState::route`] may make a request wait for the working set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// Route it: no admission.
+    Open,
+    /// A session's turn: route it only if it fits.
+    Check,
+    /// A session's turn, routed whether it fits or not (it fits already, or waited its longest).
+    Admit,
 }
 
 struct SessionEntry {
@@ -223,6 +287,13 @@ pub struct SchedulerState {
     matches: Matches,
     /// Every worker's view of the last lookup.
     views: WorkerViews,
+    /// The sessions being served ([`crate::admission`]).
+    working: WorkingSet<ActorId>,
+    /// New sessions' first requests waiting for room, in the order they are admitted (priority,
+    /// then arrival).
+    parked: VecDeque<Parked>,
+    /// When a [`SchedulerMsg::Admit`] is due, if one is.
+    wake_at: Option<tokio::time::Instant>,
 }
 
 impl std::fmt::Debug for SchedulerState {
@@ -338,10 +409,11 @@ impl SchedulerState {
 
     async fn route(
         &mut self,
-        mut req: GenRequest,
+        mut req: Box<GenRequest>,
         session: Option<&SessionTurn>,
         hints: Hints,
-    ) -> Result<(Submitted, Vec<LeasedChain>), SubmitError> {
+        gate: Gate,
+    ) -> Routed {
         let sticky = session.and_then(|s| s.sticky);
         // Each candidate with the cached tokens expected there and the request's engine time
         // there (WSPT's processing time: its prefill alone plus its expected decode).
@@ -375,12 +447,23 @@ impl SchedulerState {
             }
         };
         if order.is_empty() {
-            return Err(SubmitError::NoWorkers);
+            return Routed::Refused(SubmitError::NoWorkers);
+        }
+        // A session's context beyond what other sessions put in the cache already (its first
+        // turn's longest cached prefix anywhere).
+        let context = req.prompt.len() + hints.expected_output_tokens.unwrap_or(0);
+        let shared = order.iter().filter_map(|o| o.1).max().unwrap_or(0);
+        if gate != Gate::Open
+            && let (Some(capacity), Some(turn)) = (self.working_set_capacity(), session)
+            && !self.working.fits(&turn.actor.get_id(), context, shared, capacity)
+            && gate == Gate::Check
+        {
+            return Routed::Wait(req);
         }
         let leases = self.lease_plan(&mut req);
         let (events, rx) = mpsc::unbounded_channel();
         let mut job = Job {
-            req,
+            req: *req,
             predicted_cached: None,
             priority: hints.priority,
             cost_s: 0.0,
@@ -399,7 +482,7 @@ impl SchedulerState {
                     tracing::debug!(worker = i, predicted_cached = ?predicted, cost_s, "routed");
                     let lessee = session.map_or(Lessee { owner: 0, tenant: hints.tenant }, |s| s.lessee);
                     let (leased_tokens, chains) = self.grant(lessee, leases);
-                    return Ok((Submitted { events: rx, worker: i, leased_tokens }, chains));
+                    return Routed::Queued(Submitted { events: rx, worker: i, leased_tokens }, chains);
                 }
                 Err(PushError::Full(j) | PushError::Closed(j)) => {
                     handle.load.remove(&j.req, false, j.charge);
@@ -408,7 +491,150 @@ impl SchedulerState {
             }
         }
         tracing::debug!(workers = order.len(), "every worker's queue is full; refused");
-        Err(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
+        Routed::Refused(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
+    }
+
+    /// The tokens the working set may hold: `router.working_set` of the cache, which is the
+    /// larger of the workers' G1 together and the nodes' G2 (written through from G1, G2 holds
+    /// copies of what G1 holds). `None` (no admission) under another policy, without an index,
+    /// or while a worker's G1 size is unknown.
+    fn working_set_capacity(&self) -> Option<usize> {
+        let kv = self.args.kv.as_ref().filter(|_| self.args.policy == RoutingPolicy::KvAware)?;
+        let admission = kv.admission;
+        if admission.working_set <= 0.0 {
+            return None;
+        }
+        let mut g1 = 0;
+        for w in self.workers.iter().flatten() {
+            match w.load.queued().g1_blocks {
+                0 => return None,
+                blocks => g1 += blocks,
+            }
+        }
+        let blocks = (g1 > 0).then_some(g1.max(admission.cache_blocks))?;
+        Some((blocks as f64 * kv.block_tokens as f64 * admission.working_set) as usize)
+    }
+
+    /// Takes a request to route: without admission, or without a session, it goes at once; a
+    /// session's turn goes if it fits the working set, and waits otherwise (past the workers'
+    /// queues' worth of waiting turns it is refused). Then admits what fits.
+    async fn admit(&mut self, myself: &SchedulerRef, parked: Parked) {
+        self.working.expire(tokio::time::Instant::now());
+        let gate = match &parked.session {
+            Some(turn) if self.working_set_capacity().is_some() => {
+                self.working.arrive(turn.actor.get_id(), parked.hints.priority);
+                Gate::Check
+            }
+            _ => Gate::Open,
+        };
+        if let Some(waits) = self.dispatch(parked, gate).await {
+            let bound: usize = self.workers.iter().flatten().map(|w| w.queue.bound()).sum();
+            if self.parked.len() >= bound.max(1) {
+                let workers = self.workers.iter().flatten().count();
+                let retry_after = self.retry_after();
+                self.finish_waiting(&waits);
+                let _ = waits.reply.send(Err(SubmitError::Overloaded { workers, retry_after }));
+            } else {
+                self.parked.push_back(waits);
+            }
+        }
+        self.drain(myself).await;
+    }
+
+    /// Routes the waiting turns that fit now, and those that waited their longest (their
+    /// sessions move to the front of the line); drops those whose caller is gone; and sets a
+    /// wake-up for when the next may go.
+    async fn drain(&mut self, myself: &SchedulerRef) {
+        let now = tokio::time::Instant::now();
+        self.working.expire(now);
+        let max_wait = self.args.kv.as_ref().map_or(Duration::ZERO, |kv| kv.admission.max_wait);
+        if !self.parked.is_empty() {
+            let capacity = self.working_set_capacity();
+            let fit: std::collections::HashSet<ActorId> =
+                capacity.map(|c| self.working.admissible(c)).unwrap_or_default().into_iter().collect();
+            for parked in std::mem::take(&mut self.parked) {
+                let key = parked.session.as_ref().map(|s| s.actor.get_id());
+                if parked.reply.is_closed() {
+                    self.finish_waiting(&parked);
+                    continue;
+                }
+                let waited_out = now >= parked.since + max_wait;
+                if capacity.is_some()
+                    && waited_out
+                    && let Some(key) = &key
+                {
+                    self.working.promote(key);
+                }
+                if capacity.is_none() || waited_out || key.is_none_or(|k| fit.contains(&k)) {
+                    let gate = if capacity.is_some() { Gate::Admit } else { Gate::Open };
+                    if let Some(waits) = self.dispatch(parked, gate).await {
+                        self.parked.push_back(waits);
+                    }
+                } else {
+                    self.parked.push_back(parked);
+                }
+            }
+        }
+        telemetry::set_router_waiting(self.parked.len());
+        telemetry::set_working_set(self.working.len(), self.working.tokens());
+        // The next may go when a session leaves the line or one waited its longest.
+        let longest = self.parked.iter().map(|p| p.since + max_wait).min();
+        if let Some(longest) = longest {
+            let due = self.working.next_expiry().map_or(longest, |at| at.min(longest)).max(now);
+            if self.wake_at.is_none_or(|at| due < at || at <= now) {
+                self.wake_at = Some(due);
+                myself.send_after(due - now, || SchedulerMsg::Admit);
+            }
+        }
+    }
+
+    /// The working set's side of a waiting turn that is routed, refused or abandoned.
+    fn finish_waiting(&mut self, parked: &Parked) {
+        if let Some(turn) = &parked.session {
+            self.working.done(&turn.actor.get_id(), tokio::time::Instant::now());
+        }
+    }
+
+    /// Routes one request and answers its caller; gives it back if it must wait.
+    async fn dispatch(&mut self, parked: Parked, gate: Gate) -> Option<Parked> {
+        if parked.reply.is_closed() {
+            if gate != Gate::Open {
+                self.finish_waiting(&parked);
+            }
+            return None;
+        }
+        let Parked { req, session, hints, reply, since } = parked;
+        let prompt_tokens = req.prompt.len();
+        let span = tracing::info_span!("route", request_id = req.log_id());
+        let routed = self.route(req, session.as_ref(), hints, gate).instrument(span).await;
+        if gate != Gate::Open
+            && !matches!(routed, Routed::Wait(_))
+            && let Some(turn) = &session
+        {
+            self.working.done(&turn.actor.get_id(), tokio::time::Instant::now());
+        }
+        match routed {
+            Routed::Wait(req) => return Some(Parked { req, session, hints, reply, since }),
+            Routed::Refused(e) => {
+                let _ = reply.send(Err(e));
+            }
+            Routed::Queued(submitted, leased) => {
+                if let Some(turn) = &session
+                    && let Err(ractor::MessagingErr::SendErr(SessionMsg::Routed { leased, .. })) =
+                        turn.actor.cast(SessionMsg::Routed { worker: submitted.worker, prompt_tokens, leased })
+                {
+                    // The session ended while its request was being routed: nobody would
+                    // release these leases.
+                    if let Some(tiers) = self.args.kv.as_ref().and_then(|kv| kv.leases.as_ref()) {
+                        for chain in leased {
+                            tiers.unlease(turn.lessee, &chain.blocks, tiers.now());
+                        }
+                    }
+                }
+                let _ = reply.send(Ok(submitted));
+            }
+        }
+        None
     }
 
     /// When a full node is worth retrying: the least busy worker's queued engine time (the cost
@@ -574,6 +800,7 @@ impl Actor for SchedulerActor {
 
     async fn pre_start(&self, _: SchedulerRef, args: SchedulerArgs) -> Result<SchedulerState, ActorProcessingErr> {
         let rng = args.seed | 1;
+        let gap = args.kv.as_ref().map_or(Duration::ZERO, |kv| kv.admission.session_gap);
         Ok(SchedulerState {
             args,
             workers: Vec::new(),
@@ -583,6 +810,9 @@ impl Actor for SchedulerActor {
             session_of: HashMap::new(),
             matches: Matches::new(),
             views: WorkerViews::default(),
+            working: WorkingSet::new(gap),
+            parked: VecDeque::new(),
+            wake_at: None,
         })
     }
 
@@ -613,33 +843,17 @@ impl Actor for SchedulerActor {
                     }
                 }
                 if let SessionMsg::Submit { req, hints, reply } = msg {
-                    let span = tracing::info_span!("route", request_id = req.log_id());
-                    let _ = reply.send(state.route(*req, None, hints).instrument(span).await.map(|(s, _)| s));
+                    let since = tokio::time::Instant::now();
+                    state.admit(&myself, Parked { req, session: None, hints, reply, since }).await;
                 }
             }
             SchedulerMsg::Route { req, session, hints, reply } => {
-                let prompt_tokens = req.prompt.len();
-                let span = tracing::info_span!("route", request_id = req.log_id());
-                match state.route(*req, session.as_ref(), hints).instrument(span).await {
-                    Ok((submitted, leased)) => {
-                        if let Some(turn) = &session
-                            && let Err(ractor::MessagingErr::SendErr(SessionMsg::Routed { leased, .. })) =
-                                turn.actor.cast(SessionMsg::Routed { worker: submitted.worker, prompt_tokens, leased })
-                        {
-                            // The session ended while its request was being routed: nobody would
-                            // release these leases.
-                            if let Some(tiers) = state.args.kv.as_ref().and_then(|kv| kv.leases.as_ref()) {
-                                for chain in leased {
-                                    tiers.unlease(turn.lessee, &chain.blocks, tiers.now());
-                                }
-                            }
-                        }
-                        let _ = reply.send(Ok(submitted));
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(e));
-                    }
-                }
+                let since = tokio::time::Instant::now();
+                state.admit(&myself, Parked { req, session, hints, reply, since }).await;
+            }
+            SchedulerMsg::Admit => {
+                state.wake_at = None;
+                state.drain(&myself).await;
             }
             SchedulerMsg::WorkerUp(handle) => {
                 let id = handle.id;
@@ -647,6 +861,8 @@ impl Actor for SchedulerActor {
                     state.workers.resize_with(id + 1, || None);
                 }
                 state.workers[id] = Some(handle);
+                // A worker (new, or back) adds to the cache.
+                state.drain(&myself).await;
             }
             SchedulerMsg::WorkerDown(id) => {
                 if let Some(slot) = state.workers.get_mut(id) {
@@ -685,6 +901,10 @@ impl Actor for SchedulerActor {
         }
         // Dropping the handles closes the workers' queues from this side.
         state.workers.clear();
+        for parked in state.parked.drain(..) {
+            let _ = parked.reply.send(Err(SubmitError::ShuttingDown));
+        }
+        telemetry::set_router_waiting(0);
         Ok(())
     }
 }

@@ -166,6 +166,12 @@ pub mod names {
     /// Counter `{kind,result}`.
     pub const INDEX_EVENTS: &str = "dynamo_node_index_events_total";
     /// Gauge.
+    pub const ROUTER_WAITING: &str = "dynamo_node_router_waiting_requests";
+    /// Gauge.
+    pub const ROUTER_WORKING_SET_SESSIONS: &str = "dynamo_node_router_working_set_sessions";
+    /// Gauge.
+    pub const ROUTER_WORKING_SET_TOKENS: &str = "dynamo_node_router_working_set_tokens";
+    /// Gauge.
     pub const INDEX_BLOCKS: &str = "dynamo_node_index_blocks";
     /// Counter.
     pub const INDEX_RESYNCS: &str = "dynamo_node_index_resyncs_total";
@@ -362,6 +368,21 @@ pub fn describe() {
     describe_histogram!(ROUTER_DECISION_SECONDS, Unit::Seconds, "Time the router took to choose a worker.");
     describe_counter!(INDEX_EVENTS, Unit::Count, "KV events offered to the global prefix index, by kind and result.");
     describe_gauge!(INDEX_BLOCKS, Unit::Count, "Distinct blocks in the global prefix index.");
+    describe_gauge!(
+        ROUTER_WAITING,
+        Unit::Count,
+        "New sessions' first requests waiting at the KV-aware router for the working set to have room."
+    );
+    describe_gauge!(
+        ROUTER_WORKING_SET_SESSIONS,
+        Unit::Count,
+        "Sessions the KV-aware router is serving (a turn routed within router.session_gap)."
+    );
+    describe_gauge!(
+        ROUTER_WORKING_SET_TOKENS,
+        Unit::Count,
+        "Context tokens of their own of the sessions the KV-aware router is serving."
+    );
     describe_counter!(INDEX_RESYNCS, Unit::Count, "Sources of the global prefix index resynchronised after a gap.");
     describe_counter!(
         ROUTER_PREDICTED_CACHED_TOKENS,
@@ -409,6 +430,9 @@ pub fn register_known_series() {
     }
     let _ = histogram!(ROUTER_DECISION_SECONDS);
     gauge!(INDEX_BLOCKS).set(0.0);
+    gauge!(ROUTER_WAITING).set(0.0);
+    gauge!(ROUTER_WORKING_SET_SESSIONS).set(0.0);
+    gauge!(ROUTER_WORKING_SET_TOKENS).set(0.0);
     counter!(ROUTER_PREDICTED_CACHED_TOKENS).increment(0);
     counter!(ROUTER_ACTUAL_CACHED_TOKENS).increment(0);
     for stage in ["queued", "prefill", "decode"] {
@@ -579,6 +603,17 @@ pub fn record_connection_refused(reason: &'static str) {
 /// Records one routing decision's duration.
 pub fn record_router_decision(elapsed: Duration) {
     histogram!(names::ROUTER_DECISION_SECONDS).record(elapsed.as_secs_f64());
+}
+
+/// Sets how many requests wait at the router for the working set.
+pub fn set_router_waiting(requests: usize) {
+    gauge!(names::ROUTER_WAITING).set(requests as f64);
+}
+
+/// Sets the working set's sessions and their tokens.
+pub fn set_working_set(sessions: usize, tokens: usize) {
+    gauge!(names::ROUTER_WORKING_SET_SESSIONS).set(sessions as f64);
+    gauge!(names::ROUTER_WORKING_SET_TOKENS).set(tokens as f64);
 }
 
 /// Counts one KV event offered to the index: its kind and what the index did with it.

@@ -378,6 +378,10 @@ impl NodeConfig {
             c.fail("router.temperature", format!("{t} must be a finite number >= 0"));
         }
         c.at_least_one("router.index_max_blocks", self.router.index_max_blocks);
+        let w = self.router.working_set;
+        if !(w.is_finite() && w >= 0.0) {
+            c.fail("router.working_set", format!("{w} must be a finite number >= 0 (a fraction of the cache; 0: off)"));
+        }
 
         let budget = self.tiers.lease_budget;
         if !(0.0..=1.0).contains(&budget) {

@@ -145,6 +145,11 @@ impl JobQueue {
         self.ready.notify_one();
     }
 
+    /// Most jobs it holds.
+    pub fn bound(&self) -> usize {
+        self.bound
+    }
+
     /// Jobs waiting.
     pub fn len(&self) -> usize {
         self.inner.lock().expect("queue lock").heap.len()

@@ -50,6 +50,17 @@ pub struct RouterSection {
     /// Lifetime of an index entry predicted from a routing decision and not yet confirmed by a
     /// KV event. Default `"120s"`.
     pub approximate_ttl: HumanDuration,
+    /// Working-set admission (`kv_aware`): the fraction of the cache — the larger of the
+    /// workers' G1 together and the node's G2, which is written through from G1 — that the
+    /// contexts of the sessions in line may fill before a session's turn waits at the router
+    /// for room; `0` routes every turn at once. Default `1.0`.
+    pub working_set: f64,
+    /// A session stays in line this long after its last turn was routed (the tool-call gap it
+    /// is expected back within). Default `"60s"`.
+    pub session_gap: HumanDuration,
+    /// Longest a turn waits for room before it is routed anyway (and its session moves to the
+    /// front of the line). Default `"5m"`.
+    pub admission_max_wait: HumanDuration,
 }
 
 impl Default for RouterSection {
@@ -61,6 +72,9 @@ impl Default for RouterSection {
             sticky_bonus: HumanDuration::millis(5),
             index_max_blocks: 10_000_000,
             approximate_ttl: HumanDuration::secs(120),
+            working_set: 1.0,
+            session_gap: HumanDuration::secs(60),
+            admission_max_wait: HumanDuration::mins(5),
         }
     }
 }

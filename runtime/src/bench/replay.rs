@@ -1031,7 +1031,12 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         // Without G4 no load from another node is ever worth it: the router counts none.
         cost.g4_read = dynamo_tiering::cost::BytesPerSec::new(1.0);
     }
-    let routing = Routing { salt, block_tokens: setup.block_tokens, cost };
+    // Working-set admission counts the nodes' G2 beside the workers' G1.
+    let g2_blocks = match policy.write_through {
+        WriteThrough::Off => 0,
+        _ => setup.blocks(setup.g2) * setup.nodes,
+    };
+    let routing = Routing { salt, block_tokens: setup.block_tokens, cost, g2_blocks };
     let engines = EngineSet {
         workers: setup.workers * setup.nodes,
         factory,
@@ -1047,6 +1052,7 @@ async fn drive(trace: &Trace, setup: &Shared, policy: Policy, label: &str) -> an
         sticky_bonus: setup.sticky_bonus,
         temperature: setup.temperature,
         workers_per_node: setup.workers,
+        admission: Scheduling::from_config(&setup.config).admission,
     };
     // The scheduler grants `cache_control` leases in the nodes' tiers (one book for all).
     let leases: Arc<dyn LeasedTiers> = nodes[0].clone();
