@@ -1822,6 +1822,50 @@ mod tests {
     }
 
     #[test]
+    fn under_a_burst_past_the_cache_kv_aware_hits_no_less_and_preempts_no_more_than_random() {
+        // 24 sessions open at once over a shared system prompt, each growing by 1,024 tokens a
+        // turn every 2 s, on 2 workers whose G1 (and the node's G2) hold the contexts of a few:
+        // served all at once they evict each other's before every next turn.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("burst.jsonl");
+        let mut lines = String::new();
+        for s in 0..24u64 {
+            let first: Vec<u64> = (0..4).chain((1000 * (s + 1))..(1000 * (s + 1) + 4)).collect();
+            lines.push_str(&format!(
+                "{{\"session_id\":\"s{s}\",\"timestamp\":0,\"input_length\":{},\"output_length\":64,\"hash_ids\":{first:?}}}\n",
+                first.len() * 512
+            ));
+            for t in 0..6u64 {
+                let id = 1000 * (s + 1) + 10 + 2 * t;
+                lines.push_str(&format!(
+                    "{{\"session_id\":\"s{s}\",\"input_length\":1024,\"output_length\":64,\"hash_ids\":[{id},{}],\"delay\":2000}}\n",
+                    id + 1
+                ));
+            }
+        }
+        std::fs::write(&path, lines).unwrap();
+        let args = ReplayArgs { workers: 2, g1: ByteSize(2 << 30), g2: ByteSize(4 << 30), ..args(path) };
+        let (trace, outcomes) = replay(&args).unwrap();
+        assert_eq!(trace.requests, 24 * 7);
+        let by = |name: &str| outcomes.iter().find(|o| o.policy.name() == name).expect(name);
+        let kv = by("kv_aware+retention+wt-g2g3");
+        let random = by("random+retention+wt-g2g3");
+        assert_eq!(kv.samples.len(), 24 * 7, "every request answered");
+        assert!(
+            kv.hit_rate(None) >= random.hit_rate(None),
+            "hit rate: kv_aware {:.3} vs random {:.3}",
+            kv.hit_rate(None),
+            random.hit_rate(None)
+        );
+        assert!(
+            kv.preempted <= random.preempted,
+            "preempted: kv_aware {} vs random {}",
+            kv.preempted,
+            random.preempted
+        );
+    }
+
+    #[test]
     fn sessions_open_as_a_poisson_process_at_the_asked_rate() {
         let turn = || Turn { system_tokens: 0, at_ms: 77.0, delay_ms: 5.0, new_tokens: vec![1], output_length: 1 };
         let mut trace =
