@@ -517,7 +517,7 @@ pub struct Scheduling {
     pub temperature: f64,
     /// Workers per node when one scheduler routes over several nodes (0: all on this one).
     pub workers_per_node: usize,
-    /// Working-set admission of new sessions (`cache_blocks` is filled in from the tiers).
+    /// Working-set admission of sessions' turns (`cache_blocks` is filled in from the tiers).
     pub admission: Admission,
 }
 

@@ -21,13 +21,12 @@
 //! near-equal choices. Without an index (`kv_aware` with no KV routing set up) it falls back to
 //! the session's worker, then the least loaded.
 //!
-//! Admission (`kv_aware` with an index and `router.working_set` above 0): a session's first
-//! request is routed only while the sessions being served leave the cache room for its context
-//! ([`crate::admission`]); otherwise it waits here, in priority order then arrival, and is
-//! routed, on the state of that moment, when sessions leave the working set or it has waited
-//! `router.admission_max_wait`. A turn of a session being served never waits. Waiting requests
-//! are at most as many as the workers' queues hold; past that the answer is
-//! [`SubmitError::Overloaded`].
+//! Admission (`kv_aware` with an index and `router.working_set` above 0): a session's turn is
+//! routed only when the contexts of the sessions ahead of it in the line and its own fit the
+//! cache ([`crate::admission`]); otherwise it waits here and is routed, on the state of that
+//! moment, when sessions ahead leave the line or it has waited `router.admission_max_wait` (its
+//! session then moves to the front). Waiting turns are at most as many as the workers' queues
+//! hold; past that the answer is [`SubmitError::Overloaded`].
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -103,11 +102,11 @@ pub struct KvRouting {
     pub sticky_bonus: Duration,
     /// Softmax temperature over the estimates in milliseconds; 0 picks the best.
     pub temperature: f64,
-    /// Working-set admission of new sessions ([`crate::admission`]).
+    /// Working-set admission of sessions' turns ([`crate::admission`]).
     pub admission: Admission,
 }
 
-/// How new sessions are admitted under `kv_aware` routing ([`crate::admission`]).
+/// How sessions' turns are admitted under `kv_aware` routing ([`crate::admission`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Admission {
     /// The fraction of the cache (the larger of the workers' G1 together and `cache_blocks`) the
@@ -115,14 +114,14 @@ pub struct Admission {
     pub working_set: f64,
     /// Blocks the nodes' G2 hold beside the workers' G1.
     pub cache_blocks: usize,
-    /// A session is being served until this long after its last turn was routed.
+    /// A session stays in line this long after its last turn was routed.
     pub session_gap: Duration,
-    /// Longest a new session's first request waits for room before it is routed anyway.
+    /// Longest a turn waits for room before it is routed anyway.
     pub max_wait: Duration,
 }
 
 impl Admission {
-    /// Every session admitted at once.
+    /// Every turn routed at once.
     pub const OFF: Admission =
         Admission { working_set: 0.0, cache_blocks: 0, session_gap: Duration::ZERO, max_wait: Duration::ZERO };
 }
@@ -224,8 +223,8 @@ pub enum SchedulerMsg {
     WorkerUp(WorkerHandle),
     /// No reply: worker `0` is gone until a `WorkerUp`.
     WorkerDown(usize),
-    /// No reply: a waiting request may be admitted now (a session left the working set, or the
-    /// first waiting request has waited its longest).
+    /// No reply: a waiting turn may go now (a session left the line, or a turn has waited its
+    /// longest).
     Admit,
     /// Reply: the live sessions and the workers up.
     Status(RpcReplyPort<SchedulerStatus>),
@@ -287,10 +286,9 @@ pub struct SchedulerState {
     matches: Matches,
     /// Every worker's view of the last lookup.
     views: WorkerViews,
-    /// The sessions being served ([`crate::admission`]).
+    /// The sessions in line ([`crate::admission`]).
     working: WorkingSet<ActorId>,
-    /// New sessions' first requests waiting for room, in the order they are admitted (priority,
-    /// then arrival).
+    /// Sessions' turns waiting for room, in arrival order.
     parked: VecDeque<Parked>,
     /// When a [`SchedulerMsg::Admit`] is due, if one is.
     wake_at: Option<tokio::time::Instant>,

@@ -371,17 +371,17 @@ pub fn describe() {
     describe_gauge!(
         ROUTER_WAITING,
         Unit::Count,
-        "New sessions' first requests waiting at the KV-aware router for the working set to have room."
+        "Sessions' turns waiting at the KV-aware router for the working set to have room."
     );
     describe_gauge!(
         ROUTER_WORKING_SET_SESSIONS,
         Unit::Count,
-        "Sessions the KV-aware router is serving (a turn routed within router.session_gap)."
+        "Sessions in the KV-aware router's line (a turn waiting, or routed within router.session_gap)."
     );
     describe_gauge!(
         ROUTER_WORKING_SET_TOKENS,
         Unit::Count,
-        "Context tokens of their own of the sessions the KV-aware router is serving."
+        "Context tokens of their own of the sessions in the KV-aware router's line."
     );
     describe_counter!(INDEX_RESYNCS, Unit::Count, "Sources of the global prefix index resynchronised after a gap.");
     describe_counter!(
