@@ -564,8 +564,9 @@ impl SchedulerState {
                     self.working.promote(key);
                 }
                 if capacity.is_none() || waited_out || key.is_none_or(|k| fit.contains(&k)) {
-                    let gate = if capacity.is_some() { Gate::Admit } else { Gate::Open };
-                    if let Some(waits) = self.dispatch(parked, gate).await {
+                    // `Admit`, even with admission now off: the line still counts this turn
+                    // as waiting until it is routed.
+                    if let Some(waits) = self.dispatch(parked, Gate::Admit).await {
                         self.parked.push_back(waits);
                     }
                 } else {
