@@ -11,9 +11,8 @@
 //! The router keeps the sessions it has seen in a *line*, each with its context's tokens of its
 //! own (not those its first turn found cached: a system prompt and tools other sessions share).
 //! A session's turn is routed when the sessions ahead of it in the line and its own context fit
-//! in `router.working_set` of the cache (the larger of the workers' G1 together and the node's
-//! G2, which is written through from G1 and so holds copies of what G1 holds), or when none is
-//! ahead; otherwise it waits at the router. New sessions join the back of the line (by priority,
+//! in the line's share of the cache (the workers' G1 together and the node's G2), or when none
+//! is ahead; otherwise it waits at the router. New sessions join the back of the line (by priority,
 //! then arrival). A turn that has waited `router.admission_max_wait` is routed anyway and its
 //! session moves to the front: the sessions served longest are then the ones at the back, and
 //! the next to wait — the cache rotates among more sessions than it holds instead of thrashing
@@ -22,6 +21,15 @@
 //!
 //! Under a burst the sessions in the cache run at cache speed and finish sooner, and those that
 //! waited start into a cache that holds them; below the cache's size nothing ever waits.
+//!
+//! How much of the cache the line may fill is measured, not guessed: sessions' contexts share
+//! blocks, G2 holds copies of some of what G1 holds and not of the rest, and a session between
+//! turns may stay out longer than its neighbours. So the line's share starts at
+//! `router.working_set` and is steered by the thrashing it causes — Denning's page-fault
+//! frequency: each turn of an admitted session that did not wait is a sample of how much of its
+//! session's previous prompt it finds still cached. Past [`FAULT_HIGH`] of those tokens lost
+//! over a window of turns, the share shrinks by a fifth; below [`FAULT_LOW`] it grows back, to
+//! `router.working_set` at most (additive increase, multiplicative decrease).
 //!
 //! This module is the bookkeeping, free of actors: the scheduler owns one [`WorkingSet`] and the
 //! queue of waiting requests.
@@ -32,6 +40,16 @@ use std::hash::Hash;
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+/// Of the previous prompts' tokens of admitted sessions' turns, the share found evicted past
+/// which the line's share of the cache shrinks.
+pub const FAULT_HIGH: f64 = 0.05;
+/// ... and below which it grows back.
+pub const FAULT_LOW: f64 = 0.02;
+/// Turns per measurement of the fault rate.
+const WINDOW_TURNS: u32 = 32;
+/// The least share of its most the line may shrink to.
+const FLOOR: f64 = 0.1;
 
 /// A place in the line: higher priority first, then the most recently moved to the front
 /// (negative), then arrival (positive).
@@ -50,6 +68,10 @@ pub struct WorkingSet<K> {
     arrivals: i64,
     promotions: i64,
     touches: u64,
+    /// The line's share of the cache now, in `[FLOOR, 1]` of its most.
+    share: f64,
+    /// This window's turns, their previous prompts' tokens, and those found evicted.
+    window: (u32, u64, u64),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -62,6 +84,8 @@ struct Member {
     waiting: usize,
     /// Its key in `idle` while no turn waits.
     idle: Option<(Instant, u64)>,
+    /// The prompt tokens of its last routed turn.
+    last_prompt: usize,
 }
 
 impl<K: Clone + Eq + Hash> WorkingSet<K> {
@@ -76,6 +100,8 @@ impl<K: Clone + Eq + Hash> WorkingSet<K> {
             arrivals: 0,
             promotions: 0,
             touches: 0,
+            share: 1.0,
+            window: (0, 0, 0),
         }
     }
 
@@ -102,7 +128,13 @@ impl<K: Clone + Eq + Hash> WorkingSet<K> {
                 self.arrivals += 1;
                 let place = (Reverse(priority), self.arrivals);
                 self.line.insert(place, (key.clone(), 0));
-                self.members.entry(key).or_insert(Member { place, shared: None, waiting: 0, idle: None })
+                self.members.entry(key).or_insert(Member {
+                    place,
+                    shared: None,
+                    waiting: 0,
+                    idle: None,
+                    last_prompt: 0,
+                })
             }
         };
         member.waiting += 1;
@@ -140,6 +172,38 @@ impl<K: Clone + Eq + Hash> WorkingSet<K> {
             ahead = ahead.saturating_add(*tokens);
         }
         fit
+    }
+
+    /// A turn of `key` with `prompt` tokens, `cached` of them found cached where it goes, is
+    /// being routed; `waited` whether it waited for room. A turn that did not wait samples the
+    /// thrashing: its session's previous prompt, less what it finds cached, was evicted between
+    /// its turns. Each window of samples moves the line's share of the cache.
+    pub fn observe(&mut self, key: &K, prompt: usize, cached: usize, waited: bool) {
+        let Some(member) = self.members.get_mut(key) else { return };
+        let previous = std::mem::replace(&mut member.last_prompt, prompt);
+        if waited || previous == 0 {
+            return;
+        }
+        let (turns, expected, lost) = &mut self.window;
+        *turns += 1;
+        *expected += previous as u64;
+        *lost += previous.saturating_sub(cached) as u64;
+        if *turns < WINDOW_TURNS {
+            return;
+        }
+        let fault = *lost as f64 / (*expected).max(1) as f64;
+        if fault > FAULT_HIGH {
+            self.share = (self.share * 0.8).max(FLOOR);
+        } else if fault < FAULT_LOW {
+            self.share = (self.share + 0.05).min(1.0);
+        }
+        self.window = (0, 0, 0);
+    }
+
+    /// The line's share of the cache now, of its most (`router.working_set`): 1 until turns of
+    /// admitted sessions find their previous context evicted.
+    pub fn share(&self) -> f64 {
+        self.share
     }
 
     /// Moves `key` to the front of its priority: its turn waited its longest.
@@ -261,5 +325,44 @@ mod tests {
         assert_eq!(set.admissible(1000), vec![3]);
         set.done(&3, t0 + Duration::from_secs(61));
         assert!(!turn(&mut set, 2, 800, 0, 1000, t0 + Duration::from_secs(62)));
+    }
+
+    #[test]
+    fn the_share_shrinks_while_admitted_sessions_lose_their_context_and_grows_back() {
+        let mut set = WorkingSet::new(Duration::from_secs(10));
+        for key in 0..WINDOW_TURNS {
+            set.arrive(key, 0);
+            // A first turn samples nothing: there is no previous prompt.
+            set.observe(&key, 1000, 0, false);
+        }
+        assert_eq!(set.share(), 1.0);
+        // A window whose turns find 90% of their previous prompts: 10% lost, past FAULT_HIGH.
+        for key in 0..WINDOW_TURNS {
+            set.observe(&key, 1000, 900, false);
+        }
+        assert!((set.share() - 0.8).abs() < 1e-9, "{}", set.share());
+        // Turns that waited for room lost their context waiting, not to thrashing: not sampled.
+        for key in 0..WINDOW_TURNS {
+            set.observe(&key, 1000, 0, true);
+        }
+        assert!((set.share() - 0.8).abs() < 1e-9);
+        // Between the marks nothing moves; below FAULT_LOW the share grows back, to 1 at most.
+        for key in 0..WINDOW_TURNS {
+            set.observe(&key, 1000, 970, false);
+        }
+        assert!((set.share() - 0.8).abs() < 1e-9);
+        for _ in 0..10 {
+            for key in 0..WINDOW_TURNS {
+                set.observe(&key, 1000, 1000, false);
+            }
+        }
+        assert_eq!(set.share(), 1.0);
+        // Thrashing without end stops at the floor.
+        for _ in 0..100 {
+            for key in 0..WINDOW_TURNS {
+                set.observe(&key, 1000, 0, false);
+            }
+        }
+        assert!((set.share() - FLOOR).abs() < 1e-9);
     }
 }

@@ -23,7 +23,7 @@
 //!
 //! Admission (`kv_aware` with an index and `router.working_set` above 0): a session's turn is
 //! routed only when the contexts of the sessions ahead of it in the line and its own fit the
-//! cache ([`crate::admission`]); otherwise it waits here and is routed, on the state of that
+//! share of the cache that measured thrashing leaves them ([`crate::admission`]); otherwise it waits here and is routed, on the state of that
 //! moment, when sessions ahead leave the line or it has waited `router.admission_max_wait` (its
 //! session then moves to the front). Waiting turns are at most as many as the workers' queues
 //! hold; past that the answer is [`SubmitError::Overloaded`].
@@ -109,8 +109,9 @@ pub struct KvRouting {
 /// How sessions' turns are admitted under `kv_aware` routing ([`crate::admission`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Admission {
-    /// The fraction of the cache (the larger of the workers' G1 together and `cache_blocks`) the
-    /// contexts of the sessions in line may fill before a turn waits; 0: no admission.
+    /// The most of the cache (the workers' G1 together and `cache_blocks`) the contexts of the
+    /// sessions in line may fill before a turn waits (less while thrashing is measured); 0: no
+    /// admission.
     pub working_set: f64,
     /// Blocks the nodes' G2 hold beside the workers' G1.
     pub cache_blocks: usize,
@@ -453,10 +454,12 @@ impl SchedulerState {
         let shared = order.iter().filter_map(|o| o.1).max().unwrap_or(0);
         if gate != Gate::Open
             && let (Some(capacity), Some(turn)) = (self.working_set_capacity(), session)
-            && !self.working.fits(&turn.actor.get_id(), context, shared, capacity)
-            && gate == Gate::Check
         {
-            return Routed::Wait(req);
+            let key = turn.actor.get_id();
+            if !self.working.fits(&key, context, shared, capacity) && gate == Gate::Check {
+                return Routed::Wait(req);
+            }
+            self.working.observe(&key, req.prompt.len(), shared, gate == Gate::Admit);
         }
         let leases = self.lease_plan(&mut req);
         let (events, rx) = mpsc::unbounded_channel();
@@ -492,10 +495,10 @@ impl SchedulerState {
         Routed::Refused(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
     }
 
-    /// The tokens the working set may hold: `router.working_set` of the cache, which is the
-    /// larger of the workers' G1 together and the nodes' G2 (written through from G1, G2 holds
-    /// copies of what G1 holds). `None` (no admission) under another policy, without an index,
-    /// or while a worker's G1 size is unknown.
+    /// The tokens the working set may hold: the cache — the workers' G1 together and the
+    /// nodes' G2 — times `router.working_set`, times the share the thrashing measured leaves
+    /// ([`crate::admission`]). `None` (no admission) under another policy, without an index, or
+    /// while a worker's G1 size is unknown.
     fn working_set_capacity(&self) -> Option<usize> {
         let kv = self.args.kv.as_ref().filter(|_| self.args.policy == RoutingPolicy::KvAware)?;
         let admission = kv.admission;
@@ -509,8 +512,8 @@ impl SchedulerState {
                 blocks => g1 += blocks,
             }
         }
-        let blocks = (g1 > 0).then_some(g1.max(admission.cache_blocks))?;
-        Some((blocks as f64 * kv.block_tokens as f64 * admission.working_set) as usize)
+        let blocks = (g1 > 0).then_some(g1 + admission.cache_blocks)?;
+        Some((blocks as f64 * kv.block_tokens as f64 * admission.working_set * self.working.share()) as usize)
     }
 
     /// Takes a request to route: without admission, or without a session, it goes at once; a
@@ -575,7 +578,7 @@ impl SchedulerState {
             }
         }
         telemetry::set_router_waiting(self.parked.len());
-        telemetry::set_working_set(self.working.len(), self.working.tokens());
+        telemetry::set_working_set(self.working.len(), self.working.tokens(), self.working_set_capacity());
         // The next may go when a session leaves the line or one waited its longest.
         let longest = self.parked.iter().map(|p| p.since + max_wait).min();
         if let Some(longest) = longest {

@@ -172,6 +172,8 @@ pub mod names {
     /// Gauge.
     pub const ROUTER_WORKING_SET_TOKENS: &str = "dynamo_node_router_working_set_tokens";
     /// Gauge.
+    pub const ROUTER_WORKING_SET_CAPACITY: &str = "dynamo_node_router_working_set_capacity_tokens";
+    /// Gauge.
     pub const INDEX_BLOCKS: &str = "dynamo_node_index_blocks";
     /// Counter.
     pub const INDEX_RESYNCS: &str = "dynamo_node_index_resyncs_total";
@@ -383,6 +385,11 @@ pub fn describe() {
         Unit::Count,
         "Context tokens of their own of the sessions in the KV-aware router's line."
     );
+    describe_gauge!(
+        ROUTER_WORKING_SET_CAPACITY,
+        Unit::Count,
+        "Context tokens the KV-aware router's line may hold now: router.working_set of G1 and G2, less what measured thrashing took (0: admission off)."
+    );
     describe_counter!(INDEX_RESYNCS, Unit::Count, "Sources of the global prefix index resynchronised after a gap.");
     describe_counter!(
         ROUTER_PREDICTED_CACHED_TOKENS,
@@ -433,6 +440,7 @@ pub fn register_known_series() {
     gauge!(ROUTER_WAITING).set(0.0);
     gauge!(ROUTER_WORKING_SET_SESSIONS).set(0.0);
     gauge!(ROUTER_WORKING_SET_TOKENS).set(0.0);
+    gauge!(ROUTER_WORKING_SET_CAPACITY).set(0.0);
     counter!(ROUTER_PREDICTED_CACHED_TOKENS).increment(0);
     counter!(ROUTER_ACTUAL_CACHED_TOKENS).increment(0);
     for stage in ["queued", "prefill", "decode"] {
@@ -610,10 +618,11 @@ pub fn set_router_waiting(requests: usize) {
     gauge!(names::ROUTER_WAITING).set(requests as f64);
 }
 
-/// Sets the working set's sessions and their tokens.
-pub fn set_working_set(sessions: usize, tokens: usize) {
+/// Sets the working set's sessions, their tokens and the tokens it may hold (`None`: admission off).
+pub fn set_working_set(sessions: usize, tokens: usize, capacity: Option<usize>) {
     gauge!(names::ROUTER_WORKING_SET_SESSIONS).set(sessions as f64);
     gauge!(names::ROUTER_WORKING_SET_TOKENS).set(tokens as f64);
+    gauge!(names::ROUTER_WORKING_SET_CAPACITY).set(capacity.unwrap_or(0) as f64);
 }
 
 /// Counts one KV event offered to the index: its kind and what the index did with it.

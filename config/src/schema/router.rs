@@ -50,10 +50,10 @@ pub struct RouterSection {
     /// Lifetime of an index entry predicted from a routing decision and not yet confirmed by a
     /// KV event. Default `"120s"`.
     pub approximate_ttl: HumanDuration,
-    /// Working-set admission (`kv_aware`): the fraction of the cache — the larger of the
-    /// workers' G1 together and the node's G2, which is written through from G1 — that the
-    /// contexts of the sessions in line may fill before a session's turn waits at the router
-    /// for room; `0` routes every turn at once. Default `1.0`.
+    /// Working-set admission (`kv_aware`): the most of the cache — the workers' G1 together
+    /// and the node's G2 — that the contexts of the sessions in line may fill before a
+    /// session's turn waits at the router for room (less while admitted sessions are measured
+    /// to lose their context between turns); `0` routes every turn at once. Default `1.0`.
     pub working_set: f64,
     /// A session stays in line this long after its last turn was routed (the tool-call gap it
     /// is expected back within). Default `"60s"`.
