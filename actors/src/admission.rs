@@ -174,8 +174,8 @@ impl<K: Clone + Eq + Hash> WorkingSet<K> {
         fit
     }
 
-    /// A turn of `key` with `prompt` tokens, `cached` of them found cached where it goes, is
-    /// being routed; `waited` whether it waited for room. A turn that did not wait samples the
+    /// A turn of `key` with `prompt` tokens, `cached` of them found cached (the most any worker
+    /// would load rather than recompute), is being routed; `waited` whether it waited for room. A turn that did not wait samples the
     /// thrashing: its session's previous prompt, less what it finds cached, was evicted between
     /// its turns. Each window of samples moves the line's share of the cache.
     pub fn observe(&mut self, key: &K, prompt: usize, cached: usize, waited: bool) {

@@ -23,9 +23,9 @@
 //!
 //! Admission (`kv_aware` with an index and `router.working_set` above 0): a session's turn is
 //! routed only when the contexts of the sessions ahead of it in the line and its own fit the
-//! share of the cache that measured thrashing leaves them ([`crate::admission`]); otherwise it waits here and is routed, on the state of that
-//! moment, when sessions ahead leave the line or it has waited `router.admission_max_wait` (its
-//! session then moves to the front). Waiting turns are at most as many as the workers' queues
+//! share of the cache that measured thrashing leaves them ([`crate::admission`]); otherwise it
+//! waits here and is routed, on the state of that moment, when sessions ahead leave the line or
+//! it has waited `router.admission_max_wait` (its session then moves to the front). Waiting turns are at most as many as the workers' queues
 //! hold; past that the answer is [`SubmitError::Overloaded`].
 
 use std::collections::{HashMap, VecDeque};
