@@ -175,9 +175,10 @@ impl<K: Clone + Eq + Hash> WorkingSet<K> {
     }
 
     /// A turn of `key` with `prompt` tokens, `cached` of them found cached (the most any worker
-    /// would load rather than recompute), is being routed; `waited` whether it waited for room. A turn that did not wait samples the
-    /// thrashing: its session's previous prompt, less what it finds cached, was evicted between
-    /// its turns. Each window of samples moves the line's share of the cache.
+    /// would load rather than recompute), is being routed; `waited` whether it waited for room.
+    /// A turn that did not wait samples the thrashing: its session's previous prompt, less what
+    /// it finds cached, was evicted between its turns. Each window of samples moves the line's
+    /// share of the cache.
     pub fn observe(&mut self, key: &K, prompt: usize, cached: usize, waited: bool) {
         let Some(member) = self.members.get_mut(key) else { return };
         let previous = std::mem::replace(&mut member.last_prompt, prompt);
