@@ -537,6 +537,7 @@ impl Scheduling {
                 cache_blocks: 0,
                 session_gap: cfg.router.session_gap.as_duration(),
                 max_wait: cfg.router.admission_max_wait.as_duration(),
+                late_binding: cfg.router.late_binding.as_duration(),
             },
         }
     }

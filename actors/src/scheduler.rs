@@ -119,12 +119,20 @@ pub struct Admission {
     pub session_gap: Duration,
     /// Longest a turn waits for room before it is routed anyway.
     pub max_wait: Duration,
+    /// Late binding: while every worker has more estimated prefill ahead than this, requests
+    /// wait at the router; zero routes at once.
+    pub late_binding: Duration,
 }
 
 impl Admission {
     /// Every turn routed at once.
-    pub const OFF: Admission =
-        Admission { working_set: 0.0, cache_blocks: 0, session_gap: Duration::ZERO, max_wait: Duration::ZERO };
+    pub const OFF: Admission = Admission {
+        working_set: 0.0,
+        cache_blocks: 0,
+        session_gap: Duration::ZERO,
+        max_wait: Duration::ZERO,
+        late_binding: Duration::ZERO,
+    };
 }
 
 /// Why a request was not queued.
@@ -227,6 +235,8 @@ pub enum SchedulerMsg {
     /// No reply: a waiting turn may go now (a session left the line, or a turn has waited its
     /// longest).
     Admit,
+    /// No reply: a worker's prefill ahead fell; requests held by late binding may go.
+    Drained,
     /// Reply: the live sessions and the workers up.
     Status(RpcReplyPort<SchedulerStatus>),
 }
@@ -249,6 +259,20 @@ struct Parked {
     since: tokio::time::Instant,
 }
 
+/// A request held by late binding: every worker had more prefill ahead than
+/// `router.late_binding` when it came.
+struct Held {
+    parked: Parked,
+    /// How it is routed when it goes (its working-set check, if any, was passed).
+    gate: Gate,
+}
+
+/// How much later than its arrival a held request may go for each second of its estimated
+/// prefill: requests go by `arrival + HOLD_STRETCH × prefill / 2^priority`, shortest first
+/// among those that came together, and one that waited `HOLD_STRETCH` times its own prefill
+/// goes before anything that came after that.
+const HOLD_STRETCH: f64 = 4.0;
+
 /// What [`SchedulerState::route`] did with a request.
 enum Routed {
     /// Queued on a worker, with the leases it was granted.
@@ -257,6 +281,8 @@ enum Routed {
     Refused(SubmitError),
     /// A session's turn that does not fit the working set now.
     Wait(Box<GenRequest>),
+    /// Held by late binding: every worker is busy; the request's estimated prefill (seconds).
+    Hold(Box<GenRequest>, f64),
 }
 
 /// Whether [`SchedulerState::route`] may make a request wait for the working set.
@@ -268,6 +294,9 @@ enum Gate {
     Check,
     /// A session's turn, routed whether it fits or not (it fits already, or waited its longest).
     Admit,
+    /// A session's turn that fitted without waiting and was held by late binding: routed as it
+    /// is, and its context counted as found or lost.
+    Pass,
 }
 
 struct SessionEntry {
@@ -293,6 +322,14 @@ pub struct SchedulerState {
     parked: VecDeque<Parked>,
     /// When a [`SchedulerMsg::Admit`] is due, if one is.
     wake_at: Option<tokio::time::Instant>,
+    /// Requests held by late binding, by when they go (then arrival).
+    held: std::collections::BTreeMap<(tokio::time::Instant, u64), Held>,
+    /// Requests held so far (the tie-break of `held`).
+    held_seq: u64,
+    /// Whether requests are held: the workers' drain signals are forwarded only then.
+    holding: Arc<std::sync::atomic::AtomicBool>,
+    /// Per worker, the task forwarding its drain signals.
+    forwarders: Vec<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for SchedulerState {
@@ -412,6 +449,7 @@ impl SchedulerState {
         session: Option<&SessionTurn>,
         hints: Hints,
         gate: Gate,
+        may_hold: bool,
     ) -> Routed {
         let sticky = session.and_then(|s| s.sticky);
         // Each candidate with the cached tokens expected there and the request's engine time
@@ -459,7 +497,23 @@ impl SchedulerState {
             if !self.working.fits(&key, context, shared, capacity) && gate == Gate::Check {
                 return Routed::Wait(req);
             }
-            self.working.observe(&key, req.prompt.len(), shared, gate == Gate::Admit);
+        }
+        // Late binding: with every worker busy, wait here, where the next worker to drain takes
+        // the shortest request held, rather than behind one worker's queue.
+        // Held requests count against the workers' queues' bound, as queued ones do.
+        if may_hold && (!self.held.is_empty() || self.saturated()) {
+            let queued: usize = self.workers.iter().flatten().map(|w| w.queue.len()).sum();
+            if self.held.len() + queued < self.queues_bound() {
+                return Routed::Hold(req, order[0].2.prefill_s);
+            }
+            tracing::debug!(held = self.held.len(), queued, "every worker is busy and the hold is full; refused");
+            return Routed::Refused(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() });
+        }
+        if gate != Gate::Open
+            && self.working_set_capacity().is_some()
+            && let Some(turn) = session
+        {
+            self.working.observe(&turn.actor.get_id(), req.prompt.len(), shared, gate == Gate::Admit);
         }
         let leases = self.lease_plan(&mut req);
         let (events, rx) = mpsc::unbounded_channel();
@@ -495,6 +549,17 @@ impl SchedulerState {
         Routed::Refused(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
     }
 
+    /// Whether late binding holds requests now: under `kv_aware` with `router.late_binding` set,
+    /// while every worker up has more estimated prefill ahead than that.
+    fn saturated(&self) -> bool {
+        let Some(kv) = self.args.kv.as_ref().filter(|_| self.args.policy == RoutingPolicy::KvAware) else {
+            return false;
+        };
+        let limit = kv.admission.late_binding.as_secs_f64();
+        let mut up = self.workers.iter().flatten().peekable();
+        limit > 0.0 && up.peek().is_some() && up.all(|w| w.load.prefill_s() > limit)
+    }
+
     /// The tokens the working set may hold: the cache — the workers' G1 together and the
     /// nodes' G2 — times `router.working_set`, times the share the thrashing measured leaves
     /// ([`crate::admission`]). `None` (no admission) under another policy, without an index, or
@@ -528,9 +593,8 @@ impl SchedulerState {
             }
             _ => Gate::Open,
         };
-        if let Some(waits) = self.dispatch(parked, gate).await {
-            let bound: usize = self.workers.iter().flatten().map(|w| w.queue.bound()).sum();
-            if self.parked.len() >= bound.max(1) {
+        if let Some(waits) = self.dispatch(parked, gate, true).await {
+            if self.parked.len() >= self.queues_bound() {
                 let workers = self.workers.iter().flatten().count();
                 let retry_after = self.retry_after();
                 self.finish_waiting(&waits);
@@ -569,7 +633,7 @@ impl SchedulerState {
                 if capacity.is_none() || waited_out || key.is_none_or(|k| fit.contains(&k)) {
                     // `Admit`, even with admission now off: the line still counts this turn
                     // as waiting until it is routed.
-                    if let Some(waits) = self.dispatch(parked, Gate::Admit).await {
+                    if let Some(waits) = self.dispatch(parked, Gate::Admit, true).await {
                         self.parked.push_back(waits);
                     }
                 } else {
@@ -577,6 +641,15 @@ impl SchedulerState {
                 }
             }
         }
+        // Late binding: held requests go, by when they are due, until every worker is busy again.
+        while !self.held.is_empty() && !self.saturated() {
+            let Some((_, held)) = self.held.pop_first() else { break };
+            if let Some(waits) = self.dispatch(held.parked, held.gate, false).await {
+                self.parked.push_back(waits);
+            }
+        }
+        self.holding.store(!self.held.is_empty(), std::sync::atomic::Ordering::Relaxed);
+        telemetry::set_router_held(self.held.len());
         telemetry::set_router_waiting(self.parked.len());
         telemetry::set_working_set(self.working.len(), self.working.tokens(), self.working_set_capacity());
         // The next may go when a session leaves the line or one waited its longest.
@@ -590,6 +663,30 @@ impl SchedulerState {
         }
     }
 
+    /// Forwards `handle`'s drain signals as [`SchedulerMsg::Drained`] while requests are held
+    /// (with late binding on); replaces the forwarder of the worker's previous handle.
+    fn forward_drains(&mut self, myself: &SchedulerRef, handle: &WorkerHandle) {
+        let late = self.args.kv.as_ref().is_some_and(|kv| !kv.admission.late_binding.is_zero());
+        if !late || self.args.policy != RoutingPolicy::KvAware {
+            return;
+        }
+        if self.forwarders.len() <= handle.id {
+            self.forwarders.resize_with(handle.id + 1, || None);
+        }
+        let (load, me, holding) = (handle.load.clone(), myself.clone(), self.holding.clone());
+        let forwarder = tokio::spawn(async move {
+            loop {
+                load.drained().await;
+                if holding.load(std::sync::atomic::Ordering::Relaxed) && me.cast(SchedulerMsg::Drained).is_err() {
+                    break;
+                }
+            }
+        });
+        if let Some(old) = self.forwarders[handle.id].replace(forwarder) {
+            old.abort();
+        }
+    }
+
     /// The working set's side of a waiting turn that is routed, refused or abandoned.
     fn finish_waiting(&mut self, parked: &Parked) {
         if let Some(turn) = &parked.session {
@@ -597,8 +694,15 @@ impl SchedulerState {
         }
     }
 
-    /// Routes one request and answers its caller; gives it back if it must wait.
-    async fn dispatch(&mut self, parked: Parked, gate: Gate) -> Option<Parked> {
+    /// Most requests waiting at the router for the working set, and most held by late binding
+    /// and queued on workers together: as many as the workers' queues hold.
+    fn queues_bound(&self) -> usize {
+        self.workers.iter().flatten().map(|w| w.queue.bound()).sum::<usize>().max(1)
+    }
+
+    /// Routes one request and answers its caller, or holds it (late binding, if `may_hold`);
+    /// gives it back if it must wait for the working set.
+    async fn dispatch(&mut self, parked: Parked, gate: Gate, may_hold: bool) -> Option<Parked> {
         if parked.reply.is_closed() {
             if gate != Gate::Open {
                 self.finish_waiting(&parked);
@@ -608,15 +712,23 @@ impl SchedulerState {
         let Parked { req, session, hints, reply, since } = parked;
         let prompt_tokens = req.prompt.len();
         let span = tracing::info_span!("route", request_id = req.log_id());
-        let routed = self.route(req, session.as_ref(), hints, gate).instrument(span).await;
+        let routed = self.route(req, session.as_ref(), hints, gate, may_hold).instrument(span).await;
         if gate != Gate::Open
-            && !matches!(routed, Routed::Wait(_))
+            && !matches!(routed, Routed::Wait(_) | Routed::Hold(..))
             && let Some(turn) = &session
         {
             self.working.done(&turn.actor.get_id(), tokio::time::Instant::now());
         }
         match routed {
             Routed::Wait(req) => return Some(Parked { req, session, hints, reply, since }),
+            Routed::Hold(req, prefill_s) => {
+                let weight = 2f64.powf(f64::from(hints.priority).clamp(-30.0, 30.0));
+                let due = since + Duration::from_secs_f64((HOLD_STRETCH * prefill_s / weight).clamp(0.0, 86_400.0));
+                self.held_seq += 1;
+                let gate = if gate == Gate::Check { Gate::Pass } else { gate };
+                let parked = Parked { req, session, hints, reply, since };
+                self.held.insert((due, self.held_seq), Held { parked, gate });
+            }
             Routed::Refused(e) => {
                 let _ = reply.send(Err(e));
             }
@@ -815,6 +927,10 @@ impl Actor for SchedulerActor {
             working: WorkingSet::new(gap),
             parked: VecDeque::new(),
             wake_at: None,
+            held: Default::default(),
+            held_seq: 0,
+            holding: Default::default(),
+            forwarders: Vec::new(),
         })
     }
 
@@ -857,11 +973,13 @@ impl Actor for SchedulerActor {
                 state.wake_at = None;
                 state.drain(&myself).await;
             }
+            SchedulerMsg::Drained => state.drain(&myself).await,
             SchedulerMsg::WorkerUp(handle) => {
                 let id = handle.id;
                 if state.workers.len() <= id {
                     state.workers.resize_with(id + 1, || None);
                 }
+                state.forward_drains(&myself, &handle);
                 state.workers[id] = Some(handle);
                 // A worker (new, or back) adds to the cache.
                 state.drain(&myself).await;
@@ -903,10 +1021,14 @@ impl Actor for SchedulerActor {
         }
         // Dropping the handles closes the workers' queues from this side.
         state.workers.clear();
-        for parked in state.parked.drain(..) {
+        for parked in state.parked.drain(..).chain(std::mem::take(&mut state.held).into_values().map(|h| h.parked)) {
             let _ = parked.reply.send(Err(SubmitError::ShuttingDown));
         }
+        for forwarder in state.forwarders.drain(..).flatten() {
+            forwarder.abort();
+        }
         telemetry::set_router_waiting(0);
+        telemetry::set_router_held(0);
         Ok(())
     }
 }

@@ -168,6 +168,8 @@ pub mod names {
     /// Gauge.
     pub const ROUTER_WAITING: &str = "dynamo_node_router_waiting_requests";
     /// Gauge.
+    pub const ROUTER_HELD: &str = "dynamo_node_router_held_requests";
+    /// Gauge.
     pub const ROUTER_WORKING_SET_SESSIONS: &str = "dynamo_node_router_working_set_sessions";
     /// Gauge.
     pub const ROUTER_WORKING_SET_TOKENS: &str = "dynamo_node_router_working_set_tokens";
@@ -376,6 +378,11 @@ pub fn describe() {
         "Sessions' turns waiting at the KV-aware router for the working set to have room."
     );
     describe_gauge!(
+        ROUTER_HELD,
+        Unit::Count,
+        "Requests held at the KV-aware router while every worker has more than router.late_binding of prefill ahead."
+    );
+    describe_gauge!(
         ROUTER_WORKING_SET_SESSIONS,
         Unit::Count,
         "Sessions in the KV-aware router's line (a turn waiting, or routed within router.session_gap)."
@@ -438,6 +445,7 @@ pub fn register_known_series() {
     let _ = histogram!(ROUTER_DECISION_SECONDS);
     gauge!(INDEX_BLOCKS).set(0.0);
     gauge!(ROUTER_WAITING).set(0.0);
+    gauge!(ROUTER_HELD).set(0.0);
     gauge!(ROUTER_WORKING_SET_SESSIONS).set(0.0);
     gauge!(ROUTER_WORKING_SET_TOKENS).set(0.0);
     gauge!(ROUTER_WORKING_SET_CAPACITY).set(0.0);
@@ -616,6 +624,11 @@ pub fn record_router_decision(elapsed: Duration) {
 /// Sets how many requests wait at the router for the working set.
 pub fn set_router_waiting(requests: usize) {
     gauge!(names::ROUTER_WAITING).set(requests as f64);
+}
+
+/// Sets how many requests late binding holds at the router.
+pub fn set_router_held(requests: usize) {
+    gauge!(names::ROUTER_HELD).set(requests as f64);
 }
 
 /// Sets the working set's sessions, their tokens and the tokens it may hold (`None`: admission off).

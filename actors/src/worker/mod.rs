@@ -337,6 +337,9 @@ pub struct WorkerLoad {
     private_blocks: AtomicUsize,
     /// The engine's G1 in blocks; 0 when unbounded or unknown.
     g1_blocks: AtomicUsize,
+    /// Notified when prefill ahead falls (a request prefilled, or left before it was): the
+    /// router's late binding routes what it holds then.
+    drained: tokio::sync::Notify,
 }
 
 impl WorkerLoad {
@@ -372,6 +375,11 @@ impl WorkerLoad {
         }
     }
 
+    /// Waits until prefill ahead has fallen since the last wait returned (at once if it has).
+    pub async fn drained(&self) {
+        self.drained.notified().await;
+    }
+
     /// `req` was queued, charging this worker `charge`.
     pub fn add(&self, req: &GenRequest, charge: Charge) {
         self.requests.fetch_add(1, Ordering::Relaxed);
@@ -385,6 +393,7 @@ impl WorkerLoad {
     pub fn prefilled(&self, req: &GenRequest, charge: Charge) {
         self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
         self.prefill_ns.fetch_sub(nanos(charge.prefill_s), Ordering::Relaxed);
+        self.drained.notify_one();
     }
 
     /// `req` left (finished, failed, or was never queued); `prefilled` if [`Self::prefilled`]
@@ -394,6 +403,7 @@ impl WorkerLoad {
         if !prefilled {
             self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
             self.prefill_ns.fetch_sub(nanos(charge.prefill_s), Ordering::Relaxed);
+            self.drained.notify_one();
         }
         self.decode_tokens.fetch_sub(req.max_tokens, Ordering::Relaxed);
         self.private_blocks.fetch_sub(charge.blocks, Ordering::Relaxed);

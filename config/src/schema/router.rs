@@ -61,6 +61,12 @@ pub struct RouterSection {
     /// Longest a turn waits for room before it is routed anyway (and its session moves to the
     /// front of the line). Default `"5m"`.
     pub admission_max_wait: HumanDuration,
+    /// Late binding (`kv_aware`): while every worker has more than this much estimated prefill
+    /// ahead (running prefills included), a request waits at the router instead of joining one
+    /// worker's queue, and waiting requests are routed shortest first (aged, so none starves)
+    /// as soon as a worker's prefill ahead falls to this; `"0s"` routes every request at once.
+    /// Default `"1s"`.
+    pub late_binding: HumanDuration,
 }
 
 impl Default for RouterSection {
@@ -75,6 +81,7 @@ impl Default for RouterSection {
             working_set: 1.0,
             session_gap: HumanDuration::secs(60),
             admission_max_wait: HumanDuration::mins(5),
+            late_binding: HumanDuration::secs(1),
         }
     }
 }

@@ -1866,6 +1866,49 @@ mod tests {
     }
 
     #[test]
+    fn late_binding_serves_a_short_request_before_a_burst_queued_ahead_of_it() {
+        // 32 sessions open at once with 12,288-token prompts on 2 workers (seconds of prefill
+        // queued on each); a 512-token request comes 100 ms later. Routed at once, it joins a
+        // worker's queue behind the burst; held at the router, it goes as soon as a worker has
+        // no more than `router.late_binding` (1 s) of prefill ahead, before the long prompts
+        // still held.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("burst.jsonl");
+        let mut lines = String::new();
+        for s in 0..32u64 {
+            let ids: Vec<u64> = (1000 * (s + 1)..1000 * (s + 1) + 24).collect();
+            lines.push_str(&format!(
+                "{{\"session_id\":\"long{s}\",\"timestamp\":0,\"input_length\":{},\"output_length\":16,\"hash_ids\":{ids:?}}}\n",
+                ids.len() * 512
+            ));
+        }
+        lines.push_str(
+            "{\"session_id\":\"short\",\"timestamp\":100,\"input_length\":512,\"output_length\":16,\"hash_ids\":[99999]}\n",
+        );
+        std::fs::write(&path, lines).unwrap();
+        let config = dir.path().join("off.toml");
+        std::fs::write(&config, "[router]\nlate_binding = \"0s\"\n").unwrap();
+        let short_ttft = |config: Option<PathBuf>| {
+            let args = ReplayArgs { workers: 2, compare: Vec::new(), config, ..args(path.clone()) };
+            let (_, outcomes) = replay(&args).unwrap();
+            let kv = &outcomes[0];
+            assert_eq!(kv.samples.len(), 33, "every request answered");
+            let short = kv.samples.iter().find(|s| s.prompt == 512).expect("the short request");
+            let longest = kv.samples.iter().map(|s| s.ttft).max().unwrap();
+            (short.ttft, longest)
+        };
+        let (held, held_longest) = short_ttft(None);
+        let (queued, queued_longest) = short_ttft(Some(config));
+        assert!(queued > Duration::from_secs(4), "routed at once it waits behind the burst: {queued:?}");
+        assert!(held * 3 < queued, "held: {held:?}, routed at once: {queued:?}");
+        // The burst itself is served no later for it (the same work, reordered).
+        assert!(
+            held_longest.as_secs_f64() <= queued_longest.as_secs_f64() * 1.1,
+            "slowest: {held_longest:?} held vs {queued_longest:?}"
+        );
+    }
+
+    #[test]
     fn sessions_open_as_a_poisson_process_at_the_asked_rate() {
         let turn = || Turn { system_tokens: 0, at_ms: 77.0, delay_ms: 5.0, new_tokens: vec![1], output_length: 1 };
         let mut trace =
