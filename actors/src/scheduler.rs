@@ -25,8 +25,17 @@
 //! routed only when the contexts of the sessions ahead of it in the line and its own fit the
 //! share of the cache that measured thrashing leaves them ([`crate::admission`]); otherwise it
 //! waits here and is routed, on the state of that moment, when sessions ahead leave the line or
-//! it has waited `router.admission_max_wait` (its session then moves to the front). Waiting turns are at most as many as the workers' queues
-//! hold; past that the answer is [`SubmitError::Overloaded`].
+//! it has waited `router.admission_max_wait` (its session then moves to the front). Waiting
+//! turns are at most as many as the workers' queues hold; past that the answer is
+//! [`SubmitError::Overloaded`].
+//!
+//! Late binding (`kv_aware`, `router.late_binding` above 0): while every worker has more
+//! estimated prefill ahead than that, requests are held here instead of joining a queue; each
+//! time a worker's prefill ahead falls ([`WorkerLoad::drained`](crate::worker::WorkerLoad::drained)),
+//! the held requests due first — by arrival plus `HOLD_STRETCH` (4) times their estimated prefill,
+//! shortest first among those that came together — are routed on the state of that moment, until
+//! every worker is busy again. Held and queued requests together are at most as many as the
+//! workers' queues hold.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
