@@ -650,7 +650,16 @@ impl SchedulerState {
                 }
             }
         }
-        // Late binding: held requests go, by when they are due, until every worker is busy again.
+        // Late binding: held requests whose caller is gone leave; the rest go, by when they are
+        // due, until every worker is busy again.
+        let gone: Vec<_> = self.held.iter().filter(|(_, h)| h.parked.reply.is_closed()).map(|(k, _)| *k).collect();
+        for key in gone {
+            if let Some(held) = self.held.remove(&key)
+                && held.gate != Gate::Open
+            {
+                self.finish_waiting(&held.parked);
+            }
+        }
         while !self.held.is_empty() && !self.saturated() {
             let Some((_, held)) = self.held.pop_first() else { break };
             if let Some(waits) = self.dispatch(held.parked, held.gate, false).await {
