@@ -499,13 +499,14 @@ impl SchedulerState {
         // turn's longest cached prefix anywhere).
         let context = req.prompt.len() + hints.expected_output_tokens.unwrap_or(0);
         let shared = order.iter().filter_map(|o| o.1).max().unwrap_or(0);
-        if gate != Gate::Open
-            && let (Some(capacity), Some(turn)) = (self.working_set_capacity(), session)
+        // A session's turn under admission sets its context's tokens in the line (`fits`), and
+        // waits if it does not fit and has not waited already.
+        let admitted = if gate == Gate::Open { None } else { self.working_set_capacity().zip(session) };
+        if let Some((capacity, turn)) = admitted
+            && !self.working.fits(&turn.actor.get_id(), context, shared, capacity)
+            && gate == Gate::Check
         {
-            let key = turn.actor.get_id();
-            if !self.working.fits(&key, context, shared, capacity) && gate == Gate::Check {
-                return Routed::Wait(req);
-            }
+            return Routed::Wait(req);
         }
         // Late binding: with every worker busy, wait here, where the next worker to drain takes
         // the shortest request held, rather than behind one worker's queue.
@@ -518,10 +519,7 @@ impl SchedulerState {
             tracing::debug!(held = self.held.len(), queued, "every worker is busy and the hold is full; refused");
             return Routed::Refused(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() });
         }
-        if gate != Gate::Open
-            && self.working_set_capacity().is_some()
-            && let Some(turn) = session
-        {
+        if let Some((_, turn)) = admitted {
             self.working.observe(&turn.actor.get_id(), req.prompt.len(), shared, gate == Gate::Admit);
         }
         let leases = self.lease_plan(&mut req);
