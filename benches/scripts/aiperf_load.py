@@ -20,7 +20,8 @@ inter-token latency with the mean of `dynamo_node_inter_token_seconds`, its requ
 `dynamo_node_requests_total`, its output tokens (the usage the node reported) with the tokens the
 node streamed. A TTFT percentile agrees when aiperf's lies within the node's buckets of the two
 observations that any percentile method interpolates between (with few samples they can be
-buckets apart); the mean ITL, when the two differ by no more than the width of the bucket that
+buckets apart), plus 5% + 10 ms for the client's round trip and scheduling; it is required only
+where at least five requests lie above it (fewer, and one client hiccup decides it); the mean ITL, when the two differ by no more than the width of the bucket that
 holds the node's. aiperf's own artifacts stay in --out (one directory per run) beside our
 `report.md` and `report.json`. Exit status 1 when a TTFT percentile or a count disagrees.
 
@@ -218,17 +219,19 @@ def compare(name: str, report: dict, ttft: Histogram, itl: Histogram, answered: 
 
     for q in ("p50", "p90", "p99"):
         # aiperf interpolates between the two observations around the quantile; with few samples
-        # those may lie buckets apart, so its value must fall within their buckets' bounds (a
-        # client's TTFT also holds the HTTP round trip: 2% + 5 ms of slack above).
+        # those may lie buckets apart, so its value must fall within their buckets' bounds. A
+        # client's TTFT also holds the HTTP round trip and the client's own scheduling, which on a
+        # shared two-core machine (aiperf's Python beside the node) reaches several milliseconds:
+        # 5% + 10 ms of slack above.
         quantile = int(q[1:]) / 100
         estimate, width = ttft.quantile(quantile)
         low, high = ttft.sample_range(quantile)
-        within = (low * 1e3, high * 1e3 * 1.02 + 5)
-        # A quantile above the second-slowest request is the slowest one's TTFT, which a single
-        # hiccup of the client (not of the node) decides: reported, not required.
-        decided_by_one = ttft.count * (1 - quantile) < 1
+        within = (low * 1e3, high * 1e3 * 1.05 + 10)
+        # A quantile with fewer than five requests above it is decided by one or two hiccups of
+        # the client (not of the node): reported, not required.
+        few_above = ttft.count * (1 - quantile) < 5
         check(f"TTFT {q} (ms)", estimate * 1e3, report["time_to_first_token"][q], width * 1e3,
-              not decided_by_one, within)
+              not few_above, within)
     if itl.count:
         mean = itl.sum / itl.count
         theirs = report["itl_per_gap_ms"] or report["inter_token_latency"]["avg"]
