@@ -35,6 +35,7 @@ use std::time::Duration;
 
 use dynamo_config::{NodeConfig, QueuePolicy, RetentionSection, RoutingPolicy, TierName};
 use dynamo_tiering::block::{BlockLayout, Salt};
+use dynamo_tiering::cost::BytesPerSec;
 use dynamo_tiering::g2::{HostPool, HostPoolOptions, PoolError};
 use dynamo_tiering::g3::{G3Error, G3Options, G3Store, Recovery};
 use dynamo_tiering::g4::feed::Feed;
@@ -355,7 +356,9 @@ impl NodeStores {
             (true, None) => builder.publisher(builder.node),
         };
         let g2 = g2.map(|(pool, registry)| G2Tier::new(pool, registry).with_observer(observer.clone()));
-        let g3 = g3.map(|(store, registry)| G3Tier::new(store, registry).with_observer(observer.clone()));
+        let g3 = g3.map(|(store, registry)| {
+            G3Tier::new(store, registry).with_observer(observer.clone()).with_write_rate(settings.g3_write_rate)
+        });
         // What G3 recovered at start-up is already there: the index learns it first.
         if g3.is_some() {
             for header in &recovery.blocks {
@@ -410,6 +413,9 @@ pub struct TierSettings {
     pub retention: RetentionSection,
     /// Write-through batch bounds.
     pub write_batch: WriteBatch,
+    /// The disk's write rate (`tiers.g3.write_gb_s`), which bounds G3's write backlog; `None`:
+    /// timed on the node's own writes.
+    pub g3_write_rate: Option<BytesPerSec>,
     /// The node's one cost model: the workers decide "load or recompute?" with it and the
     /// scheduler ranks them with it.
     pub cost: CostModel,
@@ -744,6 +750,7 @@ mod tests {
             layout: layout(),
             retention: RetentionSection::default(),
             write_batch: WriteBatch::default(),
+            g3_write_rate: None,
             cost: CostModel::unknown(BLOCK_TOKENS, layout().image_bytes()),
             g4: false,
         }

@@ -26,7 +26,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-use crate::telemetry::{self, Tier};
+use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::unix_millis;
 
@@ -120,32 +120,22 @@ impl BlockSource for G2Blocks {
                 let dst = g2.alloc(now);
                 async move {
                     match dst {
-                        Some(dst) => Some((hash, g3.store.read(hash, dst).await)),
+                        Some(dst) => Some((hash, g3.read(hash, dst).await)),
                         None => None,
                     }
                 }
             });
             for (hash, read) in futures::future::join_all(reads).await.into_iter().flatten() {
-                match read {
-                    Ok(image) => {
-                        let Ok(header) = ImageHeader::decode_header_only(image.as_slice()) else { continue };
-                        let meta = BlockMeta {
-                            parent: header.parent,
-                            region: header.retention.region,
-                            priority: header.retention.priority,
-                            retain_until: 0,
-                        };
-                        g3.health.record_ok();
-                        g2.admit(hash, meta, image, now);
-                    }
-                    Err(failure) => {
-                        g3.health.record_error(&failure.error);
-                        telemetry::record_tier_error(Tier::G3, failure.error.kind());
-                        if failure.error.kind() == "corrupt" {
-                            g3.forget(hash);
-                        }
-                    }
-                }
+                // A failed read was counted and forgotten by the read itself.
+                let Ok(image) = read else { continue };
+                let Ok(header) = ImageHeader::decode_header_only(image.as_slice()) else { continue };
+                let meta = BlockMeta {
+                    parent: header.parent,
+                    region: header.retention.region,
+                    priority: header.retention.priority,
+                    retain_until: 0,
+                };
+                g2.admit(hash, meta, image, now);
             }
         })
     }

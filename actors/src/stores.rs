@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use dynamo_config::RegionKind;
 use dynamo_tiering::block::{BlockHash, ImageSpec, RetentionMeta, seal};
+use dynamo_tiering::g3::G3Error;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::telemetry::{self, Tier};
@@ -217,7 +218,7 @@ async fn probe(tiers: &NodeTiers, n: u64) -> Result<(), String> {
     match written {
         Ok(_) => {}
         // A full store answered: the disk works, there is just no room for a probe.
-        Err(e) if e.kind() == "full" => return Ok(()),
+        Err(G3Error::Full { .. }) => return Ok(()),
         Err(e) => return Err(e.to_string()),
     }
     let dst = g2.alloc(now);

@@ -4,20 +4,21 @@
 //! [`G3Health`]: workers report I/O outcomes there and the G3 store actor decides when the node
 //! runs without G3 and when it comes back.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dynamo_config::{RegionKind, RetentionSection, TierName, TiersSection};
 use dynamo_tiering::block::guard::{ImageGuard, Tag};
 use dynamo_tiering::block::{BlockHash, BlockLayout, BlockMap, Salt};
-use dynamo_tiering::cost::{CostModel, Measurements};
+use dynamo_tiering::cost::{BytesPerSec, CostModel, Measurements, write_admitted};
 use dynamo_tiering::g2::{HostPool, SlotMut, SlotRef};
-use dynamo_tiering::g3::{G3Error, G3Store};
+use dynamo_tiering::g3::{G3Error, G3Store, ReadFailure};
 use dynamo_tiering::pipeline::{Pipeline, WriteThrough};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
 
 use crate::leases::{LeaseBook, LeasedTiers};
+use crate::telemetry::{Tier, record_tier_error, record_write_skipped};
 
 /// Where a block is: one worker's G1, or one of the node's shared tiers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -315,26 +316,72 @@ pub struct G3Tier {
     pub health: G3Health,
     registry: Arc<Mutex<TierRegistry>>,
     observer: Arc<dyn KvObserver>,
+    /// Bytes handed to the disk by write-through and not yet written, node-wide.
+    writing: Arc<AtomicU64>,
+    /// `tiers.g3.write_gb_s`; `None`: the rate timed on the node's own writes.
+    write_rate: Option<BytesPerSec>,
 }
 
 impl G3Tier {
     /// A G3 tier over `store`, with `registry` (rebuilt from the store's recovery) deciding what
     /// stays (shared with whoever reports its stats).
     pub fn new(store: Arc<G3Store>, registry: Arc<Mutex<TierRegistry>>) -> Self {
-        Self { store, health: G3Health::default(), registry, observer: Arc::new(NoObserver) }
+        Self {
+            store,
+            health: G3Health::default(),
+            registry,
+            observer: Arc::new(NoObserver),
+            writing: Arc::default(),
+            write_rate: None,
+        }
+    }
+
+    /// Takes the disk's write rate as `rate` (`tiers.g3.write_gb_s`) instead of timing it.
+    pub fn with_write_rate(mut self, rate: Option<BytesPerSec>) -> Self {
+        self.write_rate = rate;
+        self
+    }
+
+    /// Admits one block's write-through to the disk's backlog under the node's one rule
+    /// ([`write_admitted`]: one second of the disk's writes, at the configured rate or the one
+    /// `measured` on its writes). `None` when the disk is that far behind — the block stays in
+    /// G2 only and is counted as skipped — unless `leased` (G3 is where a lease pins it). The
+    /// ticket counts the bytes out of the backlog when it is dropped, once the write is done.
+    pub fn begin_write(&self, measured: &Measurements, leased: bool) -> Option<WriteTicket> {
+        let bytes = self.store.slot_bytes() as u64;
+        let rate = self.write_rate.or_else(|| measured.g3_write.get());
+        if !leased && !write_admitted(self.writing.load(Ordering::Relaxed), bytes, rate) {
+            record_write_skipped(Tier::G3);
+            return None;
+        }
+        self.writing.fetch_add(bytes, Ordering::Relaxed);
+        Some(WriteTicket { writing: self.writing.clone(), bytes })
+    }
+
+    /// Writes a sealed `image` of `hash` through: the one way every writer of G3 writes it. A
+    /// completed write is acknowledged (a KV event); a failed one counts toward the tier's
+    /// health, is counted by kind, and forgets the block (it stays in G1/G2 only).
+    pub async fn write(&self, hash: BlockHash, parent: Option<BlockHash>, image: SlotRef) -> bool {
+        match self.store.write(image).await {
+            Ok(_) => {
+                self.health.record_ok();
+                self.acknowledge(hash, parent);
+                true
+            }
+            Err(e) => {
+                self.health.record_error(&e);
+                record_tier_error(Tier::G3, e.kind());
+                tracing::warn!(%hash, error = %e, "G3 write-through failed; the block stays in G1/G2 only");
+                self.forget(hash);
+                false
+            }
+        }
     }
 
     /// Reports what this tier stores and drops to `observer`.
     pub fn with_observer(mut self, observer: Arc<dyn KvObserver>) -> Self {
         self.observer = observer;
         self
-    }
-
-    /// Every block the store holds now (for a snapshot, after recovery).
-    pub fn report_resident(&self, hashes: &[BlockHash]) {
-        if !hashes.is_empty() {
-            self.observer.stored(BlockSite::Node(TierName::G3), None, hashes);
-        }
     }
 
     /// The write of `hash` completed: G3 acknowledges it.
@@ -389,12 +436,42 @@ impl G3Tier {
         touch_in(&mut self.registry.lock().expect("G3 lock"), hashes, now);
     }
 
+    /// Reads `hash` into `dst`: the one way every reader of G3 (the workers, G4's block server, the
+    /// engine endpoint) reads it. The outcome counts toward the tier's health; a failed read,
+    /// whatever its cause, is counted by kind and forgets the block, so that no reader is offered
+    /// it again (a corrupt image is never served; an unreadable one is recomputed).
+    pub async fn read(&self, hash: BlockHash, dst: SlotMut) -> Result<SlotRef, ReadFailure> {
+        let read = self.store.read(hash, dst).await;
+        match &read {
+            Ok(_) => self.health.record_ok(),
+            Err(failure) => {
+                self.health.record_error(&failure.error);
+                record_tier_error(Tier::G3, failure.error.kind());
+                self.forget(hash);
+            }
+        }
+        read
+    }
+
     /// Forgets `hash` (its write failed, or it failed verification).
     pub fn forget(&self, hash: BlockHash) {
         let _ = self.registry.lock().expect("G3 lock").remove(hash);
         if self.store.remove(hash) {
             self.observer.removed(BlockSite::Node(TierName::G3), &[hash]);
         }
+    }
+}
+
+/// One block's place in G3's write backlog ([`G3Tier::begin_write`]); dropping it ends it.
+#[derive(Debug)]
+pub struct WriteTicket {
+    writing: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for WriteTicket {
+    fn drop(&mut self) {
+        self.writing.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 

@@ -80,6 +80,101 @@ fn example_documents_every_key() {
     }
 }
 
+/// Keys read through a binding named other than their section: the text that reads each.
+/// Every region's policy is read through `RetentionSection::policy(region)`.
+const READ_THROUGH: &[(&str, &str)] = &[
+    ("tiers.g3.io_engine", "c.io_engine"),
+    ("tiers.g3.queue_depth", "c.queue_depth"),
+    ("tiers.g3.io_threads", "c.io_threads"),
+    ("tiers.g3.register_buffers", "c.register_buffers"),
+    ("tiers.g3.eviction", "c.eviction"),
+    ("frontend.responses_store", "config.responses_store"),
+    ("frontend.responses_ttl", "config.responses_ttl"),
+    ("cluster.etcd_prefix", "section.etcd_prefix"),
+    ("retention.*.priority", "policy(region).priority"),
+    ("retention.*.hold", "policy(region).hold"),
+    ("retention.*.lowest_tier", "policy(region).lowest_tier"),
+];
+
+/// The product's sources outside this crate, each cut at its unit tests (`#[cfg(test)]` modules
+/// sit at the end of a file, by this workspace's convention).
+fn product_sources() -> String {
+    fn walk(dir: &std::path::Path, out: &mut String) {
+        for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if path.is_dir() {
+                if name != "tests" {
+                    walk(&path, out);
+                }
+            } else if name.ends_with(".rs") && name != "tests.rs" {
+                let text = std::fs::read_to_string(&path).unwrap();
+                out.push_str(text.split("#[cfg(test)]\nmod ").next().unwrap());
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut out = String::new();
+    for krate in ["actors", "runtime", "tiering", "kernels"] {
+        walk(&root.join(krate).join("src"), &mut out);
+    }
+    out
+}
+
+/// `text` occurs in `src` as a field read: not as a prefix of a longer name, not as a call.
+fn reads(src: &str, text: &str) -> bool {
+    src.match_indices(text).any(|(at, _)| {
+        let after = src[at + text.len()..].trim_start();
+        let before = src[..at].chars().next_back();
+        !after.starts_with(|c: char| c.is_alphanumeric() || c == '_' || c == '(')
+            && !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+    })
+}
+
+/// Every key example.toml shows (the optional ones commented out, too) is read by the node: a
+/// key nothing reads would do nothing. Read means `<section>.<key>` appears outside this crate
+/// and outside tests, or the text [`READ_THROUGH`] names for it.
+#[test]
+fn every_example_key_is_read_by_the_node() {
+    let src = product_sources();
+    assert!(src.len() > 500_000, "read only {} bytes of sources", src.len());
+    let mut section = String::new();
+    let mut keys = Vec::new();
+    for line in EXAMPLE_TOML.lines() {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.trim_matches(['[', ']']).to_string();
+            continue;
+        }
+        let Some((key, value)) = line.trim_start_matches("# ").split_once(" = ") else { continue };
+        if !key.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+            continue;
+        }
+        // A commented line is a key if the schema takes it (it refuses unknown ones).
+        let alone = format!("[{section}]\n{key} = {}", if value.ends_with('[') { "[]" } else { value });
+        if line.starts_with('#') && toml::from_str::<NodeConfig>(&alone).is_err() {
+            continue;
+        }
+        keys.push(format!("{section}.{key}"));
+    }
+    assert!(keys.len() >= 120, "found only {} keys", keys.len());
+    for want in ["engine.calibration", "tiers.g3.write_gb_s", "model.path"] {
+        assert!(keys.iter().any(|k| k == want), "{want} was not found in example.toml");
+    }
+    let unread: Vec<&String> = keys
+        .iter()
+        .filter(|key| {
+            let (parent, leaf) = key.rsplit_once('.').unwrap();
+            let parent = parent.rsplit('.').next().unwrap();
+            let through = READ_THROUGH.iter().filter(|(k, _)| {
+                *k == key.as_str()
+                    || k.strip_prefix("retention.*.").is_some_and(|l| key.starts_with("retention.") && l == leaf)
+            });
+            !reads(&src, &format!("{parent}.{leaf}")) && !through.clone().any(|(_, text)| reads(&src, text))
+        })
+        .collect();
+    assert!(unread.is_empty(), "keys of example.toml that nothing outside the config crate reads: {unread:?}");
+}
+
 #[test]
 fn example_comments_every_key() {
     let lines: Vec<&str> = EXAMPLE_TOML.lines().collect();
@@ -205,8 +300,8 @@ fn watermarks_must_be_ordered() {
     assert_eq!(err.kind(), "invalid");
     assert_eq!(err.key(), Some("tiers.g3.low_watermark"));
     assert_eq!((err.line(), err.column()), (Some(3), Some(1)));
-    let err = parse("[tiers.g1]\nhigh_watermark = 1.5\n").unwrap_err();
-    assert_eq!(err.key(), Some("tiers.g1.high_watermark"));
+    let err = parse("[tiers.g2]\nhigh_watermark = 1.5\n").unwrap_err();
+    assert_eq!(err.key(), Some("tiers.g2.high_watermark"));
 }
 
 #[test]
@@ -234,6 +329,7 @@ fn other_validation_rules() {
         ("[blocks]\nblock_size = 8192\n", "blocks.block_size"),
         ("[model]\nname = \"gpt-9\"\n", "model.name"),
         ("[engine]\nworkers = 0\n", "engine.workers"),
+        ("[engine]\nkind = \"simulated\"\n", "engine.kind"),
         ("[tiers.g3]\nqueue_depth = 0\n", "tiers.g3.queue_depth"),
         ("[tiers.g3]\nqueue_depth = 8192\n", "tiers.g3.queue_depth"),
         ("[tiers.g3]\nio_threads = 0\n", "tiers.g3.io_threads"),

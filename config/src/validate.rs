@@ -184,6 +184,13 @@ impl NodeConfig {
         c.at_least_one("engine.max_batch_tokens", self.engine.max_batch_tokens);
         c.at_least_one("engine.max_running_requests", self.engine.max_running_requests);
         c.at_least_one("engine.max_queued_requests", self.engine.max_queued_requests);
+        if self.engine.kind == crate::EngineKind::Simulated {
+            c.fail(
+                "engine.kind",
+                "\"simulated\" computes no tokens, so a node cannot serve with it: it is `dynamo-node bench replay \
+                 --engine simulated`'s; serve with \"reference\" or \"scripted\"",
+            );
+        }
         if self.engine.kind == crate::EngineKind::Scripted && self.engine.script.is_none() {
             c.fail("engine.script", "engine.kind = \"scripted\" needs engine.script: a JSON array of answers");
         }
@@ -213,7 +220,6 @@ impl NodeConfig {
         if !(g1.gpu_memory_fraction > 0.0 && g1.gpu_memory_fraction <= 1.0) {
             c.fail("tiers.g1.gpu_memory_fraction", format!("{} is outside (0, 1]", g1.gpu_memory_fraction));
         }
-        c.watermarks("g1", g1.low_watermark, g1.high_watermark);
 
         let g2 = &self.tiers.g2;
         if g2.enabled {

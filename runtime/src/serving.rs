@@ -276,10 +276,15 @@ impl Serving {
             layout: plan.layout,
             retention: cfg.retention.clone(),
             write_batch: WriteBatch::from_config(&cfg.tiers),
+            g3_write_rate: cfg.tiers.g3.write_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
             cost,
             g4: cfg.tiers.g4.enabled,
         });
         let tiers = tiered.tiers().clone();
+        // A named calibration starts the link and disk rates until this machine's are timed.
+        if cfg.engine.calibration.is_some() {
+            tiers.measured.seed(&cfg.calibration().context("engine.calibration")?);
+        }
         // Leases outlast a restart where their blocks do: in G3.
         let leases = tiers.g3.is_some().then(|| LeaseSaver::start(&tiers, cfg.node.data_dir.join(LEASE_FILE)));
 

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dynamo_config::PrefillCalibration;
+use dynamo_config::{Calibration, PrefillCalibration};
 
 /// A transfer rate in bytes per second: finite and positive.
 #[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
@@ -275,10 +275,21 @@ pub struct Measurements {
     pub g3_read: MeasuredBandwidth,
     /// Fetches from peers into G2 (G4).
     pub g4_read: MeasuredBandwidth,
+    /// G3 write-through batches (the disk's write rate, for [`write_admitted`]).
+    pub g3_write: MeasuredBandwidth,
     load_sampled: AtomicBool,
 }
 
 impl Measurements {
+    /// Starts the host link's and the disk's rates from a calibration file's (`engine.calibration`):
+    /// they stand until real transfers have been timed, each of which moves them toward what
+    /// this machine does.
+    pub fn seed(&self, calibration: &Calibration) {
+        self.g2_load.seed(calibration.link.h2d_pinned_gb_s * 1e9);
+        self.g3_read.seed(calibration.disk.seq_read_gb_s * 1e9);
+        self.g3_write.seed(calibration.disk.seq_write_gb_s * 1e9);
+    }
+
     /// Folds one batched load into G1 (`bytes` scattered in `elapsed`, with nothing else
     /// running) in.
     pub fn observe_load(&self, bytes: usize, elapsed: Duration) {
@@ -313,6 +324,15 @@ impl MeasuredBandwidth {
         self.fold(bytes, elapsed, |old, bound| old.map_or(bound, |old| old.min(bound)));
     }
 
+    /// Starts the rate at `bytes_per_s` (a calibrated figure) if nothing was timed yet: the first
+    /// transfers then move it as they would a measured one.
+    pub fn seed(&self, bytes_per_s: f64) {
+        let mut bw = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if bw.is_none() && BytesPerSec::new(bytes_per_s).is_some() {
+            *bw = Some((bytes_per_s, std::time::Instant::now()));
+        }
+    }
+
     /// Sets the rate to `next(old rate, this transfer's bytes per second)`, stamped now.
     fn fold(&self, bytes: usize, elapsed: Duration, next: impl FnOnce(Option<f64>, f64) -> f64) {
         let secs = elapsed.as_secs_f64();
@@ -335,6 +355,25 @@ impl MeasuredBandwidth {
     pub fn get_within(&self, age: Duration) -> Option<BytesPerSec> {
         let bw = *self.0.lock().unwrap_or_else(|e| e.into_inner());
         bw.filter(|(_, at)| at.elapsed() <= age).and_then(|(rate, _)| BytesPerSec::new(rate))
+    }
+}
+
+/// How far G3's write-through may fall behind: one second of the disk's writes. A disk slower
+/// than the stream of blocks written through must not build an unbounded backlog; a block past
+/// it stays in G2 only (and is counted as skipped), unless a lease pins it to G3.
+pub const WRITE_BACKLOG: Duration = Duration::from_secs(1);
+
+/// The backlog allowed, in blocks, while the disk's write rate is unknown (none configured,
+/// calibrated or timed yet).
+pub const UNTIMED_WRITE_BACKLOG_BLOCKS: u64 = 512;
+
+/// The one write-backlog rule, for the node's workers, its engine endpoint and the simulated
+/// node alike: whether one more block of `block_bytes` may be handed to a disk writing at `rate`
+/// while `in_flight` bytes of writes are still pending. The first write always goes.
+pub fn write_admitted(in_flight: u64, block_bytes: u64, rate: Option<BytesPerSec>) -> bool {
+    match rate {
+        Some(rate) => rate.seconds(in_flight as usize) <= WRITE_BACKLOG.as_secs_f64(),
+        None => in_flight <= UNTIMED_WRITE_BACKLOG_BLOCKS.saturating_sub(1) * block_bytes,
     }
 }
 
@@ -454,5 +493,47 @@ mod tests {
         let early = m.recompute_block_s(64).expect("known");
         let late = m.recompute_block_s(8192).expect("known");
         assert!(late > 2.0 * early, "{early} vs {late}");
+    }
+
+    /// A calibration starts the rates; real transfers move them from there; a configured rate
+    /// still stands over both.
+    #[test]
+    fn calibrated_rates_stand_until_transfers_are_timed() {
+        let cal = dynamo_config::Calibration::h200();
+        let measured = Measurements::default();
+        measured.seed(&cal);
+        let unknown = CostModel::unknown(32, 4 << 20);
+        let seeded = unknown.measured(&measured);
+        assert_eq!(seeded.g2_read, BytesPerSec::new(cal.link.h2d_pinned_gb_s * 1e9));
+        let disk_then_link = BytesPerSec::new(cal.disk.seq_read_gb_s * 1e9)
+            .zip(BytesPerSec::new(cal.link.h2d_pinned_gb_s * 1e9))
+            .map(|(d, l)| d.then(l));
+        assert_eq!(seeded.g3_read, disk_then_link);
+        assert_eq!(measured.g3_write.get(), BytesPerSec::new(cal.disk.seq_write_gb_s * 1e9));
+        // 1 GB/s timed: the mean moves a fifth of the way there.
+        measured.g3_write.observe(1_000_000_000, Duration::from_secs(1));
+        let moved = measured.g3_write.get().unwrap().get();
+        assert!((moved - (0.8 * cal.disk.seq_write_gb_s * 1e9 + 0.2e9)).abs() < 1.0, "{moved}");
+        // A second seed does not undo what was timed.
+        measured.g3_write.seed(1.0);
+        assert_eq!(measured.g3_write.get().unwrap().get(), moved);
+        let configured = CostModel { g2_read: BytesPerSec::new(5e9), ..unknown };
+        assert_eq!(configured.measured(&measured).g2_read, BytesPerSec::new(5e9));
+    }
+
+    /// One second of the disk's writes when its rate is known; 512 blocks while it is not; the
+    /// first write always.
+    #[test]
+    fn the_write_backlog_is_a_second_of_the_disk() {
+        let block = 1 << 20;
+        let disk = BytesPerSec::new(100.0 * block as f64);
+        assert!(write_admitted(0, block, disk));
+        assert!(write_admitted(100 * block, block, disk), "exactly one second behind");
+        assert!(!write_admitted(101 * block, block, disk));
+        let slow = BytesPerSec::new(block as f64 / 10.0);
+        assert!(write_admitted(0, block, slow), "the first write goes on any disk");
+        assert!(!write_admitted(block, block, slow));
+        assert!(write_admitted(511 * block, block, None));
+        assert!(!write_admitted(512 * block, block, None), "512 blocks in flight untimed");
     }
 }

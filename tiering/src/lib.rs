@@ -18,8 +18,8 @@
 //!   and the serving side's expiring holds, all sans I/O.
 //! - [`registry`] — per-tier bookkeeping: residency, refcounts, holds, leaf-first eviction under a
 //!   priority-aware LRU or aged-LFU policy, checked by property tests against a reference model.
-//! - [`transfer`] — the [`transfer::CopyEngine`] trait for G1 ↔ G2 copies, with a CPU engine and
-//!   a simulated one.
+//! - [`transfer`] — simulated copy links: the time block images take to cross the host link in
+//!   the simulated engine.
 //!
 //! Layering: this crate depends on `dynamo-config` and `dynamo-kernels` only. Stores decide
 //! nothing about which blocks to keep — that is the registry's job — and nothing here spawns a task

@@ -36,6 +36,7 @@ use dynamo_tiering::foreign::{
     ErrorCode, ForeignEngine, Found, Located, MAX_FRAME, PROTOCOL_VERSION, Registration, Reply, Request, Role,
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
+use dynamo_tiering::g3::G3Error;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
@@ -51,8 +52,6 @@ use crate::worker::unix_millis;
 const HIT_PIN: Duration = Duration::from_secs(10);
 /// How often at most a connection's stored blocks are checked for removal from G2.
 const REMOVAL_SCAN: Duration = Duration::from_millis(250);
-/// Most G3 write-throughs of engines' blocks in flight; beyond it a block stays in G2 only.
-const MAX_G3_WRITES: usize = 1024;
 /// Longest engine id accepted.
 const MAX_ENGINE_ID: usize = 128;
 /// Most connections at once (an engine opens one per process: its manager and each worker).
@@ -216,7 +215,6 @@ pub struct Core {
     engines: Mutex<HashMap<String, EngineEntry>>,
     /// Blocks being read from G3 into G2.
     promoting: Mutex<std::collections::HashSet<BlockHash>>,
-    g3_writes: Arc<AtomicUsize>,
     /// G2 slots every engine together holds for stores not yet completed.
     storing: Arc<AtomicUsize>,
 }
@@ -244,7 +242,6 @@ impl Core {
             max_engines: args.max_engines,
             engines: Mutex::new(HashMap::new()),
             promoting: Mutex::new(Default::default()),
-            g3_writes: Arc::new(AtomicUsize::new(0)),
             storing: Arc::default(),
         })
     }
@@ -474,19 +471,14 @@ impl Core {
         let (Some(g2), Some(g3)) = (self.tiers.g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
         let now = unix_millis();
         let started = Instant::now();
-        match g3.store.read(hash, dst).await {
+        match g3.read(hash, dst).await {
             Ok(image) => {
-                g3.health.record_ok();
                 telemetry::record_transfer(Tier::G3, Tier::G2, g3.store.slot_bytes() as u64, started.elapsed());
                 g2.admit(hash, self.tiers.meta(None, region), image, now);
                 "promoted"
             }
-            Err(failure) => {
-                g3.health.record_error(&failure.error);
-                telemetry::record_tier_error(Tier::G3, failure.error.kind());
-                g3.forget(hash);
-                if failure.error.kind() == "corrupt" { "corrupt" } else { "read_failed" }
-            }
+            Err(failure) if matches!(failure.error, G3Error::Corrupt { .. }) => "corrupt",
+            Err(_) => "read_failed",
         }
     }
 
@@ -496,48 +488,28 @@ impl Core {
         if !g3.usable() || !self.tiers.pipeline().reaches(region, TierName::G3) {
             return;
         }
-        if self.g3_writes.load(Ordering::Relaxed) >= MAX_G3_WRITES {
-            telemetry::record_write_skipped(Tier::G3);
-            return;
-        }
+        // The node's one backlog rule, shared with its workers: the disk is one.
+        let leased = self.tiers.leases.until(hash, now).is_some();
+        let Some(backlog) = g3.begin_write(&self.tiers.measured, leased) else { return };
         if !g3.reserve(hash, self.tiers.meta(None, region), now) {
             return;
         }
-        self.g3_writes.fetch_add(1, Ordering::Relaxed);
-        let done = G3WriteDone(self.g3_writes.clone());
         let tiers = self.tiers.clone();
         tokio::spawn(async move {
             let g3 = tiers.g3.as_ref().expect("checked above");
             let started = Instant::now();
-            match g3.store.write(image).await {
-                Ok(_) => {
-                    g3.health.record_ok();
-                    g3.acknowledge(hash, None);
-                    telemetry::record_transfer(Tier::G2, Tier::G3, g3.store.slot_bytes() as u64, started.elapsed());
-                }
-                Err(e) => {
-                    g3.health.record_error(&e);
-                    telemetry::record_tier_error(Tier::G3, e.kind());
-                    tracing::warn!(%hash, error = %e, "G3 write-through of an engine's block failed; it stays in G2 only");
-                    g3.forget(hash);
-                }
+            if g3.write(hash, None, image).await {
+                let (bytes, elapsed) = (g3.store.slot_bytes(), started.elapsed());
+                telemetry::record_transfer(Tier::G2, Tier::G3, bytes as u64, elapsed);
+                tiers.measured.g3_write.observe(bytes, elapsed);
             }
-            drop(done);
+            drop(backlog);
         });
     }
 }
 
 /// Blocks to fetch from peers, per link (keyed by the link's address).
 type RemoteFetches = HashMap<usize, (Arc<PeerLink>, Vec<BlockHash>)>;
-
-/// Counts a G3 write-through out of flight when dropped.
-struct G3WriteDone(Arc<AtomicUsize>);
-
-impl Drop for G3WriteDone {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
 
 /// A registered connection's engine.
 #[derive(Debug)]

@@ -14,6 +14,7 @@
 pub mod batch;
 mod core;
 pub mod queue;
+mod request;
 mod run;
 pub mod simulated;
 
@@ -31,11 +32,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use self::queue::JobQueue;
 
+pub use self::core::{DEFAULT_MAX_RUNNING, PreemptionStats, Resume, Worker};
 #[cfg(feature = "failpoints")]
-pub use self::core::FAILPOINT_PANIC_MAX_TOKENS;
-pub use self::core::{
-    DEFAULT_MAX_RUNNING, Finish, GenOutcome, GenRequest, LeaseRequest, MAX_G3_BATCHES_IN_FLIGHT, PreemptionStats,
-    PromptHashes, Resume, Worker, WorkerError, WorkerEvent, unix_millis,
+pub use self::request::FAILPOINT_PANIC_MAX_TOKENS;
+pub use self::request::{
+    Finish, GenOutcome, GenRequest, LeaseRequest, PromptHashes, WorkerError, WorkerEvent, unix_millis,
 };
 use crate::telemetry::{self, Tier};
 

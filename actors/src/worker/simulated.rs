@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use dynamo_config::{Calibration, PrefillCalibration, RegionKind, RetentionSection, TierName};
 use dynamo_tiering::block::{BlockHash, Salt};
-use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill};
+use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill, write_admitted};
 use dynamo_tiering::io::sim::{Direction, SimDisk, SimulatedIo};
 use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Refusal, Source, TierLookup};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
@@ -154,10 +154,6 @@ pub struct SimStats {
     /// Requests preempted out of G1 (they resumed by loading their blocks back).
     pub preemptions: AtomicU64,
 }
-
-/// Write-through to G3 skips a block (it stays in G2) rather than queue it behind more than this
-/// much disk work: a disk slower than the write stream must not build an unbounded backlog.
-pub const MAX_DISK_BACKLOG: Duration = Duration::from_secs(1);
 
 /// The node-shared part of a simulated node: G2 and G3 as registries, the disk, where KV events
 /// go.
@@ -338,10 +334,12 @@ impl SimNode {
     }
 
     /// When a disk write of `bytes` submitted now completes, or `None` when the disk's writes
-    /// are more than [`MAX_DISK_BACKLOG`] behind (a `leased` block goes anyway: G3 is where its
-    /// lease pins it).
+    /// are too far behind under the node's one backlog rule ([`write_admitted`]; a `leased`
+    /// block goes anyway: G3 is where its lease pins it).
     fn disk_write_done(&self, bytes: u64, leased: bool) -> Option<Instant> {
-        if !leased && self.disk.backlog(Direction::Write) > MAX_DISK_BACKLOG {
+        let rate = BytesPerSec::new(self.timing.disk_write_bytes_per_s);
+        let pending = self.disk.backlog(Direction::Write).as_secs_f64() * self.timing.disk_write_bytes_per_s;
+        if !leased && !write_admitted(pending as u64, bytes, rate) {
             self.stats.g3_skipped.fetch_add(1, Ordering::Relaxed);
             return None;
         }

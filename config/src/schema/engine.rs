@@ -11,7 +11,9 @@ config_enum! {
         /// The reference transformer: real math on CPU or CUDA.
         #[default]
         Reference = "reference",
-        /// No math; timing from the calibration, KV bytes derived from block hashes.
+        /// No math; timing from the calibration, KV bytes derived from block hashes. It computes
+        /// no tokens, so it serves nothing: `bench replay --engine simulated` runs it, and a
+        /// configuration naming it is refused with that said.
         Simulated = "simulated",
         /// The reference transformer computing every prompt and answer token as usual, but the
         /// answer's tokens are `engine.script`'s for the turn instead of sampled: end-to-end
@@ -39,8 +41,8 @@ config_enum! {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineSection {
-    /// `"reference"` (real model), `"simulated"` (calibrated timing, no math; `bench replay`) or
-    /// `"scripted"` (the real model answering from `script`). Default `"reference"`.
+    /// `"reference"` (real model) or `"scripted"` (the real model answering from `script`);
+    /// `"simulated"` is refused (it is `bench replay`'s). Default `"reference"`.
     pub kind: EngineKind,
     /// `"auto"`, `"cpu"` or `"cuda"`. Default `"auto"`.
     pub device: DeviceKind,
@@ -54,8 +56,9 @@ pub struct EngineSection {
     /// Admission bound: requests queued per worker before new ones are shed with an
     /// "overloaded" error. Default `64`.
     pub max_queued_requests: usize,
-    /// Calibration file for the simulated engine and the cost model (format of
-    /// `calibration/h200.toml`). Default: none (the embedded H200 calibration).
+    /// Calibration file (format of `calibration/h200.toml`): the host link's and the disk's
+    /// rates the cost model starts from until the node has timed its own. Default: none (loads
+    /// are taken until timed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calibration: Option<PathBuf>,
     /// The answers of `kind = "scripted"`: a JSON array of strings, the one for a request being

@@ -16,7 +16,7 @@ mod retention;
 mod router;
 mod tiers;
 
-pub use blocks::{BlocksSection, ChecksumKind};
+pub use blocks::BlocksSection;
 pub use cluster::{ClusterSection, MembershipKind};
 pub use endpoint::EngineEndpointSection;
 pub use engine::{DeviceKind, EngineKind, EngineSection};

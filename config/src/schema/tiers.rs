@@ -125,24 +125,14 @@ pub struct G1Config {
     /// With `capacity = 0`: the fraction of GPU memory the worker may use in total (weights,
     /// activations, KV), in `(0, 1]`. Default `0.85`.
     pub gpu_memory_fraction: f64,
-    /// `"lru"` or `"lfu"`, both priority-aware. Default `"lru"`.
+    /// `"lru"` or `"lfu"`, both priority-aware: which page a worker frees when it needs one (G1
+    /// is freed on demand, a page at a time, never ahead). Default `"lru"`.
     pub eviction: EvictionPolicyKind,
-    /// Occupancy fraction at which eviction starts, in `(0, 1]`. Default `0.95`.
-    pub high_watermark: f64,
-    /// Occupancy fraction eviction brings the tier back to, in `(0, high_watermark]`.
-    /// Default `0.90`.
-    pub low_watermark: f64,
 }
 
 impl Default for G1Config {
     fn default() -> Self {
-        G1Config {
-            capacity: ByteSize::mib(256),
-            gpu_memory_fraction: 0.85,
-            eviction: EvictionPolicyKind::Lru,
-            high_watermark: 0.95,
-            low_watermark: 0.90,
-        }
+        G1Config { capacity: ByteSize::mib(256), gpu_memory_fraction: 0.85, eviction: EvictionPolicyKind::Lru }
     }
 }
 
@@ -156,9 +146,6 @@ pub struct G2Config {
     pub capacity: ByteSize,
     /// `"off"`, `"try"` (warn if `ulimit -l` forbids it) or `"require"`. Default `"try"`.
     pub mlock: MlockMode,
-    /// Allocate with `cuMemHostAlloc` when CUDA is present (fast DMA); else page-aligned `mmap`.
-    /// Default `true`.
-    pub cuda_pinned: bool,
     /// `"lru"` or `"lfu"`, both priority-aware. Default `"lru"`.
     pub eviction: EvictionPolicyKind,
     /// Occupancy fraction at which eviction starts, in `(0, 1]`. Default `0.95`.
@@ -179,7 +166,6 @@ impl Default for G2Config {
             enabled: true,
             capacity: ByteSize::mib(256),
             mlock: MlockMode::Try,
-            cuda_pinned: true,
             eviction: EvictionPolicyKind::Lru,
             high_watermark: 0.95,
             low_watermark: 0.90,
@@ -226,10 +212,11 @@ pub struct G3Config {
     pub write_batch_blocks: usize,
     /// Longest a block waits for its G3 batch to fill. Default `"10ms"`.
     pub write_batch_delay: HumanDuration,
-    /// Read bandwidth in GB/s for the cost model. Default: none (measured at start-up).
+    /// Read bandwidth in GB/s for the cost model. Default: none (timed on the node's own reads).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub read_gb_s: Option<f64>,
-    /// Write bandwidth in GB/s for the cost model. Default: none (measured at start-up).
+    /// Write bandwidth in GB/s: G3's write-through may fall one second of it behind before blocks
+    /// stay in G2 only. Default: none (timed on the node's own writes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub write_gb_s: Option<f64>,
 }

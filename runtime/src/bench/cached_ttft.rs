@@ -372,6 +372,7 @@ fn scratch_tiers(
         layout,
         retention: RetentionSection::default(),
         write_batch: WriteBatch::default(),
+        g3_write_rate: None,
         cost: CostModel {
             prefill: Prefill::rate(prefill_tokens_per_s),
             ..CostModel::unknown(opts.block_tokens, layout.image_bytes())

@@ -209,6 +209,7 @@ async fn burst(
         layout,
         retention: RetentionSection::default(),
         write_batch: WriteBatch::default(),
+        g3_write_rate: None,
         // Unknown rates: loads are taken (the point is what they cost).
         cost: CostModel::unknown(b, layout.image_bytes()),
         g4: false,

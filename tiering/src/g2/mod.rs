@@ -361,11 +361,6 @@ impl HostPool {
         use std::os::fd::AsFd;
         self.inner.fd.as_ref().map(|fd| fd.as_fd())
     }
-
-    /// Whether two handles refer to the same pool.
-    pub fn same_pool(&self, other: &HostPool) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
-    }
 }
 
 /// An exclusive, writable slot. Dropping it returns the slot to the pool.
