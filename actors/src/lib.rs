@@ -8,8 +8,9 @@
 //!   store degrades the node to G1+G2; the node never exits because one child did).
 //! - [`session`] — **SessionActor**, one per conversation: turns, the sticky-worker preference,
 //!   the idle timeout.
-//! - [`scheduler`] — **SchedulerActor**: routing policy, bounded admission (a full node answers
-//!   "overloaded" at once), sessions.
+//! - [`scheduler`] — **SchedulerActor**: bounded admission (a full node answers "overloaded" at
+//!   once), late binding, sessions and their leases; the worker order comes from a [`routing`]
+//!   policy (one file per policy behind one trait).
 //! - [`worker`] — **WorkerActor**, one per engine instance: the engine on its own thread, its G1
 //!   pool, onboarding and write-through ([`worker::Worker`] is the engine loop it drives).
 //! - [`endpoint`] — **EngineEndpoint**: external engines (vLLM through its KV connector) on a
@@ -43,6 +44,7 @@ pub mod index;
 pub mod leases;
 pub mod peer;
 pub mod publisher;
+pub mod routing;
 pub mod scheduler;
 pub mod session;
 pub mod stores;

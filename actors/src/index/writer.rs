@@ -47,6 +47,8 @@ pub struct IndexWriter {
     index: Arc<PrefixIndex>,
     lanes: Vec<Lane>,
     threads: Vec<JoinHandle<()>>,
+    /// Woken each time a writer has applied all that was queued to it.
+    progress: Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for IndexWriter {
@@ -61,17 +63,19 @@ impl IndexWriter {
     pub fn spawn(index: Arc<PrefixIndex>, threads: usize, on_applied: Option<OnApplied>) -> std::io::Result<Self> {
         let mut lanes = Vec::new();
         let mut handles = Vec::new();
+        let progress = Arc::new(tokio::sync::Notify::new());
         for k in 0..threads.max(1) {
             let (tx, rx) = crossbeam_channel::bounded(QUEUE);
             let applied = Arc::new(AtomicU64::new(0));
             let (thread_index, thread_applied, thread_hook) = (index.clone(), applied.clone(), on_applied.clone());
-            let handle = std::thread::Builder::new()
-                .name(format!("index-writer-{k}"))
-                .spawn(move || write_loop(&thread_index, &rx, &thread_applied, thread_hook.as_ref()))?;
+            let thread_progress = progress.clone();
+            let handle = std::thread::Builder::new().name(format!("index-writer-{k}")).spawn(move || {
+                write_loop(&thread_index, &rx, &thread_applied, thread_hook.as_ref(), &thread_progress)
+            })?;
             lanes.push(Lane { tx, sent: AtomicU64::new(0), applied });
             handles.push(handle);
         }
-        Ok(Self { index, lanes, threads: handles })
+        Ok(Self { index, lanes, threads: handles, progress })
     }
 
     /// The index it writes.
@@ -96,6 +100,22 @@ impl IndexWriter {
         self.lanes.iter().zip(&self.threads).all(|(lane, thread)| {
             lane.applied.load(Ordering::Acquire) >= lane.sent.load(Ordering::Relaxed) || thread.is_finished()
         })
+    }
+
+    /// Waits until every event sent so far is applied, or `within` passed (what a routing
+    /// decision waits for before it reads the index). It sleeps between the writers' progress
+    /// notifications: the task's thread is free for other work meanwhile.
+    pub async fn catch_up(&self, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let progressed = self.progress.notified();
+            tokio::pin!(progressed);
+            // Registered before the check, so progress made between the two is not missed.
+            progressed.as_mut().enable();
+            if self.caught_up() || tokio::time::timeout_at(deadline, progressed).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Waits until every event sent before this call is applied (or its writer thread is gone:
@@ -131,7 +151,13 @@ impl Drop for IndexWriter {
 }
 
 /// One writer thread: waits for an event, then applies it and whatever queued behind it.
-fn write_loop(index: &PrefixIndex, rx: &Receiver<KvEvent>, applied: &AtomicU64, on_applied: Option<&OnApplied>) {
+fn write_loop(
+    index: &PrefixIndex,
+    rx: &Receiver<KvEvent>,
+    applied: &AtomicU64,
+    on_applied: Option<&OnApplied>,
+    progress: &tokio::sync::Notify,
+) {
     let mut run = Vec::with_capacity(RUN);
     let mut outcomes = Vec::with_capacity(RUN);
     while let Ok(first) = rx.recv() {
@@ -156,5 +182,8 @@ fn write_loop(index: &PrefixIndex, rx: &Receiver<KvEvent>, applied: &AtomicU64, 
                 break;
             }
         }
+        // The queue is drained: whoever waits for the index to catch up looks again.
+        progress.notify_waiters();
     }
+    progress.notify_waiters();
 }

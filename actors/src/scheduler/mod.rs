@@ -12,14 +12,11 @@
 //! there (each request's uncached part as it was routed), the wait for room when its G1 is full,
 //! and its queued decode work times `decode_weight`.
 //!
-//! Routing policies (`router.policy`): `round_robin`, `random`, and `kv_aware`. With `kv_aware`
-//! the scheduler hashes the prompt's blocks, asks the global prefix index how much of that prefix
-//! each worker's G1 and its node's G2/G3 hold, and ranks the workers by the [`CostModel`]'s
-//! estimated time to first token (queue + loads + prefill of the rest). The session's previous
-//! worker wins unless another is better by more than `router.sticky_bonus`; a `temperature`
-//! above 0 samples among workers by a softmax over their estimates, spreading load between
-//! near-equal choices. Without an index (`kv_aware` with no KV routing set up) it falls back to
-//! the session's worker, then the least loaded.
+//! Routing policies (`router.policy`: `kv_aware`, `round_robin`, `random`) live in
+//! [`crate::routing`], one file each behind [`routing::Policy`]: the scheduler asks its policy for
+//! the order to try the workers in (with `kv_aware`, each worker's estimate from the global prefix
+//! index and the [`CostModel`]), and does the rest itself. Sessions and leases are in
+//! `sessions.rs`.
 //!
 //! Admission (`kv_aware` with an index and `router.working_set` above 0): a session's turn is
 //! routed only when the contexts of the sessions ahead of it in the line and its own fit the
@@ -44,20 +41,23 @@ use tracing::Instrument;
 
 use dynamo_config::RegionKind;
 use dynamo_config::RoutingPolicy;
-use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
+use dynamo_tiering::block::{BlockHash, Salt};
 use dynamo_tiering::pipeline::region_of;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 
 use crate::admission::WorkingSet;
 use crate::cost::{CostModel, Queued};
-use crate::index::{IndexWriter, Matches, PrefixIndex, SourceId, WorkerViews};
+use crate::index::{IndexWriter, PrefixIndex};
 use crate::leases::{LeasedTiers, Lessee};
+use crate::routing::{self, Candidates, Policy};
 use crate::session::{LeasedChain, SessionActor, SessionArgs, SessionMsg, SessionRef};
 use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::queue::PushError;
-use crate::worker::{Charge, GenRequest, Job, JobEvent, PromptHashes, WorkerHandle};
+use crate::worker::{Charge, GenRequest, Job, JobEvent, WorkerHandle};
+
+mod sessions;
 
 /// The SchedulerActor.
 #[derive(Debug)]
@@ -87,7 +87,7 @@ pub struct KvRouting {
     /// The global prefix index, fed by the node's KV events.
     pub index: Arc<PrefixIndex>,
     /// The writer applying those events, if they are not applied where they are published: each
-    /// decision first waits, yielding, for what was sent to it (microseconds; at most 2 ms), so
+    /// decision first waits, asleep, for what was sent to it (microseconds; at most 2 ms), so
     /// it sees every event published before it.
     pub writer: Option<Arc<IndexWriter>>,
     /// This node's id in the index (the first node's, with `workers_per_node`).
@@ -318,13 +318,10 @@ struct SessionEntry {
 pub struct SchedulerState {
     args: SchedulerArgs,
     workers: Vec<Option<WorkerHandle>>,
-    next: usize,
-    rng: u64,
+    /// `router.policy`: the order to try the workers in.
+    policy: Box<dyn Policy>,
     sessions: HashMap<String, SessionEntry>,
     session_of: HashMap<ActorId, String>,
-    matches: Matches,
-    /// Every worker's view of the last lookup.
-    views: WorkerViews,
     /// The sessions in line ([`crate::admission`]).
     working: WorkingSet<ActorId>,
     /// Sessions' turns waiting for room, in arrival order.
@@ -351,107 +348,6 @@ impl std::fmt::Debug for SchedulerState {
 }
 
 impl SchedulerState {
-    fn next_random(&mut self) -> u64 {
-        // xorshift64*: enough for spreading load, seeded for reproducible tests.
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// KV-aware order: workers by estimated time to first token, with the session's worker and
-    /// temperature sampling applied; also the predicted cached tokens per worker, the request's
-    /// prefill estimate there, and the prefix blocks it finds in that worker's G1.
-    /// The prompt's block hashes are computed here, once, and go to the worker with the request.
-    fn kv_order(
-        &mut self,
-        kv: &KvRouting,
-        req: &mut GenRequest,
-        sticky: Option<usize>,
-    ) -> Vec<(usize, usize, f64, usize)> {
-        let started = Instant::now();
-        let salt = req.salt(kv.salt);
-        let hashes = BlockHasher::new(salt, kv.block_tokens).hash_sequence(&req.prompt);
-        kv.index.find_matches(&hashes, &mut self.matches);
-        req.hashes = Some(Arc::new(PromptHashes { salt, block_tokens: kv.block_tokens, hashes: hashes.into() }));
-        self.matches.views(&mut self.views);
-        let mut cost = match &kv.tiers {
-            Some(tiers) => kv.cost.measured(&tiers.measured),
-            None => kv.cost.clone(),
-        };
-        // A load from a peer is priced at the link to the peer with the longest prefix, the one
-        // the worker will ask, as the worker prices it.
-        if let Some(g4) = kv.tiers.as_ref().and_then(|t| t.g4.as_ref())
-            && let Some((peer, _)) = self.views.best_other_node(kv.node)
-            && let Some(link) = g4.remote.link(peer)
-        {
-            link.price(&mut cost);
-        }
-        let mut ranked: Vec<(usize, f64, usize, f64, usize)> = Vec::with_capacity(self.workers.len());
-        for (i, w) in self.workers.iter().enumerate() {
-            let Some(w) = w else { continue };
-            let node = match kv.workers_per_node {
-                0 => kv.node,
-                per => kv.node + (i / per) as u16,
-            };
-            let prefix = self.views.for_worker(SourceId::worker(node, i as u16));
-            let e = cost.estimate(req.prompt.len(), prefix.into(), w.load.queued());
-            let alone = cost.estimate(req.prompt.len(), prefix.into(), Queued::default()).ttft_s;
-            ranked.push((i, e.ttft_s, e.cached_blocks * kv.block_tokens, alone, prefix.g1.max(prefix.g1_approximate)));
-        }
-        ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
-        if let (Some(s), Some(best)) = (sticky, ranked.first().map(|r| r.1))
-            && let Some(pos) = ranked.iter().position(|r| r.0 == s)
-            && ranked[pos].1 <= best + kv.sticky_bonus.as_secs_f64()
-        {
-            let chosen = ranked.remove(pos);
-            ranked.insert(0, chosen);
-        } else if kv.temperature > 0.0 && ranked.len() > 1 {
-            let best = ranked[0].1;
-            let weights: Vec<f64> = ranked.iter().map(|r| (-(r.1 - best) * 1e3 / kv.temperature).exp()).collect();
-            let total: f64 = weights.iter().sum();
-            let mut pick = (self.next_random() >> 11) as f64 / (1u64 << 53) as f64 * total;
-            let mut chosen = ranked.len() - 1;
-            for (k, w) in weights.iter().enumerate() {
-                if pick < *w {
-                    chosen = k;
-                    break;
-                }
-                pick -= w;
-            }
-            let first = ranked.remove(chosen);
-            ranked.insert(0, first);
-        }
-        telemetry::record_router_decision(started.elapsed());
-        ranked.into_iter().map(|(i, _, cached, alone, g1)| (i, cached, alone, g1)).collect()
-    }
-
-    /// Workers in the order the policy would try them.
-    fn order(&mut self, sticky: Option<usize>) -> Vec<usize> {
-        let up: Vec<usize> = (0..self.workers.len()).filter(|&i| self.workers[i].is_some()).collect();
-        if up.is_empty() {
-            return up;
-        }
-        let n = up.len();
-        let start = match self.args.policy {
-            RoutingPolicy::Random => (self.next_random() >> 33) as usize % n,
-            _ => {
-                self.next = self.next.wrapping_add(1);
-                self.next % n
-            }
-        };
-        let mut order: Vec<usize> = (0..n).map(|k| up[(start + k) % n]).collect();
-        if self.args.policy == RoutingPolicy::KvAware {
-            let load = |i: &usize| self.workers[*i].as_ref().map_or(usize::MAX, |w| w.load.prompt_tokens());
-            order.sort_by_key(load);
-            if let Some(s) = sticky.filter(|s| up.contains(s)) {
-                order.retain(|&i| i != s);
-                order.insert(0, s);
-            }
-        }
-        order
-    }
-
     async fn route(
         &mut self,
         mut req: Box<GenRequest>,
@@ -463,35 +359,34 @@ impl SchedulerState {
         let sticky = session.and_then(|s| s.sticky);
         // Each candidate with the cached tokens expected there and the request's engine time
         // there (WSPT's processing time: its prefill alone plus its expected decode).
-        let decode_s = |kv: &KvRouting| {
-            hints.expected_output_tokens.unwrap_or(req.max_tokens) as f64 * kv.cost.decode_s_per_token.unwrap_or(0.0)
-        };
+        let expected_output = hints.expected_output_tokens.unwrap_or(req.max_tokens);
+        let decode_s = |kv: &KvRouting| expected_output as f64 * kv.cost.decode_s_per_token.unwrap_or(0.0);
         // Its blocks: prompt and expected answer (G1 holds both until it ends).
         let b = self.args.kv.as_ref().map_or(1, |kv| kv.block_tokens.max(1));
-        let blocks = (req.prompt.len() + hints.expected_output_tokens.unwrap_or(req.max_tokens)).div_ceil(b);
+        let blocks = (req.prompt.len() + expected_output).div_ceil(b);
+        let kv = self.args.kv.clone();
+        if self.policy.uses_index()
+            && let Some(writer) = kv.as_ref().and_then(|kv| kv.writer.as_ref())
+        {
+            caught_up(writer).await;
+        }
+        let candidates = Candidates { workers: &self.workers, sticky };
+        let ranked = self.policy.rank(candidates, kv.as_ref(), &mut req);
+        // A policy that does not estimate charges every worker the request's prefill alone.
+        let (prefill, decode) = kv.as_ref().map_or((0.0, req.prompt.len() as f64), |kv| {
+            (kv.cost.estimate(req.prompt.len(), Default::default(), Queued::default()).ttft_s, decode_s(kv))
+        });
         // (worker, predicted cached tokens, its charge there, engine seconds there)
-        let order: Vec<(usize, Option<usize>, Charge, f64)> = match (&self.args.kv, self.args.policy) {
-            (Some(kv), RoutingPolicy::KvAware) => {
-                let kv = kv.clone();
-                let decode = decode_s(&kv);
-                if let Some(writer) = &kv.writer {
-                    caught_up(writer).await;
+        let order: Vec<(usize, Option<usize>, Charge, f64)> = ranked
+            .into_iter()
+            .map(|choice| match choice.estimate {
+                Some(e) => {
+                    let charge = Charge { prefill_s: e.prefill_s, blocks: blocks.saturating_sub(e.g1_blocks) };
+                    (choice.worker, Some(e.cached_tokens), charge, e.prefill_s + decode)
                 }
-                self.kv_order(&kv, &mut req, sticky)
-                    .into_iter()
-                    .map(|(i, c, s, g1)| {
-                        (i, Some(c), Charge { prefill_s: s, blocks: blocks.saturating_sub(g1) }, s + decode)
-                    })
-                    .collect()
-            }
-            (kv, _) => {
-                let (prefill, decode) = kv.as_ref().map_or((0.0, req.prompt.len() as f64), |kv| {
-                    (kv.cost.estimate(req.prompt.len(), Default::default(), Queued::default()).ttft_s, decode_s(kv))
-                });
-                let charge = Charge { prefill_s: prefill, blocks };
-                self.order(sticky).into_iter().map(|i| (i, None, charge, prefill + decode)).collect()
-            }
-        };
+                None => (choice.worker, None, Charge { prefill_s: prefill, blocks }, prefill + decode),
+            })
+            .collect();
         if order.is_empty() {
             return Routed::Refused(SubmitError::NoWorkers);
         }
@@ -559,7 +454,7 @@ impl SchedulerState {
     /// Whether late binding holds requests now: under `kv_aware` with `router.late_binding` set,
     /// while every worker up has more estimated prefill ahead than that.
     fn saturated(&self) -> bool {
-        let Some(kv) = self.args.kv.as_ref().filter(|_| self.args.policy == RoutingPolicy::KvAware) else {
+        let Some(kv) = self.args.kv.as_ref().filter(|_| self.policy.uses_index()) else {
             return false;
         };
         let limit = kv.admission.late_binding.as_secs_f64();
@@ -572,7 +467,7 @@ impl SchedulerState {
     /// ([`crate::admission`]). `None` (no admission) under another policy, without an index, or
     /// while a worker's G1 size is unknown.
     fn working_set_capacity(&self) -> Option<usize> {
-        let kv = self.args.kv.as_ref().filter(|_| self.args.policy == RoutingPolicy::KvAware)?;
+        let kv = self.args.kv.as_ref().filter(|_| self.policy.uses_index())?;
         let admission = kv.admission;
         if admission.working_set <= 0.0 {
             return None;
@@ -683,7 +578,7 @@ impl SchedulerState {
     /// (with late binding on); replaces the forwarder of the worker's previous handle.
     fn forward_drains(&mut self, myself: &SchedulerRef, handle: &WorkerHandle) {
         let late = self.args.kv.as_ref().is_some_and(|kv| !kv.admission.late_binding.is_zero());
-        if !late || self.args.policy != RoutingPolicy::KvAware {
+        if !late || !self.policy.uses_index() {
             return;
         }
         if self.forwarders.len() <= handle.id {
@@ -787,121 +682,6 @@ impl SchedulerState {
             .min_by(f64::total_cmp)?;
         Some(Duration::from_secs_f64(wait.clamp(1.0, 600.0)))
     }
-
-    /// The chains `req`'s leases cover (complete blocks, with their regions), and the hashes
-    /// of its prompt (computed once here if routing did not). Empty without leases, or without
-    /// the node's tiers to lease in. A hit of a leased prefix also refreshes its leases here.
-    fn lease_plan(&self, req: &mut GenRequest) -> Vec<(Vec<(BlockHash, RegionKind)>, Duration)> {
-        let Some(kv) = &self.args.kv else { return Vec::new() };
-        let Some(tiers) = &kv.leases else { return Vec::new() };
-        // Nothing asked and nothing leased anywhere (the common case): no hashing, no lock.
-        if req.leases.is_empty() && tiers.book().is_empty() {
-            return Vec::new();
-        }
-        let b = kv.block_tokens.max(1);
-        let salt = req.salt(kv.salt);
-        let hashes = req.block_hashes(salt, b);
-        if req.hashes.is_none() {
-            req.hashes = Some(Arc::new(PromptHashes { salt, block_tokens: b, hashes: hashes.clone().into() }));
-        }
-        let region = |i: usize| region_of(&req.regions, i * b);
-        let with_regions =
-            |n: usize| -> Vec<(BlockHash, RegionKind)> { (0..n).map(|i| (hashes[i], region(i))).collect() };
-        tiers.refresh(&hashes, &region, tiers.now());
-        req.leases
-            .iter()
-            .take(MAX_LEASES_PER_REQUEST)
-            .map(|l| (with_regions((l.tokens / b).min(hashes.len())), l.ttl))
-            .filter(|(chain, _)| !chain.is_empty())
-            .collect()
-    }
-
-    /// Leases `plan` to `lessee` in the node's tiers; the tokens newly leased by TTL and the chains.
-    fn grant(
-        &self,
-        lessee: Lessee,
-        plan: Vec<(Vec<(BlockHash, RegionKind)>, Duration)>,
-    ) -> (LeasedTokens, Vec<LeasedChain>) {
-        let mut tokens = LeasedTokens::default();
-        let Some((kv, tiers)) = self.args.kv.as_ref().and_then(|kv| Some((kv, kv.leases.as_ref()?))) else {
-            return (tokens, Vec::new());
-        };
-        let now = tiers.now();
-        let mut chains = Vec::with_capacity(plan.len());
-        for (blocks, ttl) in plan {
-            let new = tiers.lease(lessee, &blocks, ttl.as_millis() as u64, now) * kv.block_tokens;
-            if ttl >= Duration::from_secs(3600) {
-                tokens.long += new;
-            } else {
-                tokens.short += new;
-            }
-            chains.push(LeasedChain { blocks });
-        }
-        (tokens, chains)
-    }
-
-    /// Forgets `actor`, a session that is ending (its termination may still be on its way).
-    fn forget_session(&mut self, actor: &SessionRef) {
-        if let Some(id) = self.session_of.remove(&actor.get_id())
-            && self.sessions.get(&id).is_some_and(|e| e.actor.get_id() == actor.get_id())
-        {
-            self.sessions.remove(&id);
-        }
-    }
-
-    /// The actor of session `id`, started (supervised by the scheduler) if it has none; at the
-    /// cap a conversation of the tenant holding the most sessions ends first, its idlest (its
-    /// leases end with it): one tenant opening sessions ends its own, not another's.
-    async fn session_actor(&mut self, myself: &SchedulerRef, id: String, tenant: u64) -> Option<SessionRef> {
-        if let Some(entry) = self.sessions.get_mut(&id) {
-            entry.last_request = Instant::now();
-            return Some(entry.actor.clone());
-        }
-        while self.sessions.len() >= self.args.max_sessions.max(1) {
-            let mut held: HashMap<u64, usize> = HashMap::new();
-            for e in self.sessions.values() {
-                *held.entry(e.tenant).or_default() += 1;
-            }
-            // The tenant holding the most (the newcomer's own on a tie).
-            let most = held.values().copied().max().unwrap_or(0);
-            let heaviest = if held.get(&tenant) == Some(&most) {
-                tenant
-            } else {
-                held.iter().find(|(_, n)| **n == most).map_or(tenant, |(t, _)| *t)
-            };
-            let Some(idlest) = self
-                .sessions
-                .iter()
-                .filter(|(_, e)| e.tenant == heaviest)
-                .min_by_key(|(_, e)| e.last_request)
-                .map(|(k, _)| k.clone())
-            else {
-                break;
-            };
-            if let Some(entry) = self.sessions.remove(&idlest) {
-                self.session_of.remove(&entry.actor.get_id());
-                // Drained, not stopped: what is already in its mailbox is still handled.
-                let _ = entry.actor.drain();
-            }
-        }
-        let args = SessionArgs {
-            id: id.clone(),
-            idle_timeout: self.args.session_idle_timeout,
-            scheduler: myself.clone(),
-            leasing: self.args.kv.as_ref().and_then(|kv| kv.leases.clone()),
-            tenant,
-        };
-        let (actor, _) = match Actor::spawn_linked(None, SessionActor, args, myself.get_cell()).await {
-            Ok(spawned) => spawned,
-            Err(e) => {
-                tracing::warn!(session = %id, error = %e, "could not start a session actor");
-                return None;
-            }
-        };
-        self.session_of.insert(actor.get_id(), id.clone());
-        self.sessions.insert(id, SessionEntry { actor: actor.clone(), last_request: Instant::now(), tenant });
-        Some(actor)
-    }
 }
 
 /// Breakpoints a request may lease (Anthropic's limit).
@@ -910,16 +690,12 @@ pub const MAX_LEASES_PER_REQUEST: usize = 4;
 /// Longest a decision waits for the index writer to apply the KV events sent before it.
 const INDEX_CATCH_UP: Duration = Duration::from_millis(2);
 
-/// Waits (yielding the actor's thread, never blocking it) until `writer` has applied what was sent
-/// to it, or [`INDEX_CATCH_UP`] passed: a decision then routes on a view a few events behind,
-/// which costs at most a missed hit, never a wrong answer.
+/// Waits (asleep, never spinning or blocking the actor's thread) until `writer` has applied what
+/// was sent to it, or [`INDEX_CATCH_UP`] passed: a decision then routes on a view a few events
+/// behind, which costs at most a missed hit, never a wrong answer.
 async fn caught_up(writer: &IndexWriter) {
-    if writer.caught_up() {
-        return;
-    }
-    let deadline = Instant::now() + INDEX_CATCH_UP;
-    while !writer.caught_up() && Instant::now() < deadline {
-        tokio::task::yield_now().await;
+    if !writer.caught_up() {
+        writer.catch_up(INDEX_CATCH_UP).await;
     }
 }
 
@@ -929,17 +705,13 @@ impl Actor for SchedulerActor {
     type Arguments = SchedulerArgs;
 
     async fn pre_start(&self, _: SchedulerRef, args: SchedulerArgs) -> Result<SchedulerState, ActorProcessingErr> {
-        let rng = args.seed | 1;
         let gap = args.kv.as_ref().map_or(Duration::ZERO, |kv| kv.admission.session_gap);
         Ok(SchedulerState {
+            policy: routing::for_config(args.policy, args.seed),
             args,
             workers: Vec::new(),
-            next: usize::MAX,
-            rng,
             sessions: HashMap::new(),
             session_of: HashMap::new(),
-            matches: Matches::new(),
-            views: WorkerViews::default(),
             working: WorkingSet::new(gap),
             parked: VecDeque::new(),
             wake_at: None,
