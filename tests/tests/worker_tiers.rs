@@ -674,8 +674,9 @@ async fn a_failing_disk_degrades_the_node_to_g1_g2_and_a_probe_brings_g3_back() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_disk_gets_a_bounded_backlog_and_the_rest_stays_in_g2() {
     let mut n = node_with(64, Arc::new(NoObserver), true);
-    // One block per G3 batch, and a disk that takes 300 ms per write and is said to write four
-    // blocks a second (`tiers.g3.write_gb_s`): a second of backlog is five blocks in flight.
+    // One block per G3 batch, and a disk said to write four blocks a second (`tiers.g3.write_gb_s`):
+    // a second of backlog is five blocks in flight. Each write takes 4 s, far longer than the
+    // prompt's prefill on any machine, so none lands (and frees room) before all are handed over.
     let tiers = Arc::get_mut(&mut n.tiers).expect("not shared yet");
     tiers.write_batch.g3_blocks = 1;
     let slot = tiers.g3.as_ref().expect("G3").store.slot_bytes();
@@ -683,7 +684,7 @@ async fn a_slow_disk_gets_a_bounded_backlog_and_the_rest_stays_in_g2() {
     n.faults
         .as_ref()
         .expect("faulty")
-        .set_plan(FaultPlan { write_latency: std::time::Duration::from_millis(300), ..FaultPlan::default() });
+        .set_plan(FaultPlan { write_latency: std::time::Duration::from_secs(4), ..FaultPlan::default() });
     let mut w = n.worker();
     let prompt = turn(14 * B + 1, 31);
     let out = run(&mut w, &request(prompt.clone())).await;
