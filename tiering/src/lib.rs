@@ -15,7 +15,8 @@
 //! - [`g3`] — the NVMe tier: `O_DIRECT` files or devices in fixed 4 KiB-aligned slots, every read
 //!   verified, headers rebuilt into an index by a tokio-uring scan on restart.
 //! - [`g4`] — the block-serving protocol between nodes: frames, the peers' mutual authentication,
-//!   and the serving side's expiring holds, all sans I/O.
+//!   and the serving side's expiring holds (sans I/O), and the TCP, TLS and RDMA transports that
+//!   carry them.
 //! - [`registry`] — per-tier bookkeeping: residency, refcounts, holds, leaf-first eviction under a
 //!   priority-aware LRU or aged-LFU policy, checked by property tests against a reference model.
 //! - [`transfer`] — simulated copy links: the time block images take to cross the host link in

@@ -1,4 +1,6 @@
-//! G4: the block-serving protocol between nodes, sans I/O (DESIGN.md §10).
+//! G4: the block-serving protocol between nodes (DESIGN.md §10). `wire`, `auth`, `holds` and
+//! `feed` are sans I/O (bytes and state in, bytes and decisions out); `tcp`, `tls`, `rdma` and
+//! `transport` put them on sockets and queue pairs.
 //!
 //! - [`wire`] — framed, versioned messages; every length and count is checked before anything is
 //!   allocated for it; requests name block hashes, never addresses.
@@ -12,8 +14,7 @@
 //! - [`transport`] — a lane of a link, TCP or RDMA, behind one trait.
 //! - `rdma` (feature `rdma`) — one-sided RDMA reads of a peer's held images into local G2.
 //!
-//! The PeerLink actors that drive these are built on top; the
-//! reader verifies every image it receives ([`crate::block::verify_image`]) before it is used, so
+//! The PeerLink actors (`dynamo_actors::peer`) drive these; the reader verifies every image it receives ([`crate::block::verify_image`]) before it is used, so
 //! safety never rests on a hold or on the peer.
 
 pub mod auth;
