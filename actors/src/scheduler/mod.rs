@@ -368,7 +368,7 @@ impl SchedulerState {
         if self.policy.uses_index()
             && let Some(writer) = kv.as_ref().and_then(|kv| kv.writer.as_ref())
         {
-            caught_up(writer).await;
+            writer.catch_up(INDEX_CATCH_UP).await;
         }
         let candidates = Candidates { workers: &self.workers, sticky };
         let ranked = self.policy.rank(candidates, kv.as_ref(), &mut req);
@@ -687,17 +687,10 @@ impl SchedulerState {
 /// Breakpoints a request may lease (Anthropic's limit).
 pub const MAX_LEASES_PER_REQUEST: usize = 4;
 
-/// Longest a decision waits for the index writer to apply the KV events sent before it.
-const INDEX_CATCH_UP: Duration = Duration::from_millis(2);
-
-/// Waits (asleep, never spinning or blocking the actor's thread) until `writer` has applied what
-/// was sent to it, or [`INDEX_CATCH_UP`] passed: a decision then routes on a view a few events
+/// Longest a decision waits (asleep, never spinning or blocking the actor's thread) for the index
+/// writer to apply the KV events sent before it: past that it routes on a view a few events
 /// behind, which costs at most a missed hit, never a wrong answer.
-async fn caught_up(writer: &IndexWriter) {
-    if !writer.caught_up() {
-        writer.catch_up(INDEX_CATCH_UP).await;
-    }
-}
+const INDEX_CATCH_UP: Duration = Duration::from_millis(2);
 
 impl Actor for SchedulerActor {
     type Msg = SchedulerMsg;
