@@ -19,7 +19,7 @@ pub(super) struct PendingWrite {
     pub(super) image: SlotRef,
     pub(super) completed: Instant,
     /// Its place in G3's write backlog, until the write is done.
-    pub(super) _backlog: WriteTicket,
+    pub(super) backlog: WriteTicket,
 }
 
 impl<B: Backend> Worker<B> {
@@ -264,7 +264,7 @@ impl<B: Backend> Worker<B> {
             return;
         }
         tiers.arrived(TierName::G3, hash, region, now);
-        self.g3_batch.push(PendingWrite { hash, parent, image, completed, _backlog: backlog });
+        self.g3_batch.push(PendingWrite { hash, parent, image, completed, backlog });
         if self.g3_batch.len() >= tiers.write_batch.g3_blocks {
             self.send_g3_batch();
         }
@@ -296,9 +296,13 @@ impl<B: Backend> Worker<B> {
             let g3 = tiers.g3.as_ref().expect("a G3 batch needs G3");
             let started = Instant::now();
             let writes = batch.into_iter().map(|w| async move {
-                let written = g3.write(w.hash, w.parent, w.image).await;
+                // The whole write moves in, its place in the backlog too: it leaves the backlog
+                // when the write is done, not when the future is made.
+                let PendingWrite { hash, parent, image, completed, backlog } = w;
+                let written = g3.write(hash, parent, image).await;
+                drop(backlog);
                 if written {
-                    record_write_lag(Tier::G3, w.completed.elapsed());
+                    record_write_lag(Tier::G3, completed.elapsed());
                 }
                 written
             });
