@@ -12,8 +12,9 @@
 //! NodeSupervisor restarts it with a fresh engine. The node goes on with its other workers.
 
 pub mod batch;
-mod core;
+mod engine_core;
 pub mod queue;
+mod reference;
 mod request;
 mod run;
 pub mod simulated;
@@ -32,7 +33,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use self::queue::JobQueue;
 
-pub use self::core::{DEFAULT_MAX_RUNNING, PreemptionStats, Resume, Worker};
+pub use self::reference::{DEFAULT_MAX_RUNNING, PreemptionStats, Resume, Worker};
 #[cfg(feature = "failpoints")]
 pub use self::request::FAILPOINT_PANIC_MAX_TOKENS;
 pub use self::request::{
@@ -46,7 +47,8 @@ pub type LocalFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 /// What a WorkerActor drives: one engine and its G1 pool.
 ///
 /// Both serving engines, the reference worker and the simulated one, keep the requests they admit
-/// in a batch that each [`Engine::step`] advances, as [`batch`] plans it. An engine that answers
+/// in one engine core (`engine_core`: admission, waiting for room, resumption, each step's plan
+/// from [`batch`] and its fates) that each [`Engine::step`] advances. An engine that answers
 /// each request within [`Engine::admit`] (the test engines) runs no steps: the defaults say so.
 pub trait Engine: 'static {
     /// Takes a request; what it reports and how it ends go to `ticket`.

@@ -1,5 +1,6 @@
 //! The simulated engine (DESIGN.md §7): does no math; its time comes from a calibration, and
-//! everything around it is the product's own — the batch policy of the reference worker
+//! everything around it is the product's own — the engine core the reference worker runs on
+//! (admission, waiting for room, resumption, a step's fates, turn end) and its batch policy
 //! ([`super::batch`]: decode tokens and prefill chunks per step within `engine.max_batch_tokens`
 //! and `engine.max_running_requests`, preemption when G1 has no page, resumption by loading), the
 //! tier pipeline ([`Pipeline`]: which cached blocks to reuse, load or recompute, and how far each
@@ -35,17 +36,16 @@ use dynamo_config::{Calibration, PrefillCalibration, RegionKind, RetentionSectio
 use dynamo_tiering::block::{BlockHash, Salt};
 use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill, write_admitted};
 use dynamo_tiering::io::sim::{Direction, SimDisk, SimulatedIo};
-use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Refusal, Source, TierLookup};
+use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Source, TierLookup};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
 use dynamo_tiering::transfer::{Link, LinkBandwidths, SimulatedCopy};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::batch::{self, Fate, Member};
+use super::batch;
+use super::engine_core::{EngineCore, Entry, Pages, Sequence, turn_end};
 use super::run::{After, Run};
-use super::{
-    DEFAULT_MAX_RUNNING, Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent,
-};
+use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent};
 use crate::leases::{LeaseBook, LeasedTiers};
 use crate::tiers::{BlockSite, KvObserver};
 
@@ -409,11 +409,8 @@ pub struct SimulatedEngine {
     link: SimulatedCopy,
     /// When the NIC is done with the G4 loads queued on it.
     nic_free_at: Instant,
-    prefill_chunk: usize,
-    max_running: usize,
-    running: Vec<SimSeq>,
-    preempted: Vec<SimSeq>,
-    admitted: u64,
+    /// Its batch: the requests running and waiting, and what each step does.
+    core: EngineCore<SimSeq>,
     writes: JoinSet<()>,
 }
 
@@ -431,13 +428,20 @@ struct SimSeq {
     loaded_at: Instant,
 }
 
+impl Sequence for SimSeq {
+    fn run(&self) -> &Run {
+        &self.run
+    }
+}
+
 impl SimulatedEngine {
     /// Worker `id` of `node`, with a G1 of `g1_blocks` evicted by `policy`; `epoch` is the
     /// simulation's time zero (shared by the node's workers). Steps take everything pending and
-    /// up to [`DEFAULT_MAX_RUNNING`] requests run at once unless [`Self::with_batch`] says
+    /// up to [`super::DEFAULT_MAX_RUNNING`] requests run at once unless [`Self::with_batch`] says
     /// otherwise.
     pub fn new(id: usize, node: Arc<SimNode>, g1_blocks: usize, policy: PolicyKind, epoch: Instant) -> Self {
         let link_gb_s = node.timing.link_bytes_per_s / 1e9;
+        let node_block_tokens = node.block_tokens;
         let link = SimulatedCopy::new(LinkBandwidths {
             h2d_gb_s: link_gb_s,
             d2h_gb_s: link_gb_s,
@@ -454,11 +458,7 @@ impl SimulatedEngine {
             epoch,
             link,
             nic_free_at: Instant::now(),
-            prefill_chunk: usize::MAX,
-            max_running: DEFAULT_MAX_RUNNING,
-            running: Vec::new(),
-            preempted: Vec::new(),
-            admitted: 0,
+            core: EngineCore::new(node_block_tokens),
             writes: JoinSet::new(),
         }
     }
@@ -467,8 +467,8 @@ impl SimulatedEngine {
     /// requests at once, as `engine.max_batch_tokens` and `engine.max_running_requests` bound
     /// the reference worker.
     pub fn with_batch(mut self, max_batch_tokens: usize, max_running: usize) -> Self {
-        self.prefill_chunk = max_batch_tokens.max(1);
-        self.max_running = max_running.max(1);
+        self.core.set_budget(max_batch_tokens);
+        self.core.set_max_running(max_running);
         self
     }
 
@@ -638,32 +638,34 @@ impl SimulatedEngine {
     }
 
     async fn admit_ticket(&mut self, ticket: Ticket) {
-        let b = self.node.block_tokens;
-        let req = &ticket.req;
-        let len = req.prompt.len();
-        match self.node.pipeline().admit(len, req.max_tokens, self.g1_blocks) {
-            Ok(()) => {}
-            Err(Refusal::EmptyPrompt) => return ticket.finish(Err(WorkerError::EmptyPrompt)),
-            Err(Refusal::TooLong { needed }) => {
-                let (max_tokens, capacity) = (req.max_tokens, self.g1_blocks);
-                return ticket.finish(Err(WorkerError::TooLong { prompt: len, max_tokens, needed, capacity }));
-            }
-        }
-        self.admitted += 1;
-        let blocks = Vec::with_capacity((len + req.max_tokens).div_ceil(b));
-        let rng = req.seed ^ 0x9e37_79b9_7f4a_7c15;
+        let node = self.node.clone();
         let start = ticket.queued_at;
-        let run = Run::new(ticket, self.admitted, self.node.salt, b, start);
+        let Some(run) = self.core.admit(ticket, &node.pipeline(), self.g1_blocks, node.salt, start) else { return };
+        let blocks = Vec::with_capacity((run.tokens.len() + run.req().max_tokens).div_ceil(node.block_tokens));
+        let rng = run.req().seed ^ 0x9e37_79b9_7f4a_7c15;
         let mut seq = SimSeq { run, blocks, rng, started: false, loaded_at: Instant::now() };
         // Without room in G1 beside the batch for its prompt, it waits for some.
         let shared = batch::shared_prefix(&self.g1, &seq.run.chain);
-        if !batch::may_resume(len, shared, self.running.len(), self.available_pages(), b) {
+        if !self.core.may_enter(&seq.run, shared, self.available_pages()) {
             return self.wait_for_room(seq);
         }
-        match self.onboard(&mut seq, true).await {
-            Ok(()) => self.running.push(seq),
-            Err(WorkerError::Overloaded) if !self.running.is_empty() => self.wait_for_room(seq),
-            Err(e) => seq.run.ticket.finish(Err(e)),
+        let loaded = self.onboard(&mut seq, true).await;
+        self.entered(seq, loaded);
+    }
+
+    /// Carries out where the core sends `seq` once its onboarding is done; false when it waits.
+    fn entered(&mut self, seq: SimSeq, loaded: Result<(), WorkerError>) -> bool {
+        match self.core.entered(seq, loaded) {
+            Entry::Runs => true,
+            Entry::Waits(seq) => {
+                self.wait_for_room(seq);
+                false
+            }
+            Entry::Fails(mut seq, e) => {
+                self.release(&mut seq);
+                self.end(seq, Err(e));
+                true
+            }
         }
     }
 
@@ -672,19 +674,16 @@ impl SimulatedEngine {
     /// computes first); then each request advances by what the step computed for it.
     async fn run_step(&mut self) {
         self.resume_preempted().await;
-        let mut running = std::mem::take(&mut self.running);
-        let members: Vec<Member> = running.iter().map(|s| s.run.member()).collect();
-        let b = self.node.block_tokens;
-        let plan =
-            batch::plan_step(&members, self.prefill_chunk, b, &mut SimPages { engine: self, running: &mut running });
+        let mut step = self.core.begin_step();
+        step.plan(self);
 
         // Its time: the prefill chunks' marginal cost, at least one pass over the weights for the
         // decodes, and no earlier than the loads of its requests are across.
         let now = Instant::now();
         let timing = &self.node.timing;
         let (mut prefill_s, mut decodes, mut ready) = (0.0, false, now);
-        for &(i, take) in &plan.chunks {
-            let seq = &mut running[i];
+        for &(i, take) in &step.chunks {
+            let seq = &mut step.running[i];
             // A resumed request recomputing what it did not load pays prefill for it.
             if seq.run.prefilled && take == 1 {
                 decodes = true;
@@ -702,21 +701,14 @@ impl SimulatedEngine {
         let step_s = if decodes { prefill_s.max(timing.decode_s_per_token) } else { prefill_s };
         tokio::time::sleep_until(ready.max(now + Duration::from_secs_f64(step_s))).await;
 
-        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> =
-            plan.leaving.iter().map(|&(i, why)| (i, why.end())).collect();
-        for &(i, take) in &plan.chunks {
-            if let Some(end) = self.advance(&mut running[i], take) {
-                ended.push((i, end));
+        for (i, take) in step.chunks.clone() {
+            if let Some(end) = self.advance(&mut step.running[i], take) {
+                step.ended(i, end);
             }
         }
-        for (seq, fate) in running.into_iter().zip(batch::fates(members.len(), ended, &plan.yielded)) {
-            match fate {
-                Fate::Stays => self.running.push(seq),
-                Fate::Waits => self.preempted.push(seq),
-                Fate::Leaves(end) => self.end(seq, end),
-            }
+        for (seq, end) in self.core.end_step(step) {
+            self.end(seq, end);
         }
-        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
     }
 
     /// What one step's `take` tokens mean for `seq`: the blocks they complete are registered and
@@ -749,20 +741,17 @@ impl SimulatedEngine {
     }
 
     /// Resumes preempted requests, and those that waited for room since their admission, while G1
-    /// has room for them ([`batch::may_resume`]).
+    /// has room for them ([`EngineCore::next_to_resume`]).
     async fn resume_preempted(&mut self) {
-        let b = self.node.block_tokens;
-        while let Some(first) = self.preempted.first() {
-            let shared = batch::shared_prefix(&self.g1, &first.run.chain);
-            if !batch::may_resume(first.run.tokens.len(), shared, self.running.len(), self.available_pages(), b) {
+        loop {
+            let (g1, available) = (&self.g1, self.available_pages());
+            let Some(mut seq) = self.core.next_to_resume(|chain| batch::shared_prefix(g1, chain), available) else {
                 return;
-            }
-            let mut seq = self.preempted.remove(0);
+            };
             let first = !seq.run.onboarded;
-            match self.onboard(&mut seq, first).await {
-                Ok(()) => self.running.push(seq),
-                Err(WorkerError::Overloaded) if !self.running.is_empty() => return self.wait_for_room(seq),
-                Err(e) => self.end(seq, Err(e)),
+            let loaded = self.onboard(&mut seq, first).await;
+            if !self.entered(seq, loaded) {
+                return;
             }
         }
     }
@@ -777,8 +766,7 @@ impl SimulatedEngine {
     /// Puts `seq`, which holds no page, among the requests waiting for room in G1.
     fn wait_for_room(&mut self, mut seq: SimSeq) {
         self.release(&mut seq);
-        self.preempted.push(seq);
-        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
+        self.core.wait(seq);
     }
 
     /// Ends `seq` and answers its caller: its G1 references are released and its private pages
@@ -786,7 +774,6 @@ impl SimulatedEngine {
     /// conversation context for the next turn (which resends it), so its blocks are promoted to
     /// the conversation's priority and hold.
     fn end(&mut self, mut seq: SimSeq, end: Result<Finish, WorkerError>) {
-        let b = self.node.block_tokens;
         let now = now_ms(self.epoch);
         let node = self.node.clone();
         let pipeline = node.pipeline();
@@ -796,7 +783,7 @@ impl SimulatedEngine {
                 continue;
             };
             let _ = self.g1.release(hash);
-            let fate = pipeline.turn_end(seq.run.region(i, b), i >= seq.run.prompt_blocks, now);
+            let fate = turn_end(&seq.run, i, hash, &pipeline, &node.leases, now);
             if let Some(priority) = fate.priority {
                 let _ = self.g1.set_priority(hash, priority);
                 node.promote_g2(hash, priority);
@@ -805,8 +792,7 @@ impl SimulatedEngine {
                 let _ = self.g1.hold(hash, until);
                 node.hold_g2(hash, until);
             }
-            // A leased block is held in G1 too: soft there, it is demoted to G2 under pressure.
-            if let Some(until) = node.leases.g1_hold(hash, now) {
+            if let Some(until) = fate.lease_until {
                 let _ = self.g1.hold(hash, until);
             }
         }
@@ -814,26 +800,20 @@ impl SimulatedEngine {
     }
 }
 
-/// The running requests' G1 pages while a step is planned.
-struct SimPages<'a> {
-    engine: &'a mut SimulatedEngine,
-    running: &'a mut [SimSeq],
-}
-
-impl batch::Pages for SimPages<'_> {
-    fn grow(&mut self, i: usize, blocks: usize) -> bool {
-        let now = now_ms(self.engine.epoch);
-        while self.running[i].blocks.len() < blocks {
-            if self.engine.alloc_page(now).is_err() {
+impl Pages<SimSeq> for SimulatedEngine {
+    fn grow(&mut self, seq: &mut SimSeq, blocks: usize) -> bool {
+        let now = now_ms(self.epoch);
+        while seq.blocks.len() < blocks {
+            if self.alloc_page(now).is_err() {
                 return false;
             }
-            self.running[i].blocks.push(None);
+            seq.blocks.push(None);
         }
         true
     }
 
-    fn preempt(&mut self, i: usize) {
-        self.engine.preempt(&mut self.running[i]);
+    fn preempt(&mut self, seq: &mut SimSeq) {
+        SimulatedEngine::preempt(self, seq);
     }
 }
 
@@ -883,11 +863,11 @@ impl Engine for SimulatedEngine {
     }
 
     fn has_room(&self) -> bool {
-        batch::has_room(self.running.len(), self.preempted.len(), self.max_running)
+        self.core.has_room()
     }
 
     fn running(&self) -> usize {
-        self.running.len() + self.preempted.len()
+        self.core.len()
     }
 
     fn step(&mut self) -> LocalFuture<'_, ()> {
@@ -895,18 +875,13 @@ impl Engine for SimulatedEngine {
     }
 
     fn cancel_last(&mut self) {
-        let order = self.admitted;
-        let seq = match self.running.iter().position(|s| s.run.order == order) {
-            Some(i) => Some(self.running.remove(i)),
-            None => self.preempted.iter().position(|s| s.run.order == order).map(|i| self.preempted.remove(i)),
-        };
-        if let Some(seq) = seq {
+        if let Some(seq) = self.core.cancel_last() {
             self.end(seq, Ok(Finish::Stop));
         }
     }
 
     fn reset(&mut self, why: &str) -> usize {
-        for seq in self.running.drain(..).chain(self.preempted.drain(..)) {
+        for seq in self.core.drain() {
             seq.run.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
         }
         let dropped = self.g1.len();

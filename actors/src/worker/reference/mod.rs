@@ -51,13 +51,14 @@ use dynamo_tiering::block::{
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::g3::G3Error;
-use dynamo_tiering::pipeline::{self, Landed, Presence, Refusal};
+use dynamo_tiering::pipeline::{self, Landed, Presence};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
 use tokio::task::JoinSet;
 
 #[cfg(feature = "failpoints")]
 use super::FAILPOINT_PANIC_MAX_TOKENS;
+use super::engine_core::{EngineCore, Entry, Pages, Sequence, turn_end};
 use super::run::{After, Run};
 use super::{Finish, GenOutcome, GenRequest, Ticket, WorkerError, WorkerEvent, batch, unix_millis};
 
@@ -101,20 +102,10 @@ pub struct Worker<B: Backend> {
     /// Sealed G2 images waiting for their G2 → G3 write.
     g3_batch: Vec<PendingWrite>,
     writes: JoinSet<()>,
-    /// Most tokens computed in one step (see [`Worker::with_prefill_chunk`]).
-    prefill_chunk: usize,
-    /// Most requests in the batch (see [`Worker::with_max_running`]).
-    max_running: usize,
     /// How a preempted request comes back.
     resume: Resume,
-    /// The requests in the batch, in admission order.
-    running: Vec<Seq>,
-    /// Requests waiting for room in G1, highest priority first: preempted ones, and admitted ones
-    /// whose prompt did not fit beside the batch yet. They come back before any new request is
-    /// admitted.
-    preempted: Vec<Seq>,
-    /// Admissions so far: each request's order.
-    admitted: u64,
+    /// Its batch: the requests running and waiting for room, and what each step does.
+    core: EngineCore<Seq>,
     stats: PreemptionStats,
 }
 
@@ -169,25 +160,9 @@ struct Seq {
     preempted_at: Option<(Instant, Option<Instant>)>,
 }
 
-/// The running requests' G1 pages during a step's plan.
-struct StepPages<'a, B: Backend> {
-    worker: &'a mut Worker<B>,
-    running: &'a mut [Seq],
-}
-
-impl<B: Backend> batch::Pages for StepPages<'_, B> {
-    fn grow(&mut self, i: usize, blocks: usize) -> bool {
-        while self.running[i].blocks.len() < blocks {
-            match self.worker.alloc_page(unix_millis()) {
-                Ok(page) => self.running[i].blocks.push(SeqBlock { page, registered: None }),
-                Err(_) => return false,
-            }
-        }
-        true
-    }
-
-    fn preempt(&mut self, i: usize) {
-        self.worker.preempt(&mut self.running[i]);
+impl Sequence for Seq {
+    fn run(&self) -> &Run {
+        &self.run
     }
 }
 
@@ -210,10 +185,27 @@ struct Loading<B: Backend> {
     blocks: Vec<usize>,
 }
 
+impl<B: Backend> Pages<Seq> for Worker<B> {
+    fn grow(&mut self, seq: &mut Seq, blocks: usize) -> bool {
+        while seq.blocks.len() < blocks {
+            match self.alloc_page(unix_millis()) {
+                Ok(page) => seq.blocks.push(SeqBlock { page, registered: None }),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    fn preempt(&mut self, seq: &mut Seq) {
+        Worker::preempt(self, seq);
+    }
+}
+
 impl<B: Backend> Worker<B> {
     /// A worker with `pages` G1 blocks evicted by `policy`.
     pub fn new(model: Llama<B>, tiers: Arc<NodeTiers>, pages: usize, policy: PolicyKind) -> Result<Self, WorkerError> {
-        let kv = model.kv_pool(tiers.block_tokens, pages)?;
+        let block_tokens = tiers.block_tokens;
+        let kv = model.kv_pool(block_tokens, pages)?;
         Ok(Self {
             id: 0,
             copying: Vec::new(),
@@ -230,12 +222,8 @@ impl<B: Backend> Worker<B> {
             gathering: vec![false; pages],
             g3_batch: Vec::new(),
             writes: JoinSet::new(),
-            prefill_chunk: usize::MAX,
-            max_running: DEFAULT_MAX_RUNNING,
             resume: Resume::Load,
-            running: Vec::new(),
-            preempted: Vec::new(),
-            admitted: 0,
+            core: EngineCore::new(block_tokens),
             stats: PreemptionStats::default(),
         })
     }
@@ -246,13 +234,13 @@ impl<B: Backend> Worker<B> {
     /// what bounds a step's activation memory whatever the prompts' lengths. By default a step
     /// takes everything.
     pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
-        self.prefill_chunk = tokens.max(1);
+        self.core.set_budget(tokens);
         self
     }
 
     /// Runs at most `requests` requests at once (`engine.max_running_requests`).
     pub fn with_max_running(mut self, requests: usize) -> Self {
-        self.max_running = requests.max(1);
+        self.core.set_max_running(requests);
         self
     }
 
@@ -295,19 +283,19 @@ impl<B: Backend> Worker<B> {
 
     /// Requests admitted and not finished (running or preempted).
     pub fn running(&self) -> usize {
-        self.running.len() + self.preempted.len()
+        self.core.len()
     }
 
     /// Whether another request may join the batch now: below the limit, and nobody waits to
     /// resume.
     pub fn has_room(&self) -> bool {
-        batch::has_room(self.running.len(), self.preempted.len(), self.max_running)
+        self.core.has_room()
     }
 
     /// Fails every request in the batch with [`WorkerError::Panicked`]`(why)` (their pages are
     /// not given back: a [`Self::reset`] follows).
     pub fn abort(&mut self, why: &str) {
-        for seq in self.running.drain(..).chain(self.preempted.drain(..)) {
+        for seq in self.core.drain() {
             seq.run.ticket.finish(Err(WorkerError::Panicked(why.to_string())));
         }
     }
@@ -317,8 +305,7 @@ impl<B: Backend> Worker<B> {
     /// in the batch are answered "restarting". Returns how many registered blocks were dropped;
     /// they are reported cleared.
     pub fn reset(&mut self) -> usize {
-        self.running.clear();
-        self.preempted.clear();
+        self.core.drain().for_each(drop);
         let dropped = self.by_hash.len();
         // Dropping the copies in flight waits for them; their images are not trusted either.
         self.loading.clear();
@@ -383,26 +370,16 @@ impl<B: Backend> Worker<B> {
     /// into G1 (reads from G3 are awaited here); the next step computes the rest. A request that
     /// cannot be served is answered at once.
     pub async fn admit(&mut self, ticket: Ticket) {
-        let b = self.tiers.block_tokens;
-        let req = &ticket.req;
-        let len = req.prompt.len();
-        match self.tiers.pipeline().admit(len, req.max_tokens, self.pages) {
-            Ok(()) => {}
-            Err(Refusal::EmptyPrompt) => return ticket.finish(Err(WorkerError::EmptyPrompt)),
-            Err(Refusal::TooLong { needed }) => {
-                let (prompt, max_tokens, capacity) = (len, req.max_tokens, self.pages);
-                return ticket.finish(Err(WorkerError::TooLong { prompt, max_tokens, needed, capacity }));
-            }
-        }
-        self.admitted += 1;
-        let (blocks, rng) = (Vec::with_capacity(len.div_ceil(b) + 1), SeededRng::new(req.seed));
+        let tiers = self.tiers.clone();
         let start = tokio::time::Instant::now();
-        let run = Run::new(ticket, self.admitted, self.tiers.salt, b, start);
+        let Some(run) = self.core.admit(ticket, &tiers.pipeline(), self.pages, tiers.salt, start) else { return };
+        let blocks = Vec::with_capacity(run.tokens.len().div_ceil(tiers.block_tokens) + 1);
+        let rng = SeededRng::new(run.req().seed);
         let mut seq = Seq { run, blocks, rng, preempted_at: None };
         // Without room in G1 beside the batch for its prompt, it waits for some (before any later
         // request), rather than fail for want of a page.
         let shared = batch::shared_prefix(&self.registry, &seq.run.chain);
-        if !batch::may_resume(len, shared, self.running.len(), self.available_pages(), b) {
+        if !self.core.may_enter(&seq.run, shared, self.available_pages()) {
             return self.wait_for_room(seq);
         }
         // A panic from here on finds the request in the batch, where the restart fails it.
@@ -416,28 +393,35 @@ impl<B: Backend> Worker<B> {
         .catch_unwind()
         .await;
         match onboarded {
-            Ok(Ok(())) => self.running.push(seq),
-            // The batch took the pages meanwhile: wait for some to come back.
-            Ok(Err(WorkerError::Overloaded)) if !self.running.is_empty() => self.wait_for_room(seq),
-            Ok(Err(e)) => {
-                self.release(&mut seq);
-                seq.run.ticket.finish(Err(e));
+            Ok(loaded) => {
+                self.entered(seq, loaded);
             }
             Err(panic) => {
-                self.running.push(seq);
+                self.core.keep_for_restart(seq);
                 std::panic::resume_unwind(panic);
+            }
+        }
+    }
+
+    /// Carries out where the core sends `seq` once its onboarding is done; false when it waits.
+    fn entered(&mut self, seq: Seq, loaded: Result<(), WorkerError>) -> bool {
+        match self.core.entered(seq, loaded) {
+            Entry::Runs => true,
+            Entry::Waits(seq) => {
+                self.wait_for_room(seq);
+                false
+            }
+            Entry::Fails(mut seq, e) => {
+                self.release(&mut seq);
+                self.end(seq, Err(e));
+                true
             }
         }
     }
 
     /// Ends the request admitted last at once (its caller stopped listening).
     pub fn cancel_last(&mut self) {
-        let order = self.admitted;
-        if let Some(i) = self.running.iter().position(|s| s.run.order == order) {
-            let seq = self.running.remove(i);
-            self.end(seq, Ok(Finish::Stop));
-        } else if let Some(i) = self.preempted.iter().position(|s| s.run.order == order) {
-            let seq = self.preempted.remove(i);
+        if let Some(seq) = self.core.cancel_last() {
             self.end(seq, Ok(Finish::Stop));
         }
     }
@@ -450,14 +434,11 @@ impl<B: Backend> Worker<B> {
     /// what the step did for it, and those that finished leave the batch.
     pub async fn step(&mut self) {
         self.resume_preempted().await;
-        let mut running = std::mem::take(&mut self.running);
         let b = self.tiers.block_tokens;
-        let members: Vec<batch::Member> = running.iter().map(|s| s.run.member()).collect();
-        let plan =
-            batch::plan_step(&members, self.prefill_chunk, b, &mut StepPages { worker: self, running: &mut running });
-        let mut ended: Vec<(usize, Result<Finish, WorkerError>)> =
-            plan.leaving.iter().map(|&(i, why)| (i, why.end())).collect();
-        let (plan, yielded) = (plan.chunks, plan.yielded);
+        let mut step = self.core.begin_step();
+        step.plan(self);
+        let (plan, running) = (step.chunks.clone(), &mut step.running);
+        let mut ended = Vec::new();
         let tables: Vec<Vec<u32>> =
             plan.iter().map(|&(i, _)| running[i].blocks.iter().map(|s| s.page).collect()).collect();
         let chunks: Vec<Chunk<'_>> = plan
@@ -471,7 +452,7 @@ impl<B: Backend> Worker<B> {
         let logits =
             if chunks.is_empty() { Ok(None) } else { self.model.forward_batch(&mut self.kv, &chunks, b).map(Some) };
         drop(chunks);
-        let load_failed = self.finish_loads(&mut running);
+        let load_failed = self.finish_loads(running);
         match logits {
             Ok(logits) => {
                 for (&(i, take), logits) in plan.iter().zip(logits.iter().flat_map(|l| l.rows())) {
@@ -494,21 +475,12 @@ impl<B: Backend> Worker<B> {
         self.gather_pending();
         self.maybe_flush_batches();
         // Those that ended leave, and those that yielded wait to resume; the rest stay in order.
-        let mut leaving = Vec::new();
-        for (seq, fate) in std::mem::take(&mut running).into_iter().zip(batch::fates(members.len(), ended, &yielded)) {
-            match fate {
-                batch::Fate::Stays => running.push(seq),
-                fate => leaving.push((seq, fate)),
-            }
+        for (i, end) in ended {
+            step.ended(i, end);
         }
-        self.running = running;
-        for (seq, fate) in leaving {
-            match fate {
-                batch::Fate::Leaves(end) => self.end(seq, end),
-                _ => self.preempted.push(seq),
-            }
+        for (seq, end) in self.core.end_step(step) {
+            self.end(seq, end);
         }
-        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
     }
 
     /// What one step's `take` tokens and the logits after them mean for `seq`: the blocks they
@@ -552,13 +524,12 @@ impl<B: Backend> Worker<B> {
     /// (always the first one when nothing else runs): each brings back what the tiers kept of it
     /// (or, with [`Resume::Recompute`], nothing) and recomputes the rest.
     async fn resume_preempted(&mut self) {
-        let b = self.tiers.block_tokens;
-        while let Some(first) = self.preempted.first() {
-            let shared = batch::shared_prefix(&self.registry, &first.run.chain);
-            if !batch::may_resume(first.run.tokens.len(), shared, self.running.len(), self.available_pages(), b) {
+        loop {
+            let (registry, available) = (&self.registry, self.available_pages());
+            let Some(mut seq) = self.core.next_to_resume(|chain| batch::shared_prefix(registry, chain), available)
+            else {
                 return;
-            }
-            let mut seq = self.preempted.remove(0);
+            };
             // A request that waited for room since its admission is onboarded for the first time.
             let first = !seq.run.onboarded;
             if let Some((_, resumed)) = &mut seq.preempted_at {
@@ -568,19 +539,12 @@ impl<B: Backend> Worker<B> {
                 Resume::Recompute if !first => Ok(()),
                 _ => self.onboard(&mut seq, first).await,
             };
-            match loaded {
-                Ok(()) => {
-                    if !first {
-                        self.stats.resumed_cached_tokens += seq.run.computed;
-                        self.stats.resumed_computed_tokens += seq.run.tokens.len() - seq.run.computed;
-                    }
-                    self.running.push(seq);
-                }
-                Err(WorkerError::Overloaded) if !self.running.is_empty() => return self.wait_for_room(seq),
-                Err(e) => {
-                    self.release(&mut seq);
-                    self.end(seq, Err(e));
-                }
+            if loaded.is_ok() && !first {
+                self.stats.resumed_cached_tokens += seq.run.computed;
+                self.stats.resumed_computed_tokens += seq.run.tokens.len() - seq.run.computed;
+            }
+            if !self.entered(seq, loaded) {
+                return;
             }
         }
     }
@@ -595,8 +559,7 @@ impl<B: Backend> Worker<B> {
     /// Puts `seq`, which holds no page, among the requests waiting for room in G1.
     fn wait_for_room(&mut self, mut seq: Seq) {
         self.release(&mut seq);
-        self.preempted.push(seq);
-        self.preempted.sort_by_key(|s| batch::resume_key(s.run.ticket.priority, s.run.order));
+        self.core.wait(seq);
     }
 
     /// Releases `seq`'s G1 references and frees its private pages.
@@ -618,7 +581,6 @@ impl<B: Backend> Worker<B> {
         self.gather_pending();
         self.finish_gathers(true);
         self.send_g3_batch();
-        let b = self.tiers.block_tokens;
         let now = unix_millis();
         let tiers = self.tiers.clone();
         let pipeline = tiers.pipeline();
@@ -628,7 +590,7 @@ impl<B: Backend> Worker<B> {
                 continue;
             };
             let _ = self.registry.release(hash);
-            let fate = pipeline.turn_end(seq.run.region(i, b), i >= seq.run.prompt_blocks, now);
+            let fate = turn_end(&seq.run, i, hash, &pipeline, &tiers.leases, now);
             if let Some(priority) = fate.priority {
                 let _ = self.registry.set_priority(hash, priority);
                 if let Some(g2) = &tiers.g2 {
@@ -642,7 +604,7 @@ impl<B: Backend> Worker<B> {
                 }
             }
             // A leased block is held in G1 too: soft there, it is demoted to G2 under pressure.
-            if let Some(until) = tiers.leases.g1_hold(hash, now) {
+            if let Some(until) = fate.lease_until {
                 let _ = self.registry.hold(hash, until);
             }
         }
