@@ -106,6 +106,9 @@ impl BuildError {
 pub struct StorePlan {
     /// The host pool, when G2 is enabled.
     pub g2: Option<G2Plan>,
+    /// The external engines' G2 (`engine_endpoint`): shared memory they map, beside the node's
+    /// own G2, which they never see.
+    pub engines_g2: Option<G2Plan>,
     /// The NVMe store, when G3 is enabled (needs G2).
     pub g3: Option<G3Plan>,
     /// Fraction of each tier's blocks that leases may pin (`tiers.lease_budget`); past it
@@ -131,7 +134,7 @@ pub struct G2Plan {
     pub policy: PolicyKind,
     /// Background reclaim bounds of the G2 store actor.
     pub watermarks: Watermarks,
-    /// Whether the pool is shared memory that external engines map (`engine_endpoint.enabled`).
+    /// Whether the pool is shared memory that external engines map (the engines' G2).
     pub shared: bool,
 }
 
@@ -242,17 +245,15 @@ impl NodeBuilder {
     /// Maps G2 and opens G3 (blocking while it scans its slots), rebuilding G3's registry from
     /// what it recovered.
     pub fn open(self, plan: &StorePlan) -> Result<NodeStores, BuildError> {
-        let g2 = match &plan.g2 {
-            Some(g2) => {
-                let pool = if g2.shared { HostPool::shared(g2.pool) } else { HostPool::new(g2.pool) };
-                let pool = pool.map_err(BuildError::G2)?;
-                let budget = lease_budget(g2.resident, plan.lease_budget);
-                let registry =
-                    Arc::new(Mutex::new(TierRegistry::new(g2.resident, g2.policy).with_lease_budget(budget)));
-                Some((pool, registry))
-            }
-            None => None,
+        let open_g2 = |g2: &G2Plan| -> Result<G2Parts, BuildError> {
+            let pool = if g2.shared { HostPool::shared(g2.pool) } else { HostPool::new(g2.pool) };
+            let pool = pool.map_err(BuildError::G2)?;
+            let budget = lease_budget(g2.resident, plan.lease_budget);
+            let registry = Arc::new(Mutex::new(TierRegistry::new(g2.resident, g2.policy).with_lease_budget(budget)));
+            Ok((pool, registry))
         };
+        let g2 = plan.g2.as_ref().map(open_g2).transpose()?;
+        let engines_g2 = plan.engines_g2.as_ref().map(open_g2).transpose()?;
         let mut recovery = Recovery::default();
         let g3 = match (&plan.g3, &g2) {
             (Some(g3), Some((pool, _))) => {
@@ -269,7 +270,7 @@ impl NodeBuilder {
         let lowest = g3.as_ref().map(|(_, r)| r).or(g2.as_ref().map(|(_, r)| r));
         let budget = lowest.map_or(usize::MAX, |r| r.lock().expect("tier registry lock").lease_budget());
         let leases = Arc::new(LeaseBook::with_budget(budget));
-        Ok(NodeStores { builder: self, plan: plan.clone(), g2, g3, recovery, leases })
+        Ok(NodeStores { builder: self, plan: plan.clone(), g2, engines_g2, g3, recovery, leases })
     }
 
     /// A node without stores whose engines keep their own tiers (the simulated engine's
@@ -294,12 +295,16 @@ pub struct Routing {
     pub g2_blocks: usize,
 }
 
+/// A G2 pool and its registry.
+type G2Parts = (HostPool, Arc<Mutex<TierRegistry>>);
+
 /// Stage 2: the stores are open.
 #[derive(Debug)]
 pub struct NodeStores {
     builder: NodeBuilder,
     plan: StorePlan,
-    g2: Option<(HostPool, Arc<Mutex<TierRegistry>>)>,
+    g2: Option<G2Parts>,
+    engines_g2: Option<G2Parts>,
     g3: Option<(Arc<G3Store>, Arc<Mutex<TierRegistry>>)>,
     recovery: Recovery,
     leases: Arc<LeaseBook>,
@@ -344,7 +349,7 @@ impl NodeStores {
     /// Builds the node's tiers over the open stores with the node's one cost model, and tells
     /// the index what G3 recovered.
     pub fn tiers(self, settings: TierSettings) -> NodeTiered {
-        let NodeStores { builder, plan, g2, g3, recovery, leases } = self;
+        let NodeStores { builder, plan, g2, engines_g2, g3, recovery, leases } = self;
         // G4: the feed of G2 for peers, and the links to theirs (started by the caller).
         let g4 = settings.g4.then(|| G4Tier {
             feed: Arc::new(Feed::default()),
@@ -356,6 +361,7 @@ impl NodeStores {
             (true, None) => builder.publisher(builder.node),
         };
         let g2 = g2.map(|(pool, registry)| G2Tier::new(pool, registry).with_observer(observer.clone()));
+        let engines_g2 = engines_g2.map(|(pool, registry)| G2Tier::new(pool, registry).with_observer(observer.clone()));
         let g3 = g3.map(|(store, registry)| {
             G3Tier::new(store, registry).with_observer(observer.clone()).with_write_rate(settings.g3_write_rate)
         });
@@ -378,6 +384,7 @@ impl NodeStores {
             layout: settings.layout,
             retention: settings.retention,
             g2,
+            engines_g2,
             g3,
             write_batch: settings.write_batch,
             cost: settings.cost,
@@ -727,6 +734,7 @@ mod tests {
         let pool = HostPoolOptions { slot_bytes, slots: 16, mlock: MlockPolicy::Off };
         StorePlan {
             g2: Some(G2Plan::new(pool, PolicyKind::Lru, marks())),
+            engines_g2: None,
             g3: Some(G3Plan {
                 options: G3Options {
                     paths: vec![dir.join("g3.data")],

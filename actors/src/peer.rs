@@ -70,7 +70,8 @@ impl AsRef<[u8]> for G2Image {
 #[cfg(feature = "failpoints")]
 pub const FAILPOINT_G4_CORRUPT: &str = "DYNAMO_FAILPOINT_G4_CORRUPT";
 
-/// The node's G2, as the block server reads it.
+/// The node's G2 and the engines' (the node's own blocks, then external engines' blocks), as the
+/// block server reads them.
 #[derive(Debug)]
 pub struct G2Blocks(pub Arc<NodeTiers>);
 
@@ -78,7 +79,7 @@ impl BlockSource for G2Blocks {
     type Handle = G2Image;
 
     fn resolve(&self, hash: BlockHash) -> Option<G2Image> {
-        let slot = self.0.g2.as_ref()?.peek(hash)?;
+        let slot = self.0.g2_peek(hash)?;
         // A slot whose header does not decode is not served; the reader would drop it anyway.
         let len = ImageHeader::decode_header_only(slot.as_slice()).ok()?.image_bytes();
         if len > slot.as_slice().len() {
@@ -115,7 +116,8 @@ impl BlockSource for G2Blocks {
             }
             let now = unix_millis();
             // In prefix order up to the first block neither tier has: the reader's prefix ends there.
-            let wanted = hashes.iter().copied().filter(|&h| g2.peek(h).is_none()).take_while(|&h| g3.store.contains(h));
+            let wanted =
+                hashes.iter().copied().filter(|&h| tiers.g2_peek(h).is_none()).take_while(|&h| g3.store.contains(h));
             let reads = wanted.take(MAX_STAGED).map(|hash| {
                 let dst = g2.alloc(now);
                 async move {

@@ -486,8 +486,12 @@ pub struct NodeTiers {
     pub layout: BlockLayout,
     /// Retention per region.
     pub retention: RetentionSection,
-    /// G2, when enabled.
+    /// G2, when enabled: the node's own, which no other process maps.
     pub g2: Option<G2Tier>,
+    /// The external engines' G2 (`engine_endpoint`): shared memory every registered engine maps,
+    /// holding only their blocks. Apart from the node's own, so that no engine can read or
+    /// rewrite a block the node computed.
+    pub engines_g2: Option<G2Tier>,
     /// G3, when enabled.
     pub g3: Option<G3Tier>,
     /// Write-through batch bounds.
@@ -548,6 +552,12 @@ impl WriteBatch {
 }
 
 impl NodeTiers {
+    /// The image of `hash` in the node's G2 or the engines' (without counting an access).
+    pub fn g2_peek(&self, hash: BlockHash) -> Option<SlotRef> {
+        let own = self.g2.as_ref().and_then(|g2| g2.peek(hash));
+        own.or_else(|| self.engines_g2.as_ref()?.peek(hash))
+    }
+
     /// The cost model with what has been measured so far.
     pub fn cost_now(&self) -> CostModel {
         self.cost.measured(&self.measured)

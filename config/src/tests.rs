@@ -367,6 +367,8 @@ fn other_validation_rules() {
         ("[metrics]\nlatency_buckets_seconds = [1.0, 0.5]\n", "metrics.latency_buckets_seconds"),
         ("[metrics]\nlatency_buckets_seconds = [0.0, 1.0]\n", "metrics.latency_buckets_seconds"),
         ("[router]\ntemperature = -1.0\n", "router.temperature"),
+        ("[engine_endpoint]\nenabled = true\ng2_share = 1.0\n", "engine_endpoint.g2_share"),
+        ("[engine_endpoint]\nenabled = true\ng2_share = 0.0\n", "engine_endpoint.g2_share"),
     ];
     for &(src, key) in cases {
         let err = parse(src).expect_err(src);

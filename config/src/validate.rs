@@ -286,6 +286,13 @@ impl NodeConfig {
                 );
             }
             c.at_least_one("engine_endpoint.max_engines", endpoint.max_engines);
+            let share = endpoint.g2_share;
+            if !(share > 0.0 && share < 1.0) {
+                c.fail(
+                    "engine_endpoint.g2_share",
+                    format!("{share} is outside (0, 1): it is the fraction of tiers.g2.capacity engines map, the rest is the node's own"),
+                );
+            }
         }
 
         // [cluster]

@@ -195,8 +195,9 @@ pub struct ResolvedTiers {
     pub g3: Option<G3Plan>,
     /// G4: transport and peers, when enabled.
     pub g4: Option<(String, String, Vec<String>)>,
-    /// Whether G2 is shared memory for external engines (`engine_endpoint.enabled`).
-    pub shared_g2: bool,
+    /// The engines' share of G2 (`engine_endpoint.g2_share` of `tiers.g2.capacity`, taken out of
+    /// `g2`): shared memory the external engines map, holding only their blocks.
+    pub engines_g2: Option<MemoryTierPlan>,
 }
 
 /// G4's secret file and TLS files, loaded as the block server and the peer links load them.
@@ -234,8 +235,9 @@ impl ResolvedTiers {
         let block_tokens = cfg.blocks.block_size;
         let layout = BlockLayout::for_model(&shape, cfg.model.dtype, block_tokens);
         let image_bytes = layout.image_bytes();
-        // External engines' blocks share G2 and G3 slots with the node's own, so with the endpoint
-        // on every slot holds the largest block an engine may register.
+        // External engines' blocks share G3's slots with the node's own, and G3 reads land in
+        // either G2, so with the endpoint on every slot holds the largest block an engine may
+        // register.
         let foreign_image = dynamo_tiering::block::HEADER_LEN as u64 + cfg.engine_endpoint.max_block_bytes.as_u64();
         let slot_bytes = match cfg.engine_endpoint.enabled {
             true => align_up(image_bytes.max(foreign_image as usize)),
@@ -257,14 +259,22 @@ impl ResolvedTiers {
             blocks: g1_capacity / g1_block_bytes,
             policy: cfg.tiers.g1.eviction.into(),
         };
-        let g2 = cfg.tiers.g2.enabled.then(|| {
-            let plan = MemoryTierPlan {
-                capacity: cfg.tiers.g2.capacity.as_u64(),
-                blocks: cfg.tiers.g2.capacity.as_u64() / slot_bytes as u64,
-                policy: cfg.tiers.g2.eviction.into(),
-            };
-            (plan, MlockPolicy::from(cfg.tiers.g2.mlock))
-        });
+        // With the endpoint on, G2 is two pools: the engines' share, which they map, and the
+        // node's own, which no other process maps (an engine can then neither read nor rewrite
+        // the node's blocks between their checks and their use).
+        let g2_bytes = cfg.tiers.g2.capacity.as_u64();
+        let engines_bytes = match cfg.engine_endpoint.enabled {
+            true => (g2_bytes as f64 * cfg.engine_endpoint.g2_share) as u64,
+            false => 0,
+        };
+        let g2_tier = |capacity: u64| MemoryTierPlan {
+            capacity,
+            blocks: capacity / slot_bytes as u64,
+            policy: cfg.tiers.g2.eviction.into(),
+        };
+        let g2 =
+            cfg.tiers.g2.enabled.then(|| (g2_tier(g2_bytes - engines_bytes), MlockPolicy::from(cfg.tiers.g2.mlock)));
+        let engines_g2 = (cfg.tiers.g2.enabled && engines_bytes > 0).then(|| g2_tier(engines_bytes));
         // G4's secret and TLS files, read as the node will read them, before G3 is formatted
         // (and by `config check`): a secret readable by others, or empty, is refused here
         // rather than after the store is made.
@@ -332,22 +342,23 @@ impl ResolvedTiers {
             g2,
             g3,
             g4,
-            shared_g2: cfg.engine_endpoint.enabled,
+            engines_g2,
         })
     }
 
     /// What the node builder opens: the G2 pool (its registry keeping all but
     /// [`builder::g2_reserve`] slots) and the G3 store, with the watermarks of `tiers`.
     pub fn store_plan(&self, tiers: &TiersSection) -> anyhow::Result<StorePlan> {
-        let g2 = match &self.g2 {
-            Some((plan, mlock)) => {
-                let slots = u32::try_from(plan.blocks).context("tiers.g2.capacity holds more than 2^32 slots")?;
-                let pool = HostPoolOptions { slot_bytes: self.slot_bytes, slots, mlock: *mlock };
-                let watermarks = Watermarks { high: tiers.g2.high_watermark, low: tiers.g2.low_watermark };
-                let g2 = builder::G2Plan::new(pool, plan.policy, watermarks);
-                Some(if self.shared_g2 { g2.shared() } else { g2 })
-            }
-            None => None,
+        let watermarks = Watermarks { high: tiers.g2.high_watermark, low: tiers.g2.low_watermark };
+        let g2_plan = |plan: &MemoryTierPlan, mlock: MlockPolicy| -> anyhow::Result<builder::G2Plan> {
+            let slots = u32::try_from(plan.blocks).context("tiers.g2.capacity holds more than 2^32 slots")?;
+            let pool = HostPoolOptions { slot_bytes: self.slot_bytes, slots, mlock };
+            Ok(builder::G2Plan::new(pool, plan.policy, watermarks))
+        };
+        let g2 = self.g2.as_ref().map(|(plan, mlock)| g2_plan(plan, *mlock)).transpose()?;
+        let engines_g2 = match (&self.engines_g2, &self.g2) {
+            (Some(plan), Some((_, mlock))) => Some(g2_plan(plan, *mlock)?.shared()),
+            _ => None,
         };
         let g3 = self.g3.as_ref().map(|plan| builder::G3Plan {
             options: G3Options {
@@ -361,14 +372,14 @@ impl ResolvedTiers {
             policy: plan.policy,
             watermarks: Watermarks { high: tiers.g3.high_watermark, low: tiers.g3.low_watermark },
         });
-        Ok(StorePlan { g2, g3, lease_budget: tiers.lease_budget })
+        Ok(StorePlan { g2, engines_g2, g3, lease_budget: tiers.lease_budget })
     }
 
     /// What slots sized for external engines' blocks cost the node's own, when that is more than
     /// twice their image: G2 and G3 hold that many times fewer of the node's blocks.
     pub fn slot_warning(&self) -> Option<String> {
         let ratio = self.slot_bytes / self.image_bytes.max(1);
-        (self.shared_g2 && ratio >= 2).then(|| {
+        (self.engines_g2.is_some() && ratio >= 2).then(|| {
             format!(
                 "engine_endpoint.max_block_bytes makes every G2 and G3 slot {} for the node's own images of {}: \
                  G2 and G3 hold {ratio}× fewer of the node's blocks than their capacity allows; set \
@@ -430,6 +441,17 @@ impl ResolvedTiers {
             None => {
                 let _ = writeln!(out, "G2   disabled");
             }
+        }
+        if let Some(g2) = &self.engines_g2 {
+            let _ = writeln!(
+                out,
+                "{:<4} {:<44} {:>10} {:>9} {:<6}",
+                "G2",
+                "host memory, shared with external engines",
+                ByteSize(g2.capacity).to_string(),
+                g2.blocks,
+                policy(g2.policy)
+            );
         }
         match &self.g3 {
             Some(g3) => {
@@ -531,6 +553,29 @@ mod tests {
         assert!(fitted.slot_warning().is_none(), "{}", fitted.render());
         cfg.engine_endpoint.enabled = false;
         assert!(ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap().slot_warning().is_none());
+    }
+
+    /// With the endpoint on, G2 is two pools: `engine_endpoint.g2_share` of it shared with the
+    /// engines, the rest the node's own and private; off, all of it is the node's.
+    #[test]
+    fn the_engines_get_their_share_of_g2_as_a_pool_of_their_own() {
+        let mut cfg = NodeConfig::embedded_default();
+        cfg.tiers.g2.capacity = ByteSize::mib(64);
+        let whole = ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap();
+        assert!(whole.engines_g2.is_none());
+        let store = whole.store_plan(&cfg.tiers).unwrap();
+        assert!(store.engines_g2.is_none() && !store.g2.as_ref().unwrap().shared);
+        cfg.engine_endpoint.enabled = true;
+        cfg.engine_endpoint.g2_share = 0.25;
+        let split = ResolvedTiers::resolve_with(&cfg, &no_gpu).unwrap();
+        let (own, engines) = (&split.g2.as_ref().unwrap().0, split.engines_g2.as_ref().unwrap());
+        assert_eq!((own.capacity, engines.capacity), (48 << 20, 16 << 20));
+        assert_eq!(engines.blocks, (16 << 20) / split.slot_bytes as u64);
+        let store = split.store_plan(&cfg.tiers).unwrap();
+        let (own, engines) = (store.g2.unwrap(), store.engines_g2.unwrap());
+        assert!(!own.shared && engines.shared, "only the engines' pool is shared memory");
+        assert_eq!(engines.pool.slots as u64, split.engines_g2.as_ref().unwrap().blocks);
+        assert!(split.render().contains("shared with external engines"), "{}", split.render());
     }
 
     #[test]

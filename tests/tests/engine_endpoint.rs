@@ -3,7 +3,8 @@
 //! store, look up, load, events; a second engine of the same description shares the blocks,
 //! another description does not; G2 too small → blocks come back from G3, verified; a restart →
 //! G3's blocks are found again; a corrupted G3 slot is never handed out; bad input gets the
-//! protocol's error and the node goes on.
+//! protocol's error and the node goes on; an engine that rewrites everything it maps changes
+//! nothing the node computed.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -19,11 +20,12 @@ use dynamo_tiering::foreign::{ErrorCode, Found, PROTOCOL_VERSION, Registration, 
 /// Bytes of one test block: what a tiny vLLM model's 128-token block takes.
 const BLOCK: u64 = 65536;
 
+/// The endpoint on, the engines' G2 2 MiB (half of G2: the other half is the node's own).
 fn config() -> String {
     format!(
         r#"
 [tiers.g2]
-capacity = "2MiB"
+capacity = "4MiB"
 mlock = "off"
 
 [tiers.g3]
@@ -554,16 +556,16 @@ fn granted(client: &mut Client, keys: &[Vec<u8>]) -> usize {
     slots.iter().filter(|&&s| s >= 0).count()
 }
 
-/// What one engine, or all of them, may hold of G2 is bounded however many connections they
-/// open: slots held for stores not yet completed are capped per engine (all its connections
-/// together; two connections of one engine once took 126 of 127 slots) at half of G2, and for
-/// every engine together at three quarters, so the node's own write-through keeps its room. A
+/// What one engine, or all of them, may hold of the engines' G2 is bounded however many
+/// connections they open: slots held for stores not yet completed are capped per engine (all its
+/// connections together; two connections of one engine once took 126 of 127 slots) at half of it,
+/// and for every engine together at three quarters, so reads back from G3 keep their room. A
 /// request of more than 65,536 keys is the protocol's error, not a 42 MB reply; an engine that
 /// does not read its replies is disconnected.
 #[test]
 fn engines_hold_a_bounded_share_of_g2_and_requests_are_bounded() {
     let dir = Arc::new(tempfile::tempdir().unwrap());
-    let config = config().replace("capacity = \"2MiB\"", "capacity = \"8MiB\"");
+    let config = config().replace("capacity = \"4MiB\"", "capacity = \"16MiB\"");
     let node = Node::start_in(dir.clone(), &config);
     let sock = socket(&dir);
     let mut a1 = register(&sock, registration("vllm-a", Role::Manager)).expect("register");
@@ -617,4 +619,42 @@ fn engines_hold_a_bounded_share_of_g2_and_requests_are_bounded() {
     assert!(cut, "a connection that reads nothing is closed ({:?})", started.elapsed());
     assert!(started.elapsed() < Duration::from_secs(25), "{:?}", started.elapsed());
     assert_eq!(node.stop(), 0);
+}
+
+/// Engines map only the engines' G2. One that rewrites every byte it can map — as a hostile or
+/// broken engine could, checksums and all — leaves the node's own blocks alone: they live in the
+/// node's G2, which no engine maps, and come back from there whole: the same greedy answer, its
+/// prefix loaded from G2, nothing found corrupt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_rewrites_all_it_maps_cannot_touch_the_nodes_own_blocks() {
+    // One worker with a G1 of 64 blocks, so that a flood pushes the first prompt out of it; a G2
+    // of 32 MiB for the node (~480 slots: it keeps every prompt) and as much for the engines.
+    let config = format!(
+        "[engine]\nworkers = 1\n\n[tiers.g1]\ncapacity = \"2MiB\"\n\n[tiers.g2]\ncapacity = \"64MiB\"\n\
+         mlock = \"off\"\n\n[tiers.g3]\nenabled = false\n\n[engine_endpoint]\nenabled = true\n\
+         max_block_bytes = \"{BLOCK}B\"\n"
+    );
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let node = Node::start_in(dir.clone(), &config);
+    let (answer, _, _) = node.greedy_topic("kept").await;
+    for k in 0..6 {
+        node.greedy_topic(&format!("flood {k}")).await;
+    }
+
+    // (A blocking registration: the node is another process, and this test has two threads.)
+    let engine = register(&socket(&dir), registration("hostile", Role::Manager)).expect("register");
+    assert!(engine.map_len <= 32 << 20, "engines map their share of G2 only: {} bytes", engine.map_len);
+    // SAFETY: the whole mapping, which `engine` holds until it drops.
+    unsafe { std::ptr::write_bytes(engine.map, 0x5a, engine.map_len) };
+
+    const G2_HITS: &str = "dynamo_node_kv_hit_tokens_total{tier=\"g2\"}";
+    const G2_CORRUPT: &str = "dynamo_node_kv_corrupt_blocks_total{tier=\"g2\"}";
+    let hits = node.metric(G2_HITS).await;
+    let (again, blocks, cached) = node.greedy_topic("kept").await;
+    assert_eq!(again, answer, "the node's answer is its own");
+    assert!(cached as f64 >= 0.9 * blocks * 32.0, "its prefix is cached: {cached} of {blocks} blocks");
+    let loaded = node.metric(G2_HITS).await - hits;
+    assert!(loaded >= 0.9 * blocks * 32.0, "and loaded from the node's G2: {loaded} tokens");
+    assert_eq!(node.metric(G2_CORRUPT).await, 0.0, "no block of the node's was touched");
+    drop(engine);
 }

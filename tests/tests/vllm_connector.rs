@@ -188,8 +188,9 @@ fn vllm_loads_from_g3_when_g2_is_small_and_after_a_restart_never_loads_a_corrupt
     let (model, prompt) = model_and_prompt(dir.path(), 1200);
     let socket = dir.path().join("engines.sock");
     let c = engine(&model, &prompt, None, &[]);
-    // 9 slots of 68 KiB, 4 of them kept for transfers: G2 holds 5 of the prompt's 9 blocks.
-    let small_g2 = config("640KiB");
+    // The engines' half of G2: 9 slots of 68 KiB, 4 of them kept for transfers, so it holds 5 of
+    // the prompt's 9 blocks.
+    let small_g2 = config("1280KiB");
 
     let node = Node::start_in(dir.clone(), &small_g2);
     let a = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-a"]);

@@ -96,6 +96,7 @@ fn node_sized(sizes: Sizes, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
         layout,
         retention: RetentionSection::default(),
         g2: Some(G2Tier::new(pool, Arc::new(Mutex::new(g2_registry))).with_observer(observer.clone())),
+        engines_g2: None,
         g3: Some(G3Tier::new(store, Arc::new(Mutex::new(g3_registry))).with_observer(observer.clone())),
         write_batch: WriteBatch::default(),
         cost: CostModel::unknown(B, layout.image_bytes()),

@@ -2,8 +2,10 @@
 //! `dynamo_node_vllm` plug-in loaded by its `OffloadingConnector` — use the node's tiers as their
 //! KV tier over a Unix socket.
 //!
-//! G2 is then one shared-memory region ([`HostPool::shared`](dynamo_tiering::g2::HostPool::shared))
-//! that every engine process maps (the fd travels with the REGISTER reply). An engine writes a
+//! The engines' G2 ([`NodeTiers::engines_g2`](crate::tiers::NodeTiers::engines_g2)) is one shared-memory region
+//! ([`HostPool::shared`](dynamo_tiering::g2::HostPool::shared)) that every engine process maps
+//! (the fd travels with the REGISTER reply); the node's own G2 is another pool, which no engine
+//! maps. An engine writes a
 //! block's payload straight into a slot the node handed it, and the node seals it — checksums the
 //! payload, writes the image header in front — admits it to G2 under the engine's own key (in a
 //! namespace of its salt, [`ForeignEngine`]) and writes it through to G3. Loads go the other way:
@@ -15,8 +17,10 @@
 //! and stopping it stops every connection and removes the socket file. Each engine that names a
 //! KV event publisher is followed by [`events`], which feeds its G1 into the global prefix index.
 //!
-//! Trust: a process that can connect maps all of G2 — the node's own blocks and every tenant's —
-//! so the socket is created `0600` (owner only); widen it deliberately, if at all.
+//! Trust: a process that can connect maps the engines' whole G2 — every engine's blocks, though
+//! none of the node's own — so the socket is created `0600` (owner only); widen it deliberately,
+//! if at all. Every image in it is tagged under a key only the node holds when it is admitted
+//! and checked on every lookup and load, so an engine that rewrites another's block is caught.
 
 mod events;
 mod fd;
@@ -221,7 +225,11 @@ pub struct Core {
 
 impl Core {
     fn new(args: EndpointArgs) -> Result<Self, ActorProcessingErr> {
-        let g2 = args.tiers.g2.as_ref().ok_or("the engine endpoint needs G2")?;
+        let g2 = args
+            .tiers
+            .engines_g2
+            .as_ref()
+            .ok_or("the engine endpoint needs the engines' G2 (engine_endpoint.g2_share of tiers.g2)")?;
         if g2.pool.share_fd().is_none() {
             return Err("the engine endpoint needs G2 to be a shared pool".into());
         }
@@ -382,7 +390,7 @@ impl Core {
     /// already under way. Returns false when G2 has no slot for it: the caller answers *miss*
     /// rather than *pending*, so an engine never waits on a prefix G2 cannot hold at once.
     fn promote(self: &Arc<Self>, hash: BlockHash, engine: Arc<str>, region: RegionKind) -> bool {
-        let Some(g2) = self.tiers.g2.as_ref() else { return false };
+        let Some(g2) = self.tiers.engines_g2.as_ref() else { return false };
         let mut promoting = self.promoting.lock().expect("promoting lock");
         if promoting.contains(&hash) {
             return true;
@@ -426,10 +434,10 @@ impl Core {
             tokio::spawn(async move {
                 let now = unix_millis();
                 let landing = core.tiers.clone();
-                let land: Land = Box::new(move || landing.g2.as_ref()?.alloc(now));
+                let land: Land = Box::new(move || landing.engines_g2.as_ref()?.alloc(now));
                 let deadline = Instant::now() + link.request_timeout();
                 let started = Instant::now();
-                let g2 = core.tiers.g2.as_ref().expect("checked at start");
+                let g2 = core.tiers.engines_g2.as_ref().expect("checked at start");
                 let mut bytes = 0;
                 match link.fetch(hashes.clone(), deadline, land).await {
                     Ok(arrivals) => {
@@ -468,7 +476,7 @@ impl Core {
     }
 
     async fn read_from_g3(&self, hash: BlockHash, dst: SlotMut, region: RegionKind) -> &'static str {
-        let (Some(g2), Some(g3)) = (self.tiers.g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
+        let (Some(g2), Some(g3)) = (self.tiers.engines_g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
         let now = unix_millis();
         let started = Instant::now();
         match g3.read(hash, dst).await {
@@ -602,7 +610,7 @@ impl Connection {
             };
             let sent = match (&reply, registering) {
                 (Reply::Registered { .. }, true) => {
-                    let g2 = conn.core.tiers.g2.as_ref().expect("checked at start");
+                    let g2 = conn.core.tiers.engines_g2.as_ref().expect("checked at start");
                     let fd = g2.pool.share_fd().expect("checked at start");
                     written_in_time(fd::send_with_fd(&mut stream, &reply.encode(), fd)).await
                 }
@@ -638,7 +646,7 @@ impl Connection {
         };
         match self.core.register(&registration) {
             Ok((index, identity, storing)) => {
-                let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+                let g2 = self.core.tiers.engines_g2.as_ref().expect("checked at start");
                 let (_, region_bytes) = g2.pool.region();
                 tracing::info!(
                     engine = %registration.engine_id,
@@ -720,7 +728,7 @@ impl Connection {
     /// The verified G2 image of `hash`, if resident. An image that fails verification is
     /// dropped from G2 (and counted): it is never handed to an engine.
     fn verified(&self, hash: BlockHash, engine: &str) -> Option<SlotRef> {
-        let g2 = self.core.tiers.g2.as_ref()?;
+        let g2 = self.core.tiers.engines_g2.as_ref()?;
         let image = g2.get(hash, unix_millis())?;
         match verify_image(image.as_slice(), hash) {
             Ok(_) => Some(image),
@@ -762,14 +770,14 @@ impl Connection {
     fn prepare_store(&mut self, key: &[u8]) -> i32 {
         let (identity, engine) = self.identity();
         let hash = identity.block_hash(key);
-        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+        let g2 = self.core.tiers.engines_g2.as_ref().expect("checked at start");
         if self.storing.contains_key(&hash) || g2.contains(hash) {
             return -1;
         }
-        // Engines cannot take G2 from the node or from each other: slots held for stores not
-        // yet completed are capped per engine (all its connections together) at half the pool,
-        // and for every engine together at three quarters, so the node's own write-through and
-        // loads keep a quarter (at least 16 slots each way).
+        // Engines cannot take their G2 from each other (the node's own G2 is another pool):
+        // slots held for stores not yet completed are capped per engine (all its connections
+        // together) at half the pool, and for every engine together at three quarters, so reads
+        // back from G3 and G4 keep a quarter (at least 16 slots each way).
         let slots = g2.pool.slots() as usize;
         let r = self.registered.as_ref().expect("registered");
         if !take_one(&r.storing, (slots / 2).max(16)) {
@@ -808,7 +816,7 @@ impl Connection {
         let r = self.registered.as_ref().expect("registered");
         let layout = BlockLayout::try_opaque(r.block_bytes as usize).expect("checked at registration");
         let token_count = r.block_tokens.min(u16::MAX as u32) as u16;
-        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+        let g2 = self.core.tiers.engines_g2.as_ref().expect("checked at start");
         let now = unix_millis();
         let region = r.region;
         let priority = self.core.tiers.retention.policy(region).priority;
@@ -891,7 +899,7 @@ impl Connection {
 
     /// Turns the blocks this connection stored that G2 no longer holds into removal events.
     fn scan_removals(&mut self) {
-        let g2 = self.core.tiers.g2.as_ref().expect("checked at start");
+        let g2 = self.core.tiers.engines_g2.as_ref().expect("checked at start");
         let events = &mut self.events;
         self.stored.retain(|&hash, key| {
             let resident = g2.contains(hash);

@@ -8,9 +8,10 @@ use crate::{ByteSize, RegionKind};
 
 /// `[engine_endpoint]`: a Unix socket on which external engines (a vLLM instance through the
 /// `dynamo_node_vllm` plug-in) register, look blocks up, and store and load them through a G2
-/// they share with the node. Off unless `enabled`. With it on, G2 is one shared-memory region
-/// (a `memfd`, still locked and registered with io_uring) that every registered engine maps,
-/// and every G2/G3 slot is large enough for `max_block_bytes`.
+/// they share with the node. Off unless `enabled`. With it on, `g2_share` of G2 becomes a
+/// shared-memory region (a `memfd`, still locked) that every registered engine maps and that holds
+/// only engines' blocks; the node's own blocks stay in the rest of G2, private to the node, so no
+/// engine can read or rewrite them. Every G2/G3 slot is large enough for `max_block_bytes`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineEndpointSection {
@@ -27,6 +28,9 @@ pub struct EngineEndpointSection {
     /// Most engines registered at once (each connection of an engine's processes counts once per
     /// engine). Default `16`.
     pub max_engines: usize,
+    /// The fraction of `tiers.g2.capacity` that becomes the engines' shared region; the rest is
+    /// the node's own G2, which engines never map. Default `0.5`.
+    pub g2_share: f64,
 }
 
 impl Default for EngineEndpointSection {
@@ -37,6 +41,7 @@ impl Default for EngineEndpointSection {
             max_block_bytes: ByteSize::mib(2),
             region: RegionKind::Conversation,
             max_engines: 16,
+            g2_share: 0.5,
         }
     }
 }

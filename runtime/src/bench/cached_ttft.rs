@@ -232,6 +232,7 @@ pub async fn run<B: Backend, G>(
             watermarks: NO_RECLAIM,
             shared: false,
         }),
+        engines_g2: None,
         g3: Some(G3Plan {
             options: G3Options {
                 format_foreign: false,

@@ -198,6 +198,7 @@ async fn burst(
             watermarks: NO_RECLAIM,
             shared: false,
         }),
+        engines_g2: None,
         g3: None,
         lease_budget: 0.5,
     };
