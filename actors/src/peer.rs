@@ -48,16 +48,14 @@ const MAX_PEER_CONNECTIONS: usize = 512;
 pub struct G2Image {
     slot: SlotRef,
     len: usize,
-    /// With the `failpoints` feature and `DYNAMO_FAILPOINT_G4_CORRUPT` set: a copy of the image
-    /// with one payload byte flipped, served instead (a peer whose memory went bad; tests of the
-    /// reader's verification only).
-    #[cfg(feature = "failpoints")]
+    /// A copy of the image with one payload byte flipped, served instead: only while the
+    /// `g4-serve-corrupt` fail point is on (a peer whose memory went bad; tests of the reader's
+    /// verification).
     corrupt: Option<Arc<[u8]>>,
 }
 
 impl AsRef<[u8]> for G2Image {
     fn as_ref(&self) -> &[u8] {
-        #[cfg(feature = "failpoints")]
         if let Some(corrupt) = &self.corrupt {
             return corrupt;
         }
@@ -65,10 +63,19 @@ impl AsRef<[u8]> for G2Image {
     }
 }
 
-/// With the `failpoints` feature, a node started with this variable set serves every G4 image
-/// with one payload byte flipped (never compiled into a build without the feature).
-#[cfg(feature = "failpoints")]
-pub const FAILPOINT_G4_CORRUPT: &str = "DYNAMO_FAILPOINT_G4_CORRUPT";
+/// `image` with its last byte flipped, while the `g4-serve-corrupt` fail point is on (with the
+/// `failpoints` feature, `FAILPOINTS=g4-serve-corrupt=return`); otherwise nothing.
+fn flipped(image: &[u8]) -> Option<Arc<[u8]>> {
+    #[cfg(not(feature = "failpoints"))]
+    let _ = image;
+    fail::fail_point!("g4-serve-corrupt", |_| {
+        let mut copy = image.to_vec();
+        let last = copy.len() - 1;
+        copy[last] ^= 0x40;
+        Some(Arc::from(copy))
+    });
+    None
+}
 
 /// The node's G2 and the engines' (the node's own blocks, then external engines' blocks), as the
 /// block server reads them.
@@ -85,19 +92,8 @@ impl BlockSource for G2Blocks {
         if len > slot.as_slice().len() {
             return None;
         }
-        #[cfg(feature = "failpoints")]
-        let corrupt = std::env::var_os(FAILPOINT_G4_CORRUPT).map(|_| {
-            let mut copy = slot.as_slice()[..len].to_vec();
-            let at = copy.len() - 1;
-            copy[at] ^= 0x40;
-            Arc::from(copy)
-        });
-        Some(G2Image {
-            slot,
-            len,
-            #[cfg(feature = "failpoints")]
-            corrupt,
-        })
+        let corrupt = flipped(&slot.as_slice()[..len]);
+        Some(G2Image { slot, len, corrupt })
     }
 
     fn sent(&self, bytes: usize) {

@@ -149,6 +149,9 @@ pub enum BenchCommand {
 
 /// Parses the command line and runs it.
 pub fn main() -> ExitCode {
+    // A test build sets the fail points FAILPOINTS names (`failpoints` feature only).
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
     match cli.command {
         None => serve(cli.serve),

@@ -109,7 +109,7 @@ async fn images_that_fail_verification_are_dropped_and_recomputed() {
     // A serves every image with one payload byte flipped, under valid MACs: a peer whose memory
     // went bad, which only the reader's verification can catch.
     let mut cmd = Node::command(&dir_a, &g4_config(&secret_file(&dir_a, secret), &[]));
-    cmd.env("DYNAMO_FAILPOINT_G4_CORRUPT", "1");
+    cmd.env("FAILPOINTS", "g4-serve-corrupt=return");
     let a = Node::start_command(cmd, dir_a.clone());
     let b = Node::start_in(dir_b.clone(), &g4_config(&secret_file(&dir_b, secret), &[g4_addr(&a)]));
 

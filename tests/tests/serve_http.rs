@@ -168,12 +168,13 @@ async fn kv_aware_routing_sends_turn_two_to_the_worker_that_holds_turn_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_panic_fails_its_request_and_the_node_goes_on() {
-    let node = start();
+    // The test-only fail point (feature `failpoints`): the first request admitted panics its worker.
+    let dir = std::sync::Arc::new(tempfile::tempdir().expect("tempdir"));
+    let mut cmd = Node::command(&dir, "");
+    cmd.env("FAILPOINTS", "worker-admit=1*panic(injected worker panic)");
+    let node = Node::start_command(cmd, dir);
     let hello = || vec![("user", "hello".to_string())];
-    let mut boom = conversation(&hello());
-    // The test-only failpoint (feature `failpoints`): this many tokens panics the worker.
-    boom["max_tokens"] = json!(31_337);
-    let (status, err) = node.chat(boom).await;
+    let (status, err) = node.chat(conversation(&hello())).await;
     assert_eq!(status, 500, "{err}");
     assert_eq!(err["error"]["type"], "server_error", "{err}");
     assert!(err["error"]["message"].as_str().expect("message").contains("restarted"), "{err}");

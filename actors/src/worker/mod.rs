@@ -34,8 +34,6 @@ use tokio::sync::{mpsc, oneshot};
 use self::queue::JobQueue;
 
 pub use self::reference::{DEFAULT_MAX_RUNNING, PreemptionStats, Resume, Worker};
-#[cfg(feature = "failpoints")]
-pub use self::request::FAILPOINT_PANIC_MAX_TOKENS;
 pub use self::request::{
     Finish, GenOutcome, GenRequest, LeaseRequest, PromptHashes, WorkerError, WorkerEvent, unix_millis,
 };

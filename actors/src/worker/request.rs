@@ -215,11 +215,6 @@ impl WorkerError {
     }
 }
 
-/// With the `failpoints` feature, a request for exactly this many tokens panics the worker (tests
-/// of supervision only; never compiled into a release build without the feature).
-#[cfg(feature = "failpoints")]
-pub const FAILPOINT_PANIC_MAX_TOKENS: usize = 31_337;
-
 /// Milliseconds since the Unix epoch: the clock of holds and retention.
 pub fn unix_millis() -> Millis {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)

@@ -56,8 +56,6 @@ use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
 use tokio::task::JoinSet;
 
-#[cfg(feature = "failpoints")]
-use super::FAILPOINT_PANIC_MAX_TOKENS;
 use super::engine_core::{EngineCore, Entry, Pages, Sequence, turn_end};
 use super::run::{After, Run};
 use super::{Finish, GenOutcome, GenRequest, Ticket, WorkerError, WorkerEvent, batch, unix_millis};
@@ -384,10 +382,8 @@ impl<B: Backend> Worker<B> {
         }
         // A panic from here on finds the request in the batch, where the restart fails it.
         let onboarded = AssertUnwindSafe(async {
-            #[cfg(feature = "failpoints")]
-            if seq.run.req().max_tokens == FAILPOINT_PANIC_MAX_TOKENS {
-                panic!("failpoint: injected worker panic");
-            }
+            // Supervision's tests panic here (`FAILPOINTS=worker-admit=1*panic`).
+            fail::fail_point!("worker-admit");
             self.onboard(&mut seq, true).await
         })
         .catch_unwind()
