@@ -17,6 +17,7 @@
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::block::{BlockHash, Salt};
+use crate::bytes::{ByteReader, ReadError};
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u16 = 1;
@@ -234,42 +235,52 @@ pub enum ErrorCode {
 #[error("malformed engine frame: {0}")]
 pub struct WireError(pub String);
 
-struct Reader<'a> {
-    buf: &'a [u8],
+/// The engine endpoint's view of a [`ByteReader`]: every error names the field being read.
+struct Reader<'a>(ByteReader<'a>);
+
+/// `e`, met reading `what`, as this protocol's error.
+fn malformed(what: &str, e: ReadError) -> WireError {
+    WireError(match e {
+        ReadError::Short { needed, left } => format!("{what}: needs {needed} bytes, {left} left"),
+        ReadError::TooMany { n, max } => format!("{what}: {n} is more than {max}"),
+        ReadError::NotUtf8 => format!("{what}: not UTF-8"),
+        ReadError::Trailing(n) => format!("{n} trailing bytes"),
+    })
 }
 
 impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        Self(ByteReader::new(buf))
+    }
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], WireError> {
-        if self.buf.len() < n {
-            return Err(WireError(format!("{what}: needs {n} bytes, {} left", self.buf.len())));
-        }
-        let (head, rest) = self.buf.split_at(n);
-        self.buf = rest;
-        Ok(head)
+        self.0.take(n).map_err(|e| malformed(what, e))
     }
     fn u8(&mut self, what: &str) -> Result<u8, WireError> {
-        Ok(self.take(1, what)?[0])
+        self.0.u8().map_err(|e| malformed(what, e))
     }
     fn u16(&mut self, what: &str) -> Result<u16, WireError> {
-        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))
+        self.0.u16().map_err(|e| malformed(what, e))
     }
     fn u32(&mut self, what: &str) -> Result<u32, WireError> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+        self.0.u32().map_err(|e| malformed(what, e))
     }
     fn u64(&mut self, what: &str) -> Result<u64, WireError> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+        self.0.u64().map_err(|e| malformed(what, e))
+    }
+    fn u128(&mut self, what: &str) -> Result<u128, WireError> {
+        self.0.u128().map_err(|e| malformed(what, e))
     }
     fn str(&mut self, what: &str) -> Result<String, WireError> {
-        let n = self.u16(what)? as usize;
-        String::from_utf8(self.take(n, what)?.to_vec()).map_err(|_| WireError(format!("{what}: not UTF-8")))
+        self.0.str16(u16::MAX as usize).map_err(|e| malformed(what, e))
     }
     /// A count of items at least `each` bytes long, checked against what is left.
     fn count(&mut self, each: usize, what: &str) -> Result<usize, WireError> {
-        let n = self.u32(what)? as usize;
-        if n.saturating_mul(each) > self.buf.len() {
-            return Err(WireError(format!("{what}: {n} items cannot fit in {} bytes", self.buf.len())));
-        }
-        Ok(n)
+        self.0.count32(each, u64::MAX).map_err(|e| match e {
+            ReadError::Short { needed, left } if needed > 0 => {
+                WireError(format!("{what}: {} items cannot fit in {left} bytes", needed / each.max(1)))
+            }
+            e => malformed(what, e),
+        })
     }
     fn key(&mut self) -> Result<Vec<u8>, WireError> {
         let n = self.u8("key length")? as usize;
@@ -286,7 +297,7 @@ impl<'a> Reader<'a> {
         (0..n).map(|_| self.key()).collect()
     }
     fn end(self) -> Result<(), WireError> {
-        if self.buf.is_empty() { Ok(()) } else { Err(WireError(format!("{} trailing bytes", self.buf.len()))) }
+        self.0.finish().map_err(|e| malformed("frame", e))
     }
 }
 
@@ -321,7 +332,7 @@ impl Request {
     /// Decodes a frame body (`op` and what follows, without the length).
     pub fn decode(body: &[u8]) -> Result<Request, WireError> {
         let (&op, rest) = body.split_first().ok_or_else(|| WireError("empty frame".into()))?;
-        let mut r = Reader { buf: rest };
+        let mut r = Reader::new(rest);
         let request = match op {
             0x01 => {
                 let version = r.u16("version")?;
@@ -480,7 +491,7 @@ impl Reply {
     /// Decodes a frame body (what a client receives).
     pub fn decode(body: &[u8]) -> Result<Reply, WireError> {
         let (&op, rest) = body.split_first().ok_or_else(|| WireError("empty frame".into()))?;
-        let mut r = Reader { buf: rest };
+        let mut r = Reader::new(rest);
         let slots = |r: &mut Reader<'_>| -> Result<Vec<i32>, WireError> {
             let n = r.count(4, "slots")?;
             (0..n).map(|_| r.u32("slot").map(|v| v as i32)).collect()
@@ -493,7 +504,7 @@ impl Reply {
                 slot_bytes: r.u64("slot_bytes")?,
                 payload_offset: r.u32("payload_offset")?,
                 engine: r.u32("engine")?,
-                salt: Salt(u128::from_le_bytes(r.take(16, "salt")?.try_into().expect("16 bytes"))),
+                salt: Salt(r.u128("salt")?),
             },
             0x82 => {
                 let n = r.count(5, "found")?;

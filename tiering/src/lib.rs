@@ -5,6 +5,7 @@
 //! - [`block`] — what a block is: the salted, chained 128-bit [`block::BlockHash`] that names a
 //!   block and its whole prefix, and the self-describing *block image* (header + payload, both
 //!   checksummed) that G2, G3 and the wire carry.
+//! - [`bytes`] — the one bounds-checked reader of wire fields that both codecs decode with.
 //! - [`foreign`] — blocks of external engines (vLLM): their names under a salt of their own, and
 //!   the frames of the engine endpoint's protocol.
 //! - [`g2`] — the node's host-memory tier: one page-aligned, `mlock`ed mapping carved into
@@ -31,6 +32,7 @@
 //! in virtual time under `tokio::time::pause`.
 
 pub mod block;
+pub mod bytes;
 pub mod cost;
 pub mod foreign;
 pub mod g2;

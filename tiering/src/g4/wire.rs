@@ -12,6 +12,7 @@
 //! make a server read memory that is not a resident block.
 
 use crate::block::BlockHash;
+use crate::bytes::{ByteReader, ReadError};
 
 /// The protocol version a [`Message::Hello`] offers; a server refuses any other. Version 2 added
 /// the feed (subscribe, snapshot, changes) and the integrity mode of image frames; version 3 the
@@ -639,36 +640,46 @@ impl FrameHeader {
     }
 }
 
-/// Reads fields off a body, every read bounds-checked.
+/// G4's view of a [`ByteReader`] over the body of a `what` frame: every error names the frame
+/// (or the field) being read.
 struct Reader<'a> {
-    rest: &'a [u8],
+    bytes: ByteReader<'a>,
     what: &'static str,
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
-        if self.rest.len() < n {
-            return Err(WireError::Truncated(self.what));
+    fn new(body: &'a [u8], what: &'static str) -> Self {
+        Self { bytes: ByteReader::new(body), what }
+    }
+
+    /// `e`, met reading `field` of this frame, as G4's error.
+    fn error(&self, field: &'static str, e: ReadError) -> WireError {
+        match e {
+            ReadError::Short { .. } => WireError::Truncated(self.what),
+            ReadError::TooMany { n, max } => WireError::TooMany { what: field, n, max },
+            ReadError::NotUtf8 => WireError::BadString(field),
+            ReadError::Trailing(_) => WireError::TrailingBytes(self.what),
         }
-        let (head, tail) = self.rest.split_at(n);
-        self.rest = tail;
-        Ok(head)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        self.bytes.take(n).map_err(|e| self.error("", e))
     }
 
     fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
-        Ok(self.take(N)?.try_into().expect("N bytes"))
+        self.bytes.array().map_err(|e| self.error("", e))
     }
 
     fn u16(&mut self) -> Result<u16, WireError> {
-        self.array().map(u16::from_le_bytes)
+        self.bytes.u16().map_err(|e| self.error("", e))
     }
 
     fn u32(&mut self) -> Result<u32, WireError> {
-        self.array().map(u32::from_le_bytes)
+        self.bytes.u32().map_err(|e| self.error("", e))
     }
 
     fn u64(&mut self) -> Result<u64, WireError> {
-        self.array().map(u64::from_le_bytes)
+        self.bytes.u64().map_err(|e| self.error("", e))
     }
 
     fn hash(&mut self) -> Result<BlockHash, WireError> {
@@ -676,25 +687,13 @@ impl<'a> Reader<'a> {
     }
 
     fn string(&mut self, field: &'static str, max: usize) -> Result<String, WireError> {
-        let len = self.u16()? as usize;
-        if len > max {
-            return Err(WireError::TooMany { what: field, n: len as u64, max: max as u64 });
-        }
-        let bytes = self.take(len)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| WireError::BadString(field))
+        self.bytes.str16(max).map_err(|e| self.error(field, e))
     }
 
     /// A count of `item_len`-byte items, checked against the limit and the bytes present
     /// before anything is allocated for them.
     fn count(&mut self, field: &'static str, item_len: usize, max: u32) -> Result<usize, WireError> {
-        let n = self.u32()?;
-        if n > max {
-            return Err(WireError::TooMany { what: field, n: n.into(), max: max.into() });
-        }
-        if (n as usize).saturating_mul(item_len) > self.rest.len() {
-            return Err(WireError::Truncated(self.what));
-        }
-        Ok(n as usize)
+        self.bytes.count32(item_len, max.into()).map_err(|e| self.error(field, e))
     }
 
     fn hashes(&mut self, limits: &WireLimits) -> Result<Vec<BlockHash>, WireError> {
@@ -724,7 +723,8 @@ impl<'a> Reader<'a> {
     }
 
     fn finish(self) -> Result<(), WireError> {
-        if self.rest.is_empty() { Ok(()) } else { Err(WireError::TrailingBytes(self.what)) }
+        let what = self.what;
+        self.bytes.finish().map_err(|_| WireError::TrailingBytes(what))
     }
 }
 
@@ -759,7 +759,7 @@ fn kind_name(kind: u8) -> Option<&'static str> {
 
 fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message, WireError> {
     let what = kind_name(kind).ok_or(WireError::UnknownKind(kind))?;
-    let mut r = Reader { rest: body, what };
+    let mut r = Reader::new(body, what);
     let message = match kind {
         kind::HELLO => Message::Hello {
             version: r.u16()?,
@@ -796,7 +796,7 @@ fn decode_message(kind: u8, body: &[u8], limits: &WireLimits) -> Result<Message,
         kind::FETCH => Message::Fetch { hold_id: r.u64()?, hashes: r.hashes(limits)? },
         kind::IMAGE => {
             let hash = r.hash()?;
-            let image = r.take(r.rest.len())?.to_vec();
+            let image = r.take(r.bytes.remaining())?.to_vec();
             Message::Image { hash, image }
         }
         kind::RELEASE => Message::Release { hold_id: r.u64()? },
