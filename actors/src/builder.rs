@@ -678,7 +678,7 @@ pub async fn current_scheduler(root: &NodeRef, timeout: Option<Duration>) -> Res
 
 #[cfg(test)]
 mod tests {
-    use dynamo_config::{Dtype, ModelShape, RegionKind};
+    use dynamo_config::{Dtype, ModelShape, PerTier, RegionKind};
     use dynamo_tiering::block::{BlockHash, ImageSpec, RetentionMeta, seal};
     use dynamo_tiering::g2::{MlockPolicy, align_up};
     use dynamo_tiering::g3::EngineChoice;
@@ -695,12 +695,12 @@ mod tests {
         fn admit(&mut self, mut ticket: Ticket) -> LocalFuture<'_, ()> {
             Box::pin(async move {
                 let prompt = ticket.req.prompt.len();
-                ticket.event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: [0; 4] });
+                ticket.event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: PerTier::default() });
                 ticket.event(WorkerEvent::Token(self.0 as u32));
                 ticket.finish(Ok(GenOutcome {
                     tokens: vec![self.0 as u32],
                     cached_tokens: 0,
-                    hit_tokens: [0; 4],
+                    hit_tokens: PerTier::default(),
                     prefill_tokens: prompt,
                     finish: Finish::Length,
                     ttft: Duration::ZERO,

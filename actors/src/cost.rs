@@ -2,7 +2,7 @@
 //! estimated time to first token of a request on each worker, from what the prefix index says
 //! each of the worker's tiers holds.
 
-pub use dynamo_tiering::cost::{BytesPerSec, CostModel, Estimate, LoadFrom, Prefill, PrefixBlocks, Queued};
+pub use dynamo_tiering::cost::{BytesPerSec, CostModel, Estimate, Prefill, PrefixBlocks, Queued};
 
 use crate::index::WorkerPrefix;
 

@@ -11,7 +11,7 @@ use dynamo_actors::worker::{
     Engine, EngineFactory, EngineHost, Finish, GenOutcome, GenRequest, JobEvent, LocalFuture, Ticket, WorkerArgs,
     WorkerError, WorkerEvent,
 };
-use dynamo_config::{QueuePolicy, RoutingPolicy};
+use dynamo_config::{PerTier, QueuePolicy, RoutingPolicy};
 use ractor::Actor;
 use ractor::rpc::CallResult;
 use tokio::sync::Semaphore;
@@ -32,12 +32,12 @@ impl Engine for Scripted {
             let prompt = ticket.req.prompt.clone();
             let ticket = self.serving.insert(ticket);
             assert_ne!(prompt[0], 666, "scripted panic");
-            ticket.event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: [0; 4] });
+            ticket.event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: PerTier::default() });
             ticket.event(WorkerEvent::Token(self.id as u32));
             self.serving.take().expect("serving").finish(Ok(GenOutcome {
                 tokens: vec![self.id as u32],
                 cached_tokens: 0,
-                hit_tokens: [0; 4],
+                hit_tokens: PerTier::default(),
                 prefill_tokens: prompt.len(),
                 finish: Finish::Length,
                 ttft: Duration::ZERO,

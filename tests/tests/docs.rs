@@ -1,6 +1,8 @@
 //! The documentation holds together: every relative link of the README and of the `docs/` book
 //! leads to a file of the repository, every `#anchor` to a heading of its page, the book's
-//! `SUMMARY.md` lists every page once, and the README keeps its two commands.
+//! `SUMMARY.md` lists every page once, the README keeps its two commands, and the book documents
+//! every config key once: it includes `config/example.toml` (whose every key the config crate's
+//! tests hold read and commented) on exactly one page.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -141,4 +143,18 @@ fn the_book_lists_every_page_once_and_the_readme_keeps_its_two_commands() {
     for command in ["cargo run --release -p dynamo-node\n", "cargo nextest run --workspace\n"] {
         assert!(readme.contains(command), "the README lost `{}`", command.trim());
     }
+}
+
+#[test]
+fn the_book_documents_every_config_key_once_by_including_the_example() {
+    let root = root();
+    let directive = "{{#include ../config/example.toml}}";
+    let including: Vec<PathBuf> =
+        pages().into_iter().filter(|p| std::fs::read_to_string(p).unwrap().matches(directive).count() > 0).collect();
+    assert_eq!(including.len(), 1, "one page includes the reference, not {including:?}");
+    let page = &including[0];
+    assert_eq!(std::fs::read_to_string(page).unwrap().matches(directive).count(), 1, "included once");
+    assert!(page.starts_with(root.join("docs")), "a page of the book: {}", page.display());
+    let example = normalized(&page.parent().unwrap().join("../config/example.toml"));
+    assert!(example.is_file(), "{} is the file the directive names", example.display());
 }

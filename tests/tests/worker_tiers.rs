@@ -13,7 +13,7 @@ use dynamo_actors::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_actors::stores::{G3StoreActor, StoreArgs, StoreMsg, StoreStatus, Watermarks};
 use dynamo_actors::tiers::{BlockSite, G2Tier, G3Tier, KvObserver, NoObserver, NodeTiers, WriteBatch};
 use dynamo_actors::worker::{Engine, GenOutcome, GenRequest, JobEvent, Resume, Ticket, Worker, WorkerEvent};
-use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection, TierName};
+use dynamo_config::{Dtype, ModelShape, PerTier, RegionKind, RetentionSection, TierName};
 use dynamo_kernels::kv_layout::{HostKvPool, PagedLayout};
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::{AttentionSpec, Backend, CpuBackend, KernelError, SeqBatch};
@@ -436,7 +436,11 @@ async fn worker_b_loads_worker_a_prefix_from_g2() {
     second.extend(turn(20, 2));
     let req = request(second);
     let out_b = run(&mut b, &req).await;
-    assert_eq!(out_b.hit_tokens, [0, 3 * B, 0, 0], "the 3 complete prompt blocks come from G2");
+    assert_eq!(
+        out_b.hit_tokens,
+        PerTier { g2: 3 * B, ..PerTier::default() },
+        "the 3 complete prompt blocks come from G2"
+    );
     let measured = n.tiers.measured.g2_load.get().expect("the G2 → G1 load was timed");
     assert!(measured.get().is_finite() && measured.get() > 0.0, "{measured:?}");
     assert!(n.tiers.measured.wants_load_sample(), "a load this small does not measure the link for good");
@@ -452,7 +456,7 @@ async fn worker_b_loads_worker_a_prefix_from_g2() {
 
     // The same request again on B: now its own G1 has the prefix.
     let again = run(&mut b, &req).await;
-    assert_eq!(again.hit_tokens[0], (req.prompt.len() - 1) / B * B, "reused in place from G1");
+    assert_eq!(again.hit_tokens.g1, (req.prompt.len() - 1) / B * B, "reused in place from G1");
     assert_eq!(again.tokens, out_b.tokens);
 }
 
@@ -502,7 +506,7 @@ async fn copies_that_finish_later_than_they_start_keep_their_buffers_and_answers
     let req2 = request(second);
     let mut c = n.worker_on(EmulatedCopyEngine::default()).with_prefill_chunk(20);
     let out_c = run(&mut c, &req2).await;
-    assert_eq!(out_c.hit_tokens[1], 4 * B, "the prompt's blocks come from G2");
+    assert_eq!(out_c.hit_tokens.g2, 4 * B, "the prompt's blocks come from G2");
     assert_eq!(out_c.tokens, recomputed(&req2).await);
     assert_eq!(c.model().backend().violations(), Vec::<String>::new());
 }
@@ -525,7 +529,7 @@ async fn a_failed_load_leaves_no_block_in_g1_over_pages_it_never_filled() {
     // With the engine healed, the same worker loads the prefix again and answers right.
     d.model().backend().fail_scatters.store(false, std::sync::atomic::Ordering::Relaxed);
     let out = run(&mut d, &req).await;
-    assert_eq!(out.hit_tokens, [0, 4 * B, 0, 0]);
+    assert_eq!(out.hit_tokens, PerTier { g2: 4 * B, ..PerTier::default() });
     assert_eq!(out.tokens, want);
     assert_eq!(d.model().backend().violations(), Vec::<String>::new());
 }
@@ -542,7 +546,7 @@ async fn blocks_come_back_from_g3_when_g2_is_too_small() {
     a.flush().await;
     let req = request(first.iter().copied().chain(turn(5, 5)).collect());
     let out = run(&mut b, &req).await;
-    assert!(out.hit_tokens[2] > 0, "some of the prefix came from G3: {:?}", out.hit_tokens);
+    assert!(out.hit_tokens.g3 > 0, "some of the prefix came from G3: {:?}", out.hit_tokens);
     assert_eq!(out.cached_tokens, 6 * B);
     assert_eq!(out.corrupt_blocks, 0);
     assert_eq!(out.tokens, recomputed(&req).await);
@@ -723,7 +727,7 @@ async fn a_cancelled_prefill_stops_at_the_next_pass() {
     assert!(out.tokens.is_empty());
     // The worker serves the next request normally, reusing the two blocks it computed.
     let next = run(&mut w, &req).await;
-    assert_eq!(next.hit_tokens[0], 2 * B);
+    assert_eq!(next.hit_tokens.g1, 2 * B);
     assert_eq!(next.tokens, recomputed(&req).await);
 }
 
@@ -964,7 +968,7 @@ impl Pair for [dynamo_actors::worker::simulated::SimulatedEngine; 2] {
 
 /// Replays [`equality_trace`] on `pair`, every write-through landing before the next request, and
 /// answers each request's hit tokens per tier, in order.
-async fn replay_hits(pair: &mut impl Pair) -> Vec<[usize; 4]> {
+async fn replay_hits(pair: &mut impl Pair) -> Vec<PerTier<usize>> {
     let system = turn(2 * B, 70);
     let mut history: Vec<Vec<u32>> = vec![system.clone(); 3];
     let mut hits = Vec::new();
@@ -1025,8 +1029,11 @@ async fn the_simulated_and_the_reference_engine_hit_the_same_tiers_on_a_replay()
     for (i, (r, s)) in reference.iter().zip(&simulated).enumerate() {
         assert_eq!(r, s, "request {i} ({:?}): reference {r:?}, simulated {s:?}", equality_trace()[i]);
     }
-    let total = |tier: usize| reference.iter().map(|h| h[tier]).sum::<usize>();
-    assert!(total(0) > 0 && total(1) > 0 && total(2) > 0, "the trace exercises G1, G2 and G3: {reference:?}");
+    let total = |tier: TierName| reference.iter().map(|h| h[tier]).sum::<usize>();
+    assert!(
+        total(TierName::G1) > 0 && total(TierName::G2) > 0 && total(TierName::G3) > 0,
+        "the trace exercises G1, G2 and G3: {reference:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1058,7 +1065,7 @@ async fn a_prefix_reused_in_g1_stays_recent_in_g2() {
     a.flush().await;
     // Recency is kept in milliseconds: each phase in a later one.
     tokio::time::sleep(Duration::from_millis(3)).await;
-    assert_eq!(again.hit_tokens[0], 3 * B, "reused from G1");
+    assert_eq!(again.hit_tokens.g1, 3 * B, "reused from G1");
     // A third prompt needs room in G2: the least recently used blocks go, the second's.
     run(&mut b, &third).await;
     b.flush().await;

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dynamo_config::{Calibration, PrefillCalibration};
+use dynamo_config::{Calibration, PrefillCalibration, TierName};
 
 /// A transfer rate in bytes per second: finite and positive.
 #[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
@@ -100,17 +100,6 @@ pub struct CostModel {
     pub g3_read: Option<BytesPerSec>,
     /// Another node's G2/G3 → G1 (G4).
     pub g4_read: Option<BytesPerSec>,
-}
-
-/// Where a cached block can be loaded from, for [`CostModel::worth_loading`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LoadFrom {
-    /// The node's host pool.
-    G2,
-    /// The node's disks.
-    G3,
-    /// Another node.
-    G4,
 }
 
 /// How many blocks of a prompt's prefix each tier holds for one worker (each tier's own longest
@@ -204,12 +193,13 @@ impl CostModel {
         cost
     }
 
-    /// The load rate of `from`.
-    pub fn rate(&self, from: LoadFrom) -> Option<BytesPerSec> {
+    /// The load rate of `from` into G1 (none for G1 itself: a block there is used in place).
+    pub fn rate(&self, from: TierName) -> Option<BytesPerSec> {
         match from {
-            LoadFrom::G2 => self.g2_read,
-            LoadFrom::G3 => self.g3_read,
-            LoadFrom::G4 => self.g4_read,
+            TierName::G1 => None,
+            TierName::G2 => self.g2_read,
+            TierName::G3 => self.g3_read,
+            TierName::G4 => self.g4_read,
         }
     }
 
@@ -220,7 +210,7 @@ impl CostModel {
 
     /// Whether loading the block that ends at token `end` from `from` beats recomputing it.
     /// Unknown numbers favour loading.
-    pub fn worth_loading(&self, from: LoadFrom, end: usize) -> bool {
+    pub fn worth_loading(&self, from: TierName, end: usize) -> bool {
         match (self.rate(from), self.recompute_block_s(end)) {
             (Some(rate), Some(recompute)) => rate.seconds(self.image_bytes) < recompute,
             _ => true,
@@ -243,7 +233,7 @@ impl CostModel {
         let cap = prompt_tokens.saturating_sub(1) / b;
         let mut cached = prefix.g1.min(cap);
         let mut load_s = 0.0;
-        for (held, from) in [(prefix.g2, LoadFrom::G2), (prefix.g3, LoadFrom::G3), (prefix.g4, LoadFrom::G4)] {
+        for (held, from) in [(prefix.g2, TierName::G2), (prefix.g3, TierName::G3), (prefix.g4, TierName::G4)] {
             let held = held.min(cap);
             // A run is worth loading when its last block is (recompute grows along the prompt).
             if held > cached && self.worth_loading(from, held * b) {
@@ -460,7 +450,7 @@ mod tests {
         assert_eq!(BytesPerSec::new(f64::NAN), None);
         assert_eq!(Prefill::rate(0.0), None);
         let unknown = CostModel::unknown(32, 1 << 20);
-        assert!(unknown.worth_loading(LoadFrom::G3, 64), "unknown numbers favour loading");
+        assert!(unknown.worth_loading(TierName::G3, 64), "unknown numbers favour loading");
         let measured = Measurements::default();
         assert!(measured.wants_load_sample());
         measured.observe_load(LINK_SAMPLE_BYTES, Duration::from_millis(1));

@@ -19,7 +19,7 @@
 use dynamo_config::{RegionKind, RetentionSection, TierName};
 
 use crate::block::BlockHash;
-use crate::cost::{CostModel, LoadFrom};
+use crate::cost::CostModel;
 use crate::registry::{BlockMeta, Millis};
 
 /// How far write-through takes completed blocks.
@@ -32,31 +32,6 @@ pub enum WriteThrough {
     /// Down to G2 and G3 (each region's `lowest_tier` still applies): what the node does.
     #[default]
     G2G3,
-}
-
-/// Where a block of a cached prefix comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
-    /// The worker's own G1, reused in place.
-    G1,
-    /// The node's G2.
-    G2,
-    /// The node's G3.
-    G3,
-    /// Another node's tiers.
-    G4,
-}
-
-impl Source {
-    /// Index of the tier in per-tier counters (`[g1, g2, g3, g4]`).
-    pub fn index(self) -> usize {
-        match self {
-            Source::G1 => 0,
-            Source::G2 => 1,
-            Source::G3 => 2,
-            Source::G4 => 3,
-        }
-    }
 }
 
 /// What an executor answers about the tiers while a prefix is planned. Each question is asked in
@@ -103,7 +78,7 @@ pub enum Landed {
     /// Found in this worker's G1.
     Reused,
     /// Loaded from a tier below.
-    Loaded(Source),
+    Loaded(TierName),
 }
 
 /// What the tiers below hold of a block, for [`Pipeline::write_targets`].
@@ -176,20 +151,20 @@ impl Pipeline<'_> {
         tokens: usize,
         cost: &CostModel,
         tiers: &mut impl TierLookup,
-    ) -> Vec<Source> {
+    ) -> Vec<TierName> {
         let b = self.block_tokens;
         let cap = (tokens.saturating_sub(1) / b).min(hashes.len());
         let mut plan = Vec::with_capacity(cap);
         for (i, &hash) in hashes.iter().enumerate().take(cap) {
             let end = (i + 1) * b;
             let source = if tiers.in_g1(hash) {
-                Source::G1
-            } else if cost.worth_loading(LoadFrom::G2, end) && tiers.in_g2(hash) {
-                Source::G2
-            } else if cost.worth_loading(LoadFrom::G3, end) && tiers.in_g3(hash) {
-                Source::G3
-            } else if cost.worth_loading(LoadFrom::G4, end) && tiers.in_g4(hash) {
-                Source::G4
+                TierName::G1
+            } else if cost.worth_loading(TierName::G2, end) && tiers.in_g2(hash) {
+                TierName::G2
+            } else if cost.worth_loading(TierName::G3, end) && tiers.in_g3(hash) {
+                TierName::G3
+            } else if cost.worth_loading(TierName::G4, end) && tiers.in_g4(hash) {
+                TierName::G4
             } else {
                 break;
             };
@@ -208,10 +183,10 @@ impl Pipeline<'_> {
         let to_g3 = self.write_through == WriteThrough::G2G3 && self.reaches(region, TierName::G3) && !present.g3;
         match landed {
             Landed::Computed => Targets { g2: to_g2, g3: to_g3 },
-            Landed::Loaded(Source::G3 | Source::G4) => Targets { g2: to_g2, g3: false },
-            Landed::Loaded(Source::G2) => Targets { g2: false, g3: to_g3 && present.g2 },
+            Landed::Loaded(TierName::G3 | TierName::G4) => Targets { g2: to_g2, g3: false },
+            Landed::Loaded(TierName::G2) => Targets { g2: false, g3: to_g3 && present.g2 },
             // G2 is inclusive of G1: a block reused in place that G2 has lost goes back to it.
-            Landed::Reused | Landed::Loaded(Source::G1) => Targets { g2: to_g2, g3: to_g3 && (present.g2 || to_g2) },
+            Landed::Reused | Landed::Loaded(TierName::G1) => Targets { g2: to_g2, g3: to_g3 && (present.g2 || to_g2) },
         }
     }
 
@@ -279,7 +254,7 @@ mod tests {
         let mut held = Held { g1: 2, g2: 3, g3: 5, g4: 6, asked: vec![] };
         // 8 blocks, 33 tokens: 8 complete blocks, the last token computed.
         let plan = p.plan_prefix(&hashes(8), 33, &cost, &mut held);
-        use Source::*;
+        use TierName::*;
         assert_eq!(plan, [G1, G1, G2, G3, G3, G4]);
         assert_eq!(held.asked.last(), Some(&('4', 6)), "asked no further than the first miss");
         // The last token is always computed: 32 tokens make 7 cached blocks at most.
@@ -298,7 +273,7 @@ mod tests {
             ..CostModel::unknown(4, 1024)
         };
         let mut held = Held { g1: 0, g2: 1, g3: 9, g4: 0, asked: vec![] };
-        assert_eq!(p.plan_prefix(&hashes(8), 33, &cost, &mut held), [Source::G2]);
+        assert_eq!(p.plan_prefix(&hashes(8), 33, &cost, &mut held), [TierName::G2]);
         assert!(!held.asked.iter().any(|(t, _)| *t == '3'), "G3 is never asked: it does not pay");
     }
 
@@ -314,11 +289,11 @@ mod tests {
         );
         let g2_only = Presence { g2: true, g3: false };
         assert_eq!(
-            p.write_targets(RegionKind::System, Landed::Loaded(Source::G3), none),
+            p.write_targets(RegionKind::System, Landed::Loaded(TierName::G3), none),
             Targets { g2: true, g3: false }
         );
         assert_eq!(
-            p.write_targets(RegionKind::System, Landed::Loaded(Source::G2), g2_only),
+            p.write_targets(RegionKind::System, Landed::Loaded(TierName::G2), g2_only),
             Targets { g2: false, g3: true }
         );
         assert_eq!(

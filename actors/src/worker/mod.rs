@@ -37,7 +37,7 @@ pub use self::reference::{DEFAULT_MAX_RUNNING, PreemptionStats, Resume, Worker};
 pub use self::request::{
     Finish, GenOutcome, GenRequest, LeaseRequest, PromptHashes, WorkerError, WorkerEvent, unix_millis,
 };
-use crate::telemetry::{self, Tier};
+use crate::telemetry;
 
 /// A future the engine thread polls (engines need not be `Send`: they never leave their thread).
 pub type LocalFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
@@ -235,7 +235,7 @@ impl Ticket {
                 if let Some(predicted) = self.predicted_cached {
                     telemetry::record_prediction(predicted as u64, outcome.cached_tokens as u64);
                 }
-                for (tier, hit) in [Tier::G1, Tier::G2, Tier::G3, Tier::G4].into_iter().zip(outcome.hit_tokens) {
+                for (tier, &hit) in outcome.hit_tokens.iter() {
                     if hit > 0 {
                         telemetry::record_hit_tokens(tier, hit as u64);
                     }

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use dynamo_config::RegionKind;
+use dynamo_config::{PerTier, RegionKind};
 use dynamo_kernels::model::ModelError;
 use dynamo_kernels::sampling::{Sampling, TokenSet};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Namespace, Salt};
@@ -120,8 +120,8 @@ pub enum WorkerEvent {
     Prefilled {
         /// Prompt tokens not computed.
         cached_tokens: usize,
-        /// Of those, per tier: g1, g2, g3, g4.
-        hit_tokens: [usize; 4],
+        /// Of those, per tier.
+        hit_tokens: PerTier<usize>,
     },
     /// A prefill pass ended with the prompt's first `tokens` tokens in G1. Answering false
     /// cancels the request before its next pass (a client that went away, a request past its
@@ -150,8 +150,8 @@ pub struct GenOutcome {
     pub tokens: Vec<u32>,
     /// Prompt tokens whose KV was not computed: reused in G1 or loaded from G2/G3.
     pub cached_tokens: usize,
-    /// Of those, per tier: g1, g2, g3, g4.
-    pub hit_tokens: [usize; 4],
+    /// Of those, per tier.
+    pub hit_tokens: PerTier<usize>,
     /// Prompt tokens computed.
     pub prefill_tokens: usize,
     /// Why it ended.

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use dynamo_config::RegionKind;
+use dynamo_config::{PerTier, RegionKind};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
 use dynamo_tiering::pipeline;
 use tokio::time::Instant;
@@ -67,7 +67,7 @@ impl Run {
             outcome: GenOutcome {
                 tokens: Vec::with_capacity(req.max_tokens.min(1 << 16)),
                 cached_tokens: 0,
-                hit_tokens: [0; 4],
+                hit_tokens: PerTier::default(),
                 prefill_tokens: len,
                 finish: Finish::Length,
                 ttft: std::time::Duration::ZERO,
@@ -111,9 +111,8 @@ impl Run {
         }
     }
 
-    /// Its cached prefix is in G1 (everything before `computed`), found per tier (g1, g2, g3,
-    /// g4) as `hits`: what it reports, counted at its first lookup only (not on a resume).
-    pub(super) fn count_hits(&mut self, hits: [usize; 4]) {
+    /// Its cached prefix is in G1 (everything before `computed`), found per tier as `hits`: what it reports, counted at its first lookup only (not on a resume).
+    pub(super) fn count_hits(&mut self, hits: PerTier<usize>) {
         let cached = self.computed;
         if !self.onboarded {
             self.onboarded = true;

@@ -32,11 +32,11 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dynamo_config::{Calibration, PrefillCalibration, RegionKind, RetentionSection, TierName};
+use dynamo_config::{Calibration, PerTier, PrefillCalibration, RegionKind, RetentionSection, TierName};
 use dynamo_tiering::block::{BlockHash, Salt};
 use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill, write_admitted};
 use dynamo_tiering::io::sim::{Direction, SimDisk, SimulatedIo};
-use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, Source, TierLookup};
+use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, TierLookup};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
 use dynamo_tiering::transfer::{Link, LinkBandwidths, SimulatedCopy};
 use tokio::task::JoinSet;
@@ -587,15 +587,15 @@ impl SimulatedEngine {
             let mut lookup = SimLookup { engine: self, now };
             node.pipeline().plan_prefix(&seq.run.chain, seq.run.tokens.len(), &node.cost, &mut lookup)
         };
-        let mut hits = [0usize; 4];
+        let mut hits = PerTier::<usize>::default();
         // A reuse in G1 is a use of the block's images below: without it G2's recency would see
         // only the blocks that hop workers, and drop a sticky conversation's just before G1 does.
         let reused: Vec<BlockHash> =
-            from.iter().zip(&seq.run.chain).filter(|(s, _)| **s == Source::G1).map(|(_, h)| *h).collect();
+            from.iter().zip(&seq.run.chain).filter(|(s, _)| **s == TierName::G1).map(|(_, h)| *h).collect();
         node.touch_below(&reused, now);
         for (i, &source) in from.iter().enumerate() {
-            hits[source.index()] += b;
-            if source == Source::G1 {
+            hits[source] += b;
+            if source == TierName::G1 {
                 seq.blocks.push(Some(seq.run.chain[i]));
                 self.write_through(seq, i, Landed::Reused, now);
                 continue;
@@ -603,7 +603,7 @@ impl SimulatedEngine {
             if let Err(e) = self.alloc_page(now) {
                 self.release(seq);
                 // The rest of the plan's G1 blocks were acquired by the lookup.
-                for (j, _) in from.iter().enumerate().skip(i).filter(|(_, s)| **s == Source::G1) {
+                for (j, _) in from.iter().enumerate().skip(i).filter(|(_, s)| **s == TierName::G1) {
                     let _ = self.g1.release(seq.run.chain[j]);
                 }
                 return Err(e);
@@ -612,8 +612,8 @@ impl SimulatedEngine {
             self.register(seq, i, now);
             self.write_through(seq, i, Landed::Loaded(source), now);
         }
-        let count = |of: Source| from.iter().filter(|&&s| s == of).count() as u64;
-        let (g2_blocks, g3_blocks, g4_blocks) = (count(Source::G2), count(Source::G3), count(Source::G4));
+        let count = |of: TierName| from.iter().filter(|&&s| s == of).count() as u64;
+        let (g2_blocks, g3_blocks, g4_blocks) = (count(TierName::G2), count(TierName::G3), count(TierName::G4));
         let stats = &node.stats;
         if g3_blocks > 0 {
             stats.g3_to_g1_bytes.fetch_add(g3_blocks * bytes, Ordering::Relaxed);
@@ -941,11 +941,15 @@ mod tests {
         assert_eq!(cold.cached_tokens, 0);
         assert!((cold.ttft.as_secs_f64() - 1.4093).abs() < 0.01, "the calibrated 32K prefill: {:?}", cold.ttft);
         let warm = run(&mut b, &request(32768 + 1, 2)).await;
-        assert_eq!(warm.hit_tokens, [0, 32768, 0, 0], "worker 1 loads worker 0's prefix from G2");
+        assert_eq!(
+            warm.hit_tokens,
+            PerTier { g2: 32768, ..PerTier::default() },
+            "worker 1 loads worker 0's prefix from G2"
+        );
         let ratio = cold.ttft.as_secs_f64() / warm.ttft.as_secs_f64();
         assert!((15.0..19.0).contains(&ratio), "the host link allows ~18x: {ratio}");
         let again = run(&mut a, &request(32768 + 1, 3)).await;
-        assert_eq!(again.hit_tokens[0], 32768, "worker 0 reuses its G1 in place");
+        assert_eq!(again.hit_tokens.g1, 32768, "worker 0 reuses its G1 in place");
         assert_eq!(run(&mut a, &request(600, 4)).await.tokens, run(&mut b, &request(600, 4)).await.tokens);
     }
 
@@ -1024,7 +1028,7 @@ mod tests {
         engine.flush().await;
         let again = run(&mut engine, &system(1, 9)).await;
         assert_eq!(again.cached_tokens, 8 * 512, "the leased prompt comes back whole");
-        assert_eq!(again.hit_tokens[0], 0, "from G2: the flood pushed it out of G1");
+        assert_eq!(again.hit_tokens.g1, 0, "from G2: the flood pushed it out of G1");
         assert_eq!(run(&mut engine, &system(2, 10)).await.cached_tokens, 0, "the unleased one is gone");
         // Its release makes it plain retention again (G1's soft hold ends within a minute): the
         // next flood takes it too.

@@ -28,6 +28,6 @@ pub use recording::{RecordingFormat, RecordingSection};
 pub use retention::{RegionPolicy, RetentionSection};
 pub use router::{QueuePolicy, RouterSection, RoutingPolicy};
 pub use tiers::{
-    EvictionPolicyKind, G1Config, G2Config, G3Config, G4Config, G4Integrity, IoEngineKind, MlockMode, TierName,
-    TiersSection, Transport,
+    EvictionPolicyKind, G1Config, G2Config, G3Config, G4Config, G4Integrity, IoEngineKind, MlockMode, PerTier,
+    TierName, TiersSection, Transport,
 };

@@ -21,6 +21,60 @@ config_enum! {
     }
 }
 
+/// One figure per tier, by name: `hits.g2`, or `hits[tier]` for a [`TierName`] known at run
+/// time. What the node counts per tier (hit tokens, bytes, blocks) is one of these, never a
+/// positional array.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PerTier<T> {
+    /// The worker's own G1.
+    pub g1: T,
+    /// The node's G2.
+    pub g2: T,
+    /// The node's G3.
+    pub g3: T,
+    /// Other nodes' tiers.
+    pub g4: T,
+}
+
+impl<T> PerTier<T> {
+    /// Each tier with its figure, fastest first.
+    pub fn iter(&self) -> impl Iterator<Item = (TierName, &T)> {
+        [(TierName::G1, &self.g1), (TierName::G2, &self.g2), (TierName::G3, &self.g3), (TierName::G4, &self.g4)]
+            .into_iter()
+    }
+}
+
+impl<T: Copy + std::iter::Sum<T>> PerTier<T> {
+    /// The figures of every tier together.
+    pub fn total(&self) -> T {
+        [self.g1, self.g2, self.g3, self.g4].into_iter().sum()
+    }
+}
+
+impl<T> std::ops::Index<TierName> for PerTier<T> {
+    type Output = T;
+
+    fn index(&self, tier: TierName) -> &T {
+        match tier {
+            TierName::G1 => &self.g1,
+            TierName::G2 => &self.g2,
+            TierName::G3 => &self.g3,
+            TierName::G4 => &self.g4,
+        }
+    }
+}
+
+impl<T> std::ops::IndexMut<TierName> for PerTier<T> {
+    fn index_mut(&mut self, tier: TierName) -> &mut T {
+        match tier {
+            TierName::G1 => &mut self.g1,
+            TierName::G2 => &mut self.g2,
+            TierName::G3 => &mut self.g3,
+            TierName::G4 => &mut self.g4,
+        }
+    }
+}
+
 config_enum! {
     /// Eviction policy of a tier. Both are priority-aware: lower priority and expired holds go
     /// first; the policy orders blocks within a priority.

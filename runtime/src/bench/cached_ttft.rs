@@ -36,7 +36,7 @@ use dynamo_actors::cost::{CostModel, Prefill};
 use dynamo_actors::index::IndexConfig;
 use dynamo_actors::tiers::{NodeTiers, WriteBatch};
 use dynamo_actors::worker::{GenOutcome, GenRequest, Worker, unix_millis};
-use dynamo_config::{Dtype, ModelShape, RegionKind, RetentionSection};
+use dynamo_config::{Dtype, ModelShape, PerTier, RegionKind, RetentionSection};
 use dynamo_kernels::backend::Backend;
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_tiering::block::{BlockLayout, Salt, SaltInputs};
@@ -78,8 +78,8 @@ pub struct TtftRow {
     pub median: Duration,
     /// Fastest run.
     pub min: Duration,
-    /// Prompt tokens taken from G1, G2, G3, G4 in the last run.
-    pub hit_tokens: [usize; 4],
+    /// Prompt tokens taken from each tier in the last run.
+    pub hit_tokens: PerTier<usize>,
 }
 
 /// The prompt with `new_tokens` after it: its prefix in G1, then in G2 only.
@@ -149,7 +149,7 @@ impl fmt::Display for CachedTtftReport {
         writeln!(f, "{:<14} {:>12} {:>12} {:>10}  tokens from G1/G2/G3", "prefix", "median", "fastest", "× cold")?;
         for r in &self.rows {
             let speedup = self.speedup(r.scenario).map_or_else(|| "—".into(), |s| format!("{s:.1}×"));
-            let [g1, g2, g3, _] = r.hit_tokens;
+            let PerTier { g1, g2, g3, .. } = r.hit_tokens;
             writeln!(
                 f,
                 "{:<14} {:>9.1} ms {:>9.1} ms {:>10}  {g1}/{g2}/{g3}",
@@ -172,7 +172,7 @@ impl fmt::Display for CachedTtftReport {
         let o = &self.overlap;
         writeln!(f, "overlap: the prompt + {} new tokens", o.new_tokens)?;
         for (name, r) in [("prefix in G1", &o.g1), ("prefix in G2", &o.g2)] {
-            let [g1, g2, g3, _] = r.hit_tokens;
+            let PerTier { g1, g2, g3, .. } = r.hit_tokens;
             writeln!(f, "{name:<14} {:>9.1} ms {:>9.1} ms {:>10}  {g1}/{g2}/{g3}", ms(r.median), ms(r.min), "")?;
         }
         if let Some(copy) = self.plain_copy {
@@ -268,7 +268,7 @@ pub async fn run<B: Backend, G>(
 
     let names = ["cold", "G1", "other worker", "G2", "G3", "G1 + new", "G2 + new"];
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); names.len()];
-    let mut hits = [[0; 4]; 7];
+    let mut hits = [PerTier::default(); 7];
     let vocab = opts.shape.vocab as u32;
     for r in 0..opts.runs.max(1) {
         let req = request(opts, vocab, r as u32 + 1);
@@ -441,16 +441,16 @@ mod tests {
                 .expect("the harness runs");
         let cached = 12 * 16;
         let hits = |s: &str| report.row(s).expect(s).hit_tokens;
-        assert_eq!(hits("cold"), [0, 0, 0, 0]);
-        assert_eq!(hits("G1"), [cached, 0, 0, 0]);
-        assert_eq!(hits("other worker"), [0, cached, 0, 0]);
-        assert_eq!(hits("G2"), [0, cached, 0, 0]);
-        assert_eq!(hits("G3"), [0, 0, cached, 0]);
+        assert_eq!(hits("cold"), PerTier::default());
+        assert_eq!(hits("G1"), PerTier { g1: cached, ..PerTier::default() });
+        assert_eq!(hits("other worker"), PerTier { g2: cached, ..PerTier::default() });
+        assert_eq!(hits("G2"), PerTier { g2: cached, ..PerTier::default() });
+        assert_eq!(hits("G3"), PerTier { g3: cached, ..PerTier::default() });
         // The prompt's 12 complete blocks plus its 5-token tail and 24 new tokens.
         let overlap = &report.overlap;
         assert_eq!(overlap.new_tokens, 24);
-        assert_eq!(overlap.g1.hit_tokens, [cached, 0, 0, 0]);
-        assert_eq!(overlap.g2.hit_tokens, [0, cached, 0, 0]);
+        assert_eq!(overlap.g1.hit_tokens, PerTier { g1: cached, ..PerTier::default() });
+        assert_eq!(overlap.g2.hit_tokens, PerTier { g2: cached, ..PerTier::default() });
         let hidden = overlap.hidden(report.plain_copy.expect("timed"));
         assert!((0.0..=1.0).contains(&hidden), "{hidden}");
         // Speed is the benchmark's business (on the device); here each ratio only has to exist.
@@ -471,7 +471,7 @@ mod tests {
             scenario: "x",
             median: Duration::from_millis(ms),
             min: Duration::from_millis(ms),
-            hit_tokens: [0; 4],
+            hit_tokens: PerTier::default(),
         };
         let overlap = |g1: u64, g2: u64| OverlapRows { new_tokens: 1, g1: row(g1), g2: row(g2) };
         let copy = Duration::from_millis(80);
@@ -491,7 +491,7 @@ mod tests {
                 .await
                 .expect("the harness runs");
         assert!(report.prefill_tokens_per_s.is_finite() && report.prefill_tokens_per_s > 0.0, "{report}");
-        assert_eq!(report.row("G1").expect("G1").hit_tokens, [6 * 16, 0, 0, 0]);
+        assert_eq!(report.row("G1").expect("G1").hit_tokens, PerTier { g1: 6 * 16, ..PerTier::default() });
         assert_eq!(report.rows.len(), 5);
         assert!(!report.to_string().contains("plain pinned copy"), "no copy was timed");
     }

@@ -42,7 +42,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dynamo_config::{RegionKind, TierName};
+use dynamo_config::{PerTier, RegionKind, TierName};
 use dynamo_kernels::Backend;
 use dynamo_kernels::model::{Chunk, Llama, ModelError};
 use dynamo_kernels::sampling::{SeededRng, sample_in};

@@ -8,7 +8,7 @@ pub(super) enum Source {
     /// Resident in this worker's G1 (already acquired).
     G1(u32),
     /// An image in a G2 slot: found in G2, or just read there from G3 or fetched from a peer.
-    Image { image: SlotRef, from: pipeline::Source },
+    Image { image: SlotRef, from: TierName },
     /// In G3, to be read.
     G3,
     /// On the peer the lookup found, to be fetched.
@@ -93,7 +93,7 @@ impl<B: Backend> Worker<B> {
         let b = self.tiers.block_tokens;
         let hashes = seq.run.chain.clone();
         let hashes = hashes.as_slice();
-        let mut hits = [0usize; 4];
+        let mut hits = PerTier::<usize>::default();
         let tiers = self.tiers.clone();
 
         // The plan (the pipeline's): where each block of the prefix comes from. G1 blocks are
@@ -114,12 +114,12 @@ impl<B: Backend> Worker<B> {
         let (mut pages, mut images) = (pages.drain(..), images.drain(..));
         for source in sources {
             plan.push(match source {
-                pipeline::Source::G1 => Source::G1(pages.next().expect("a page per G1 block")),
-                pipeline::Source::G2 => {
-                    Source::Image { image: images.next().expect("an image per G2 block"), from: pipeline::Source::G2 }
+                TierName::G1 => Source::G1(pages.next().expect("a page per G1 block")),
+                TierName::G2 => {
+                    Source::Image { image: images.next().expect("an image per G2 block"), from: TierName::G2 }
                 }
-                pipeline::Source::G3 => Source::G3,
-                pipeline::Source::G4 => Source::G4,
+                TierName::G3 => Source::G3,
+                TierName::G4 => Source::G4,
             });
         }
 
@@ -144,7 +144,7 @@ impl<B: Backend> Worker<B> {
                 match result {
                     Some(Ok(image)) if i < end => {
                         read_bytes += g3.store.slot_bytes();
-                        plan[i] = Source::Image { image, from: pipeline::Source::G3 };
+                        plan[i] = Source::Image { image, from: TierName::G3 };
                     }
                     Some(Ok(_)) => {}
                     Some(Err(failure)) => {
@@ -206,7 +206,7 @@ impl<B: Backend> Worker<B> {
                             }
                         };
                         match landed {
-                            Some(image) if i < end => plan[i] = Source::Image { image, from: pipeline::Source::G4 },
+                            Some(image) if i < end => plan[i] = Source::Image { image, from: TierName::G4 },
                             Some(_) => {}
                             None => end = end.min(i),
                         }
@@ -252,7 +252,7 @@ impl<B: Backend> Worker<B> {
             match source {
                 Source::G1(page) => {
                     seq.blocks.push(SeqBlock { page, registered: Some(hashes[i]) });
-                    hits[0] += b;
+                    hits.g1 += b;
                     self.write_reused(i, hashes, page, seq.run.region(i, b), now);
                 }
                 Source::Image { image, from } => {
@@ -271,7 +271,7 @@ impl<B: Backend> Worker<B> {
                         }
                     };
                     seq.blocks.push(SeqBlock { page, registered: None });
-                    hits[from.index()] += b;
+                    hits[from] += b;
                     let region = seq.run.region(i, b);
                     self.register(i, &mut seq.blocks, hashes, region, now, false);
                     self.write_loaded(i, hashes, region, image.clone(), from, now);

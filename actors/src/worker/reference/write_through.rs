@@ -103,7 +103,7 @@ impl<B: Backend> Worker<B> {
         hashes: &[BlockHash],
         region: RegionKind,
         image: SlotRef,
-        from: pipeline::Source,
+        from: TierName,
         now: Millis,
     ) {
         let tiers = self.tiers.clone();

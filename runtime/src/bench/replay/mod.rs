@@ -32,7 +32,7 @@ use dynamo_actors::worker::simulated::{SimNode, SimTiming, SimulatedEngine, Writ
 use dynamo_actors::worker::{
     Engine, EngineFactory, EngineHost, GenRequest, JobEvent, LeaseRequest, WorkerEvent, local_spawner,
 };
-use dynamo_config::{ByteSize, Calibration, RegionKind, RetentionSection, RoutingPolicy};
+use dynamo_config::{ByteSize, Calibration, PerTier, RegionKind, RetentionSection, RoutingPolicy, TierName};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Salt};
 use dynamo_tiering::registry::PolicyKind;
 use ractor::rpc::CallResult;

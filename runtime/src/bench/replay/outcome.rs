@@ -9,7 +9,7 @@ pub(super) struct Sample {
     /// When it completed, from the replay's start.
     pub(super) done_at: Duration,
     pub(super) prompt: usize,
-    pub(super) hit: [usize; 4],
+    pub(super) hit: PerTier<usize>,
     pub(super) output: usize,
     /// Of a session of the high-priority class (whether or not its hints were sent).
     pub(super) high: bool,
@@ -66,16 +66,17 @@ impl Outcome {
         v[((v.len() - 1) as f64 * p).round() as usize]
     }
 
-    pub(super) fn hit_rate(&self, tier: Option<usize>) -> f64 {
+    /// The share of prompt tokens found cached: in `tier`, or in any.
+    pub(super) fn hit_rate(&self, tier: Option<TierName>) -> f64 {
         let prompt: usize = self.samples.iter().map(|s| s.prompt).sum();
-        let hit: usize = self.samples.iter().map(|s| tier.map_or(s.hit.iter().sum(), |t| s.hit[t])).sum();
+        let hit: usize = self.samples.iter().map(|s| tier.map_or(s.hit.total(), |t| s.hit[t])).sum();
         hit as f64 / prompt.max(1) as f64
     }
 
     /// The share of system-region tokens found cached.
     pub(super) fn system_hit_rate(&self) -> f64 {
         let system: usize = self.samples.iter().map(|s| s.system).sum();
-        let hit: usize = self.samples.iter().map(|s| s.hit.iter().sum::<usize>().min(s.system)).sum();
+        let hit: usize = self.samples.iter().map(|s| s.hit.total().min(s.system)).sum();
         hit as f64 / system.max(1) as f64
     }
 
@@ -86,7 +87,7 @@ impl Outcome {
     }
 
     pub(super) fn saved_tokens(&self) -> usize {
-        self.samples.iter().map(|s| s.hit.iter().sum::<usize>()).sum()
+        self.samples.iter().map(|s| s.hit.total()).sum()
     }
 
     pub(super) fn json(&self) -> serde_json::Value {
@@ -106,7 +107,7 @@ impl Outcome {
             "requests": self.samples.len(),
             "hit_rate": self.hit_rate(None),
             "system_hit_rate": self.system_hit_rate(),
-            "hit_rate_by_tier": {"g1": self.hit_rate(Some(0)), "g2": self.hit_rate(Some(1)), "g3": self.hit_rate(Some(2)), "g4": self.hit_rate(Some(3))},
+            "hit_rate_by_tier": TierName::ALL.iter().map(|&t| (t.as_str().to_string(), serde_json::json!(self.hit_rate(Some(t))))).collect::<serde_json::Map<_, _>>(),
             "prefill_tokens_saved": self.saved_tokens(),
             "ttft_ms": {"p50": self.percentile_ms(0.5), "p90": self.percentile_ms(0.9), "p99": self.percentile_ms(0.99)},
             "queue_ms_mean": self.queue_ms,

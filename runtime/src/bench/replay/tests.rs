@@ -118,7 +118,7 @@ fn a_small_agentic_trace_replays_and_kv_aware_routing_hits_more() {
     // Later turns find their session's history: in G1 of the same worker with KV-aware
     // routing, over the link from G2 otherwise (loads this small hide behind the step they
     // join, so the first token comes no later).
-    assert!(kv.hit_rate(Some(0)) > rr.hit_rate(Some(0)), "{report}");
+    assert!(kv.hit_rate(Some(TierName::G1)) > rr.hit_rate(Some(TierName::G1)), "{report}");
     assert!(kv.percentile_ms(0.5) <= rr.percentile_ms(0.5), "{report}");
     assert!(kv.hit_rate(None) <= kv.bound_hit_rate + 1e-9, "never above the infinite cache: {report}");
 }
@@ -331,12 +331,15 @@ fn two_nodes_load_each_others_g2_over_g4() {
     let rr = outcomes.iter().find(|o| o.policy.routing == RoutingPolicy::RoundRobin).unwrap();
     // Three sessions over four workers: round-robin moves each session between workers.
     assert_eq!(rr.samples.len(), 12);
-    let hits: Vec<[usize; 4]> = rr.samples.iter().map(|s| s.hit).collect();
+    let hits: Vec<PerTier<usize>> = rr.samples.iter().map(|s| s.hit).collect();
     assert!(
-        rr.hit_rate(Some(3)) > 0.0,
+        rr.hit_rate(Some(TierName::G4)) > 0.0,
         "round-robin over two nodes loads some turns from the other node's G2: {hits:?}"
     );
     assert!(rr.bytes[4] > 0);
     let kv = &outcomes[0];
-    assert!(kv.hit_rate(Some(0)) > rr.hit_rate(Some(0)), "KV-aware keeps sessions on their worker");
+    assert!(
+        kv.hit_rate(Some(TierName::G1)) > rr.hit_rate(Some(TierName::G1)),
+        "KV-aware keeps sessions on their worker"
+    );
 }
