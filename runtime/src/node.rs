@@ -79,14 +79,71 @@ pub struct NodeHandle {
     addr: SocketAddr,
     vocab: usize,
     grace: Duration,
-    poller: Option<tokio::task::JoinHandle<()>>,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
+    ring: Ring,
+}
+
+/// The node's outer ring: what runs around the actor tree and the API — the tiers' metrics
+/// poller, the traffic recorder, G4 (block server, peer links, membership) and the engine
+/// endpoint. Each part is started after the tree, in [`start`]; all of them stop in the one order
+/// written here, whether a start failed half-way ([`Ring::unwind`]) or the node stops
+/// ([`NodeHandle::stop`]):
+///
+/// 1. [`Ring::stop_outside`], before the API stops accepting: membership (peers stop finding this
+///    node), the engine endpoint (engines' lookups miss and they compute), then the block server
+///    and the peer links (peers lose this node, and it stops loading theirs);
+/// 2. [`Ring::stop_inside`], once every response is over: the poller, then the recorder, which
+///    writes its last lines and closes its file.
+///
+/// None of them is restarted: a part that fails leaves the node serving without it (the endpoint
+/// actor's engines then miss and compute; a peer link reconnects by itself; the recorder counts
+/// the lines it could not write).
+#[derive(Debug, Default)]
+struct Ring {
+    poller: Option<tokio::task::JoinHandle<()>>,
     recorder: Option<Arc<Recorder>>,
     block_server: Option<BlockServer>,
+    membership: Option<ClusterMembership>,
     endpoint: Option<(EndpointRef, tokio::task::JoinHandle<()>)>,
-    #[cfg(feature = "etcd")]
-    membership: Option<Membership>,
+}
+
+impl Ring {
+    /// Step 1 of the order: what faces other processes.
+    async fn stop_outside(&mut self, serving: &Serving) {
+        #[cfg(feature = "etcd")]
+        if let Some(membership) = &self.membership {
+            membership.stop();
+        }
+        if let Some((endpoint, join)) = self.endpoint.take() {
+            endpoint.stop(None);
+            let _ = join.await;
+        }
+        if let Some(block_server) = &self.block_server {
+            block_server.stop();
+        }
+        if let Some(g4) = &serving.tiers.g4 {
+            g4.remote.shutdown();
+        }
+    }
+
+    /// Step 2 of the order: what watches and records the node.
+    async fn stop_inside(&mut self) {
+        if let Some(poller) = self.poller.take() {
+            poller.abort();
+        }
+        if let Some(recorder) = self.recorder.take() {
+            let _ = tokio::task::spawn_blocking(move || recorder.finish()).await;
+        }
+    }
+
+    /// A start that failed at `e`: the ring stops in its order, then the actor tree.
+    async fn unwind(mut self, serving: Serving, e: anyhow::Error) -> anyhow::Error {
+        self.stop_outside(&serving).await;
+        self.stop_inside().await;
+        serving.shutdown().await;
+        e
+    }
 }
 
 impl NodeHandle {
@@ -102,7 +159,7 @@ impl NodeHandle {
 
     /// Where the G4 block server listens, when `tiers.g4.enabled`.
     pub fn g4_addr(&self) -> Option<SocketAddr> {
-        self.block_server.as_ref().map(BlockServer::local_addr)
+        self.ring.block_server.as_ref().map(BlockServer::local_addr)
     }
 
     /// Token ids the frontend's tokenizer has.
@@ -114,23 +171,8 @@ impl NodeHandle {
     /// get most of the grace and are then cancelled, and the workers flush write-through in the
     /// rest. Errors if the HTTP server failed (the node is stopped all the same).
     pub async fn stop(self) -> anyhow::Result<()> {
-        #[cfg(feature = "etcd")]
-        if let Some(membership) = &self.membership {
-            membership.stop();
-        }
-        let NodeHandle { serving, grace, poller, stop, mut server, recorder, block_server, endpoint, .. } = self;
-        // External engines lose the node first: their lookups miss and they compute.
-        if let Some((endpoint, join)) = endpoint {
-            endpoint.stop(None);
-            let _ = join.await;
-        }
-        // Peers lose this node first: what it holds is about to go; and it stops loading theirs.
-        if let Some(block_server) = &block_server {
-            block_server.stop();
-        }
-        if let Some(g4) = &serving.tiers.g4 {
-            g4.remote.shutdown();
-        }
+        let NodeHandle { serving, grace, stop, mut server, mut ring, .. } = self;
+        ring.stop_outside(&serving).await;
         let _ = stop.send(());
         let deadline = tokio::time::Instant::now() + grace;
         let drain = grace - (grace / 4).min(Duration::from_secs(5));
@@ -147,13 +189,8 @@ impl NodeHandle {
                 Ok(())
             }
         };
-        if let Some(poller) = poller {
-            poller.abort();
-        }
         // Every response is over: the recording gets its last lines and its file is closed.
-        if let Some(recorder) = recorder {
-            let _ = tokio::task::spawn_blocking(move || recorder.finish()).await;
-        }
+        ring.stop_inside().await;
         // The workers finish what they hold and flush their G3 writes before they exit. A write
         // still in flight at the deadline is abandoned: its slot was never acknowledged, and the
         // next start's scan verifies every slot.
@@ -193,14 +230,16 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
             println!("G2 is not locked in RAM (mlock refused); see the warning above");
         }
     }
-    let poller =
-        metrics.is_enabled().then(|| crate::metrics::spawn_tier_poller(tier_sources(&plan, &stores), TIER_POLL_PERIOD));
+    let mut ring = Ring {
+        poller: metrics
+            .is_enabled()
+            .then(|| crate::metrics::spawn_tier_poller(tier_sources(&plan, &stores), TIER_POLL_PERIOD)),
+        ..Ring::default()
+    };
     let serving = match Serving::start(cfg, &plan, stores).await {
         Ok(serving) => serving,
         Err(e) => {
-            if let Some(poller) = poller {
-                poller.abort();
-            }
+            ring.stop_inside().await;
             return Err(e);
         }
     };
@@ -213,60 +252,33 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     }
     let (state, vocab) = match frontend_state(cfg, &serving, announce).await {
         Ok(built) => built,
-        Err(e) => {
-            if let Some(poller) = poller {
-                poller.abort();
-            }
-            serving.shutdown().await;
-            return Err(e);
-        }
+        Err(e) => return Err(ring.unwind(serving, e).await),
     };
-    let recorder = if cfg.recording.enabled {
+    if cfg.recording.enabled {
         match Recorder::start(&cfg.recording, &cfg.node.data_dir) {
-            Ok(recorder) => Some(recorder),
+            Ok(recorder) => ring.recorder = Some(recorder),
             Err(e) => {
-                if let Some(poller) = poller {
-                    poller.abort();
-                }
-                serving.shutdown().await;
-                return Err(anyhow::Error::new(e).context("cannot start the traffic recording (recording.dir)"));
+                let e = anyhow::Error::new(e).context("cannot start the traffic recording (recording.dir)");
+                return Err(ring.unwind(serving, e).await);
             }
         }
-    } else {
-        None
-    };
-    let (block_server, membership) = if cfg.tiers.g4.enabled {
+    }
+    if cfg.tiers.g4.enabled {
         match start_g4(cfg, &plan, &serving).await {
-            Ok((server, membership)) => (Some(server), membership),
-            Err(e) => {
-                if let Some(poller) = poller {
-                    poller.abort();
-                }
-                serving.shutdown().await;
-                return Err(e.context("cannot start G4 (tiers.g4)"));
-            }
+            Ok((server, membership)) => (ring.block_server, ring.membership) = (Some(server), membership),
+            Err(e) => return Err(ring.unwind(serving, e.context("cannot start G4 (tiers.g4)")).await),
         }
-    } else {
-        (None, None)
-    };
-    let endpoint = if cfg.engine_endpoint.enabled {
+    }
+    if cfg.engine_endpoint.enabled {
         match start_endpoint(cfg, &serving).await {
-            Ok(endpoint) => Some(endpoint),
+            Ok(endpoint) => ring.endpoint = Some(endpoint),
             Err(e) => {
-                if let Some(poller) = poller {
-                    poller.abort();
-                }
-                if let Some(block_server) = &block_server {
-                    block_server.stop();
-                }
-                serving.shutdown().await;
-                return Err(e.context("cannot start the engine endpoint (engine_endpoint)"));
+                let e = e.context("cannot start the engine endpoint (engine_endpoint)");
+                return Err(ring.unwind(serving, e).await);
             }
         }
-    } else {
-        None
-    };
-    let state = match &recorder {
+    }
+    let state = match &ring.recorder {
         Some(recorder) => state.with_recorder(recorder.clone()),
         None => state,
     };
@@ -288,7 +300,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     }
     if announce {
         println!("{}", metrics.line());
-        if let Some(recorder) = &recorder {
+        if let Some(recorder) = &ring.recorder {
             println!(
                 "recording traffic to {} ({}); replay it with `dynamo-node bench replay --trace FILE`",
                 recorder.dir().display(),
@@ -298,13 +310,13 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         if keys > 0 {
             println!("API keys: {keys} ([frontend.auth]); requests without one get 401");
         }
-        if let Some(block_server) = &block_server {
+        if let Some(block_server) = &ring.block_server {
             println!(
                 "G4 block server on {} (cluster {:?}): G2 blocks for peers that prove the cluster secret",
                 block_server.local_addr(),
                 cfg.tiers.g4.cluster
             );
-            if membership.is_some() {
+            if ring.membership.is_some() {
                 println!(
                     "G4 peers: from etcd at {} (registered as {:?})",
                     cfg.cluster.etcd_endpoints.join(", "),
@@ -317,7 +329,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
                 );
             }
         }
-        if endpoint.is_some() {
+        if ring.endpoint.is_some() {
             println!(
                 "engine endpoint on {}: vLLM instances store into and load from G2 (plug-in: runtime/python/dynamo_node_vllm)",
                 endpoint_socket(cfg).display()
@@ -329,20 +341,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     let server = tokio::spawn(crate::frontend::serve(listener, state, async move {
         let _ = stopped.await;
     }));
-    Ok(NodeHandle {
-        serving,
-        addr,
-        vocab,
-        grace: cfg.node.shutdown_grace.as_duration(),
-        poller,
-        stop,
-        server,
-        recorder,
-        block_server,
-        endpoint,
-        #[cfg(feature = "etcd")]
-        membership,
-    })
+    Ok(NodeHandle { serving, addr, vocab, grace: cfg.node.shutdown_grace.as_duration(), stop, server, ring })
 }
 
 /// The engine endpoint's socket: `engine_endpoint.socket`, under `node.data_dir` when relative.
