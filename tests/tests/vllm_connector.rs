@@ -104,6 +104,18 @@ max_block_bytes = "{block}"
     )
 }
 
+/// A free loopback port below the kernel's ephemeral range (32768 and up by default). vLLM binds
+/// its own ZMQ sockets to ephemeral ports, so a "free" ephemeral port handed to its KV event
+/// publisher could be taken by one of them (or by the engine of a test running beside this one)
+/// before the publisher binds it: that failed a run with "Address already in use".
+fn port_outside_ephemeral_range() -> u16 {
+    let start = 20_000 + (std::process::id() % 10_000) as u16;
+    (start..32_000)
+        .chain(20_000..start)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port below 32000")
+}
+
 fn metric(node: &Node, series: &str) -> f64 {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(node.metric(series))
@@ -121,7 +133,7 @@ fn a_fresh_vllm_loads_what_another_stored_with_identical_greedy_output() {
 
     let c = engine(&model, &prompt, None, &[]);
     assert_eq!(cached(&c), 0);
-    let events = format!("tcp://127.0.0.1:{}", dynamo_tests::free_port());
+    let events = format!("tcp://127.0.0.1:{}", port_outside_ephemeral_range());
     let a = engine(&model, &prompt, Some(&socket), &["--engine-id", "vllm-a", "--kv-events", &events, "--locate"]);
     assert_eq!(cached(&a), 0, "the node held nothing yet");
     assert_eq!(tokens(&a), tokens(&c), "storing changes nothing");
