@@ -22,6 +22,10 @@
 //! - [`turn_end`]: what the end of a turn leaves of each block: its priority, its hold, the hold a
 //!   lease asks of G1.
 //!
+//! An engine is a [`Driver`]: it keeps its requests' G1 pages (grow, preempt, release) and ends a
+//! request its own way; the driver's provided methods carry out the core's answers (enter, wait
+//! for room, cancel) the same way for every engine.
+//!
 //! The write-backlog decision is [`dynamo_tiering::cost::write_admitted`], one rule for every
 //! engine and every tier owner.
 
@@ -41,22 +45,59 @@ pub(super) trait Sequence {
     fn run(&self) -> &Run;
 }
 
-/// The G1 pages of an engine's requests, as its driver keeps them.
-pub(super) trait Pages<S> {
+/// An engine driving the core: it keeps its requests' G1 pages and ends them its own way. What
+/// the core answers is carried out by the provided methods, the same way for every engine.
+pub(super) trait Driver<S: Sequence> {
+    /// The core it drives.
+    fn core(&mut self) -> &mut EngineCore<S>;
     /// Gives `seq` pages until it holds `blocks`; false if G1 ran out first (the pages it got stay
     /// with it).
     fn grow(&mut self, seq: &mut S, blocks: usize) -> bool;
     /// `seq` yields: its blocks are written through and its pages freed; it comes back later.
     fn preempt(&mut self, seq: &mut S);
+    /// Gives back `seq`'s G1 references and frees its private pages: it holds none after.
+    fn release(&mut self, seq: &mut S);
+    /// Ends `seq` (its turn's end: what its blocks keep) and answers its caller.
+    fn end(&mut self, seq: S, end: Result<Finish, WorkerError>);
+
+    /// Puts `seq` among the requests waiting for room in G1, holding no page.
+    fn wait_for_room(&mut self, mut seq: S) {
+        self.release(&mut seq);
+        self.core().wait(seq);
+    }
+
+    /// Carries out where the core sends `seq` once its onboarding is done (`loaded`): into the
+    /// batch, back to wait for room, or to its end. False when it waits.
+    fn entered(&mut self, seq: S, loaded: Result<(), WorkerError>) -> bool {
+        match self.core().entered(seq, loaded) {
+            Entry::Runs => true,
+            Entry::Waits(seq) => {
+                self.wait_for_room(seq);
+                false
+            }
+            Entry::Fails(mut seq, e) => {
+                self.release(&mut seq);
+                self.end(seq, Err(e));
+                true
+            }
+        }
+    }
+
+    /// Ends the request admitted last at once: its caller stopped listening.
+    fn cancel_last(&mut self) {
+        if let Some(seq) = self.core().cancel_last() {
+            self.end(seq, Ok(Finish::Stop));
+        }
+    }
 }
 
-/// A driver's [`Pages`] over the requests of one step, as [`batch::plan_step`] numbers them.
+/// A driver's pages over the requests of one step, as [`batch::plan_step`] numbers them.
 struct On<'a, P, S> {
     pages: &'a mut P,
     running: &'a mut [S],
 }
 
-impl<P: Pages<S>, S> batch::Pages for On<'_, P, S> {
+impl<P: Driver<S>, S: Sequence> batch::Pages for On<'_, P, S> {
     fn grow(&mut self, i: usize, blocks: usize) -> bool {
         self.pages.grow(&mut self.running[i], blocks)
     }
@@ -96,7 +137,10 @@ impl<S> Step<S> {
     /// Plans the step: the pending decode token of every request, then prefill chunks by
     /// priority and arrival within the budget, the requests' pages grown (or yielded) by the
     /// driver's `pages` ([`batch::plan_step`]).
-    pub(super) fn plan(&mut self, pages: &mut impl Pages<S>) {
+    pub(super) fn plan(&mut self, pages: &mut impl Driver<S>)
+    where
+        S: Sequence,
+    {
         let mut on = On { pages, running: &mut self.running };
         let StepPlan { chunks, yielded, leaving } =
             batch::plan_step(&self.members, self.budget, self.block_tokens, &mut on);
@@ -320,11 +364,24 @@ mod tests {
 
     /// Pages as counts: `free` left, `held[order]` per request.
     struct Counted {
+        core: EngineCore<Seq>,
         free: usize,
         held: Vec<usize>,
     }
 
-    impl Pages<Seq> for Counted {
+    impl Driver<Seq> for Counted {
+        fn core(&mut self) -> &mut EngineCore<Seq> {
+            &mut self.core
+        }
+
+        fn release(&mut self, seq: &mut Seq) {
+            self.free += std::mem::take(&mut self.held[seq.0.order as usize - 1]);
+        }
+
+        fn end(&mut self, seq: Seq, end: Result<Finish, WorkerError>) {
+            seq.0.finish(end);
+        }
+
         fn grow(&mut self, seq: &mut Seq, blocks: usize) -> bool {
             let held = &mut self.held[seq.0.order as usize - 1];
             while *held < blocks {
@@ -415,22 +472,22 @@ mod tests {
 
     #[tokio::test]
     async fn a_step_keeps_those_that_stay_queues_those_that_yielded_and_hands_back_those_that_end() {
-        let mut core = EngineCore::new(16);
+        let mut pages = Counted { core: EngineCore::new(16), free: 1, held: vec![4, 4, 4] };
         for priority in [1, 0, 0] {
             let (t, rx) = ticket(64, 4, priority);
             std::mem::forget(rx);
-            let mut seq = admit(&mut core, t, 100).expect("admitted");
+            let mut seq = admit(&mut pages.core, t, 100).expect("admitted");
             seq.0.computed = 64;
             seq.0.tokens.push(7);
-            assert!(matches!(core.entered(seq, Ok(())), Entry::Runs));
+            assert!(pages.entered(seq, Ok(())));
         }
         // Each decoder needs a fifth page; one is free.
-        let mut pages = Counted { free: 1, held: vec![4, 4, 4] };
-        let mut step = core.begin_step();
+        let mut step = pages.core.begin_step();
         step.plan(&mut pages);
         assert_eq!(pages.held, vec![5, 5, 0]);
         assert_eq!(step.chunks, vec![(0, 1), (1, 1)], "the latest of the lowest priority yields");
         step.ended(1, Ok(Finish::Length));
+        let core = &mut pages.core;
         let leaving = core.end_step(step);
         assert_eq!(leaving.len(), 1);
         assert_eq!(leaving[0].0.0.order, 2);
@@ -440,5 +497,37 @@ mod tests {
         assert_eq!(back.0.order, 3, "the one that yielded comes back");
         assert_eq!(back.0.computed, 0, "its pages went");
         assert_eq!(core.len(), 1, "the one that stayed runs");
+    }
+
+    #[tokio::test]
+    async fn a_driver_frees_what_a_waiting_or_failed_request_holds_and_ends_the_cancelled_one() {
+        let mut pages = Counted { core: EngineCore::new(16), free: 0, held: vec![0; 4] };
+        let take = |pages: &mut Counted| {
+            let (t, rx) = ticket(40, 4, 0);
+            (admit(&mut pages.core, t, 100).expect("admitted"), rx)
+        };
+        let (first, mut first_rx) = take(&mut pages);
+        assert!(pages.entered(first, Ok(())));
+        // The second got 2 pages, then G1 ran out: it waits, holding none.
+        let (second, _rx) = take(&mut pages);
+        pages.held[1] = 2;
+        assert!(!pages.entered(second, Err(WorkerError::Overloaded)), "it waits");
+        assert_eq!((pages.held[1], pages.free), (0, 2), "its pages went back");
+        // The third failed for another reason: it ends so, its pages back too.
+        let (third, mut third_rx) = take(&mut pages);
+        pages.held[2] = 1;
+        assert!(pages.entered(third, Err(WorkerError::EmptyPrompt)));
+        assert!(matches!(failed(&mut third_rx), Some(WorkerError::EmptyPrompt)));
+        assert_eq!((pages.held[2], pages.free), (0, 3));
+        // The last admitted (the third) is gone: cancelling ends nothing else.
+        pages.cancel_last();
+        assert_eq!(pages.core.len(), 2);
+        // A fourth runs; its caller goes away: it ends at once, stopped.
+        let (fourth, mut fourth_rx) = take(&mut pages);
+        assert!(pages.entered(fourth, Ok(())));
+        pages.cancel_last();
+        assert!(matches!(fourth_rx.try_recv(), Ok(JobEvent::Done(o)) if matches!(o.finish, Finish::Stop)));
+        assert_eq!(pages.core.len(), 2);
+        assert!(first_rx.try_recv().is_err(), "the first still runs");
     }
 }

@@ -43,7 +43,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::batch;
-use super::engine_core::{EngineCore, Entry, Pages, Sequence, turn_end};
+use super::engine_core::{Driver, EngineCore, Sequence, turn_end};
 use super::run::{After, Run};
 use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent};
 use crate::leases::{LeaseBook, LeasedTiers};
@@ -653,22 +653,6 @@ impl SimulatedEngine {
         self.entered(seq, loaded);
     }
 
-    /// Carries out where the core sends `seq` once its onboarding is done; false when it waits.
-    fn entered(&mut self, seq: SimSeq, loaded: Result<(), WorkerError>) -> bool {
-        match self.core.entered(seq, loaded) {
-            Entry::Runs => true,
-            Entry::Waits(seq) => {
-                self.wait_for_room(seq);
-                false
-            }
-            Entry::Fails(mut seq, e) => {
-                self.release(&mut seq);
-                self.end(seq, Err(e));
-                true
-            }
-        }
-    }
-
     /// One step, as [`batch::plan_step`] plans it: preempted requests resume first when G1 has
     /// room; the step takes its calibrated time (and waits for the loads of the requests it
     /// computes first); then each request advances by what the step computed for it.
@@ -763,12 +747,6 @@ impl SimulatedEngine {
         self.g1_blocks - self.g1.len() - self.private + blocks.evictable + blocks.held + blocks.interior
     }
 
-    /// Puts `seq`, which holds no page, among the requests waiting for room in G1.
-    fn wait_for_room(&mut self, mut seq: SimSeq) {
-        self.release(&mut seq);
-        self.core.wait(seq);
-    }
-
     /// Ends `seq` and answers its caller: its G1 references are released and its private pages
     /// freed; held regions stay pinned through the tool-call gap, and the turn's answer becomes
     /// conversation context for the next turn (which resends it), so its blocks are promoted to
@@ -800,7 +778,13 @@ impl SimulatedEngine {
     }
 }
 
-impl Pages<SimSeq> for SimulatedEngine {
+/// The simulated engine drives the engine core: its pages are counts in a registry, and a
+/// request's end holds its blocks as the reference worker's do.
+impl Driver<SimSeq> for SimulatedEngine {
+    fn core(&mut self) -> &mut EngineCore<SimSeq> {
+        &mut self.core
+    }
+
     fn grow(&mut self, seq: &mut SimSeq, blocks: usize) -> bool {
         let now = now_ms(self.epoch);
         while seq.blocks.len() < blocks {
@@ -814,6 +798,14 @@ impl Pages<SimSeq> for SimulatedEngine {
 
     fn preempt(&mut self, seq: &mut SimSeq) {
         SimulatedEngine::preempt(self, seq);
+    }
+
+    fn release(&mut self, seq: &mut SimSeq) {
+        SimulatedEngine::release(self, seq);
+    }
+
+    fn end(&mut self, seq: SimSeq, end: Result<Finish, WorkerError>) {
+        SimulatedEngine::end(self, seq, end);
     }
 }
 
@@ -875,9 +867,7 @@ impl Engine for SimulatedEngine {
     }
 
     fn cancel_last(&mut self) {
-        if let Some(seq) = self.core.cancel_last() {
-            self.end(seq, Ok(Finish::Stop));
-        }
+        Driver::cancel_last(self);
     }
 
     fn reset(&mut self, why: &str) -> usize {

@@ -56,7 +56,7 @@ use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
 use tokio::task::JoinSet;
 
-use super::engine_core::{EngineCore, Entry, Pages, Sequence, turn_end};
+use super::engine_core::{Driver, EngineCore, Sequence, turn_end};
 use super::run::{After, Run};
 use super::{Finish, GenOutcome, GenRequest, Ticket, WorkerError, WorkerEvent, batch, unix_millis};
 
@@ -183,7 +183,13 @@ struct Loading<B: Backend> {
     blocks: Vec<usize>,
 }
 
-impl<B: Backend> Pages<Seq> for Worker<B> {
+/// The reference worker drives the engine core: its pages are real G1 pages, and a request's end
+/// writes its turn through.
+impl<B: Backend> Driver<Seq> for Worker<B> {
+    fn core(&mut self) -> &mut EngineCore<Seq> {
+        &mut self.core
+    }
+
     fn grow(&mut self, seq: &mut Seq, blocks: usize) -> bool {
         while seq.blocks.len() < blocks {
             match self.alloc_page(unix_millis()) {
@@ -196,6 +202,14 @@ impl<B: Backend> Pages<Seq> for Worker<B> {
 
     fn preempt(&mut self, seq: &mut Seq) {
         Worker::preempt(self, seq);
+    }
+
+    fn release(&mut self, seq: &mut Seq) {
+        Worker::release(self, seq);
+    }
+
+    fn end(&mut self, seq: Seq, end: Result<Finish, WorkerError>) {
+        Worker::end(self, seq, end);
     }
 }
 
@@ -399,27 +413,9 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Carries out where the core sends `seq` once its onboarding is done; false when it waits.
-    fn entered(&mut self, seq: Seq, loaded: Result<(), WorkerError>) -> bool {
-        match self.core.entered(seq, loaded) {
-            Entry::Runs => true,
-            Entry::Waits(seq) => {
-                self.wait_for_room(seq);
-                false
-            }
-            Entry::Fails(mut seq, e) => {
-                self.release(&mut seq);
-                self.end(seq, Err(e));
-                true
-            }
-        }
-    }
-
     /// Ends the request admitted last at once (its caller stopped listening).
     pub fn cancel_last(&mut self) {
-        if let Some(seq) = self.core.cancel_last() {
-            self.end(seq, Ok(Finish::Stop));
-        }
+        Driver::cancel_last(self);
     }
 
     /// One engine step: preempted (or waiting) requests resume when G1 has room for them; requests whose
@@ -550,12 +546,6 @@ impl<B: Backend> Worker<B> {
     fn available_pages(&self) -> usize {
         let blocks = self.registry.stats().total();
         self.free.len() + blocks.evictable + blocks.held + blocks.interior
-    }
-
-    /// Puts `seq`, which holds no page, among the requests waiting for room in G1.
-    fn wait_for_room(&mut self, mut seq: Seq) {
-        self.release(&mut seq);
-        self.core.wait(seq);
     }
 
     /// Releases `seq`'s G1 references and frees its private pages.
