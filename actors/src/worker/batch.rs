@@ -2,9 +2,10 @@
 //! running requests a step computes and how many tokens of each, who yields its G1 pages when
 //! they run out, when a preempted request comes back and when a new one may join.
 //!
-//! It does no I/O and holds no memory: an engine describes its running requests as [`Member`]s,
-//! answers for their G1 pages through [`Pages`], and carries out the [`StepPlan`] it gets back
-//! (a forward pass on the reference worker, calibrated time on the simulated one).
+//! It does no I/O and holds no memory: the engine core (`super::engine_core`) describes the
+//! running requests as [`Member`]s and answers for their G1 pages through [`Pages`] (its driver's
+//! pages), and the engine carries out the [`StepPlan`] it gets back (a forward pass on the
+//! reference worker, calibrated time on the simulated one).
 
 use dynamo_tiering::block::BlockHash;
 use dynamo_tiering::registry::TierRegistry;
