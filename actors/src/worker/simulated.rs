@@ -660,13 +660,14 @@ impl SimulatedEngine {
         self.resume_preempted().await;
         let mut step = self.core.begin_step();
         step.plan(self);
+        let chunks = std::mem::take(&mut step.chunks);
 
         // Its time: the prefill chunks' marginal cost, at least one pass over the weights for the
         // decodes, and no earlier than the loads of its requests are across.
         let now = Instant::now();
         let timing = &self.node.timing;
         let (mut prefill_s, mut decodes, mut ready) = (0.0, false, now);
-        for &(i, take) in &step.chunks {
+        for &(i, take) in &chunks {
             let seq = &mut step.running[i];
             // A resumed request recomputing what it did not load pays prefill for it.
             if seq.run.prefilled && take == 1 {
@@ -685,7 +686,7 @@ impl SimulatedEngine {
         let step_s = if decodes { prefill_s.max(timing.decode_s_per_token) } else { prefill_s };
         tokio::time::sleep_until(ready.max(now + Duration::from_secs_f64(step_s))).await;
 
-        for (i, take) in step.chunks.clone() {
+        for (i, take) in chunks {
             if let Some(end) = self.advance(&mut step.running[i], take) {
                 step.ended(i, end);
             }

@@ -429,7 +429,7 @@ impl<B: Backend> Worker<B> {
         let b = self.tiers.block_tokens;
         let mut step = self.core.begin_step();
         step.plan(self);
-        let (plan, running) = (step.chunks.clone(), &mut step.running);
+        let (plan, running) = (std::mem::take(&mut step.chunks), &mut step.running);
         let mut ended = Vec::new();
         let tables: Vec<Vec<u32>> =
             plan.iter().map(|&(i, _)| running[i].blocks.iter().map(|s| s.page).collect()).collect();
