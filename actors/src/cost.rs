@@ -10,7 +10,7 @@ impl From<WorkerPrefix> for PrefixBlocks {
     /// The worker's G1 is the longer of what its KV events report and what recent routing
     /// implies (approximate mode).
     fn from(p: WorkerPrefix) -> Self {
-        PrefixBlocks { g1: p.g1.max(p.g1_approximate), g2: p.g2, g3: p.g3, g4: p.g4 }
+        PrefixBlocks { g1: p.tiers.g1.max(p.g1_approximate), ..p.tiers }
     }
 }
 
@@ -20,7 +20,7 @@ mod tests {
 
     #[test]
     fn the_approximate_g1_counts_where_it_reaches_further() {
-        let p = WorkerPrefix { g1: 2, g1_approximate: 5, g2: 7, g3: 1, g4: 9 };
+        let p = WorkerPrefix { tiers: PrefixBlocks { g1: 2, g2: 7, g3: 1, g4: 9 }, g1_approximate: 5 };
         assert_eq!(PrefixBlocks::from(p), PrefixBlocks { g1: 5, g2: 7, g3: 1, g4: 9 });
     }
 }

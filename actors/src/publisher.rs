@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use dynamo_config::TierName;
 use dynamo_tiering::block::BlockHash;
-use dynamo_tiering::g4::feed::{Feed, FeedTier};
+use dynamo_tiering::g4::feed::Feed;
 use parking_lot::Mutex;
 
 use crate::index::{Applied, IndexWriter, KvEvent, KvEventKind, OnApplied, PrefixIndex, SourceId};
@@ -86,22 +86,10 @@ impl KvPublisher {
         if let Some(feed) = &self.feed
             && source.is_node_store()
         {
-            let feed_tier = |tier: &TierName| match tier {
-                TierName::G2 => Some(FeedTier::G2),
-                TierName::G3 => Some(FeedTier::G3),
-                _ => None,
-            };
+            // The feed keeps the tiers peers are served from and ignores the others.
             match &kind {
-                KvEventKind::Stored { hashes, parent, tier } => {
-                    if let Some(tier) = feed_tier(tier) {
-                        feed.stored_in(tier, *parent, hashes);
-                    }
-                }
-                KvEventKind::Removed { hashes, tier } => {
-                    if let Some(tier) = feed_tier(tier) {
-                        feed.removed_from(tier, hashes);
-                    }
-                }
+                KvEventKind::Stored { hashes, parent, tier } => feed.stored_in(*tier, *parent, hashes),
+                KvEventKind::Removed { hashes, tier } => feed.removed_from(*tier, hashes),
                 KvEventKind::Cleared => {}
             }
             telemetry::set_peer_servable_blocks(feed.len(), feed.digest());

@@ -20,9 +20,10 @@ use dynamo_tiering::block::{BlockHash, ImageSpec, RetentionMeta, seal};
 use dynamo_tiering::g3::G3Error;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use crate::telemetry::{self, Tier};
+use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::unix_millis;
+use dynamo_config::TierName;
 
 /// Occupancy bounds of a tier, as fractions of its capacity.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -144,7 +145,7 @@ impl Actor for G3StoreActor {
             return Err("the G3 store actor needs G2 and G3".into());
         }
         let degraded = args.tiers.g3.as_ref().is_some_and(|g3| g3.health.is_degraded());
-        telemetry::set_tier_degraded(Tier::G3, degraded);
+        telemetry::set_tier_degraded(TierName::G3, degraded);
         Ok(start(&myself, args))
     }
 
@@ -156,7 +157,7 @@ impl Actor for G3StoreActor {
                 if !g3.health.is_degraded() && g3.health.consecutive_failures() >= state.args.failures_to_degrade {
                     g3.health.set_degraded(true);
                     state.status.degradations += 1;
-                    telemetry::set_tier_degraded(Tier::G3, true);
+                    telemetry::set_tier_degraded(TierName::G3, true);
                     tracing::error!(
                         failures = g3.health.consecutive_failures(),
                         last_error = g3.health.last_error().as_deref().unwrap_or("?"),
@@ -167,7 +168,7 @@ impl Actor for G3StoreActor {
                         Ok(()) => {
                             g3.health.set_degraded(false);
                             state.status.recoveries += 1;
-                            telemetry::set_tier_degraded(Tier::G3, false);
+                            telemetry::set_tier_degraded(TierName::G3, false);
                             tracing::info!("G3 answers again (probe written and read back verified); back on G1+G2+G3");
                         }
                         Err(e) => tracing::debug!(error = %e, "G3 probe failed; staying on G1+G2"),

@@ -19,8 +19,9 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, Super
 
 use crate::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerRef};
 use crate::stores::{G2StoreActor, G3StoreActor, StoreArgs, StoreRef};
-use crate::telemetry::{self, Tier};
+use crate::telemetry;
 use crate::worker::{WorkerActor, WorkerArgs, WorkerMsg, WorkerRef};
+use dynamo_config::TierName;
 
 /// The NodeSupervisor.
 #[derive(Debug)]
@@ -202,7 +203,7 @@ impl Actor for NodeSupervisor {
                 if let Some(args) = state.args.g3.clone() {
                     if let Some(g3) = &args.tiers.g3 {
                         g3.health.set_degraded(true);
-                        telemetry::set_tier_degraded(Tier::G3, true);
+                        telemetry::set_tier_degraded(TierName::G3, true);
                     }
                     state.g3 = Some(Actor::spawn_linked(None, G3StoreActor, args, myself.get_cell()).await?.0);
                 }

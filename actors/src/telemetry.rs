@@ -94,7 +94,7 @@ use dynamo_tiering::g3::G3Stats;
 use dynamo_tiering::registry::RegistryStats;
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 
-pub use dynamo_config::TierName as Tier;
+use dynamo_config::TierName;
 
 /// Every metric name, in one place.
 pub mod names {
@@ -270,17 +270,6 @@ pub mod names {
     ];
 }
 
-/// The transfer paths whose series exist from start-up (at zero): write-through down the tiers and
-/// onboarding back up. [`record_transfer`] accepts any pair.
-pub const TRANSFER_PATHS: [(Tier, Tier); 6] = [
-    (Tier::G1, Tier::G2),
-    (Tier::G2, Tier::G3),
-    (Tier::G2, Tier::G1),
-    (Tier::G3, Tier::G2),
-    (Tier::G4, Tier::G2),
-    (Tier::G2, Tier::G4),
-];
-
 /// Registers help text and units of every metric with the current recorder.
 pub fn describe() {
     use names::*;
@@ -430,16 +419,18 @@ pub fn register_known_series() {
     for endpoint in ["api", "metrics"] {
         counter!(AUTH_FAILURES, "endpoint" => endpoint).increment(0);
     }
-    for &tier in Tier::ALL {
+    for &tier in TierName::ALL {
         counter!(KV_HIT_TOKENS, "tier" => tier.as_str()).increment(0);
     }
-    for (src, dst) in TRANSFER_PATHS {
+    // Every transfer path's series exists from start-up (at zero); [`record_transfer`] accepts any
+    // pair.
+    for (src, dst) in TierName::transfer_paths() {
         counter!(KV_TRANSFER_BYTES, "src" => src.as_str(), "dst" => dst.as_str()).increment(0);
         let _ = histogram!(KV_TRANSFER_SECONDS, "src" => src.as_str(), "dst" => dst.as_str());
     }
     let _ = histogram!(REQUEST_TTFT_SECONDS);
     let _ = histogram!(INTER_TOKEN_SECONDS);
-    for tier in [Tier::G2, Tier::G3] {
+    for tier in TierName::NODE {
         let _ = histogram!(WRITE_THROUGH_LAG_SECONDS, "tier" => tier.as_str());
     }
     let _ = histogram!(ROUTER_DECISION_SECONDS);
@@ -460,7 +451,7 @@ pub fn register_known_series() {
     counter!(WORKER_RESTARTS).increment(0);
     counter!(PREEMPTIONS).increment(0);
     counter!(ROUTER_MISPREDICTIONS).increment(0);
-    for tier in [Tier::G2, Tier::G3] {
+    for tier in TierName::NODE {
         counter!(WRITE_THROUGH_SKIPPED, "tier" => tier.as_str()).increment(0);
     }
     let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -582,7 +573,7 @@ pub fn record_cluster_registration(epoch: i64) {
 
 /// A block read from `tier` failed verification and was dropped (tiers whose store keeps no
 /// count of its own: G4).
-pub fn record_corrupt_block(tier: Tier) {
+pub fn record_corrupt_block(tier: TierName) {
     counter!(names::KV_CORRUPT_BLOCKS, "tier" => tier.as_str()).increment(1);
 }
 
@@ -659,27 +650,27 @@ pub fn record_prediction(predicted: u64, actual: u64) {
 }
 
 /// Counts a block write-through left above `tier` because that tier's writes were behind.
-pub fn record_write_skipped(tier: Tier) {
+pub fn record_write_skipped(tier: TierName) {
     counter!(names::WRITE_THROUGH_SKIPPED, "tier" => tier.as_str()).increment(1);
 }
 
 /// Counts `n` blocks write-through left above `tier` because it had no room for them.
-pub fn record_writes_skipped(tier: Tier, n: u64) {
+pub fn record_writes_skipped(tier: TierName, n: u64) {
     counter!(names::WRITE_THROUGH_SKIPPED, "tier" => tier.as_str()).increment(n);
 }
 
 /// Records how long a completed block took to be acknowledged by `tier` (write-through lag).
-pub fn record_write_lag(tier: Tier, lag: Duration) {
+pub fn record_write_lag(tier: TierName, lag: Duration) {
     histogram!(names::WRITE_THROUGH_LAG_SECONDS, "tier" => tier.as_str()).record(lag.as_secs_f64());
 }
 
 /// Sets the tier's resident blocks.
-pub fn set_tier_blocks(tier: Tier, blocks: u64) {
+pub fn set_tier_blocks(tier: TierName, blocks: u64) {
     gauge!(names::KV_BLOCKS, "tier" => tier.as_str()).set(blocks as f64);
 }
 
 /// Sets the tier's capacity in blocks.
-pub fn set_tier_capacity(tier: Tier, blocks: u64) {
+pub fn set_tier_capacity(tier: TierName, blocks: u64) {
     gauge!(names::KV_CAPACITY_BLOCKS, "tier" => tier.as_str()).set(blocks as f64);
 }
 
@@ -690,30 +681,30 @@ pub fn record_prompt(prompt_tokens: u64, prefill_tokens: u64) {
 }
 
 /// Counts prompt tokens whose KV was reused from `tier` instead of computed.
-pub fn record_hit_tokens(tier: Tier, tokens: u64) {
+pub fn record_hit_tokens(tier: TierName, tokens: u64) {
     counter!(names::KV_HIT_TOKENS, "tier" => tier.as_str()).increment(tokens);
 }
 
 /// Counts one batched transfer of `bytes` from `src` to `dst` that took `elapsed`.
-pub fn record_transfer(src: Tier, dst: Tier, bytes: u64, elapsed: Duration) {
+pub fn record_transfer(src: TierName, dst: TierName, bytes: u64, elapsed: Duration) {
     counter!(names::KV_TRANSFER_BYTES, "src" => src.as_str(), "dst" => dst.as_str()).increment(bytes);
     histogram!(names::KV_TRANSFER_SECONDS, "src" => src.as_str(), "dst" => dst.as_str()).record(elapsed.as_secs_f64());
 }
 
 /// Counts an error of `tier`; `kind` is the library error's `kind()`.
-pub fn record_tier_error(tier: Tier, kind: &'static str) {
+pub fn record_tier_error(tier: TierName, kind: &'static str) {
     counter!(names::TIER_ERRORS, "tier" => tier.as_str(), "kind" => kind).increment(1);
 }
 
 /// Sets the tier's in-flight I/O operations.
-pub fn set_io_inflight(tier: Tier, ops: u64) {
+pub fn set_io_inflight(tier: TierName, ops: u64) {
     gauge!(names::IO_INFLIGHT, "tier" => tier.as_str()).set(ops as f64);
 }
 
 /// Counts one worker restarted after a panic, and the G1 blocks it dropped as evictions.
 pub fn record_worker_restart(g1_blocks_removed: u64) {
     counter!(names::WORKER_RESTARTS).increment(1);
-    counter!(names::KV_EVICTIONS, "tier" => Tier::G1.as_str(), "region" => "restart").increment(g1_blocks_removed);
+    counter!(names::KV_EVICTIONS, "tier" => TierName::G1.as_str(), "region" => "restart").increment(g1_blocks_removed);
 }
 
 /// Counts one running request preempted out of G1.
@@ -722,7 +713,7 @@ pub fn record_preemption() {
 }
 
 /// Marks the tier degraded (the node runs without it) or healthy.
-pub fn set_tier_degraded(tier: Tier, degraded: bool) {
+pub fn set_tier_degraded(tier: TierName, degraded: bool) {
     gauge!(names::TIER_DEGRADED, "tier" => tier.as_str()).set(if degraded { 1.0 } else { 0.0 });
 }
 
@@ -758,7 +749,7 @@ pub fn record_inter_token(gap: Duration) {
 }
 
 /// Publishes a registry snapshot: resident blocks, capacity, and per-region evictions (mirrored).
-pub fn publish_registry(tier: Tier, stats: &RegistryStats) {
+pub fn publish_registry(tier: TierName, stats: &RegistryStats) {
     set_tier_blocks(tier, stats.total().resident as u64);
     set_tier_capacity(tier, stats.capacity as u64);
     for (region, s) in &stats.regions {
@@ -771,12 +762,12 @@ pub fn publish_registry(tier: Tier, stats: &RegistryStats) {
     counter!(names::KV_LEASE_DEGRADATIONS, "tier" => t).absolute(stats.leases.degradations_total);
 }
 
-fn publish_evictions(tier: Tier, region: RegionKind, total: u64) {
+fn publish_evictions(tier: TierName, region: RegionKind, total: u64) {
     counter!(names::KV_EVICTIONS, "tier" => tier.as_str(), "region" => region.as_str()).absolute(total);
 }
 
 /// Mirrors a block store's monotonic counters.
-pub fn publish_store_stats(tier: Tier, stats: &G3Stats) {
+pub fn publish_store_stats(tier: TierName, stats: &G3Stats) {
     use names::*;
     let t = tier.as_str();
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);

@@ -18,7 +18,7 @@ use dynamo_tiering::pipeline::{Pipeline, WriteThrough};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
 
 use crate::leases::{LeaseBook, LeasedTiers};
-use crate::telemetry::{Tier, record_tier_error, record_write_skipped};
+use crate::telemetry::{record_tier_error, record_write_skipped};
 
 /// Where a block is: one worker's G1, or one of the node's shared tiers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -107,7 +107,7 @@ impl G2Tier {
             return Some(slot);
         }
         tracing::warn!(%hash, "a G2 image changed after it was admitted (written by another process); dropped");
-        crate::telemetry::record_corrupt_block(crate::telemetry::Tier::G2);
+        crate::telemetry::record_corrupt_block(TierName::G2);
         self.forget(hash);
         None
     }
@@ -351,7 +351,7 @@ impl G3Tier {
         let bytes = self.store.slot_bytes() as u64;
         let rate = self.write_rate.or_else(|| measured.g3_write.get());
         if !leased && !write_admitted(self.writing.load(Ordering::Relaxed), bytes, rate) {
-            record_write_skipped(Tier::G3);
+            record_write_skipped(TierName::G3);
             return None;
         }
         self.writing.fetch_add(bytes, Ordering::Relaxed);
@@ -370,7 +370,7 @@ impl G3Tier {
             }
             Err(e) => {
                 self.health.record_error(&e);
-                record_tier_error(Tier::G3, e.kind());
+                record_tier_error(TierName::G3, e.kind());
                 tracing::warn!(%hash, error = %e, "G3 write-through failed; the block stays in G1/G2 only");
                 self.forget(hash);
                 false
@@ -446,7 +446,7 @@ impl G3Tier {
             Ok(_) => self.health.record_ok(),
             Err(failure) => {
                 self.health.record_error(&failure.error);
-                record_tier_error(Tier::G3, failure.error.kind());
+                record_tier_error(TierName::G3, failure.error.kind());
                 self.forget(hash);
             }
         }

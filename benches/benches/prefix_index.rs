@@ -167,7 +167,7 @@ fn all_views(
     let mut views = views;
     for q in queries {
         index.find_matches(q, out);
-        let prefix = |v: WorkerPrefix| v.g1 + v.g2 + v.g3 + v.g4;
+        let prefix = |v: WorkerPrefix| v.tiers.total();
         match views.as_deref_mut() {
             Some(views) => {
                 out.views(views);

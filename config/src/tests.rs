@@ -495,3 +495,17 @@ fn what_serve_would_refuse_is_refused_with_its_line() {
     assert_eq!(err.line(), Some(3));
     parse("[tiers.g4]\nrequest_timeout = \"2s\"\nmin_fetch_budget = \"2s\"\n").unwrap();
 }
+
+#[test]
+fn every_transfer_path_passes_through_staging_both_ways() {
+    let paths: Vec<(TierName, TierName)> = TierName::transfer_paths().collect();
+    let expected = [
+        (TierName::G1, TierName::G2),
+        (TierName::G2, TierName::G1),
+        (TierName::G3, TierName::G2),
+        (TierName::G2, TierName::G3),
+        (TierName::G4, TierName::G2),
+        (TierName::G2, TierName::G4),
+    ];
+    assert_eq!(paths, expected);
+}

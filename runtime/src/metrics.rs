@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use dynamo_config::MetricsSection;
+use dynamo_config::{MetricsSection, TierName};
 use dynamo_tiering::g2::HostPool;
 use dynamo_tiering::g3::G3Store;
 use dynamo_tiering::registry::TierRegistry;
@@ -189,29 +189,29 @@ impl TierSources {
     /// Publishes one snapshot: capacities, resident blocks, evictions, G3 in-flight I/O and the
     /// G3 store's counters.
     pub fn publish(&self) {
-        set_tier_capacity(Tier::G1, self.g1_capacity);
+        set_tier_capacity(TierName::G1, self.g1_capacity);
         let book_degraded = self.leases.as_ref().map_or(0, |book| book.degraded());
         if let Some(registry) = &self.g2_registry {
             let mut stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
             if self.g3_registry.is_none() {
                 stats.leases.degradations_total += book_degraded;
             }
-            publish_registry(Tier::G2, &stats);
+            publish_registry(TierName::G2, &stats);
         }
         if let Some(pool) = &self.g2 {
-            set_tier_capacity(Tier::G2, u64::from(pool.slots()));
+            set_tier_capacity(TierName::G2, u64::from(pool.slots()));
         }
         if let Some(registry) = &self.g3_registry {
             let mut stats = registry.lock().unwrap_or_else(PoisonError::into_inner).stats();
             stats.leases.degradations_total += book_degraded;
-            publish_registry(Tier::G3, &stats);
+            publish_registry(TierName::G3, &stats);
         }
         if let Some(store) = &self.g3 {
             // The store is the truth on what G3 holds; the registry may lag it.
-            set_tier_blocks(Tier::G3, store.len() as u64);
-            set_tier_capacity(Tier::G3, store.capacity_slots());
-            set_io_inflight(Tier::G3, store.in_flight() as u64);
-            publish_store_stats(Tier::G3, store.stats());
+            set_tier_blocks(TierName::G3, store.len() as u64);
+            set_tier_capacity(TierName::G3, store.capacity_slots());
+            set_io_inflight(TierName::G3, store.in_flight() as u64);
+            publish_store_stats(TierName::G3, store.stats());
         }
     }
 }
@@ -221,10 +221,10 @@ impl TierSources {
 pub fn spawn_tier_poller(sources: TierSources, period: Duration) -> tokio::task::JoinHandle<()> {
     sources.publish();
     if sources.g2.is_some() {
-        set_tier_degraded(Tier::G2, false);
+        set_tier_degraded(TierName::G2, false);
     }
     if sources.g3.is_some() {
-        set_tier_degraded(Tier::G3, false);
+        set_tier_degraded(TierName::G3, false);
     }
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(period);
@@ -258,15 +258,15 @@ mod tests {
     fn helpers_write_the_documented_names_and_labels() {
         let text = render_with(&[0.01, 0.1, 1.0], || {
             register_known_series();
-            record_transfer(Tier::G3, Tier::G2, 4096, Duration::from_millis(5));
-            record_transfer(Tier::G3, Tier::G2, 4096, Duration::from_millis(50));
+            record_transfer(TierName::G3, TierName::G2, 4096, Duration::from_millis(5));
+            record_transfer(TierName::G3, TierName::G2, 4096, Duration::from_millis(50));
             record_request("chat_completions", 429, None);
             record_request("completions", 200, Some(Duration::from_millis(20)));
             record_prompt(100, 36);
-            record_hit_tokens(Tier::G2, 64);
-            record_tier_error(Tier::G3, "no_space");
-            set_tier_degraded(Tier::G3, true);
-            set_io_inflight(Tier::G3, 3);
+            record_hit_tokens(TierName::G2, 64);
+            record_tier_error(TierName::G3, "no_space");
+            set_tier_degraded(TierName::G3, true);
+            set_io_inflight(TierName::G3, 3);
             record_inter_token(Duration::from_millis(2));
         });
         for needle in [
@@ -305,9 +305,9 @@ mod tests {
         }
         let stats = registry.stats();
         let text = render_with(&[1.0], || {
-            publish_registry(Tier::G2, &stats);
+            publish_registry(TierName::G2, &stats);
             // A second snapshot of the same source does not double the counter.
-            publish_registry(Tier::G2, &stats);
+            publish_registry(TierName::G2, &stats);
         });
         let evicted = stats.total().evictions_total;
         assert_eq!(evicted, 1, "{stats:?}");
@@ -330,8 +330,8 @@ mod tests {
         stats.corrupt.store(2, Ordering::Relaxed);
         stats.read_errors.store(1, Ordering::Relaxed);
         let text = render_with(&[1.0], || {
-            publish_store_stats(Tier::G3, &stats);
-            publish_store_stats(Tier::G3, &stats);
+            publish_store_stats(TierName::G3, &stats);
+            publish_store_stats(TierName::G3, &stats);
         });
         for needle in [
             "dynamo_node_kv_tier_writes_total{tier=\"g3\"} 7",

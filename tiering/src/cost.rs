@@ -103,18 +103,9 @@ pub struct CostModel {
 }
 
 /// How many blocks of a prompt's prefix each tier holds for one worker (each tier's own longest
-/// prefix, so a later tier contributes only where it reaches further).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PrefixBlocks {
-    /// The worker's own G1.
-    pub g1: usize,
-    /// Its node's G2.
-    pub g2: usize,
-    /// Its node's G3.
-    pub g3: usize,
-    /// The best of the other nodes.
-    pub g4: usize,
-}
+/// prefix, so a later tier contributes only where it reaches further): G1 the worker's own, G2
+/// and G3 its node's, G4 the best of the other nodes'.
+pub type PrefixBlocks = dynamo_config::PerTier<usize>;
 
 /// A worker's queued work.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

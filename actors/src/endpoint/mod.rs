@@ -48,7 +48,7 @@ use tokio::task::JoinSet;
 
 use crate::index::{Location, Matches, PrefixIndex, SourceId};
 use crate::peer::{Arrival, Land, PeerLink};
-use crate::telemetry::{self, Tier};
+use crate::telemetry;
 use crate::tiers::NodeTiers;
 use crate::worker::unix_millis;
 
@@ -449,7 +449,7 @@ impl Core {
                                     "fetched"
                                 }
                                 Arrival::Rejected(e) => {
-                                    telemetry::record_tier_error(Tier::G4, e.kind());
+                                    telemetry::record_tier_error(TierName::G4, e.kind());
                                     "corrupt"
                                 }
                                 Arrival::NoRoom => "no_room",
@@ -460,12 +460,12 @@ impl Core {
                     }
                     Err(e) => {
                         tracing::debug!(peer = link.addr(), error = %e, "an engine's fetch from a peer failed");
-                        telemetry::record_tier_error(Tier::G4, e.kind());
+                        telemetry::record_tier_error(TierName::G4, e.kind());
                         telemetry::record_engine_blocks(&engine, "fetch_failed", hashes.len() as u64);
                     }
                 }
                 if bytes > 0 {
-                    telemetry::record_transfer(Tier::G4, Tier::G2, bytes as u64, started.elapsed());
+                    telemetry::record_transfer(TierName::G4, TierName::G2, bytes as u64, started.elapsed());
                 }
                 let mut promoting = core.promoting.lock().expect("promoting lock");
                 for hash in &hashes {
@@ -481,7 +481,7 @@ impl Core {
         let started = Instant::now();
         match g3.read(hash, dst).await {
             Ok(image) => {
-                telemetry::record_transfer(Tier::G3, Tier::G2, g3.store.slot_bytes() as u64, started.elapsed());
+                telemetry::record_transfer(TierName::G3, TierName::G2, g3.store.slot_bytes() as u64, started.elapsed());
                 g2.admit(hash, self.tiers.meta(None, region), image, now);
                 "promoted"
             }
@@ -508,7 +508,7 @@ impl Core {
             let started = Instant::now();
             if g3.write(hash, None, image).await {
                 let (bytes, elapsed) = (g3.store.slot_bytes(), started.elapsed());
-                telemetry::record_transfer(Tier::G2, Tier::G3, bytes as u64, elapsed);
+                telemetry::record_transfer(TierName::G2, TierName::G3, bytes as u64, elapsed);
                 tiers.measured.g3_write.observe(bytes, elapsed);
             }
             drop(backlog);
@@ -734,7 +734,7 @@ impl Connection {
             Ok(_) => Some(image),
             Err(e) => {
                 tracing::warn!(%hash, engine, error = %e, "an engine's block failed verification in G2; dropped");
-                telemetry::record_tier_error(Tier::G2, e.kind());
+                telemetry::record_tier_error(TierName::G2, e.kind());
                 telemetry::record_engine_blocks(engine, "corrupt", 1);
                 g2.forget(hash);
                 None

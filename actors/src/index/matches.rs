@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use dynamo_config::TierName;
+use dynamo_config::{PerTier, TierName};
 
 use super::events::SourceId;
 use super::hasher::FxBuild;
@@ -39,16 +39,11 @@ pub struct LocationMatch {
 /// tier only contributes where it reaches further.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WorkerPrefix {
-    /// The worker's own G1, as reported by its KV events.
-    pub g1: usize,
+    /// Each tier's own longest prefix: the worker's G1 as its KV events report it, its node's G2
+    /// and G3, and the best G2 or G3 of any other node (G4, reached through a peer link).
+    pub tiers: PerTier<usize>,
     /// The worker's own G1, as inferred from requests recently routed to it (approximate mode).
     pub g1_approximate: usize,
-    /// The worker's node's G2.
-    pub g2: usize,
-    /// The worker's node's G3.
-    pub g3: usize,
-    /// The best G2 or G3 of any other node (reached through a peer link).
-    pub g4: usize,
 }
 
 /// The result of [`PrefixIndex::find_matches`](super::PrefixIndex::find_matches), reusable
@@ -133,11 +128,10 @@ impl Matches {
         for m in &self.results {
             let Location { source, tier, approximate } = m.location;
             let slot = match (tier, approximate) {
-                (TierName::G1, false) if source == worker => &mut view.g1,
+                (TierName::G1, false) if source == worker => &mut view.tiers.g1,
                 (TierName::G1, true) if source == worker => &mut view.g1_approximate,
-                (TierName::G2 | TierName::G3, false) if source.node != worker.node => &mut view.g4,
-                (TierName::G2, false) if source.is_node_store() => &mut view.g2,
-                (TierName::G3, false) if source.is_node_store() => &mut view.g3,
+                (TierName::G2 | TierName::G3, false) if source.node != worker.node => &mut view.tiers.g4,
+                (TierName::G2 | TierName::G3, false) if source.is_node_store() => &mut view.tiers[tier],
                 _ => continue,
             };
             *slot = (*slot).max(m.blocks);
@@ -167,7 +161,7 @@ impl WorkerViews {
         let (g1, g1_approximate) = self.workers.get(&worker).copied().unwrap_or_default();
         let (g2, g3, _) = self.nodes.get(&worker.node).copied().unwrap_or_default();
         let g4 = self.far.iter().find(|(node, _)| *node != worker.node).map_or(0, |&(_, blocks)| blocks);
-        WorkerPrefix { g1, g1_approximate, g2, g3, g4 }
+        WorkerPrefix { tiers: PerTier { g1, g2, g3, g4 }, g1_approximate }
     }
 
     /// The node other than `node` whose G2 or G3 holds the longest prefix, and its length in

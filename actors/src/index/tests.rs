@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dynamo_config::TierName;
+use dynamo_config::{PerTier, TierName};
 use dynamo_tiering::block::BlockHash;
 use proptest::prelude::*;
 
@@ -117,8 +117,14 @@ fn the_worker_view_splits_tiers_and_nodes() {
     index.record_routing(W00, &c[..12], Instant::now());
     let mut out = Matches::new();
     index.find_matches(&c, &mut out);
-    assert_eq!(out.for_worker(W00), WorkerPrefix { g1: 10, g1_approximate: 12, g2: 20, g3: 40, g4: 50 });
-    assert_eq!(out.for_worker(W10), WorkerPrefix { g1: 0, g1_approximate: 0, g2: 50, g3: 0, g4: 40 });
+    assert_eq!(
+        out.for_worker(W00),
+        WorkerPrefix { tiers: PerTier { g1: 10, g2: 20, g3: 40, g4: 50 }, g1_approximate: 12 }
+    );
+    assert_eq!(
+        out.for_worker(W10),
+        WorkerPrefix { tiers: PerTier { g1: 0, g2: 50, g3: 0, g4: 40 }, g1_approximate: 0 }
+    );
     assert_eq!(out.longest(), 50);
     assert_eq!(out.blocks_at(exact(W01, TierName::G1)), 30);
     let mut views = WorkerViews::default();
@@ -157,7 +163,7 @@ fn worker_views_agree_with_the_per_worker_scan() {
                 }
             }
             let store = SourceId::node_store(node);
-            for tier in [TierName::G2, TierName::G3] {
+            for tier in TierName::NODE {
                 let n = (splitmix(&mut state) % 41) as usize;
                 if n > 0 {
                     index.apply(&stored(store, next(store), tier, None, &c[..n]));
@@ -625,7 +631,7 @@ struct WorldSource {
 
 impl WorldSource {
     fn tiers(&self) -> &'static [TierName] {
-        if self.id.is_node_store() { &[TierName::G2, TierName::G3] } else { &[TierName::G1] }
+        if self.id.is_node_store() { &TierName::NODE } else { &[TierName::G1] }
     }
 
     fn event(&mut self, kind: KvEventKind) -> KvEvent {

@@ -71,7 +71,7 @@ impl KvAware {
             let estimate = Estimate {
                 cached_tokens: e.cached_blocks * kv.block_tokens,
                 prefill_s: alone,
-                g1_blocks: prefix.g1.max(prefix.g1_approximate),
+                g1_blocks: prefix.tiers.g1.max(prefix.g1_approximate),
             };
             ranked.push((i, e.ttft_s, estimate));
         }

@@ -21,6 +21,20 @@ config_enum! {
     }
 }
 
+impl TierName {
+    /// The tier every transfer passes through: blocks are written down from G1 through it, and
+    /// loaded up into G1 from it (a G3 read or a peer's image lands there first).
+    pub const STAGING: TierName = TierName::G2;
+    /// The node's own tiers below G1: what write-through fills and a node's store actors keep.
+    pub const NODE: [TierName; 2] = [TierName::G2, TierName::G3];
+
+    /// Every path a block moves along, `(from, to)`: to and from [`Self::STAGING`], for every
+    /// other tier.
+    pub fn transfer_paths() -> impl Iterator<Item = (TierName, TierName)> {
+        Self::ALL.iter().filter(|&&t| t != Self::STAGING).flat_map(|&t| [(t, Self::STAGING), (Self::STAGING, t)])
+    }
+}
+
 /// One figure per tier, by name: `hits.g2`, or `hits[tier]` for a [`TierName`] known at run
 /// time. What the node counts per tier (hit tokens, bytes, blocks) is one of these, never a
 /// positional array.

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use dynamo_config::TierName;
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
@@ -60,28 +61,17 @@ pub struct Subscription {
     pub changes: broadcast::Receiver<FeedEvent>,
 }
 
-/// The tiers a servable block can be in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FeedTier {
-    /// Host memory: served at once.
-    G2,
-    /// Local disk: read into G2 when a peer holds it.
-    G3,
-}
-
-impl FeedTier {
-    fn bit(self) -> u8 {
-        match self {
-            FeedTier::G2 => 1,
-            FeedTier::G3 => 2,
-        }
-    }
+/// The bit of `tier` among a block's servable tiers: the node's own tiers below G1
+/// ([`TierName::NODE`]: G2 is served at once, G3 read into G2 when a peer holds it); `None` for
+/// the others, which no peer is served from.
+fn servable_bit(tier: TierName) -> Option<u8> {
+    TierName::NODE.iter().position(|&t| t == tier).map(|i| 1 << i)
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     seq: u64,
-    /// Servable blocks: parent, and the tiers holding them (bits of [`FeedTier::bit`]).
+    /// Servable blocks: parent, and the tiers holding them (bits of [`servable_bit`]).
     blocks: HashMap<BlockHash, (Option<BlockHash>, u8)>,
     /// The digest of `blocks`' keys.
     digest: SetDigest,
@@ -103,18 +93,19 @@ impl Feed {
 
     /// `hashes`, one chain after `parent`, are now in G2.
     pub fn stored(&self, parent: Option<BlockHash>, hashes: &[BlockHash]) {
-        self.stored_in(FeedTier::G2, parent, hashes);
+        self.stored_in(TierName::G2, parent, hashes);
     }
 
     /// `hashes` are no longer in G2.
     pub fn removed(&self, hashes: &[BlockHash]) {
-        self.removed_from(FeedTier::G2, hashes);
+        self.removed_from(TierName::G2, hashes);
     }
 
     /// `hashes`, one chain after `parent`, are now in `tier`. Those that were not servable
     /// before become so: one change per run of them (a run's parent is the block before it), at
     /// most [`MAX_CHANGE_HASHES`] blocks a change, so each fits one frame.
-    pub fn stored_in(&self, tier: FeedTier, parent: Option<BlockHash>, hashes: &[BlockHash]) {
+    pub fn stored_in(&self, tier: TierName, parent: Option<BlockHash>, hashes: &[BlockHash]) {
+        let Some(bit) = servable_bit(tier) else { return };
         let mut inner = self.inner.lock();
         let mut p = parent;
         let mut run: Vec<BlockHash> = Vec::new();
@@ -122,7 +113,7 @@ impl Feed {
         for &h in hashes {
             let entry = inner.blocks.entry(h).or_insert((p, 0));
             let new = entry.1 == 0;
-            entry.1 |= tier.bit();
+            entry.1 |= bit;
             if new {
                 inner.digest.insert(h);
             }
@@ -147,12 +138,13 @@ impl Feed {
     }
 
     /// `hashes` are no longer in `tier`; those no tier holds now are no longer servable.
-    pub fn removed_from(&self, tier: FeedTier, hashes: &[BlockHash]) {
+    pub fn removed_from(&self, tier: TierName, hashes: &[BlockHash]) {
+        let Some(bit) = servable_bit(tier) else { return };
         let mut inner = self.inner.lock();
         let mut gone = Vec::new();
         for h in hashes {
             if let Some(entry) = inner.blocks.get_mut(h) {
-                entry.1 &= !tier.bit();
+                entry.1 &= !bit;
                 if entry.1 == 0 {
                     inner.blocks.remove(h);
                     inner.digest.remove(*h);
@@ -254,18 +246,21 @@ mod tests {
         let feed = Feed::new(64);
         let h = |i: u128| BlockHash(i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835));
         assert_eq!(feed.digest(), SetDigest::default());
-        feed.stored_in(FeedTier::G3, None, &[h(1), h(2), h(3)]);
-        feed.stored_in(FeedTier::G2, Some(h(1)), &[h(2), h(3), h(4)]);
-        feed.removed_from(FeedTier::G2, &[h(2), h(4)]);
+        feed.stored_in(TierName::G3, None, &[h(1), h(2), h(3)]);
+        feed.stored_in(TierName::G2, Some(h(1)), &[h(2), h(3), h(4)]);
+        feed.removed_from(TierName::G2, &[h(2), h(4)]);
         feed.removed(&[h(99)]);
         assert_eq!(feed.digest(), digest_of([h(3), h(1), h(2)]), "order-free, each block once");
         let other = digest_of([h(1), h(2), h(5)]);
         assert_ne!(feed.digest(), other, "same size, another set");
         assert_ne!(feed.digest().gauge(), other.gauge(), "and the gauge's 52 bits tell them apart");
-        feed.removed_from(FeedTier::G3, &[h(1), h(2), h(3)]);
+        feed.removed_from(TierName::G3, &[h(1), h(2), h(3)]);
         assert_eq!((feed.len(), feed.digest()), (1, digest_of([h(3)])), "3 is still in G2");
         feed.removed(&[h(3)]);
         assert_eq!((feed.len(), feed.digest()), (0, SetDigest::default()));
+        feed.stored_in(TierName::G1, None, &[h(7)]);
+        feed.stored_in(TierName::G4, None, &[h(8)]);
+        assert_eq!(feed.len(), 0, "no peer is served from a worker's G1 or from another node");
     }
 
     #[test]
@@ -288,11 +283,11 @@ mod tests {
         let feed = Feed::new(16);
         let h = BlockHash;
         let mut sub = feed.subscribe();
-        feed.stored_in(FeedTier::G3, None, &[h(1), h(2), h(3)]);
+        feed.stored_in(TierName::G3, None, &[h(1), h(2), h(3)]);
         // G2 takes blocks 2..4: only 4 is new, its parent 3.
-        feed.stored_in(FeedTier::G2, Some(h(1)), &[h(2), h(3), h(4)]);
+        feed.stored_in(TierName::G2, Some(h(1)), &[h(2), h(3), h(4)]);
         // G2 drops 2 and 4: 2 is still in G3, 4 goes.
-        feed.removed_from(FeedTier::G2, &[h(2), h(4)]);
+        feed.removed_from(TierName::G2, &[h(2), h(4)]);
         let changes: Vec<FeedChange> = std::iter::from_fn(|| sub.changes.try_recv().ok()).map(|e| e.change).collect();
         assert_eq!(
             changes,
@@ -304,7 +299,7 @@ mod tests {
         );
         assert_eq!(feed.len(), 3);
         // New blocks between known ones come as separate runs, each after its own parent.
-        feed.stored_in(FeedTier::G2, None, &[h(1), h(10), h(2), h(11)]);
+        feed.stored_in(TierName::G2, None, &[h(1), h(10), h(2), h(11)]);
         let changes: Vec<FeedChange> = std::iter::from_fn(|| sub.changes.try_recv().ok()).map(|e| e.change).collect();
         assert_eq!(
             changes,

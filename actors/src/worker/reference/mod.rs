@@ -63,7 +63,7 @@ use super::{Finish, GenOutcome, GenRequest, Ticket, WorkerError, WorkerEvent, ba
 use crate::leases::LeasedTiers;
 use crate::peer::{Arrival, FetchError, Land};
 use crate::telemetry::{
-    Tier, record_corrupt_block, record_preemption, record_tier_error, record_transfer, record_write_lag,
+    record_corrupt_block, record_preemption, record_tier_error, record_transfer, record_write_lag,
     record_writes_skipped,
 };
 use crate::tiers::{BlockSite, NodeTiers, WriteTicket};

@@ -5,14 +5,12 @@ use super::*;
 
 /// Where a block of the cached prefix comes from.
 pub(super) enum Source {
-    /// Resident in this worker's G1 (already acquired).
-    G1(u32),
-    /// An image in a G2 slot: found in G2, or just read there from G3 or fetched from a peer.
+    /// Resident in this worker's G1, in this page (already acquired).
+    Page(u32),
+    /// An image in a G2 slot: found in G2, or just brought there from a tier below (`from`).
     Image { image: SlotRef, from: TierName },
-    /// In G3, to be read.
-    G3,
-    /// On the peer the lookup found, to be fetched.
-    G4,
+    /// In a tier below G2 (G3; G4: on the peer the lookup found), to be brought into G2.
+    Below(TierName),
 }
 
 /// How long a fetch of the blocks covering tokens `[from, to)` may take before it is cancelled
@@ -114,17 +112,17 @@ impl<B: Backend> Worker<B> {
         let (mut pages, mut images) = (pages.drain(..), images.drain(..));
         for source in sources {
             plan.push(match source {
-                TierName::G1 => Source::G1(pages.next().expect("a page per G1 block")),
+                TierName::G1 => Source::Page(pages.next().expect("a page per G1 block")),
                 TierName::G2 => {
                     Source::Image { image: images.next().expect("an image per G2 block"), from: TierName::G2 }
                 }
-                TierName::G3 => Source::G3,
-                TierName::G4 => Source::G4,
+                below => Source::Below(below),
             });
         }
 
         // G3 reads, all in flight together.
-        let g3_blocks: Vec<usize> = (0..plan.len()).filter(|&i| matches!(plan[i], Source::G3)).collect();
+        let g3_blocks: Vec<usize> =
+            (0..plan.len()).filter(|&i| matches!(plan[i], Source::Below(TierName::G3))).collect();
         if let (false, Some(g2), Some(g3)) = (g3_blocks.is_empty(), tiers.g2.as_ref(), tiers.g3.as_ref()) {
             let started = Instant::now();
             let reads = g3_blocks.iter().map(|&i| {
@@ -158,19 +156,20 @@ impl<B: Backend> Worker<B> {
             }
             let elapsed = started.elapsed();
             if read_bytes > 0 {
-                record_transfer(Tier::G3, Tier::G2, read_bytes as u64, elapsed);
+                record_transfer(TierName::G3, TierName::G2, read_bytes as u64, elapsed);
                 tiers.measured.g3_read.observe(read_bytes, elapsed);
             }
             // Blocks past a failure are not part of the prefix: G1 references go back, images drop.
             for (source, &hash) in plan.drain(end..).zip(&hashes[end..]) {
-                if let Source::G1(_) = source {
+                if let Source::Page(_) = source {
                     let _ = self.registry.release(hash);
                 }
             }
         }
 
         // Peer fetches: one hold-fetch-release on the link, within the cost model's budget.
-        let g4_blocks: Vec<usize> = (0..plan.len()).filter(|&i| matches!(plan[i], Source::G4)).collect();
+        let g4_blocks: Vec<usize> =
+            (0..plan.len()).filter(|&i| matches!(plan[i], Source::Below(TierName::G4))).collect();
         if let (Some(&first), Some((link, _)), true) = (g4_blocks.first(), remote.as_ref(), tiers.g2.is_some()) {
             let wanted: Vec<BlockHash> = g4_blocks.iter().map(|&i| hashes[i]).collect();
             let started = Instant::now();
@@ -200,8 +199,8 @@ impl<B: Backend> Worker<B> {
                             Arrival::Rejected(e) => {
                                 // Verified and dropped: never handed to the engine.
                                 seq.run.outcome.corrupt_blocks += 1;
-                                record_corrupt_block(Tier::G4);
-                                record_tier_error(Tier::G4, e.kind());
+                                record_corrupt_block(TierName::G4);
+                                record_tier_error(TierName::G4, e.kind());
                                 None
                             }
                         };
@@ -214,7 +213,7 @@ impl<B: Backend> Worker<B> {
                 }
                 Err(e) => {
                     tracing::debug!(peer = link.addr(), error = %e, "G4 fetch failed; the prefix is recomputed from there");
-                    record_tier_error(Tier::G4, e.kind());
+                    record_tier_error(TierName::G4, e.kind());
                     if matches!(e, FetchError::Deadline) {
                         // The link moved less than this in the time: its rate is at most that, and
                         // the cost model recomputes rather than wait on it again.
@@ -227,7 +226,7 @@ impl<B: Backend> Worker<B> {
             }
             let elapsed = started.elapsed();
             if fetched_bytes > 0 {
-                record_transfer(Tier::G4, Tier::G2, fetched_bytes as u64, elapsed);
+                record_transfer(TierName::G4, TierName::G2, fetched_bytes as u64, elapsed);
                 // A fetch cut short moved bytes it did not land: its rate says little.
                 if end == plan.len() {
                     tiers.measured.g4_read.observe(fetched_bytes, elapsed);
@@ -235,7 +234,7 @@ impl<B: Backend> Worker<B> {
                 }
             }
             for (source, &hash) in plan.drain(end..).zip(&hashes[end..]) {
-                if let Source::G1(_) = source {
+                if let Source::Page(_) = source {
                     let _ = self.registry.release(hash);
                 }
             }
@@ -245,12 +244,12 @@ impl<B: Backend> Worker<B> {
         let mut loads: Vec<(u32, SlotRef)> = Vec::new();
         let mut loaded: Vec<usize> = Vec::new();
         let reused: Vec<BlockHash> =
-            plan.iter().zip(hashes).filter(|(s, _)| matches!(s, Source::G1(_))).map(|(_, h)| *h).collect();
+            plan.iter().zip(hashes).filter(|(s, _)| matches!(s, Source::Page(_))).map(|(_, h)| *h).collect();
         self.tiers.reused(&reused, now);
         let mut plan = plan.into_iter().enumerate();
         while let Some((i, source)) = plan.next() {
             match source {
-                Source::G1(page) => {
+                Source::Page(page) => {
                     seq.blocks.push(SeqBlock { page, registered: Some(hashes[i]) });
                     hits.g1 += b;
                     self.write_reused(i, hashes, page, seq.run.region(i, b), now);
@@ -263,7 +262,7 @@ impl<B: Backend> Worker<B> {
                             self.release(seq);
                             // The rest of the plan's G1 blocks were acquired by the lookup.
                             for (j, rest) in plan {
-                                if let Source::G1(_) = rest {
+                                if let Source::Page(_) = rest {
                                     let _ = self.registry.release(hashes[j]);
                                 }
                             }
@@ -278,7 +277,7 @@ impl<B: Backend> Worker<B> {
                     loads.push((page, image));
                     loaded.push(i);
                 }
-                Source::G3 | Source::G4 => unreachable!("every G3 and G4 block was read or cut off"),
+                Source::Below(_) => unreachable!("every G3 and G4 block was read or cut off"),
             }
         }
         if !loads.is_empty() {
@@ -333,7 +332,7 @@ impl<B: Backend> Worker<B> {
             }
         };
         let bytes = self.tiers.layout.payload_bytes() * images.len();
-        record_transfer(Tier::G2, Tier::G1, bytes as u64, elapsed);
+        record_transfer(TierName::G2, TierName::G1, bytes as u64, elapsed);
         if sample {
             self.tiers.measured.observe_load(bytes, elapsed);
         }

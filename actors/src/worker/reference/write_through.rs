@@ -151,7 +151,7 @@ impl<B: Backend> Worker<B> {
             skipped += 1;
         }
         if skipped > 0 {
-            record_writes_skipped(Tier::G2, skipped as u64);
+            record_writes_skipped(TierName::G2, skipped as u64);
         }
         if blocks.is_empty() {
             return;
@@ -207,7 +207,7 @@ impl<B: Backend> Worker<B> {
             return;
         };
         let now = unix_millis();
-        record_transfer(Tier::G1, Tier::G2, (tiers.layout.payload_bytes() * blocks.len()) as u64, elapsed);
+        record_transfer(TierName::G1, TierName::G2, (tiers.layout.payload_bytes() * blocks.len()) as u64, elapsed);
         for (p, mut slot) in blocks.into_iter().zip(slots) {
             let policy = tiers.retention.policy(p.region);
             let spec = ImageSpec {
@@ -229,7 +229,7 @@ impl<B: Backend> Worker<B> {
             if g2.admit(p.hash, tiers.meta(p.parent, p.region), image.clone(), now) {
                 tiers.arrived(TierName::G2, p.hash, p.region, now);
             }
-            record_write_lag(Tier::G2, p.completed.elapsed());
+            record_write_lag(TierName::G2, p.completed.elapsed());
             self.queue_g3(p.hash, p.parent, p.region, image, p.completed, now);
         }
     }
@@ -302,7 +302,7 @@ impl<B: Backend> Worker<B> {
                 let written = g3.write(hash, parent, image).await;
                 drop(backlog);
                 if written {
-                    record_write_lag(Tier::G3, completed.elapsed());
+                    record_write_lag(TierName::G3, completed.elapsed());
                 }
                 written
             });
@@ -310,7 +310,7 @@ impl<B: Backend> Worker<B> {
             let bytes = written * g3.store.slot_bytes();
             if bytes > 0 {
                 let elapsed = started.elapsed();
-                record_transfer(Tier::G2, Tier::G3, bytes as u64, elapsed);
+                record_transfer(TierName::G2, TierName::G3, bytes as u64, elapsed);
                 tiers.measured.g3_write.observe(bytes, elapsed);
             }
         });
