@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dynamo_config::{G4Config, G4Integrity, Transport};
+use dynamo_config::{G4Config, G4Integrity, TierName, Transport};
 use dynamo_tiering::block::{BlockHash, ImageHeader};
 use dynamo_tiering::g2::SlotRef;
 use dynamo_tiering::g4::auth::{ClusterSecret, PeerIdentity, SecretError};
@@ -27,6 +27,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 use crate::telemetry;
+use crate::tier_store::TierStore;
 use crate::tiers::NodeTiers;
 use crate::worker::unix_millis;
 
@@ -106,24 +107,17 @@ impl BlockSource for G2Blocks {
     fn stage<'a>(&'a self, hashes: &'a [BlockHash]) -> futures::future::BoxFuture<'a, ()> {
         Box::pin(async move {
             let tiers = &self.0;
-            let (Some(g2), Some(g3)) = (tiers.g2.as_ref(), tiers.g3.as_ref()) else { return };
-            if !g3.usable() {
-                return;
-            }
+            let Some(g2) = tiers.g2.as_ref() else { return };
             let now = unix_millis();
             // In prefix order up to the first block neither tier has: the reader's prefix ends there.
-            let wanted =
-                hashes.iter().copied().filter(|&h| tiers.g2_peek(h).is_none()).take_while(|&h| g3.store.contains(h));
-            let reads = wanted.take(MAX_STAGED).map(|hash| {
-                let dst = g2.alloc(now);
-                async move {
-                    match dst {
-                        Some(dst) => Some((hash, g3.read(hash, dst).await)),
-                        None => None,
-                    }
-                }
-            });
-            for (hash, read) in futures::future::join_all(reads).await.into_iter().flatten() {
+            let wanted: Vec<BlockHash> = hashes
+                .iter()
+                .copied()
+                .filter(|&h| tiers.g2_peek(h).is_none())
+                .take_while(|&h| tiers.contains(TierName::G3, h))
+                .take(MAX_STAGED)
+                .collect();
+            for (&hash, read) in wanted.iter().zip(tiers.read_into(g2, &wanted, now).await) {
                 // A failed read was counted and forgotten by the read itself.
                 let Ok(image) = read else { continue };
                 let Ok(header) = ImageHeader::decode_header_only(image.as_slice()) else { continue };
@@ -224,6 +218,11 @@ impl BlockServer {
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Waits until the server stops accepting (stopped, or its accept loop failed).
+    pub async fn wait(&mut self) {
+        let _ = (&mut self.task).await;
     }
 
     /// Stops accepting and closes the connections being served.

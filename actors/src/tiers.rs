@@ -18,7 +18,8 @@ use dynamo_tiering::pipeline::{Pipeline, WriteThrough};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, TierRegistry};
 
 use crate::leases::{LeaseBook, LeasedTiers};
-use crate::telemetry::{record_tier_error, record_write_skipped};
+use crate::telemetry::{record_tier_error, record_transfer, record_write_skipped};
+use crate::tier_store::{ReadMiss, TierStore};
 
 /// Where a block is: one worker's G1, or one of the node's shared tiers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -563,21 +564,55 @@ impl NodeTiers {
         self.cost.measured(&self.measured)
     }
 
-    /// The pipeline's policy over this node's retention (every worker writes through to G3).
-    pub fn pipeline(&self) -> Pipeline<'_> {
+    /// Reads `hashes` from G3 into slots of `pool` (the node's G2, or the engines'), all in
+    /// flight together: the one way every reader of G3 reads ([`Self::read_slots`]).
+    pub async fn read_into(&self, pool: &G2Tier, hashes: &[BlockHash], now: Millis) -> Vec<Result<SlotRef, ReadMiss>> {
+        self.read_slots(hashes.iter().map(|&hash| (hash, pool.alloc(now))).collect()).await
+    }
+
+    /// Reads each block of `reads` from G3 into the G2 slot beside it (`None`: there was no
+    /// slot), all in flight together, and records the transfer. One result per read, in order;
+    /// a failed read was counted toward G3's health and forgotten by [`G3Tier::read`].
+    pub async fn read_slots(&self, reads: Vec<(BlockHash, Option<SlotMut>)>) -> Vec<Result<SlotRef, ReadMiss>> {
+        let Some(g3) = self.g3.as_ref().filter(|g3| g3.usable()) else {
+            return reads.iter().map(|_| Err(ReadMiss::Unavailable)).collect();
+        };
+        let started = std::time::Instant::now();
+        let reads = reads.into_iter().map(|(hash, dst)| async move {
+            match dst {
+                Some(dst) => g3.read(hash, dst).await.map_err(|failure| ReadMiss::Failed(failure.error)),
+                None => Err(ReadMiss::NoSlot),
+            }
+        });
+        let results = futures::future::join_all(reads).await;
+        let bytes = results.iter().filter(|r| r.is_ok()).count() * g3.store.slot_bytes();
+        if bytes > 0 {
+            let elapsed = started.elapsed();
+            record_transfer(TierName::G3, TierName::G2, bytes as u64, elapsed);
+            self.measured.g3_read.observe(bytes, elapsed);
+        }
+        results
+    }
+}
+
+impl TierStore for NodeTiers {
+    type Image = SlotRef;
+    type WriteTicket = WriteTicket;
+
+    /// Every worker writes through to G3.
+    fn pipeline(&self) -> Pipeline<'_> {
         Pipeline { block_tokens: self.block_tokens, retention: &self.retention, write_through: WriteThrough::G2G3 }
     }
 
-    /// Registry metadata for a block of `region`.
-    pub fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
-        self.pipeline().meta(parent, region)
+    fn contains(&self, tier: TierName, hash: BlockHash) -> bool {
+        match tier {
+            TierName::G2 => self.g2.as_ref().is_some_and(|g2| g2.contains(hash)),
+            TierName::G3 => self.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash)),
+            TierName::G1 | TierName::G4 => false,
+        }
     }
 
-    /// Blocks reused in place from a worker's G1: a use of their images below too. The tiers
-    /// below are inclusive, and without this their recency would see only the blocks that hop
-    /// workers: a conversation that stays on its worker would lose its G2 copies just before
-    /// G1 evicts it.
-    pub fn reused(&self, hashes: &[BlockHash], now: Millis) {
+    fn reused(&self, hashes: &[BlockHash], now: Millis) {
         if hashes.is_empty() {
             return;
         }
@@ -586,6 +621,29 @@ impl NodeTiers {
         }
         if let Some(g3) = &self.g3 {
             g3.touch(hashes, now);
+        }
+    }
+
+    fn promote(&self, hash: BlockHash, priority: u8) {
+        if let Some(g2) = &self.g2 {
+            g2.promote(hash, priority);
+        }
+    }
+
+    fn hold(&self, hash: BlockHash, until: Millis) {
+        if let Some(g2) = &self.g2 {
+            g2.hold(hash, until);
+        }
+    }
+
+    fn begin_g3_write(&self, leased: bool) -> Option<WriteTicket> {
+        self.g3.as_ref().filter(|g3| g3.usable())?.begin_write(&self.measured, leased)
+    }
+
+    async fn read_into_g2(&self, hashes: &[BlockHash], now: Millis) -> Vec<Result<SlotRef, ReadMiss>> {
+        match &self.g2 {
+            Some(g2) => self.read_into(g2, hashes, now).await,
+            None => hashes.iter().map(|_| Err(ReadMiss::NoSlot)).collect(),
         }
     }
 }

@@ -40,7 +40,7 @@ use dynamo_tiering::foreign::{
     ErrorCode, ForeignEngine, Found, Located, MAX_FRAME, PROTOCOL_VERSION, Registration, Reply, Request, Role,
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
-use dynamo_tiering::g3::G3Error;
+use dynamo_tiering::pipeline::Landed;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
@@ -49,6 +49,7 @@ use tokio::task::JoinSet;
 use crate::index::{Location, Matches, PrefixIndex, SourceId};
 use crate::peer::{Arrival, Land, PeerLink};
 use crate::telemetry;
+use crate::tier_store::{ReadMiss, TierStore};
 use crate::tiers::NodeTiers;
 use crate::worker::unix_millis;
 
@@ -476,29 +477,27 @@ impl Core {
     }
 
     async fn read_from_g3(&self, hash: BlockHash, dst: SlotMut, region: RegionKind) -> &'static str {
-        let (Some(g2), Some(g3)) = (self.tiers.engines_g2.as_ref(), self.tiers.g3.as_ref()) else { return "no_g3" };
-        let now = unix_millis();
-        let started = Instant::now();
-        match g3.read(hash, dst).await {
+        let Some(g2) = self.tiers.engines_g2.as_ref() else { return "no_g3" };
+        let read = self.tiers.read_slots(vec![(hash, Some(dst))]).await.pop().expect("one read, one result");
+        match read {
             Ok(image) => {
-                telemetry::record_transfer(TierName::G3, TierName::G2, g3.store.slot_bytes() as u64, started.elapsed());
-                g2.admit(hash, self.tiers.meta(None, region), image, now);
+                g2.admit(hash, self.tiers.meta(None, region), image, unix_millis());
                 "promoted"
             }
-            Err(failure) if matches!(failure.error, G3Error::Corrupt { .. }) => "corrupt",
+            Err(ReadMiss::Unavailable) => "no_g3",
+            Err(miss) if miss.is_corrupt() => "corrupt",
             Err(_) => "read_failed",
         }
     }
 
-    /// Writes a sealed block through to G3 (if its region reaches G3), in the background.
+    /// Writes a sealed block through to G3 (if its region reaches G3 and G3 lacks it), in the
+    /// background, under the node's one backlog rule, shared with its workers: the disk is one.
     fn write_through(&self, hash: BlockHash, image: SlotRef, now: u64, region: RegionKind) {
-        let Some(g3) = self.tiers.g3.as_ref() else { return };
-        if !g3.usable() || !self.tiers.pipeline().reaches(region, TierName::G3) {
+        if !self.tiers.write_targets(hash, region, Landed::Computed).g3 {
             return;
         }
-        // The node's one backlog rule, shared with its workers: the disk is one.
-        let leased = self.tiers.leases.until(hash, now).is_some();
-        let Some(backlog) = g3.begin_write(&self.tiers.measured, leased) else { return };
+        let Some(backlog) = self.tiers.g3_write(hash, now) else { return };
+        let Some(g3) = self.tiers.g3.as_ref() else { return };
         if !g3.reserve(hash, self.tiers.meta(None, region), now) {
             return;
         }
@@ -755,7 +754,7 @@ impl Connection {
         };
         let answer = match pinned {
             Some(slot) => (Found::Hit, slot),
-            None if self.core.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash))
+            None if self.core.tiers.contains(TierName::G3, hash)
                 && self.core.promote(hash, engine.clone(), self.region()) =>
             {
                 (Found::Pending, -1)

@@ -31,13 +31,13 @@
 
 use dynamo_tiering::block::{BlockHash, Salt};
 use dynamo_tiering::pipeline::{Pipeline, Refusal};
-use dynamo_tiering::registry::Millis;
+use dynamo_tiering::registry::{Millis, TierRegistry};
 use tokio::time::Instant;
 
 use super::batch::{self, Fate, Member, StepPlan};
 use super::run::Run;
 use super::{DEFAULT_MAX_RUNNING, Finish, Ticket, WorkerError};
-use crate::leases::LeaseBook;
+use crate::tier_store::TierStore;
 
 /// A request as an engine keeps it: its [`Run`] and whatever the engine holds beside it.
 pub(super) trait Sequence {
@@ -320,30 +320,33 @@ impl<S: Sequence> EngineCore<S> {
     }
 }
 
-/// What the end of a turn leaves of one of its blocks in G1 and G2.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(super) struct BlockFate {
-    /// The priority it is promoted to, in G1 and G2.
-    pub(super) priority: Option<u8>,
-    /// Until when G1 and G2 hold it (its region's retention).
-    pub(super) hold_until: Option<Millis>,
-    /// Until when G1 holds it for a lease (soft there: it is demoted to G2 under pressure).
-    pub(super) lease_until: Option<Millis>,
-}
-
-/// What the end of `run`'s turn leaves of its block `i`, whose hash is `hash`, at `now`. The
-/// turn's answer becomes conversation context for the next turn (an agent resends it), so its
-/// blocks are promoted and held as the retention of their region says.
-pub(super) fn turn_end(
+/// Lets go of block `i` (`hash`) of `run` at the end of its turn, in the engine's G1 registry
+/// `g1` and in `store` below it. The turn's answer becomes conversation context for the next turn
+/// (an agent resends it), so its blocks are promoted and held as the retention of their region
+/// says, in G1 and G2; a leased block is held in G1 too (soft there: under pressure it goes down
+/// to G2, where the lease pins it).
+pub(super) fn end_block<S: TierStore + ?Sized>(
+    store: &S,
+    g1: &mut TierRegistry,
     run: &Run,
     i: usize,
     hash: BlockHash,
-    pipeline: &Pipeline<'_>,
-    leases: &LeaseBook,
     now: Millis,
-) -> BlockFate {
+) {
+    let _ = g1.release(hash);
+    let pipeline = store.pipeline();
     let fate = pipeline.turn_end(run.region(i, pipeline.block_tokens), i >= run.prompt_blocks, now);
-    BlockFate { priority: fate.priority, hold_until: fate.hold_until, lease_until: leases.g1_hold(hash, now) }
+    if let Some(priority) = fate.priority {
+        let _ = g1.set_priority(hash, priority);
+        store.promote(hash, priority);
+    }
+    if let Some(until) = fate.hold_until {
+        let _ = g1.hold(hash, until);
+        store.hold(hash, until);
+    }
+    if let Some(until) = store.book().g1_hold(hash, now) {
+        let _ = g1.hold(hash, until);
+    }
 }
 
 #[cfg(test)]

@@ -36,17 +36,18 @@ use dynamo_config::{Calibration, PerTier, PrefillCalibration, RegionKind, Retent
 use dynamo_tiering::block::{BlockHash, Salt};
 use dynamo_tiering::cost::{BytesPerSec, CostModel, Prefill, write_admitted};
 use dynamo_tiering::io::sim::{Direction, SimDisk, SimulatedIo};
-use dynamo_tiering::pipeline::{Landed, Pipeline, Presence, TierLookup};
+use dynamo_tiering::pipeline::{Landed, Pipeline, TierLookup};
 use dynamo_tiering::registry::{Admission, BlockMeta, Millis, PolicyKind, TierRegistry};
 use dynamo_tiering::transfer::{Link, LinkBandwidths, SimulatedCopy};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::batch;
-use super::engine_core::{Driver, EngineCore, Sequence, turn_end};
+use super::engine_core::{Driver, EngineCore, Sequence, end_block};
 use super::run::{After, Run};
 use super::{Engine, Finish, GenOutcome, GenRequest, LocalFuture, Ticket, WorkerError, WorkerEvent};
 use crate::leases::{LeaseBook, LeasedTiers};
+use crate::tier_store::{ReadMiss, TierStore};
 use crate::tiers::{BlockSite, KvObserver};
 
 /// How far write-through takes completed blocks (a replay compares these).
@@ -273,16 +274,7 @@ impl SimNode {
         (len(&self.g2), len(&self.g3))
     }
 
-    /// The pipeline's policy over this node's retention and write-through.
-    pub fn pipeline(&self) -> Pipeline<'_> {
-        Pipeline { block_tokens: self.block_tokens, retention: &self.retention, write_through: self.write_through }
-    }
-
-    fn meta(&self, parent: Option<BlockHash>, region: RegionKind) -> BlockMeta {
-        self.pipeline().meta(parent, region)
-    }
-
-    fn contains(tier: &Option<Mutex<TierRegistry>>, hash: BlockHash) -> bool {
+    fn has(tier: &Option<Mutex<TierRegistry>>, hash: BlockHash) -> bool {
         tier.as_ref().is_some_and(|r| r.lock().expect("registry").contains(hash))
     }
 
@@ -310,9 +302,26 @@ impl SimNode {
             self.observer.stored(BlockSite::Node(tier), meta.parent, &[hash]);
         }
     }
+}
 
-    /// Counts a use of each of `hashes` in G2 and G3 (those they hold).
-    fn touch_below(&self, hashes: &[BlockHash], now: Millis) {
+impl TierStore for SimNode {
+    type Image = ();
+    /// When the disk will have written the block.
+    type WriteTicket = Instant;
+
+    fn pipeline(&self) -> Pipeline<'_> {
+        Pipeline { block_tokens: self.block_tokens, retention: &self.retention, write_through: self.write_through }
+    }
+
+    fn contains(&self, tier: TierName, hash: BlockHash) -> bool {
+        match tier {
+            TierName::G2 => SimNode::has(&self.g2, hash),
+            TierName::G3 => SimNode::has(&self.g3, hash),
+            TierName::G1 | TierName::G4 => false,
+        }
+    }
+
+    fn reused(&self, hashes: &[BlockHash], now: Millis) {
         for tier in [&self.g2, &self.g3].into_iter().flatten() {
             let mut registry = tier.lock().expect("registry");
             for &hash in hashes {
@@ -321,22 +330,22 @@ impl SimNode {
         }
     }
 
-    fn promote_g2(&self, hash: BlockHash, priority: u8) {
+    fn promote(&self, hash: BlockHash, priority: u8) {
         if let Some(g2) = &self.g2 {
             let _ = g2.lock().expect("registry").set_priority(hash, priority);
         }
     }
 
-    fn hold_g2(&self, hash: BlockHash, until: Millis) {
+    fn hold(&self, hash: BlockHash, until: Millis) {
         if let Some(g2) = &self.g2 {
             let _ = g2.lock().expect("registry").hold(hash, until);
         }
     }
 
-    /// When a disk write of `bytes` submitted now completes, or `None` when the disk's writes
-    /// are too far behind under the node's one backlog rule ([`write_admitted`]; a `leased`
-    /// block goes anyway: G3 is where its lease pins it).
-    fn disk_write_done(&self, bytes: u64, leased: bool) -> Option<Instant> {
+    /// The disk's write backlog is its queue of reserved time.
+    fn begin_g3_write(&self, leased: bool) -> Option<Instant> {
+        self.g3.as_ref()?;
+        let bytes = self.timing.block_bytes;
         let rate = BytesPerSec::new(self.timing.disk_write_bytes_per_s);
         let pending = self.disk.backlog(Direction::Write).as_secs_f64() * self.timing.disk_write_bytes_per_s;
         if !leased && !write_admitted(pending as u64, bytes, rate) {
@@ -344,6 +353,16 @@ impl SimNode {
             return None;
         }
         Some(self.disk.reserve(Direction::Write, bytes as usize))
+    }
+
+    /// The disk reads them in one go; no read fails.
+    async fn read_into_g2(&self, hashes: &[BlockHash], _now: Millis) -> Vec<Result<(), ReadMiss>> {
+        let bytes = hashes.len() as u64 * self.timing.block_bytes;
+        if bytes > 0 {
+            self.stats.g3_to_g1_bytes.fetch_add(bytes, Ordering::Relaxed);
+            tokio::time::sleep_until(self.disk.reserve(Direction::Read, bytes as usize)).await;
+        }
+        hashes.iter().map(|_| Ok(())).collect()
     }
 }
 
@@ -534,8 +553,7 @@ impl SimulatedEngine {
         let region = seq.run.region(i, node.block_tokens);
         let meta = node.meta(i.checked_sub(1).map(|p| seq.run.chain[p]), region);
         let bytes = node.timing.block_bytes;
-        let present = Presence { g2: SimNode::contains(&node.g2, hash), g3: SimNode::contains(&node.g3, hash) };
-        let targets = node.pipeline().write_targets(region, landed, present);
+        let targets = node.write_targets(hash, region, landed);
         if targets.g2 && node.g2.is_some() {
             // A block read from below lands in G2 on its way up; a computed one, or one G1 kept
             // after G2 dropped it, crosses G1 → G2.
@@ -547,8 +565,7 @@ impl SimulatedEngine {
         }
         if targets.g3 && node.g3.is_some() {
             let completed = Instant::now();
-            let leased = node.leases.until(hash, now).is_some();
-            let Some(done) = node.disk_write_done(bytes, leased) else { return };
+            let Some(done) = node.g3_write(hash, now) else { return };
             let epoch = self.epoch;
             self.writes.spawn(async move {
                 tokio::time::sleep_until(done).await;
@@ -592,7 +609,7 @@ impl SimulatedEngine {
         // only the blocks that hop workers, and drop a sticky conversation's just before G1 does.
         let reused: Vec<BlockHash> =
             from.iter().zip(&seq.run.chain).filter(|(s, _)| **s == TierName::G1).map(|(_, h)| *h).collect();
-        node.touch_below(&reused, now);
+        node.reused(&reused, now);
         for (i, &source) in from.iter().enumerate() {
             hits[source] += b;
             if source == TierName::G1 {
@@ -615,10 +632,9 @@ impl SimulatedEngine {
         let count = |of: TierName| from.iter().filter(|&&s| s == of).count() as u64;
         let (g2_blocks, g3_blocks, g4_blocks) = (count(TierName::G2), count(TierName::G3), count(TierName::G4));
         let stats = &node.stats;
-        if g3_blocks > 0 {
-            stats.g3_to_g1_bytes.fetch_add(g3_blocks * bytes, Ordering::Relaxed);
-            tokio::time::sleep_until(node.disk.reserve(Direction::Read, (g3_blocks * bytes) as usize)).await;
-        }
+        let from_g3: Vec<BlockHash> =
+            from.iter().zip(&seq.run.chain).filter(|(s, _)| **s == TierName::G3).map(|(_, h)| *h).collect();
+        node.read_into_g2(&from_g3, now).await;
         stats.g2_to_g1_bytes.fetch_add(g2_blocks * bytes, Ordering::Relaxed);
         stats.g4_to_g1_bytes.fetch_add(g4_blocks * bytes, Ordering::Relaxed);
         let link_bytes = (g2_blocks + g3_blocks) * bytes;
@@ -755,25 +771,12 @@ impl SimulatedEngine {
     fn end(&mut self, mut seq: SimSeq, end: Result<Finish, WorkerError>) {
         let now = now_ms(self.epoch);
         let node = self.node.clone();
-        let pipeline = node.pipeline();
         for (i, block) in std::mem::take(&mut seq.blocks).into_iter().enumerate() {
             let Some(hash) = block else {
                 self.private -= 1;
                 continue;
             };
-            let _ = self.g1.release(hash);
-            let fate = turn_end(&seq.run, i, hash, &pipeline, &node.leases, now);
-            if let Some(priority) = fate.priority {
-                let _ = self.g1.set_priority(hash, priority);
-                node.promote_g2(hash, priority);
-            }
-            if let Some(until) = fate.hold_until {
-                let _ = self.g1.hold(hash, until);
-                node.hold_g2(hash, until);
-            }
-            if let Some(until) = fate.lease_until {
-                let _ = self.g1.hold(hash, until);
-            }
+            end_block(&*node, &mut self.g1, &seq.run, i, hash, now);
         }
         seq.run.finish(end);
     }

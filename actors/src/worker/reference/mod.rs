@@ -50,13 +50,12 @@ use dynamo_tiering::block::{
     BlockHash, BlockMap, HEADER_LEN, ImageHeader, ImageSpec, RetentionMeta, payload_mut, seal,
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
-use dynamo_tiering::g3::G3Error;
-use dynamo_tiering::pipeline::{self, Landed, Presence};
+use dynamo_tiering::pipeline::{self, Landed};
 use dynamo_tiering::registry::{Admission, Millis, PolicyKind, TierRegistry};
 use futures::FutureExt;
 use tokio::task::JoinSet;
 
-use super::engine_core::{Driver, EngineCore, Sequence, turn_end};
+use super::engine_core::{Driver, EngineCore, Sequence, end_block};
 use super::run::{After, Run};
 use super::{Finish, GenOutcome, GenRequest, Ticket, WorkerError, WorkerEvent, batch, unix_millis};
 
@@ -66,6 +65,7 @@ use crate::telemetry::{
     record_corrupt_block, record_preemption, record_tier_error, record_transfer, record_write_lag,
     record_writes_skipped,
 };
+use crate::tier_store::TierStore;
 use crate::tiers::{BlockSite, NodeTiers, WriteTicket};
 
 mod onboard;
@@ -569,30 +569,12 @@ impl<B: Backend> Worker<B> {
         self.send_g3_batch();
         let now = unix_millis();
         let tiers = self.tiers.clone();
-        let pipeline = tiers.pipeline();
         for (i, block) in std::mem::take(&mut seq.blocks).into_iter().enumerate() {
             let Some(hash) = block.registered else {
                 self.free_page(block.page);
                 continue;
             };
-            let _ = self.registry.release(hash);
-            let fate = turn_end(&seq.run, i, hash, &pipeline, &tiers.leases, now);
-            if let Some(priority) = fate.priority {
-                let _ = self.registry.set_priority(hash, priority);
-                if let Some(g2) = &tiers.g2 {
-                    g2.promote(hash, priority);
-                }
-            }
-            if let Some(until) = fate.hold_until {
-                let _ = self.registry.hold(hash, until);
-                if let Some(g2) = &tiers.g2 {
-                    g2.hold(hash, until);
-                }
-            }
-            // A leased block is held in G1 too: soft there, it is demoted to G2 under pressure.
-            if let Some(until) = fate.lease_until {
-                let _ = self.registry.hold(hash, until);
-            }
+            end_block(&*tiers, &mut self.registry, &seq.run, i, hash, now);
         }
         seq.run.finish(end);
     }

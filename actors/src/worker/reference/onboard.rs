@@ -67,7 +67,7 @@ impl<B: Backend> pipeline::TierLookup for Lookup<'_, B> {
 
     fn in_g3(&mut self, hash: BlockHash) -> bool {
         let tiers = &self.worker.tiers;
-        tiers.g2.is_some() && tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash))
+        tiers.g2.is_some() && tiers.contains(TierName::G3, hash)
     }
 
     fn in_g4(&mut self, hash: BlockHash) -> bool {
@@ -123,41 +123,21 @@ impl<B: Backend> Worker<B> {
         // G3 reads, all in flight together.
         let g3_blocks: Vec<usize> =
             (0..plan.len()).filter(|&i| matches!(plan[i], Source::Below(TierName::G3))).collect();
-        if let (false, Some(g2), Some(g3)) = (g3_blocks.is_empty(), tiers.g2.as_ref(), tiers.g3.as_ref()) {
-            let started = Instant::now();
-            let reads = g3_blocks.iter().map(|&i| {
-                let dst = g2.alloc(now);
-                let hash = hashes[i];
-                async move {
-                    match dst {
-                        Some(dst) => Some(g3.read(hash, dst).await),
-                        None => None,
-                    }
-                }
-            });
-            let results = futures::future::join_all(reads).await;
-            let mut read_bytes = 0;
+        if !g3_blocks.is_empty() {
+            let wanted: Vec<BlockHash> = g3_blocks.iter().map(|&i| hashes[i]).collect();
+            let results = tiers.read_into_g2(&wanted, now).await;
             let mut end = plan.len();
             for (&i, result) in g3_blocks.iter().zip(results) {
                 match result {
-                    Some(Ok(image)) if i < end => {
-                        read_bytes += g3.store.slot_bytes();
-                        plan[i] = Source::Image { image, from: TierName::G3 };
-                    }
-                    Some(Ok(_)) => {}
-                    Some(Err(failure)) => {
-                        if matches!(failure.error, G3Error::Corrupt { .. }) {
+                    Ok(image) if i < end => plan[i] = Source::Image { image, from: TierName::G3 },
+                    Ok(_) => {}
+                    Err(miss) => {
+                        if miss.is_corrupt() {
                             seq.run.outcome.corrupt_blocks += 1;
                         }
                         end = end.min(i);
                     }
-                    None => end = end.min(i),
                 }
-            }
-            let elapsed = started.elapsed();
-            if read_bytes > 0 {
-                record_transfer(TierName::G3, TierName::G2, read_bytes as u64, elapsed);
-                tiers.measured.g3_read.observe(read_bytes, elapsed);
             }
             // Blocks past a failure are not part of the prefix: G1 references go back, images drop.
             for (source, &hash) in plan.drain(end..).zip(&hashes[end..]) {

@@ -59,18 +59,11 @@ impl<B: Backend> Worker<B> {
             // private to this request.
             Ok(Admission::AlreadyPresent) | Err(_) => {}
         }
-        let Some(g2) = self.tiers.g2.as_ref().filter(|_| computed) else { return };
-        let present = Presence { g2: g2.contains(hash), g3: false };
-        if self.tiers.pipeline().write_targets(region, Landed::Computed, present).g2 {
-            self.gathers.push(PendingGather { hash, parent, page: seq[i].page, region, completed: Instant::now() });
+        if !computed || self.tiers.g2.is_none() {
+            return;
         }
-    }
-
-    /// What the tiers below hold of `hash` (G2 if present, G3 if present and usable).
-    pub(super) fn presence(&self, hash: BlockHash) -> Presence {
-        Presence {
-            g2: self.tiers.g2.as_ref().is_some_and(|g2| g2.contains(hash)),
-            g3: self.tiers.g3.as_ref().is_some_and(|g3| g3.usable() && g3.store.contains(hash)),
+        if self.tiers.write_targets(hash, region, Landed::Computed).g2 {
+            self.gathers.push(PendingGather { hash, parent, page: seq[i].page, region, completed: Instant::now() });
         }
     }
 
@@ -81,7 +74,7 @@ impl<B: Backend> Worker<B> {
     pub(super) fn write_reused(&mut self, i: usize, hashes: &[BlockHash], page: u32, region: RegionKind, now: Millis) {
         let tiers = self.tiers.clone();
         let Some(g2) = tiers.g2.as_ref() else { return };
-        let targets = tiers.pipeline().write_targets(region, Landed::Reused, self.presence(hashes[i]));
+        let targets = tiers.write_targets(hashes[i], region, Landed::Reused);
         let parent = i.checked_sub(1).map(|p| hashes[p]);
         if targets.g2 {
             self.gathers.push(PendingGather { hash: hashes[i], parent, page, region, completed: Instant::now() });
@@ -108,7 +101,7 @@ impl<B: Backend> Worker<B> {
     ) {
         let tiers = self.tiers.clone();
         let parent = i.checked_sub(1).map(|p| hashes[p]);
-        let targets = tiers.pipeline().write_targets(region, Landed::Loaded(from), self.presence(hashes[i]));
+        let targets = tiers.write_targets(hashes[i], region, Landed::Loaded(from));
         if let Some(g2) = tiers.g2.as_ref().filter(|_| targets.g2)
             && g2.admit(hashes[i], tiers.meta(parent, region), image.clone(), now)
         {
@@ -245,21 +238,16 @@ impl<B: Backend> Worker<B> {
         now: Millis,
     ) {
         let tiers = self.tiers.clone();
-        let Some(g3) = tiers.g3.as_ref().filter(|g3| g3.usable()) else {
-            return;
-        };
         // Whether the block goes to G3 at all is the pipeline's call (the write-through of a
         // computed block decides it here, once its image is sealed in G2).
-        let present = Presence { g2: true, g3: g3.store.contains(hash) };
-        if !tiers.pipeline().write_targets(region, Landed::Computed, present).g3 {
+        if !tiers.write_targets(hash, region, Landed::Computed).g3 {
             return;
         }
         // A disk slower than the write stream must not build an unbounded backlog (the node's
-        // one rule: `G3Tier::begin_write`).
+        // one rule: `TierStore::begin_g3_write`).
         while self.writes.try_join_next().is_some() {}
-        let Some(backlog) = g3.begin_write(&tiers.measured, tiers.leases.until(hash, now).is_some()) else {
-            return;
-        };
+        let Some(backlog) = tiers.g3_write(hash, now) else { return };
+        let Some(g3) = tiers.g3.as_ref() else { return };
         if !g3.reserve(hash, tiers.meta(parent, region), now) {
             return;
         }
