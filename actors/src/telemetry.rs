@@ -155,6 +155,8 @@ pub mod names {
     pub const INTER_TOKEN_SECONDS: &str = "dynamo_node_inter_token_seconds";
     /// Counter.
     pub const WORKER_RESTARTS: &str = "dynamo_node_worker_restarts_total";
+    /// Counter, by `part`.
+    pub const RING_RESTARTS: &str = "dynamo_node_ring_restarts_total";
     /// Counter.
     pub const PREEMPTIONS: &str = "dynamo_node_preemptions_total";
     /// Histogram `{tier}`.
@@ -319,6 +321,11 @@ pub fn describe() {
     describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
+    describe_counter!(
+        RING_RESTARTS,
+        Unit::Count,
+        "Parts of the node's outer ring (endpoint, G4 server, membership, poller, lease saver) that stopped on their own, by part."
+    );
     describe_counter!(
         PREEMPTIONS,
         Unit::Count,
@@ -699,6 +706,11 @@ pub fn record_tier_error(tier: TierName, kind: &'static str) {
 /// Sets the tier's in-flight I/O operations.
 pub fn set_io_inflight(tier: TierName, ops: u64) {
     gauge!(names::IO_INFLIGHT, "tier" => tier.as_str()).set(ops as f64);
+}
+
+/// Counts a part of the outer ring that stopped on its own (restarted or not, by its policy).
+pub fn record_ring_restart(part: &'static str) {
+    counter!(names::RING_RESTARTS, "part" => part).increment(1);
 }
 
 /// Counts one worker restarted after a panic, and the G1 blocks it dropped as evictions.

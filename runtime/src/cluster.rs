@@ -70,6 +70,11 @@ impl Membership {
         Self { task: tokio::spawn(follower.run()) }
     }
 
+    /// Waits until following stops (stopped, or the task failed).
+    pub async fn wait(&mut self) {
+        let _ = (&mut self.task).await;
+    }
+
     /// Stops following (the registration then expires with its lease).
     pub fn stop(&self) {
         self.task.abort();

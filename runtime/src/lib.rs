@@ -11,8 +11,10 @@
 //!   builder ([`dynamo_actors::builder`]) opens.
 //! - [`serving`] — the actor tree over the node's tiers, assembled by the node builder with the
 //!   reference engines, and the frontend's [`frontend::Generator`] on top of it.
-//! - [`node`] — starts a node (tiers, actor tree, metrics poller, HTTP frontend, G4, the engine
-//!   endpoint) and stops it within its shutdown grace; `serve` runs one until SIGINT/SIGTERM.
+//! - [`node`] — starts a node (tiers, actor tree, HTTP frontend, outer ring) and stops it within
+//!   its shutdown grace; `serve` runs one until SIGINT/SIGTERM.
+//! - [`outer`] — the outer ring's stages (metrics poller, recorder, lease saver, G4's block server,
+//!   peer links and membership, the engine endpoint), each with its restart policy.
 //! - [`checkpoint`] — a `transformers` checkpoint directory: weights, tokenizer, chat template,
 //!   generation config.
 //! - `cluster` (feature `etcd`) — membership in etcd: nodes find each other's G4 addresses.
@@ -41,6 +43,7 @@ pub mod frontend;
 pub mod logging;
 pub mod metrics;
 pub mod node;
+pub mod outer;
 pub mod plan;
 pub mod recording;
 pub mod serving;

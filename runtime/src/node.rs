@@ -1,6 +1,6 @@
 //! The node process: [`start`] brings a node up from its resolved configuration — its tiers and
-//! actor tree through the node builder ([`Serving`]), the tiers' metrics poller, the HTTP
-//! frontend on `frontend.http` — and returns a [`NodeHandle`], whose [`NodeHandle::stop`] takes it
+//! actor tree through the node builder ([`Serving`]), the HTTP frontend on `frontend.http`, and
+//! the outer ring ([`crate::outer`]) — and returns a [`NodeHandle`], whose [`NodeHandle::stop`] takes it
 //! down within `node.shutdown_grace`. [`run`] is `serve`: start, wait for SIGINT or SIGTERM, stop.
 //! `bench serve` starts and stops its in-process node the same way.
 //!
@@ -15,12 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use dynamo_actors::builder::NodeStores;
-use dynamo_actors::endpoint::{EndpointArgs, EndpointRef, EngineEndpoint};
-use dynamo_actors::peer::{BlockServer, LoadHistory, connect_peers, link_config, open_rdma, tls};
-use dynamo_config::MembershipKind;
-
-#[cfg(feature = "etcd")]
-use crate::cluster::{Membership, Registration};
+use dynamo_actors::ring::{Phase, Ring};
 use dynamo_config::NodeConfig;
 
 use crate::frontend::FrontendState;
@@ -28,9 +23,6 @@ use crate::metrics::{MetricsHandle, TierSources};
 use crate::plan::{ResolvedTiers, scripted_answers};
 use crate::recording::Recorder;
 use crate::serving::Serving;
-
-/// How often the tiers' gauges and mirrored counters are published.
-const TIER_POLL_PERIOD: Duration = Duration::from_secs(1);
 
 /// A change to the frontend's state before it serves.
 type FrontendHook = Box<dyn FnOnce(FrontendState) -> FrontendState + Send>;
@@ -81,69 +73,9 @@ pub struct NodeHandle {
     grace: Duration,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The outer ring ([`crate::outer`]), supervised and stopped in its order.
     ring: Ring,
-}
-
-/// The node's outer ring: what runs around the actor tree and the API — the tiers' metrics
-/// poller, the traffic recorder, G4 (block server, peer links, membership) and the engine
-/// endpoint. Each part is started after the tree, in [`start`]; all of them stop in the one order
-/// written here, whether a start failed half-way ([`Ring::unwind`]) or the node stops
-/// ([`NodeHandle::stop`]):
-///
-/// 1. [`Ring::stop_outside`], before the API stops accepting: membership (peers stop finding this
-///    node), the engine endpoint (engines' lookups miss and they compute), then the block server
-///    and the peer links (peers lose this node, and it stops loading theirs);
-/// 2. [`Ring::stop_inside`], once every response is over: the poller, then the recorder, which
-///    writes its last lines and closes its file.
-///
-/// None of them is restarted: a part that fails leaves the node serving without it (the endpoint
-/// actor's engines then miss and compute; a peer link reconnects by itself; the recorder counts
-/// the lines it could not write).
-#[derive(Debug, Default)]
-struct Ring {
-    poller: Option<tokio::task::JoinHandle<()>>,
-    recorder: Option<Arc<Recorder>>,
-    block_server: Option<BlockServer>,
-    membership: Option<ClusterMembership>,
-    endpoint: Option<(EndpointRef, tokio::task::JoinHandle<()>)>,
-}
-
-impl Ring {
-    /// Step 1 of the order: what faces other processes.
-    async fn stop_outside(&mut self, serving: &Serving) {
-        #[cfg(feature = "etcd")]
-        if let Some(membership) = &self.membership {
-            membership.stop();
-        }
-        if let Some((endpoint, join)) = self.endpoint.take() {
-            endpoint.stop(None);
-            let _ = join.await;
-        }
-        if let Some(block_server) = &self.block_server {
-            block_server.stop();
-        }
-        if let Some(g4) = &serving.tiers.g4 {
-            g4.remote.shutdown();
-        }
-    }
-
-    /// Step 2 of the order: what watches and records the node.
-    async fn stop_inside(&mut self) {
-        if let Some(poller) = self.poller.take() {
-            poller.abort();
-        }
-        if let Some(recorder) = self.recorder.take() {
-            let _ = tokio::task::spawn_blocking(move || recorder.finish()).await;
-        }
-    }
-
-    /// A start that failed at `e`: the ring stops in its order, then the actor tree.
-    async fn unwind(mut self, serving: Serving, e: anyhow::Error) -> anyhow::Error {
-        self.stop_outside(&serving).await;
-        self.stop_inside().await;
-        serving.shutdown().await;
-        e
-    }
+    g4_addr: Option<SocketAddr>,
 }
 
 impl NodeHandle {
@@ -159,7 +91,7 @@ impl NodeHandle {
 
     /// Where the G4 block server listens, when `tiers.g4.enabled`.
     pub fn g4_addr(&self) -> Option<SocketAddr> {
-        self.ring.block_server.as_ref().map(BlockServer::local_addr)
+        self.g4_addr
     }
 
     /// Token ids the frontend's tokenizer has.
@@ -172,7 +104,7 @@ impl NodeHandle {
     /// rest. Errors if the HTTP server failed (the node is stopped all the same).
     pub async fn stop(self) -> anyhow::Result<()> {
         let NodeHandle { serving, grace, stop, mut server, mut ring, .. } = self;
-        ring.stop_outside(&serving).await;
+        ring.stop(Phase::Outside).await;
         let _ = stop.send(());
         let deadline = tokio::time::Instant::now() + grace;
         let drain = grace - (grace / 4).min(Duration::from_secs(5));
@@ -189,8 +121,9 @@ impl NodeHandle {
                 Ok(())
             }
         };
-        // Every response is over: the recording gets its last lines and its file is closed.
-        ring.stop_inside().await;
+        // Every response is over: the leases are saved, the recording gets its last lines and
+        // its file is closed.
+        ring.stop(Phase::Inside).await;
         // The workers finish what they hold and flush their G3 writes before they exit. A write
         // still in flight at the deadline is abandoned: its slot was never acknowledged, and the
         // next start's scan verifies every slot.
@@ -230,19 +163,8 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
             println!("G2 is not locked in RAM (mlock refused); see the warning above");
         }
     }
-    let mut ring = Ring {
-        poller: metrics
-            .is_enabled()
-            .then(|| crate::metrics::spawn_tier_poller(tier_sources(&plan, &stores), TIER_POLL_PERIOD)),
-        ..Ring::default()
-    };
-    let serving = match Serving::start(cfg, &plan, stores).await {
-        Ok(serving) => serving,
-        Err(e) => {
-            ring.stop_inside().await;
-            return Err(e);
-        }
-    };
+    let poll = metrics.is_enabled().then(|| tier_sources(&plan, &stores));
+    let serving = Serving::start(cfg, &plan, stores).await?;
     if announce {
         println!(
             "actor tree up: {} worker(s), prefill measured at {:.0} tokens/s per worker",
@@ -252,35 +174,32 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     }
     let (state, vocab) = match frontend_state(cfg, &serving, announce).await {
         Ok(built) => built,
-        Err(e) => return Err(ring.unwind(serving, e).await),
+        Err(e) => return Err(unwind(serving, e).await),
     };
-    if cfg.recording.enabled {
-        match Recorder::start(&cfg.recording, &cfg.node.data_dir) {
-            Ok(recorder) => ring.recorder = Some(recorder),
-            Err(e) => {
-                let e = anyhow::Error::new(e).context("cannot start the traffic recording (recording.dir)");
-                return Err(ring.unwind(serving, e).await);
-            }
+    let recorder = match cfg.recording.enabled.then(|| Recorder::start(&cfg.recording, &cfg.node.data_dir)) {
+        None => None,
+        Some(Ok(recorder)) => Some(recorder),
+        Some(Err(e)) => {
+            let e = anyhow::Error::new(e).context("cannot start the traffic recording (recording.dir)");
+            return Err(unwind(serving, e).await);
         }
-    }
-    if cfg.tiers.g4.enabled {
-        match start_g4(cfg, &plan, &serving).await {
-            Ok((server, membership)) => (ring.block_server, ring.membership) = (Some(server), membership),
-            Err(e) => return Err(ring.unwind(serving, e.context("cannot start G4 (tiers.g4)")).await),
-        }
-    }
-    if cfg.engine_endpoint.enabled {
-        match start_endpoint(cfg, &serving).await {
-            Ok(endpoint) => ring.endpoint = Some(endpoint),
-            Err(e) => {
-                let e = e.context("cannot start the engine endpoint (engine_endpoint)");
-                return Err(ring.unwind(serving, e).await);
-            }
-        }
-    }
-    let state = match &ring.recorder {
+    };
+    let state = match &recorder {
         Some(recorder) => state.with_recorder(recorder.clone()),
         None => state,
+    };
+    let (stages, started) = match crate::outer::stages(cfg, &plan, &serving, poll, recorder.clone()).await {
+        Ok(built) => built,
+        Err(e) => {
+            if let Some(recorder) = recorder {
+                let _ = tokio::task::spawn_blocking(move || recorder.finish()).await;
+            }
+            return Err(unwind(serving, e).await);
+        }
+    };
+    let ring = match stages.start().await {
+        Ok(ring) => ring,
+        Err(e) => return Err(unwind(serving, anyhow::anyhow!("{}", e.reason).context(e.stage)).await),
     };
     let state = match frontend {
         Some(hook) => hook(state),
@@ -300,7 +219,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     }
     if announce {
         println!("{}", metrics.line());
-        if let Some(recorder) = &ring.recorder {
+        if let Some(recorder) = &recorder {
             println!(
                 "recording traffic to {} ({}); replay it with `dynamo-node bench replay --trace FILE`",
                 recorder.dir().display(),
@@ -310,13 +229,12 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
         if keys > 0 {
             println!("API keys: {keys} ([frontend.auth]); requests without one get 401");
         }
-        if let Some(block_server) = &ring.block_server {
+        if let Some(g4_addr) = started.g4_addr {
             println!(
-                "G4 block server on {} (cluster {:?}): G2 blocks for peers that prove the cluster secret",
-                block_server.local_addr(),
+                "G4 block server on {g4_addr} (cluster {:?}): G2 blocks for peers that prove the cluster secret",
                 cfg.tiers.g4.cluster
             );
-            if ring.membership.is_some() {
+            if started.etcd_membership {
                 println!(
                     "G4 peers: from etcd at {} (registered as {:?})",
                     cfg.cluster.etcd_endpoints.join(", "),
@@ -329,7 +247,7 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
                 );
             }
         }
-        if ring.endpoint.is_some() {
+        if cfg.engine_endpoint.enabled {
             println!(
                 "engine endpoint on {}: vLLM instances store into and load from G2 (plug-in: runtime/python/dynamo_node_vllm)",
                 endpoint_socket(cfg).display()
@@ -341,7 +259,8 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     let server = tokio::spawn(crate::frontend::serve(listener, state, async move {
         let _ = stopped.await;
     }));
-    Ok(NodeHandle { serving, addr, vocab, grace: cfg.node.shutdown_grace.as_duration(), stop, server, ring })
+    let grace = cfg.node.shutdown_grace.as_duration();
+    Ok(NodeHandle { serving, addr, vocab, grace, stop, server, ring, g4_addr: started.g4_addr })
 }
 
 /// The engine endpoint's socket: `engine_endpoint.socket`, under `node.data_dir` when relative.
@@ -349,93 +268,10 @@ pub fn endpoint_socket(cfg: &NodeConfig) -> std::path::PathBuf {
     cfg.node.data_dir.join(&cfg.engine_endpoint.socket)
 }
 
-/// Starts the engine endpoint on its socket.
-async fn start_endpoint(
-    cfg: &NodeConfig,
-    serving: &Serving,
-) -> anyhow::Result<(EndpointRef, tokio::task::JoinHandle<()>)> {
-    let args = EndpointArgs {
-        socket: endpoint_socket(cfg),
-        tiers: serving.tiers.clone(),
-        index: serving.node.index.clone(),
-        node: 0,
-        max_block_bytes: cfg.engine_endpoint.max_block_bytes.as_u64(),
-        region: cfg.engine_endpoint.region,
-        max_engines: cfg.engine_endpoint.max_engines,
-    };
-    let (endpoint, join) =
-        ractor::Actor::spawn(None, EngineEndpoint, args).await.map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok((endpoint, join))
-}
-
-/// What follows the cluster for a node: etcd membership, or nothing (static peers, or a build
-/// without the `etcd` feature, which refuses etcd membership at start).
-#[cfg(feature = "etcd")]
-type ClusterMembership = Membership;
-#[cfg(not(feature = "etcd"))]
-type ClusterMembership = std::convert::Infallible;
-
-/// Starts G4: the block server, the load history if asked for, and the links to the peers that
-/// `cluster.membership` names (the static list at once, etcd's as they register).
-async fn start_g4(
-    cfg: &NodeConfig,
-    plan: &ResolvedTiers,
-    serving: &Serving,
-) -> anyhow::Result<(BlockServer, Option<ClusterMembership>)> {
-    // Until membership gives one, the epoch is the start time: a restarted node is a new epoch.
-    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let max_image = serving.tiers.layout.image_bytes();
-    let rdma = open_rdma(&cfg.tiers.g4, &serving.tiers);
-    // Read once, for both ends of every connection.
-    let tls = tls(&cfg.tiers.g4)?;
-    let tiers = serving.tiers.clone();
-    let server =
-        BlockServer::start(&cfg.tiers.g4, &cfg.node.name, epoch, max_image, tiers, rdma.clone(), tls.clone()).await?;
-    let mut links = link_config(&cfg.tiers.g4, &cfg.node.name, epoch, max_image)?;
-    links.rdma = rdma;
-    links.client.tls = tls;
-    if cfg.tiers.g4.history {
-        let path = cfg.node.data_dir.join("g4-history.jsonl");
-        let history = LoadHistory::open(&path)
-            .with_context(|| format!("cannot open the G4 history {} (tiers.g4.history)", path.display()))?;
-        links.history = Some(Arc::new(history));
-    }
-    let Some(g4) = &serving.tiers.g4 else { return Ok((server, None)) };
-    #[cfg(not(feature = "etcd"))]
-    let _ = plan; // what a registration in etcd would tell peers
-    let membership = match cfg.cluster.membership {
-        MembershipKind::Static => {
-            connect_peers(&cfg.tiers.g4, &links, &g4.remote);
-            None
-        }
-        #[cfg(not(feature = "etcd"))]
-        MembershipKind::Etcd => anyhow::bail!(
-            "cluster.membership = \"etcd\" needs a binary built with the `etcd` feature \
-             (`cargo build --release -p dynamo-node --features etcd`, which needs protoc)"
-        ),
-        #[cfg(feature = "etcd")]
-        MembershipKind::Etcd => {
-            let me = Registration {
-                addr: cfg.cluster.advertise.clone().unwrap_or_else(|| server.local_addr().to_string()),
-                transports: std::iter::once("tcp")
-                    .chain(links.rdma.as_ref().map(|_| "rdma"))
-                    .map(str::to_owned)
-                    .collect(),
-                g2_bytes: plan.g2.as_ref().map_or(0, |(g2, _)| g2.capacity),
-                g3_bytes: plan.g3.as_ref().map_or(0, |g3| g3.capacity_per_path * g3.paths.len() as u64),
-                protocol: dynamo_tiering::g4::wire::PROTOCOL_VERSION,
-            };
-            Some(Membership::start_etcd(
-                &cfg.cluster,
-                &cfg.tiers.g4.cluster,
-                &cfg.node.name,
-                me,
-                g4.remote.clone(),
-                links,
-            ))
-        }
-    };
-    Ok((server, membership))
+/// A start that failed at `e` after the actor tree was up: the tree stops.
+async fn unwind(serving: Serving, e: anyhow::Error) -> anyhow::Error {
+    serving.shutdown().await;
+    e
 }
 
 /// Runs the node until SIGINT or SIGTERM.

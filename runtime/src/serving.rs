@@ -14,6 +14,7 @@
 //! the G2 pool is registered with the device once (page-locked and mapped), and every worker's
 //! backend gathers into and scatters from it directly.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -66,9 +67,9 @@ pub struct Serving {
     pub prefill_tokens_per_s: f64,
     /// Measured time of one decode step of one worker.
     pub decode_step: Duration,
-    /// Saves the leases while the node runs (none without G3, which is all that survives a
-    /// restart).
-    leases: Option<LeaseSaver>,
+    /// Where the leases are saved while the node runs (the outer ring's lease saver): none
+    /// without G3, which is all that survives a restart.
+    pub lease_file: Option<PathBuf>,
 }
 
 /// The file in `node.data_dir` where the node's live leases outlast a restart.
@@ -77,54 +78,40 @@ pub const LEASE_FILE: &str = "leases.bin";
 /// How often the leases are saved while they change (a crash loses at most this much).
 const LEASE_SAVE_PERIOD: Duration = Duration::from_secs(10);
 
-/// Writes the node's live leases to [`LEASE_FILE`] every [`LEASE_SAVE_PERIOD`] while they change,
-/// and once more at shutdown.
-#[derive(Debug)]
-struct LeaseSaver {
-    path: std::path::PathBuf,
-    task: tokio::task::JoinHandle<()>,
+/// Restores what `path` saved onto the blocks G3 recovered (before the node serves).
+fn restore_leases(tiers: &Arc<NodeTiers>, path: &std::path::Path) {
+    let slots = tiers.g3.as_ref().map_or(0, |g3| g3.store.capacity_slots());
+    match read_lease_file(path, leases::file_bytes(slots)) {
+        Ok(bytes) => match leases::decode(&bytes) {
+            Ok(saved) => {
+                let saved = leases::clamp(saved, tiers.now());
+                let restored = tiers.restore(&saved, tiers.now());
+                tracing::info!(path = %path.display(), saved = saved.len(), restored, "restored leases");
+            }
+            Err(e) => tracing::warn!(path = %path.display(), error = %e, "ignoring the saved leases"),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(path = %path.display(), error = %e, "could not read the saved leases"),
+    }
 }
 
-impl LeaseSaver {
-    /// Restores what `path` saved onto the blocks G3 recovered, then starts saving.
-    fn start(tiers: &Arc<NodeTiers>, path: std::path::PathBuf) -> Self {
-        let slots = tiers.g3.as_ref().map_or(0, |g3| g3.store.capacity_slots());
-        match read_lease_file(&path, leases::file_bytes(slots)) {
-            Ok(bytes) => match leases::decode(&bytes) {
-                Ok(saved) => {
-                    let saved = leases::clamp(saved, tiers.now());
-                    let restored = tiers.restore(&saved, tiers.now());
-                    tracing::info!(path = %path.display(), saved = saved.len(), restored, "restored leases");
-                }
-                Err(e) => tracing::warn!(path = %path.display(), error = %e, "ignoring the saved leases"),
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(path = %path.display(), error = %e, "could not read the saved leases"),
-        }
-        let (saving, file) = (tiers.clone(), path.clone());
-        let task = tokio::spawn(async move {
-            let mut saved_at = saving.leases.changes();
-            let mut tick = tokio::time::interval(LEASE_SAVE_PERIOD);
+/// Saves the node's live leases to `path` every [`LEASE_SAVE_PERIOD`] while they change, until
+/// stopped: the outer ring's lease saver, which saves once more when it stops.
+pub(crate) fn save_leases_periodically(tiers: Arc<NodeTiers>, path: PathBuf) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut saved_at = tiers.leases.changes();
+        let mut tick = tokio::time::interval(LEASE_SAVE_PERIOD);
+        tick.tick().await;
+        loop {
             tick.tick().await;
-            loop {
-                tick.tick().await;
-                let changes = saving.leases.changes();
-                if changes != saved_at {
-                    saved_at = changes;
-                    let (tiers, file) = (saving.clone(), file.clone());
-                    let _ = tokio::task::spawn_blocking(move || save_leases(&tiers, &file)).await;
-                }
+            let changes = tiers.leases.changes();
+            if changes != saved_at {
+                saved_at = changes;
+                let (tiers, path) = (tiers.clone(), path.clone());
+                let _ = tokio::task::spawn_blocking(move || save_leases(&tiers, &path)).await;
             }
-        });
-        Self { path, task }
-    }
-
-    /// Stops the periodic saves and saves once more.
-    async fn finish(self, tiers: Arc<NodeTiers>) {
-        self.task.abort();
-        let path = self.path;
-        let _ = tokio::task::spawn_blocking(move || save_leases(&tiers, &path)).await;
-    }
+        }
+    })
 }
 
 /// The bytes of the lease file at `path`, read only if it is what the node wrote: a regular file
@@ -155,7 +142,7 @@ fn read_lease_file(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8
 
 /// Writes the live leases of `tiers` to `path` (a new file renamed over the old one, so a crash
 /// mid-write leaves the previous save).
-fn save_leases(tiers: &NodeTiers, path: &std::path::Path) {
+pub(crate) fn save_leases(tiers: &NodeTiers, path: &std::path::Path) {
     let bytes = leases::encode(&tiers.leases.snapshot(tiers.now()));
     let tmp = path.with_extension("tmp");
     let written = (|| -> std::io::Result<()> {
@@ -286,7 +273,10 @@ impl Serving {
             tiers.measured.seed(&cfg.calibration().context("engine.calibration")?);
         }
         // Leases outlast a restart where their blocks do: in G3.
-        let leases = tiers.g3.is_some().then(|| LeaseSaver::start(&tiers, cfg.node.data_dir.join(LEASE_FILE)));
+        let lease_file = tiers.g3.is_some().then(|| cfg.node.data_dir.join(LEASE_FILE));
+        if let Some(path) = &lease_file {
+            restore_leases(&tiers, path);
+        }
 
         let spec = EngineSpec {
             weights,
@@ -338,7 +328,7 @@ impl Serving {
             },
             prefill_tokens_per_s,
             decode_step,
-            leases,
+            lease_file,
         })
     }
 
@@ -358,11 +348,6 @@ impl Serving {
     /// Stops taking requests, lets the workers finish their queues and flush write-through, and
     /// waits for the tree to stop.
     pub async fn shutdown(self) {
-        // Saved before the tree stops: the sessions' ends release their leases, and a restart
-        // should find what the clients leased, not what the shutdown left.
-        if let Some(saver) = self.leases {
-            saver.finish(self.tiers.clone()).await;
-        }
         self.node.shutdown().await;
     }
 }
