@@ -251,6 +251,8 @@ pub mod names {
     pub const ENGINE_G1_BLOCKS: &str = "dynamo_node_engine_g1_blocks";
     /// Counter `{engine, kind}`: the engine's KV events.
     pub const ENGINE_KV_EVENTS: &str = "dynamo_node_engine_kv_events_total";
+    /// Counter, by `engine` (its URL) and `kind`: requests a forwarding worker's engine failed.
+    pub const ENGINE_REQUEST_ERRORS: &str = "dynamo_node_engine_request_errors_total";
     /// Gauge: peers in this node's view of the cluster (etcd membership).
     pub const CLUSTER_MEMBERS: &str = "dynamo_node_cluster_members";
     /// Gauge: 1 while the node is registered in etcd and following it, 0 otherwise.
@@ -320,6 +322,11 @@ pub fn describe() {
     describe_counter!(PEER_EXPIRED_HOLDS, Unit::Count, "Peer holds that ran out before their release.");
     describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
+    describe_counter!(
+        ENGINE_REQUEST_ERRORS,
+        Unit::Count,
+        "Requests a vLLM engine refused, broke or did not answer in time, by engine and kind."
+    );
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
     describe_counter!(
         RING_RESTARTS,
@@ -706,6 +713,11 @@ pub fn record_tier_error(tier: TierName, kind: &'static str) {
 /// Sets the tier's in-flight I/O operations.
 pub fn set_io_inflight(tier: TierName, ops: u64) {
     gauge!(names::IO_INFLIGHT, "tier" => tier.as_str()).set(ops as f64);
+}
+
+/// Counts a request that the engine at `engine` (a URL) failed, by the error's kind.
+pub fn record_engine_error(engine: &str, kind: &'static str) {
+    counter!(names::ENGINE_REQUEST_ERRORS, "engine" => engine.to_owned(), "kind" => kind).increment(1);
 }
 
 /// Counts a part of the outer ring that stopped on its own (restarted or not, by its policy).

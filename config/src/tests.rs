@@ -509,3 +509,17 @@ fn every_transfer_path_passes_through_staging_both_ways() {
     ];
     assert_eq!(paths, expected);
 }
+
+#[test]
+fn vllm_engines_need_http_urls_and_the_checkpoint_they_serve() {
+    let err = parse("[engine]\nkind = \"vllm\"\n").unwrap_err().to_string();
+    assert!(err.contains("engine.vllm.urls") && err.contains("model.path"), "{err}");
+    let vllm =
+        |urls: &str| format!("[model]\npath = \"/m\"\n[engine]\nkind = \"vllm\"\n[engine.vllm]\nurls = {urls}\n");
+    let err = parse(&vllm("[\"localhost:8000\", \"http://h:1/v1\"]")).unwrap_err().to_string();
+    assert!(err.contains("engine.vllm.urls[0]") && err.contains("engine.vllm.urls[1]"), "{err}");
+    assert!(err.contains("http://host:port"), "{err}");
+    let cfg = parse(&vllm("[\"http://127.0.0.1:8000\", \"http://10.0.0.2:8000/\"]")).unwrap();
+    assert_eq!(cfg.engine.kind, EngineKind::Vllm);
+    assert_eq!(cfg.engine.vllm.request_timeout.as_duration(), std::time::Duration::from_secs(600));
+}

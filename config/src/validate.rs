@@ -191,6 +191,31 @@ impl NodeConfig {
                  --engine simulated`'s; serve with \"reference\" or \"scripted\"",
             );
         }
+        if self.engine.kind == crate::EngineKind::Vllm {
+            let vllm = &self.engine.vllm;
+            if vllm.urls.is_empty() {
+                c.fail(
+                    "engine.vllm.urls",
+                    "engine.kind = \"vllm\" needs at least one engine: urls = [\"http://host:port\"]",
+                );
+            }
+            for (i, url) in vllm.urls.iter().enumerate() {
+                let rest = url.strip_prefix("http://").map(|r| r.trim_end_matches('/'));
+                if rest.is_none_or(|r| r.is_empty() || r.contains('/')) {
+                    c.fail(format!("engine.vllm.urls[{i}]"), format!("`{url}` is not `http://host:port`"));
+                }
+            }
+            if self.model.path.is_none() {
+                c.fail(
+                    "model.path",
+                    "engine.kind = \"vllm\" needs the checkpoint directory the engines serve (its tokenizer, \
+                     chat template and vocabulary)",
+                );
+            }
+            if vllm.request_timeout.as_duration().is_zero() {
+                c.fail("engine.vllm.request_timeout", "0 would end every request at once");
+            }
+        }
         if self.engine.kind == crate::EngineKind::Scripted && self.engine.script.is_none() {
             c.fail("engine.script", "engine.kind = \"scripted\" needs engine.script: a JSON array of answers");
         }

@@ -48,3 +48,4 @@ pub mod plan;
 pub mod recording;
 pub mod serving;
 pub mod tokenizer;
+pub mod vllm;

@@ -166,11 +166,19 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     let poll = metrics.is_enabled().then(|| tier_sources(&plan, &stores));
     let serving = Serving::start(cfg, &plan, stores).await?;
     if announce {
-        println!(
-            "actor tree up: {} worker(s), prefill measured at {:.0} tokens/s per worker",
-            cfg.engine.workers.max(1),
-            serving.prefill_tokens_per_s
-        );
+        if cfg.engine.kind == dynamo_config::EngineKind::Vllm {
+            println!(
+                "actor tree up: {} worker(s) in front of vLLM at {}",
+                cfg.engine.vllm.urls.len(),
+                cfg.engine.vllm.urls.join(", ")
+            );
+        } else {
+            println!(
+                "actor tree up: {} worker(s), prefill measured at {:.0} tokens/s per worker",
+                cfg.engine.workers.max(1),
+                serving.prefill_tokens_per_s
+            );
+        }
     }
     let (state, vocab) = match frontend_state(cfg, &serving, announce).await {
         Ok(built) => built,

@@ -185,6 +185,8 @@ pub struct ResolvedTiers {
     pub slot_bytes: usize,
     /// Engine workers (each with its own G1).
     pub workers: usize,
+    /// With `engine.kind = "vllm"`: the engines the workers forward to (their G1 is theirs).
+    pub vllm: Vec<String>,
     /// Where the engines run.
     pub device: EngineDevice,
     /// G1, per worker.
@@ -243,7 +245,12 @@ impl ResolvedTiers {
             true => align_up(image_bytes.max(foreign_image as usize)),
             false => align_up(image_bytes),
         };
-        let device = resolve_device(cfg, probe)?;
+        let vllm = match cfg.engine.kind {
+            dynamo_config::EngineKind::Vllm => cfg.engine.vllm.urls.clone(),
+            _ => Vec::new(),
+        };
+        // The node computes nothing in front of vLLM: its engines have the devices.
+        let device = if vllm.is_empty() { resolve_device(cfg, probe)? } else { EngineDevice::Cpu };
         // G1 holds the paged layout, which has no header or alignment padding.
         let g1_block_bytes = layout.payload_bytes() as u64;
         let g1_capacity = match &device {
@@ -336,7 +343,8 @@ impl ResolvedTiers {
             layout,
             image_bytes,
             slot_bytes,
-            workers: cfg.engine.workers,
+            workers: if vllm.is_empty() { cfg.engine.workers } else { vllm.len() },
+            vllm,
             device,
             g1,
             g2,
@@ -407,7 +415,11 @@ impl ResolvedTiers {
         if let Some(warning) = self.slot_warning() {
             let _ = writeln!(out, "WARNING: {warning}");
         }
-        let _ = writeln!(out, "engines: {} × reference on {}", self.workers, self.device);
+        if self.vllm.is_empty() {
+            let _ = writeln!(out, "engines: {} × reference on {}", self.workers, self.device);
+        } else {
+            let _ = writeln!(out, "engines: {} × vLLM at {} (G1 is theirs)", self.workers, self.vllm.join(", "));
+        }
         let _ = writeln!(out, "{:<4} {:<44} {:>10} {:>9} {:<6}", "tier", "medium", "capacity", "blocks", "policy");
         let policy = |p: PolicyKind| if p == PolicyKind::Lru { "lru" } else { "lfu" };
         let _ = writeln!(

@@ -27,9 +27,10 @@ use dynamo_actors::scheduler::{Hints, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::supervisor::NodeRef;
 use dynamo_actors::tiers::{NodeTiers, WriteBatch};
 use dynamo_actors::worker::{
-    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, LeaseRequest, Worker, WorkerError, WorkerEvent,
+    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, LeaseRequest, VllmEngine, VllmTarget, Worker,
+    WorkerError, WorkerEvent,
 };
-use dynamo_config::NodeConfig;
+use dynamo_config::{EngineKind, NodeConfig};
 use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
 use dynamo_kernels::model::{HostWeights, Llama};
 use dynamo_kernels::sampling::TokenSet;
@@ -172,8 +173,12 @@ impl Serving {
         Ok(builder.open(&plan.store_plan(&cfg.tiers)?)?)
     }
 
-    /// Loads the model, measures it, and starts the actor tree over `stores`.
+    /// Loads the model, measures it, and starts the actor tree over `stores`; with
+    /// `engine.kind = "vllm"`, attaches to the engines instead ([`Self::start_vllm`]).
     pub async fn start(cfg: &NodeConfig, plan: &ResolvedTiers, stores: NodeStores) -> anyhow::Result<Self> {
+        if cfg.engine.kind == EngineKind::Vllm {
+            return Self::start_vllm(cfg, plan, stores).await;
+        }
         let model_cfg = cfg.model.clone();
         let shape = plan.shape;
         let weights = tokio::task::spawn_blocking(move || -> anyhow::Result<HostWeights> {
@@ -328,6 +333,89 @@ impl Serving {
             },
             prefill_tokens_per_s,
             decode_step,
+            lease_file,
+        })
+    }
+
+    /// Attaches to `[engine.vllm]`'s engines (each checked to serve `model.path`'s tokenizer) and
+    /// starts the actor tree over `stores` with one worker per engine, forwarding token ids. The
+    /// engines compute, sample and keep G1; the node's tiers stay the node's (and the engines',
+    /// through the engine endpoint).
+    async fn start_vllm(cfg: &NodeConfig, plan: &ResolvedTiers, stores: NodeStores) -> anyhow::Result<Self> {
+        let dir = cfg.model.path.as_deref().context("engine.kind = \"vllm\" needs model.path")?;
+        let tokenizer = crate::tokenizer::Tokenizer::from_dir(dir)
+            .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+        let vocab = dynamo_kernels::model::weights::read_hf_config(dir)?.vocab_size.max(tokenizer.vocab_size());
+        let attached = crate::vllm::attach(&cfg.engine.vllm, &tokenizer).await?;
+        let salt = Salt::derive(&SaltInputs {
+            model: plan.shape.name,
+            weights_digest: &dir.display().to_string(),
+            lora: cfg.model.lora.as_deref().unwrap_or(""),
+            cache_salt: "",
+        });
+        // The engines are timed by nobody yet: loads and queues are priced from what is measured.
+        let cost = CostModel {
+            block_tokens: plan.block_tokens,
+            image_bytes: plan.layout.image_bytes(),
+            prefill: None,
+            decode_s_per_token: None,
+            decode_weight: 0.0,
+            g2_read: None,
+            g3_read: cfg.tiers.g3.read_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
+            g4_read: None,
+        };
+        let tiered = stores.tiers(TierSettings {
+            block_tokens: plan.block_tokens,
+            salt,
+            layout: plan.layout,
+            retention: cfg.retention.clone(),
+            write_batch: WriteBatch::from_config(&cfg.tiers),
+            g3_write_rate: cfg.tiers.g3.write_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
+            cost,
+            g4: cfg.tiers.g4.enabled,
+        });
+        let tiers = tiered.tiers().clone();
+        if cfg.engine.calibration.is_some() {
+            tiers.measured.seed(&cfg.calibration().context("engine.calibration")?);
+        }
+        let lease_file = tiers.g3.is_some().then(|| cfg.node.data_dir.join(LEASE_FILE));
+        if let Some(path) = &lease_file {
+            restore_leases(&tiers, path);
+        }
+        let vllm = &cfg.engine.vllm;
+        let targets: Vec<Arc<VllmTarget>> = attached
+            .iter()
+            .map(|engine| {
+                Arc::new(VllmTarget {
+                    url: engine.url.clone(),
+                    api_key: vllm.api_key.clone(),
+                    request_timeout: vllm.request_timeout.as_duration(),
+                    vocab,
+                    max_running: cfg.engine.max_running_requests,
+                })
+            })
+            .collect();
+        let max_context = attached.iter().map(|engine| engine.max_model_len).min().unwrap_or(0);
+        let factory: EngineFactory = Arc::new(move |id| {
+            let target = targets.get(id).cloned().ok_or_else(|| WorkerError::Engine(format!("no engine {id}")))?;
+            Ok(Box::new(VllmEngine::new(id, target)?) as Box<dyn Engine>)
+        });
+        let engines = EngineSet {
+            workers: attached.len(),
+            factory,
+            host: EngineHost::Thread,
+            queue_bound: cfg.engine.max_queued_requests.max(1),
+            queue_policy: cfg.router.queue_policy,
+        };
+        let node = tiered.engines(engines).spawn(Scheduling::from_config(cfg)).await?;
+        Ok(Self {
+            _g2_registration: None,
+            node,
+            tiers,
+            model: cfg.model.name.clone(),
+            max_context,
+            prefill_tokens_per_s: 0.0,
+            decode_step: Duration::ZERO,
             lease_file,
         })
     }
@@ -531,7 +619,8 @@ fn events(
                     Finish::Length => FinishReason::Length,
                     Finish::Stop => FinishReason::Stop,
                 };
-                return Some((Ok(GenerateEvent::Finished { reason }), None));
+                let cached_tokens = outcome.cached_tokens;
+                return Some((Ok(GenerateEvent::Finished { reason, cached_tokens }), None));
             }
             JobEvent::Failed(e) => {
                 let err = match e {
@@ -539,7 +628,7 @@ fn events(
                         GenerateError::PromptTooLong { tokens: prompt, limit: capacity }
                     }
                     WorkerError::Overloaded => GenerateError::Overloaded { retry_after: RETRY_AFTER },
-                    WorkerError::Restarting => {
+                    WorkerError::Restarting | WorkerError::EngineDown(_) => {
                         GenerateError::Unavailable { message: e.to_string(), retry_after: RETRY_AFTER }
                     }
                     other => GenerateError::Internal(other.to_string()),

@@ -11,6 +11,8 @@ use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 
+pub mod vllm;
+
 /// The `dynamo-node` binary of this build (with the test-only `failpoints` feature), built first if
 /// needed.
 ///

@@ -18,6 +18,7 @@ mod reference;
 mod request;
 mod run;
 pub mod simulated;
+mod vllm;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -37,6 +38,7 @@ pub use self::reference::{DEFAULT_MAX_RUNNING, PreemptionStats, Resume, Worker};
 pub use self::request::{
     Finish, GenOutcome, GenRequest, LeaseRequest, PromptHashes, WorkerError, WorkerEvent, unix_millis,
 };
+pub use self::vllm::{VllmEngine, VllmTarget};
 use crate::telemetry;
 
 /// A future the engine thread polls (engines need not be `Send`: they never leave their thread).
@@ -74,6 +76,12 @@ pub trait Engine: 'static {
     /// Its G1 in blocks, when it has a bounded one (the router's room estimate).
     fn g1_blocks(&self) -> Option<usize> {
         None
+    }
+    /// Whether its requests run as tasks of their own (an engine in another process): then
+    /// [`Engine::step`] only waits for one of them to end, and may be dropped before it does
+    /// when a request is queued.
+    fn runs_in_background(&self) -> bool {
+        false
     }
 }
 
@@ -659,6 +667,16 @@ async fn serve(
                 continue;
             }
             break;
+        }
+        if engine.runs_in_background() {
+            // Its requests run by themselves: wait until one ends, or until one is queued while
+            // it has room for it.
+            let room = open && engine.has_room();
+            tokio::select! {
+                _ = rx.wait(), if room => {}
+                _ = engine.step() => {}
+            }
+            continue;
         }
         if let Err(panic) = AssertUnwindSafe(engine.step()).catch_unwind().await {
             return restart(id, engine, &rx, &actor, &load, panic_message(panic.as_ref())).await;

@@ -133,6 +133,18 @@ impl JobQueue {
         }
     }
 
+    /// Waits until a job is queued (at once if one is); a closed queue that is empty never
+    /// returns.
+    pub async fn wait(&self) {
+        loop {
+            let notified = self.ready.notified();
+            if !self.inner.lock().expect("queue lock").heap.is_empty() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     /// The next job by policy if one waits, without waiting.
     pub fn try_pop(&self) -> Option<Job> {
         self.inner.lock().expect("queue lock").heap.pop().map(|entry| entry.job)

@@ -198,6 +198,20 @@ pub enum WorkerError {
     /// The engine step this request was part of failed (a kernel or copy error).
     #[error("the engine step failed: {0}")]
     Step(String),
+    /// The engine this worker forwards to refused or broke the request.
+    #[error("the engine failed: {0}")]
+    Engine(String),
+    /// The engine this worker forwards to is down or unreachable; the request may be retried.
+    #[error("the engine is unavailable: {0}")]
+    EngineDown(String),
+    /// A prompt token id the model's vocabulary lacks (never sent to an engine).
+    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
+    OutOfVocabulary {
+        /// The id.
+        id: u32,
+        /// The vocabulary's size.
+        vocab: usize,
+    },
 }
 
 impl WorkerError {
@@ -211,6 +225,9 @@ impl WorkerError {
             WorkerError::Panicked(_) => "panicked",
             WorkerError::Restarting => "restarting",
             WorkerError::Step(_) => "engine_step",
+            WorkerError::Engine(_) => "engine",
+            WorkerError::EngineDown(_) => "engine_down",
+            WorkerError::OutOfVocabulary { .. } => "out_of_vocabulary",
         }
     }
 }

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::HumanDuration;
+
 config_enum! {
     /// Which engine a worker runs.
     #[derive(Default)]
@@ -20,6 +22,10 @@ config_enum! {
         /// agent-loop tests through the real tokenizer, template, parsers, worker, tiers and
         /// APIs without trained weights. Never the default.
         Scripted = "scripted",
+        /// vLLM engines the node forwards token ids to (`[engine.vllm]`): the node keeps
+        /// tokenization, templates, parsers, sessions, routing and every API's shape; each engine
+        /// computes and samples. One worker per engine.
+        Vllm = "vllm",
     }
 }
 
@@ -41,8 +47,9 @@ config_enum! {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineSection {
-    /// `"reference"` (real model) or `"scripted"` (the real model answering from `script`);
-    /// `"simulated"` is refused (it is `bench replay`'s). Default `"reference"`.
+    /// `"reference"` (real model), `"scripted"` (the real model answering from `script`) or
+    /// `"vllm"` (vLLM engines, `[engine.vllm]`); `"simulated"` is refused (it is `bench
+    /// replay`'s). Default `"reference"`.
     pub kind: EngineKind,
     /// `"auto"`, `"cpu"` or `"cuda"`. Default `"auto"`.
     pub device: DeviceKind,
@@ -65,6 +72,38 @@ pub struct EngineSection {
     /// its turn (the number of assistant messages it carries) modulo their count. Default: none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub script: Option<PathBuf>,
+    /// `[engine.vllm]`: the vLLM engines of `kind = "vllm"`.
+    pub vllm: VllmSection,
+}
+
+/// `[engine.vllm]`: the vLLM engines a node of `engine.kind = "vllm"` forwards to, one worker
+/// each. The node reads the same checkpoint (`model.path`: tokenizer, chat template, stop
+/// tokens, vocabulary) and checks at start that every engine serves it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VllmSection {
+    /// Engines to attach to, `http://host:port` each (started with `--enable-scale-out` or
+    /// `--tokens-only`, which mount `/inference/v1/generate`). Default: none.
+    pub urls: Vec<String>,
+    /// The bearer key the engines were started with (`--api-key`). Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
+    /// Longest a request may take on an engine, first byte to last; past it the request ends
+    /// with an error and is aborted in the engine. Default `"10m"`.
+    pub request_timeout: HumanDuration,
+    /// Longest the node waits at start for each engine to answer `/health`. Default `"120s"`.
+    pub start_timeout: HumanDuration,
+}
+
+impl Default for VllmSection {
+    fn default() -> Self {
+        VllmSection {
+            urls: Vec::new(),
+            api_key: None,
+            request_timeout: HumanDuration::secs(600),
+            start_timeout: HumanDuration::secs(120),
+        }
+    }
 }
 
 impl Default for EngineSection {
@@ -78,6 +117,7 @@ impl Default for EngineSection {
             max_queued_requests: 64,
             calibration: None,
             script: None,
+            vllm: VllmSection::default(),
         }
     }
 }

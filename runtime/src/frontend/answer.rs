@@ -97,6 +97,8 @@ pub(super) struct Answer {
     recorded: Option<Recorded>,
     /// The prompt was admitted: the request is served (and recorded) from here.
     admitted: bool,
+    /// Prompt tokens its leases newly cover, under an hour and of an hour or more.
+    leased_tokens: (usize, usize),
 }
 
 /// A request as the traffic recording sees it.
@@ -195,6 +197,7 @@ impl Answer {
             outcome: None,
             recorded,
             admitted: false,
+            leased_tokens: (0, 0),
         }
     }
 
@@ -203,18 +206,25 @@ impl Answer {
         let event = self.next_event().await?;
         self.admitted = true;
         match event {
-            GenerateEvent::Started { cached_tokens, leased_tokens: (short, long) } => {
-                let u = &mut self.usage;
-                u.cached_tokens = cached_tokens.min(u.prompt_tokens);
-                // What the cache wrote for this request: newly leased tokens it computed (a block
-                // it found cached was read, not written), so the three parts add up to the prompt.
-                let computed = u.prompt_tokens - u.cached_tokens;
-                u.cache_creation_5m = short.min(computed);
-                u.cache_creation_1h = long.min(computed - u.cache_creation_5m);
+            GenerateEvent::Started { cached_tokens, leased_tokens } => {
+                self.leased_tokens = leased_tokens;
+                self.cached(cached_tokens);
             }
             other => self.pending = Some(other),
         }
         Ok(())
+    }
+
+    /// Takes `cached_tokens` as the prompt tokens the cache served.
+    fn cached(&mut self, cached_tokens: usize) {
+        let (short, long) = self.leased_tokens;
+        let u = &mut self.usage;
+        u.cached_tokens = cached_tokens.min(u.prompt_tokens);
+        // What the cache wrote for this request: newly leased tokens it computed (a block it found
+        // cached was read, not written), so the three parts add up to the prompt.
+        let computed = u.prompt_tokens - u.cached_tokens;
+        u.cache_creation_5m = short.min(computed);
+        u.cache_creation_1h = long.min(computed - u.cache_creation_5m);
     }
 
     /// Usage so far.
@@ -384,7 +394,10 @@ impl Answer {
                 let (text, stopped) = self.stop.push(&piece);
                 Ok((text, stopped.then_some(FinishReason::Stop)))
             }
-            GenerateEvent::Finished { reason } => {
+            GenerateEvent::Finished { reason, cached_tokens } => {
+                if cached_tokens != self.usage.cached_tokens {
+                    self.cached(cached_tokens);
+                }
                 let piece = self.decoder.flush().map_err(internal)?;
                 let (mut text, stopped) = self.stop.push(&piece);
                 if stopped {

@@ -128,6 +128,10 @@ pub enum GenerateEvent {
     Finished {
         /// Why.
         reason: FinishReason,
+        /// Prompt tokens whose KV was loaded instead of computed, as the engine finally counted
+        /// them: the same as [`GenerateEvent::Started`]'s, except from an engine that reports it
+        /// only at the end (vLLM).
+        cached_tokens: usize,
     },
 }
 

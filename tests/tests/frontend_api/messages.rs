@@ -202,6 +202,10 @@ async fn anthropic_streaming_follows_the_event_grammar() {
     let events: Vec<(String, Value)> = events.into_iter().filter(|(name, _)| name != "ping").collect();
     assert_eq!(events[events.len() - 2].0, "message_delta");
     assert_eq!(events[events.len() - 2].1["delta"]["stop_reason"], "tool_use");
+    let final_usage = &events[events.len() - 2].1["usage"];
+    for field in ["input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens"] {
+        assert_eq!(final_usage[field], whole["usage"][field], "message_delta's usage is the whole answer's: {field}");
+    }
     assert_eq!(events.last().unwrap().0, "message_stop");
     let mut blocks: Vec<Value> = Vec::new();
     let mut open: Option<usize> = None;

@@ -156,7 +156,7 @@ impl Generator for ScriptedModel {
         });
         let mut events = vec![GenerateEvent::Started { cached_tokens: 0, leased_tokens: (0, 0) }];
         events.extend(answer.into_iter().map(|id| GenerateEvent::Token { id }));
-        events.push(GenerateEvent::Finished { reason: FinishReason::Stop });
+        events.push(GenerateEvent::Finished { reason: FinishReason::Stop, cached_tokens: 0 });
         futures::stream::iter(events.into_iter().map(Ok)).boxed()
     }
 }

@@ -97,7 +97,7 @@ impl Generator for FakeGenerator {
             if reason == FinishReason::Stop {
                 events.push(Ok(GenerateEvent::Token { id: req.stop_token_ids[0] }));
             }
-            events.push(Ok(GenerateEvent::Finished { reason }));
+            events.push(Ok(GenerateEvent::Finished { reason, cached_tokens: req.prompt.len() / 2 }));
         }
         let stream = futures::stream::iter(events);
         if req.model == "slow" {

@@ -109,6 +109,11 @@ impl Namespace {
         }
         Some(Namespace(xxh3_128(&buf)))
     }
+
+    /// Its 32 hex digits: how it is named to an engine (vLLM's `cache_salt`).
+    pub fn to_hex(self) -> String {
+        format!("{:032x}", self.0)
+    }
 }
 
 /// What a salt is made of. Every field is length-prefixed before hashing, so no two different

@@ -195,7 +195,9 @@ pub(super) async fn run(state: &FrontendState, prepared: Prepared, arrived: Inst
                 frames.push(event(
                     "message_delta",
                     &json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            "usage": {"output_tokens": answer.usage().completion_tokens}}),
+                            // Cumulative, as Anthropic's API sends it: an engine that counts its cache
+                            // hits only at the end (vLLM) has its final count here.
+                            "usage": usage(answer.usage())}),
                 ));
                 frames.push(event("message_stop", &json!({"type": "message_stop"})));
             }

