@@ -53,4 +53,5 @@ pub mod supervisor;
 pub mod telemetry;
 pub mod tier_store;
 pub mod tiers;
+pub mod vllm_events;
 pub mod worker;

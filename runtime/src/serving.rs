@@ -27,8 +27,8 @@ use dynamo_actors::scheduler::{Hints, SchedulerMsg, SchedulerRef, SubmitError};
 use dynamo_actors::supervisor::NodeRef;
 use dynamo_actors::tiers::{NodeTiers, WriteBatch};
 use dynamo_actors::worker::{
-    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, LeaseRequest, VllmEngine, VllmTarget, Worker,
-    WorkerError, WorkerEvent,
+    Engine, EngineFactory, EngineHost, Finish, GenRequest, JobEvent, LeaseRequest, Naming, VllmEngine, VllmTarget,
+    Worker, WorkerError, WorkerEvent,
 };
 use dynamo_config::{EngineKind, NodeConfig};
 use dynamo_kernels::cuda::{CudaBackend, HostRegistration};
@@ -346,19 +346,24 @@ impl Serving {
         let tokenizer = crate::tokenizer::Tokenizer::from_dir(dir)
             .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
         let vocab = dynamo_kernels::model::weights::read_hf_config(dir)?.vocab_size.max(tokenizer.vocab_size());
-        let attached = crate::vllm::attach(&cfg.engine.vllm, &tokenizer).await?;
+        let attached = crate::vllm::attach(&cfg.engine.vllm, &tokenizer, plan.block_tokens).await?;
         let salt = Salt::derive(&SaltInputs {
             model: plan.shape.name,
             weights_digest: &dir.display().to_string(),
             lora: cfg.model.lora.as_deref().unwrap_or(""),
             cache_salt: "",
         });
-        // The engines are timed by nobody yet: loads and queues are priced from what is measured.
+        // The router prices a request on an engine with the engines' rates, as timed at start.
+        let engines = attached.len().max(1) as f64;
+        let prefill_tokens_per_s = attached.iter().map(|e| e.prefill_tokens_per_s).sum::<f64>() / engines;
+        let decode_step =
+            Duration::from_secs_f64(attached.iter().map(|e| e.decode_step.as_secs_f64()).sum::<f64>() / engines);
         let cost = CostModel {
             block_tokens: plan.block_tokens,
             image_bytes: plan.layout.image_bytes(),
-            prefill: None,
-            decode_s_per_token: None,
+            prefill: Prefill::rate(prefill_tokens_per_s),
+            decode_s_per_token: Some(decode_step.as_secs_f64()).filter(|s| *s > 0.0),
+            // vLLM batches decodes alongside prefills: queued decode work barely delays a first token.
             decode_weight: 0.0,
             g2_read: None,
             g3_read: cfg.tiers.g3.read_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
@@ -392,13 +397,15 @@ impl Serving {
                     request_timeout: vllm.request_timeout.as_duration(),
                     vocab,
                     max_running: cfg.engine.max_running_requests,
+                    kv_events: engine.kv_events.clone(),
                 })
             })
             .collect();
+        let naming = Naming { salt, block_tokens: plan.block_tokens, observer: tiers.observer.clone() };
         let max_context = attached.iter().map(|engine| engine.max_model_len).min().unwrap_or(0);
         let factory: EngineFactory = Arc::new(move |id| {
             let target = targets.get(id).cloned().ok_or_else(|| WorkerError::Engine(format!("no engine {id}")))?;
-            Ok(Box::new(VllmEngine::new(id, target)?) as Box<dyn Engine>)
+            Ok(Box::new(VllmEngine::new(id, target, naming.clone())?) as Box<dyn Engine>)
         });
         let engines = EngineSet {
             workers: attached.len(),
@@ -414,8 +421,8 @@ impl Serving {
             tiers,
             model: cfg.model.name.clone(),
             max_context,
-            prefill_tokens_per_s: 0.0,
-            decode_step: Duration::ZERO,
+            prefill_tokens_per_s,
+            decode_step,
             lease_file,
         })
     }

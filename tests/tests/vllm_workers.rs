@@ -218,6 +218,69 @@ async fn the_node_in_front_of_vllm_answers_as_it_does_reads_its_cache_keeps_tena
     assert_eq!(node.stop(), 0);
 }
 
+/// Requests `vllm:request_success_total` counts (every finish reason) at `url`.
+async fn served(url: &str) -> f64 {
+    let text = reqwest::get(format!("{url}/metrics")).await.expect("vLLM's metrics").text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `vllm serve`'s KV events on a free port, for a subscriber that connects (the node).
+fn kv_events_flag() -> String {
+    let port = dynamo_tests::vllm::port();
+    format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{port}","topic":"kv"}}"#)
+}
+
+/// Two engines behind one node, each publishing its KV events: two sessions that start together
+/// go to different engines, and each session's next turn goes to the engine whose cache holds its
+/// prefix (the node names the engines' blocks as it names a prompt's, so its router sees them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vLLM for CPU: .ci/run installs it"]
+async fn sessions_spread_over_two_engines_and_each_stays_where_its_prefix_is_cached() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let model = tiny_model(dir.path());
+    let start = |cpu: usize| {
+        let (model, log_dir, events) = (model.clone(), dir.path().to_owned(), kv_events_flag());
+        tokio::task::spawn_blocking(move || {
+            VllmServer::start(&model, &log_dir, cpu, &["--kv-events-config", &events], Duration::from_secs(300))
+        })
+    };
+    let (a, b) = tokio::join!(start(0), start(1));
+    let engines = [a.unwrap(), b.unwrap()];
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let node = Node::start_in(dir.clone(), &config(&model, &urls));
+    // Requests each engine served besides the test's own (the node times the engines at start).
+    let before = [served(urls[0]).await, served(urls[1]).await];
+    let since = async || [served(urls[0]).await - before[0], served(urls[1]).await - before[1]];
+
+    let turn = |session: &str, history: Vec<Value>| json!({"model": "tiny", "messages": history, "max_tokens": 8, "temperature": 0, "user": session});
+    let opening = |topic: &str| json!({"role": "user", "content": format!("{topic}. {}", long_message())});
+    let (first_1, first_2) = (opening("Parse the config"), opening("Zip every archive"));
+    let (turn_1, turn_2) = (turn("s1", vec![first_1.clone()]), turn("s2", vec![first_2.clone()]));
+    let (r1, r2) = tokio::join!(chat(&node, KEY_A, &turn_1), chat(&node, KEY_A, &turn_2));
+    assert_eq!((r1.0, r2.0), (200, 200), "{r1:?} {r2:?}");
+    assert_eq!(since().await, [1.0, 1.0], "two sessions arriving together take one engine each");
+    // The engines' blocks reach the node's index through their KV events.
+    let indexed = node.wait_for_metric("dynamo_node_index_blocks", Duration::from_secs(10), |v| v >= 8.0).await;
+    assert!(indexed >= 8.0, "the engines' G1 is in the index: {indexed}");
+
+    for (session, first, answer) in [("s1", &first_1, &r1.1), ("s2", &first_2, &r2.1)] {
+        let reply = answer["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+        let history = vec![
+            first.clone(),
+            json!({"role": "assistant", "content": reply}),
+            json!({"role": "user", "content": "And then?"}),
+        ];
+        let (status, next) = chat(&node, KEY_A, &turn(session, history)).await;
+        assert_eq!(status, 200, "{next}");
+        assert!(cached(&next) >= 96, "{session}'s next turn went to the engine holding its prefix: {next}");
+    }
+    assert_eq!(since().await, [2.0, 2.0], "each session stayed on its engine");
+    assert_eq!(node.stop(), 0);
+}
+
 /// A node pointed at an engine that serves another tokenizer refuses to start, and says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs vLLM for CPU: .ci/run installs it"]

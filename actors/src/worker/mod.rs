@@ -38,7 +38,7 @@ pub use self::reference::{DEFAULT_MAX_RUNNING, PreemptionStats, Resume, Worker};
 pub use self::request::{
     Finish, GenOutcome, GenRequest, LeaseRequest, PromptHashes, WorkerError, WorkerEvent, unix_millis,
 };
-pub use self::vllm::{VllmEngine, VllmTarget};
+pub use self::vllm::{Naming, VllmEngine, VllmTarget};
 use crate::telemetry;
 
 /// A future the engine thread polls (engines need not be `Send`: they never leave their thread).

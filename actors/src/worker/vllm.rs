@@ -20,7 +20,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use std::collections::HashMap;
+
 use dynamo_config::PerTier;
+use dynamo_tiering::block::{BlockHash, BlockHasher, Namespace, Salt};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -28,6 +31,8 @@ use tokio::task::JoinSet;
 
 use super::{Engine, Finish, GenOutcome, LocalFuture, Ticket, WorkerError, WorkerEvent};
 use crate::telemetry;
+use crate::tiers::{BlockSite, KvObserver};
+use crate::vllm_events::{self, RawEvent, Update};
 
 /// One vLLM engine as a worker sees it.
 #[derive(Clone, Debug)]
@@ -42,12 +47,29 @@ pub struct VllmTarget {
     pub vocab: usize,
     /// Most requests in flight to it at once (`engine.max_running_requests`).
     pub max_running: usize,
+    /// Where it publishes its KV events (`tcp://host:port`), when it does: what it holds in G1
+    /// then enters the node's prefix index under the node's names, for KV-aware routing.
+    pub kv_events: Option<String>,
+}
+
+/// How the node names blocks, and where changes of the engines' G1 go: what turns an engine's
+/// KV events into the prefix index's.
+#[derive(Clone, Debug)]
+pub struct Naming {
+    /// The node's salt (a tenant's namespace narrows it).
+    pub salt: Salt,
+    /// Tokens per block; an engine's blocks of another size are not followed.
+    pub block_tokens: usize,
+    /// The node's KV observer.
+    pub observer: Arc<dyn KvObserver>,
 }
 
 /// The engine of a worker in front of one vLLM engine.
 pub struct VllmEngine {
     id: usize,
     target: Arc<VllmTarget>,
+    /// Stops following the engine's KV events (when the worker goes).
+    events: Option<tokio::sync::watch::Sender<bool>>,
     client: reqwest::Client,
     running: Arc<AtomicUsize>,
     ended: Arc<Notify>,
@@ -62,22 +84,175 @@ impl std::fmt::Debug for VllmEngine {
 }
 
 impl VllmEngine {
-    /// Worker `id`'s engine, forwarding to `target`.
-    pub fn new(id: usize, target: Arc<VllmTarget>) -> Result<Self, WorkerError> {
+    /// Worker `id`'s engine, forwarding to `target`; its KV events, if it publishes them, go to
+    /// `naming`'s observer as this worker's G1. Call it inside the worker's runtime.
+    pub fn new(id: usize, target: Arc<VllmTarget>, naming: Naming) -> Result<Self, WorkerError> {
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
             .build()
             .map_err(|e| WorkerError::Engine(format!("cannot build the HTTP client: {e}")))?;
+        let events = target.kv_events.clone().map(|endpoint| {
+            let (stop, stopped) = tokio::sync::watch::channel(false);
+            tokio::spawn(follow_g1(id, endpoint, naming, stopped));
+            stop
+        });
         Ok(Self {
             id,
             target,
+            events,
             client,
             running: Arc::new(AtomicUsize::new(0)),
             ended: Arc::new(Notify::new()),
             tasks: JoinSet::new(),
             requests: 0,
         })
+    }
+}
+
+impl Drop for VllmEngine {
+    fn drop(&mut self) {
+        if let Some(stop) = &self.events {
+            let _ = stop.send(true);
+        }
+    }
+}
+
+/// Follows worker `id`'s engine's KV events at `endpoint` into `naming`'s observer until
+/// `stop`; then (and on any gap) the worker's G1 is reported cleared.
+async fn follow_g1(id: usize, endpoint: String, naming: Naming, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let site = BlockSite::G1 { worker: id };
+    let observer = naming.observer.clone();
+    let mut names = Names::new(naming.salt, naming.block_tokens);
+    let label = format!("worker {id}");
+    vllm_events::follow(&endpoint, &label, &mut stop, |update| match update {
+        Update::Events(events) => {
+            for event in events {
+                match event {
+                    RawEvent::Stored { hashes, parent, token_ids, block_size, cache_salt, .. } => {
+                        match names.stored(&hashes, parent, &token_ids, block_size, cache_salt.as_deref()) {
+                            Some((parent, hashes)) => observer.stored(site, parent, &hashes),
+                            None => telemetry::record_engine_kv_events(&label, "unnamed", 1),
+                        }
+                    }
+                    RawEvent::Removed { hashes, .. } => {
+                        let gone = names.removed(&hashes);
+                        if !gone.is_empty() {
+                            observer.removed(site, &gone);
+                        }
+                    }
+                    RawEvent::Cleared => {
+                        names.clear();
+                        observer.cleared(id);
+                    }
+                }
+            }
+            if names.len() > MAX_NAMES {
+                // More blocks than any engine holds: events were lost somewhere. Start over.
+                names.clear();
+                observer.cleared(id);
+            }
+        }
+        Update::Gap => {
+            telemetry::record_engine_kv_events(&label, "gap", 1);
+            names.clear();
+            observer.cleared(id);
+        }
+        Update::Malformed(why) => {
+            tracing::debug!(worker = id, why, "KV events: a batch did not decode");
+            telemetry::record_engine_kv_events(&label, "malformed", 1);
+        }
+    })
+    .await;
+    observer.cleared(id);
+}
+
+/// Most blocks of one engine's G1 the node keeps names for.
+const MAX_NAMES: usize = 1 << 22;
+
+/// An engine's names of the blocks in its G1 (the low 64 bits of vLLM's hashes) and the node's
+/// names of the same blocks: the node's hash of the same tokens after the same parent, under the
+/// salt of the request's namespace (the `cache_salt` the node sent, on a sequence's first block).
+/// Under the node's names the router finds them from a prompt. vLLM stores and removes one block
+/// many times (requests that filled identical blocks of their own): each is counted, and leaves
+/// the index only with its last copy.
+#[derive(Debug)]
+struct Names {
+    salt: Salt,
+    block_tokens: usize,
+    known: HashMap<u64, Known>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Known {
+    hash: BlockHash,
+    /// The salt its sequence hashes under.
+    salt: Salt,
+    copies: u32,
+}
+
+impl Names {
+    fn new(salt: Salt, block_tokens: usize) -> Self {
+        Self { salt, block_tokens, known: HashMap::new() }
+    }
+
+    fn len(&self) -> usize {
+        self.known.len()
+    }
+
+    fn clear(&mut self) {
+        self.known.clear();
+    }
+
+    /// The node's names of a `BlockStored` event's parent and blocks; `None` when the node cannot
+    /// name them: blocks of another size, no tokens, a parent it never saw (its events were
+    /// lost), or a salt the node did not send.
+    fn stored(
+        &mut self,
+        hashes: &[u64],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        block_size: usize,
+        cache_salt: Option<&str>,
+    ) -> Option<(Option<BlockHash>, Vec<BlockHash>)> {
+        if block_size != self.block_tokens || token_ids.len() != hashes.len() * block_size {
+            return None;
+        }
+        let (mut previous, salt) = match parent {
+            Some(parent) => {
+                let known = self.known.get(&parent)?;
+                (Some(known.hash), known.salt)
+            }
+            None => match cache_salt {
+                None => (None, self.salt),
+                Some(hex) => (None, self.salt.within(Some(Namespace::from_hex(hex)?))),
+            },
+        };
+        let parent_name = previous;
+        let mut hasher = BlockHasher::new(salt, block_size);
+        let mut named = Vec::with_capacity(hashes.len());
+        for (&theirs, tokens) in hashes.iter().zip(token_ids.chunks(block_size)) {
+            let hash = hasher.hash_block(previous, tokens);
+            self.known.entry(theirs).and_modify(|k| k.copies += 1).or_insert(Known { hash, salt, copies: 1 });
+            named.push(hash);
+            previous = Some(hash);
+        }
+        Some((parent_name, named))
+    }
+
+    /// The node's names of the blocks whose last copy `hashes` removed.
+    fn removed(&mut self, hashes: &[u64]) -> Vec<BlockHash> {
+        let mut gone = Vec::new();
+        for theirs in hashes {
+            if let Some(known) = self.known.get_mut(theirs) {
+                known.copies -= 1;
+                if known.copies == 0 {
+                    gone.push(known.hash);
+                    self.known.remove(theirs);
+                }
+            }
+        }
+        gone
     }
 }
 
@@ -394,6 +569,7 @@ mod tests {
             request_timeout: Duration::from_secs(1),
             vocab: 512,
             max_running: 4,
+            kv_events: None,
         }
     }
 
@@ -468,6 +644,36 @@ mod tests {
             Some(JobEvent::Failed(WorkerError::OutOfVocabulary { id: 512, vocab: 512 })) => {}
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_engines_blocks_take_the_names_the_router_computes_from_the_prompt() {
+        let node = Salt(77);
+        let mut names = Names::new(node, 2);
+        let prompt = [10, 11, 12, 13, 14, 15];
+        let expected = BlockHasher::new(node, 2).hash_sequence(&prompt);
+        // The prompt's first two blocks, then its third after them.
+        let (parent, first) = names.stored(&[901, 902], None, &prompt[..4], 2, None).unwrap();
+        assert_eq!((parent, first.as_slice()), (None, &expected[..2]));
+        let (parent, third) = names.stored(&[903], Some(902), &prompt[4..], 2, None).unwrap();
+        assert_eq!((parent, third.as_slice()), (Some(expected[1]), &expected[2..]));
+
+        // A tenant's blocks hash under its namespace, which the node sent as the cache salt.
+        let ns = Namespace::new("tenant-a", "").unwrap();
+        let salted = BlockHasher::new(node.within(Some(ns)), 2).hash_sequence(&prompt[..2]);
+        let (_, named) = names.stored(&[801], None, &prompt[..2], 2, Some(&ns.to_hex())).unwrap();
+        assert_eq!(named, salted);
+        assert_ne!(named[0], expected[0], "no tenant's block takes another's name");
+
+        // A block stored twice leaves with its second removal.
+        names.stored(&[901], None, &prompt[..2], 2, None).unwrap();
+        assert!(names.removed(&[901]).is_empty(), "one copy is still there");
+        assert_eq!(names.removed(&[901]), vec![expected[0]]);
+
+        // What the node cannot name is left out.
+        assert!(names.stored(&[1], Some(999), &prompt[..2], 2, None).is_none(), "an unknown parent");
+        assert!(names.stored(&[1], None, &prompt[..4], 4, None).is_none(), "blocks of another size");
+        assert!(names.stored(&[1], None, &prompt[..2], 2, Some("not ours")).is_none(), "a salt the node never sent");
     }
 
     #[test]

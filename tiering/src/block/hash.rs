@@ -114,6 +114,11 @@ impl Namespace {
     pub fn to_hex(self) -> String {
         format!("{:032x}", self.0)
     }
+
+    /// The namespace [`to_hex`](Self::to_hex) wrote, or `None` for anything else.
+    pub fn from_hex(hex: &str) -> Option<Namespace> {
+        (hex.len() == 32).then(|| u128::from_str_radix(hex, 16).ok().map(Namespace)).flatten()
+    }
 }
 
 /// What a salt is made of. Every field is length-prefixed before hashing, so no two different
