@@ -564,10 +564,12 @@ impl Generator for NodeGenerator {
         // A speculative prefill warms the cache and generates nothing; it waits behind real work.
         let speculative = req.hints.speculative_prefill.unwrap_or(false);
         let hints = Hints {
-            priority: queue_priority(req.hints.priority, speculative),
-            expected_output_tokens: req.hints.expected_output_tokens,
+            priority: queue_priority(req.hints.priority(), speculative),
+            strict: req.hints.strict_priority(),
+            expected_output_tokens: req.hints.expected_output_tokens(),
             tenant: req.tenant.name().map_or(0, |name| xxhash_rust::xxh3::xxh3_64(name.as_bytes()) | 1),
         };
+        let warm_next = req.hints.warm_next_turn() && !speculative;
         let job = GenRequest {
             prompt: req.prompt,
             regions: req.regions,
@@ -585,16 +587,60 @@ impl Generator for NodeGenerator {
         };
         let this = self.clone();
         let session = req.session_id;
-        futures::stream::once(async move { this.submit(job, session, hints).await })
-            .flat_map(|submitted| match submitted {
-                Err(e) => futures::stream::once(std::future::ready(Err(e))).boxed(),
-                Ok(submitted) => {
-                    let leased = (submitted.leased_tokens.short, submitted.leased_tokens.long);
-                    events(submitted.events, leased).boxed()
+        let warm = warm_next.then(|| (self.clone(), job.clone(), session.clone(), hints));
+        let stream =
+            futures::stream::once(async move { this.submit(job, session, hints).await }).flat_map(|submitted| {
+                match submitted {
+                    Err(e) => futures::stream::once(std::future::ready(Err(e))).boxed(),
+                    Ok(submitted) => {
+                        let leased = (submitted.leased_tokens.short, submitted.leased_tokens.long);
+                        events(submitted.events, leased).boxed()
+                    }
                 }
-            })
-            .boxed()
+            });
+        match warm {
+            None => stream.boxed(),
+            Some((this, job, session, hints)) => warm_after(stream, this, job, session, hints).boxed(),
+        }
     }
+}
+
+/// `stream`, and once it finished, a speculative prefill of the next turn's prefix (Dynamo's
+/// `agent_hints.speculative_prefill`): the prompt and the answer's tokens, which the frontend
+/// replays into the next prompt as they were, prefilled without generating, behind real work, in
+/// the background. The router sends it where the prompt is cached, so the answer's blocks join
+/// them there.
+fn warm_after(
+    stream: impl futures::Stream<Item = Result<GenerateEvent, GenerateError>> + Send + 'static,
+    generator: NodeGenerator,
+    mut job: GenRequest,
+    session: Option<String>,
+    hints: Hints,
+) -> impl futures::Stream<Item = Result<GenerateEvent, GenerateError>> + Send {
+    let answer = Arc::new(Mutex::new(Vec::new()));
+    let seen = answer.clone();
+    stream.map(move |event| {
+        match &event {
+            Ok(GenerateEvent::Token { id }) => seen.lock().unwrap_or_else(PoisonError::into_inner).push(*id),
+            Ok(GenerateEvent::Finished { .. }) => {
+                let answer = std::mem::take(&mut *answer.lock().unwrap_or_else(PoisonError::into_inner));
+                job.prompt.extend(answer);
+                job.max_tokens = 0;
+                job.leases.clear();
+                job.request_id = job.request_id.as_ref().map(|id| format!("{id}-warm").into());
+                let (generator, job, session) = (generator.clone(), job.clone(), session.clone());
+                let hints = Hints { priority: queue_priority(Some(hints.priority), true), ..hints };
+                tokio::spawn(async move {
+                    // Its events are drained to the end: a request nobody listens to is dropped.
+                    if let Ok(mut submitted) = generator.submit(job, session, hints).await {
+                        while submitted.events.recv().await.is_some() {}
+                    }
+                });
+            }
+            _ => {}
+        }
+        event
+    })
 }
 
 /// A request's queue priority: the agent's hint (0 without one), one lower for a speculative

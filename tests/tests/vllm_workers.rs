@@ -158,6 +158,21 @@ async fn the_node_in_front_of_vllm_answers_as_it_does_reads_its_cache_keeps_tena
     let (_, other) = chat(&node, KEY_B, &body).await;
     assert_eq!(cached(&other), 0, "tenant b never hits tenant a's prefix: {other}");
 
+    // Dynamo's agent hints, under Dynamo's names: the answer as usual, then a prefill of the next
+    // turn's prefix on the engine (one more request there, generating nothing the client sees).
+    let before = served(&engine.url).await;
+    let mut hinted = body.clone();
+    hinted["nvext"] =
+        json!({"agent_hints": {"priority": 2, "osl": 16, "strict_priority": 1, "speculative_prefill": true}});
+    let (status, answer) = chat(&node, KEY_A, &hinted).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(ids(&answer["choices"][0]["token_ids"]), through_node, "the hints change no token");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while served(&engine.url).await < before + 2.0 {
+        assert!(Instant::now() < deadline, "the next turn's prefix was never prefilled on the engine");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
     // A client that hangs up mid-stream ends its request in the engine.
     let stream_body = json!({
         "model": "tiny",

@@ -170,6 +170,9 @@ pub enum SubmitError {
 pub struct Hints {
     /// Higher is more urgent; 0 is normal.
     pub priority: i32,
+    /// A strict tier: every request of a higher tier is queued ahead of every one of a lower
+    /// tier, whatever the queue policy orders within a tier; 0 is normal.
+    pub strict: i32,
     /// Tokens the answer is expected to have (the cost estimate's decode part).
     pub expected_output_tokens: Option<usize>,
     /// Whose request it is (a digest of the tenant's name; 0 for the shared tenant): at the
@@ -423,6 +426,7 @@ impl SchedulerState {
             req: *req,
             predicted_cached: None,
             priority: hints.priority,
+            tier: hints.strict,
             cost_s: 0.0,
             charge: Charge::default(),
             events,

@@ -323,6 +323,9 @@ pub struct Job {
     pub predicted_cached: Option<usize>,
     /// Agent-hint priority; higher goes first.
     pub priority: i32,
+    /// Strict tier (`nvext.agent_hints.strict_priority`): a higher tier goes before any lower
+    /// one, whatever the queue policy says.
+    pub tier: i32,
     /// The scheduler's estimate of the job's engine time in seconds (WSPT's processing time).
     pub cost_s: f64,
     /// What it adds to the worker's load while it is there, as the scheduler estimated it.

@@ -7,6 +7,9 @@
 //!   ties. It minimises the weighted mean completion time on one machine, which is what an agent
 //!   waiting on many short tool calls feels.
 //!
+//! A strict tier (`nvext.agent_hints.strict_priority`) comes before either: every job of a
+//! higher tier leaves before any of a lower one.
+//!
 //! A full queue refuses at once (the scheduler tries the next worker, then answers
 //! "overloaded"); a closed queue refuses everything and hands out what it still holds.
 
@@ -29,6 +32,7 @@ pub enum PushError {
 }
 
 struct Entry {
+    tier: i32,
     score: f64,
     seq: u64,
     job: Job,
@@ -49,9 +53,12 @@ impl PartialOrd for Entry {
 }
 
 impl Ord for Entry {
-    /// The max-heap pops the highest score, then the earliest arrival.
+    /// The max-heap pops the highest tier, then the highest score, then the earliest arrival.
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score.total_cmp(&other.score).then_with(|| other.seq.cmp(&self.seq))
+        self.tier
+            .cmp(&other.tier)
+            .then_with(|| self.score.total_cmp(&other.score))
+            .then_with(|| other.seq.cmp(&self.seq))
     }
 }
 
@@ -110,7 +117,7 @@ impl JobQueue {
         }
         inner.seq += 1;
         let seq = inner.seq;
-        inner.heap.push(Entry { score, seq, job });
+        inner.heap.push(Entry { tier: job.tier, score, seq, job });
         drop(inner);
         self.ready.notify_one();
         Ok(())
@@ -185,6 +192,7 @@ mod tests {
             req,
             predicted_cached: None,
             priority,
+            tier: 0,
             cost_s,
             charge: crate::worker::Charge { prefill_s: cost_s, blocks: 0 },
             events,
@@ -207,6 +215,19 @@ mod tests {
             q.try_push(job(tag, priority, 1.0)).unwrap();
         }
         assert_eq!(order(&q).await, vec![2, 4, 0, 1, 3]);
+    }
+
+    #[tokio::test]
+    async fn a_strict_tier_goes_first_whatever_the_policy_says_within_it() {
+        for policy in [QueuePolicy::Fcfs, QueuePolicy::Wspt] {
+            let q = JobQueue::new(8, policy);
+            q.try_push(job(0, 9, 0.1)).unwrap();
+            let mut strict = job(1, -5, 60.0);
+            strict.tier = 1;
+            q.try_push(strict).unwrap();
+            q.try_push(job(2, 0, 1.0)).unwrap();
+            assert_eq!(order(&q).await[0], 1, "{policy:?}: the higher tier first, long and low as it is");
+        }
     }
 
     #[tokio::test]

@@ -317,7 +317,9 @@ fn generate_body(ticket: &Ticket, request_id: &str) -> Value {
     let req = &ticket.req;
     let s = req.sampling;
     let mut sampling = json!({
-        "max_tokens": req.max_tokens,
+        // A prefill alone (`max_tokens` 0, which vLLM refuses) is a one-token request whose
+        // token is not shown.
+        "max_tokens": req.max_tokens.max(1),
         "temperature": s.temperature,
         "top_p": s.top_p,
         // vLLM's "all" is -1 (0 is refused); the node's is 0.
@@ -476,6 +478,11 @@ fn apply(
                 return Ok(false);
             }
         }
+        if ticket.req.max_tokens == 0 {
+            // A prefill alone: its one token is the engine's, not the caller's.
+            streamed.finish = Some(Finish::Length);
+            continue;
+        }
         let stop = ticket.req.stop_tokens.contains(&id);
         if !stop {
             streamed.tokens.push(id);
@@ -621,6 +628,18 @@ mod tests {
         }
         assert!(matches!(events[0], WorkerEvent::Prefilled { .. }));
         assert_eq!(events[1..], [WorkerEvent::Token(182), WorkerEvent::Token(375), WorkerEvent::Token(6)]);
+    }
+
+    #[test]
+    fn a_prefill_alone_is_a_one_token_request_whose_token_is_not_shown() {
+        let (mut t, mut rx) = ticket(GenRequest::greedy(vec![0, 4], 0));
+        assert_eq!(generate_body(&t, "dn-4")["sampling_params"]["max_tokens"], 1, "vLLM refuses 0");
+        let (mut s, mut ttft, started) = (Streamed::default(), Duration::ZERO, tokio::time::Instant::now());
+        let chunk = json!({"choices":[{"finish_reason":"length","token_ids":[182]}]});
+        assert!(apply(&chunk, &mut t, &mut s, &target(), &mut ttft, started).unwrap());
+        assert_eq!((s.tokens.len(), s.finish), (0, Some(Finish::Length)));
+        assert!(matches!(rx.try_recv(), Ok(JobEvent::Event(WorkerEvent::Prefilled { .. }))));
+        assert!(rx.try_recv().is_err(), "no token event");
     }
 
     #[test]

@@ -33,6 +33,50 @@ pub struct AgentHints {
     /// breakpoints (Chat Completions, Responses), in Anthropic's `cache_control` shape, as
     /// NVIDIA Dynamo's `nvext.cache_control` had it.
     pub cache_control: Option<CacheControlHint>,
+    /// NVIDIA Dynamo's agent hints (`nvext.agent_hints`), under Dynamo's own names, so a harness
+    /// written for Dynamo works unchanged.
+    pub agent_hints: Option<DynamoAgentHints>,
+}
+
+/// `nvext.agent_hints`, NVIDIA Dynamo's agent hints v1.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(default)]
+pub struct DynamoAgentHints {
+    /// Request priority; higher goes first (as `nvext.priority`, which wins when both are set).
+    pub priority: Option<i32>,
+    /// The answer's expected length in tokens (as `nvext.expected_output_tokens`).
+    pub osl: Option<usize>,
+    /// Once this answer is done, prefill the next turn's prefix (the prompt and this answer's
+    /// tokens, which the node replays into the next prompt as they were) on the same engine, so
+    /// the next call finds it cached. Unlike `nvext.speculative_prefill`, the request itself is
+    /// answered as usual.
+    pub speculative_prefill: Option<bool>,
+    /// A strict queue tier: a higher tier always runs before a lower one, whatever the queue
+    /// policy says within a tier.
+    pub strict_priority: Option<i32>,
+}
+
+impl AgentHints {
+    /// The priority, from `nvext.priority` or else `nvext.agent_hints.priority`.
+    pub fn priority(&self) -> Option<i32> {
+        self.priority.or(self.agent_hints.and_then(|h| h.priority))
+    }
+
+    /// The expected answer length, from `nvext.expected_output_tokens` or else
+    /// `nvext.agent_hints.osl`.
+    pub fn expected_output_tokens(&self) -> Option<usize> {
+        self.expected_output_tokens.or(self.agent_hints.and_then(|h| h.osl))
+    }
+
+    /// The strict queue tier (0 without one).
+    pub fn strict_priority(&self) -> i32 {
+        self.agent_hints.and_then(|h| h.strict_priority).unwrap_or(0)
+    }
+
+    /// Whether the next turn's prefix is to be prefilled once this answer is done.
+    pub fn warm_next_turn(&self) -> bool {
+        self.agent_hints.and_then(|h| h.speculative_prefill).unwrap_or(false)
+    }
 }
 
 /// `nvext.cache_control`: `{"type": "ephemeral", "ttl": "5m" | "1h"}` (`ttl` defaults to 5m).
@@ -215,4 +259,26 @@ pub trait Generator: Send + Sync + 'static {
     /// Starts a generation; see the module doc for the event contract. Dropping the stream
     /// cancels the request.
     fn generate(&self, req: GenerateRequest) -> BoxStream<'static, Result<GenerateEvent, GenerateError>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamos_agent_hints_are_read_under_dynamos_names_and_nvexts_own_win() {
+        let hints: AgentHints = serde_json::from_value(serde_json::json!({
+            "agent_hints": {"priority": 5, "osl": 1024, "speculative_prefill": true, "strict_priority": 1}
+        }))
+        .unwrap();
+        assert_eq!(hints.priority(), Some(5));
+        assert_eq!(hints.expected_output_tokens(), Some(1024));
+        assert_eq!(hints.strict_priority(), 1);
+        assert!(hints.warm_next_turn());
+        assert_eq!(hints.speculative_prefill, None, "Dynamo's speculative prefill answers the request as usual");
+        let both: AgentHints =
+            serde_json::from_value(serde_json::json!({"priority": -1, "agent_hints": {"priority": 5}})).unwrap();
+        assert_eq!(both.priority(), Some(-1));
+        assert_eq!(AgentHints::default().strict_priority(), 0);
+    }
 }
