@@ -251,6 +251,8 @@ pub mod names {
     pub const ENGINE_G1_BLOCKS: &str = "dynamo_node_engine_g1_blocks";
     /// Counter `{engine, kind}`: the engine's KV events.
     pub const ENGINE_KV_EVENTS: &str = "dynamo_node_engine_kv_events_total";
+    /// Gauge, by `engine` (its URL): 1 while a vLLM worker's engine answers, 0 while it is down.
+    pub const ENGINE_UP: &str = "dynamo_node_engine_up";
     /// Counter, by `engine` (its URL) and `kind`: requests a forwarding worker's engine failed.
     pub const ENGINE_REQUEST_ERRORS: &str = "dynamo_node_engine_request_errors_total";
     /// Gauge: peers in this node's view of the cluster (etcd membership).
@@ -322,6 +324,7 @@ pub fn describe() {
     describe_counter!(PEER_EXPIRED_HOLDS, Unit::Count, "Peer holds that ran out before their release.");
     describe_counter!(AUTH_FAILURES, Unit::Count, "Requests refused for a missing or unknown key, by endpoint.");
     describe_counter!(HTTP_CONNECTIONS_REFUSED, Unit::Count, "HTTP connections closed by the node, by reason.");
+    describe_gauge!(ENGINE_UP, "1 while a vLLM worker's engine answers, 0 while it is down, by engine URL.");
     describe_counter!(
         ENGINE_REQUEST_ERRORS,
         Unit::Count,
@@ -713,6 +716,11 @@ pub fn record_tier_error(tier: TierName, kind: &'static str) {
 /// Sets the tier's in-flight I/O operations.
 pub fn set_io_inflight(tier: TierName, ops: u64) {
     gauge!(names::IO_INFLIGHT, "tier" => tier.as_str()).set(ops as f64);
+}
+
+/// Sets whether the engine at `engine` (a URL) answers.
+pub fn set_engine_up(engine: &str, up: bool) {
+    gauge!(names::ENGINE_UP, "engine" => engine.to_owned()).set(if up { 1.0 } else { 0.0 });
 }
 
 /// Counts a request that the engine at `engine` (a URL) failed, by the error's kind.

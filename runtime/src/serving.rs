@@ -510,6 +510,35 @@ pub struct NodeGenerator {
 impl NodeGenerator {
     /// Submits `job` through the current scheduler; if the scheduler was restarted in between,
     /// asks the supervisor for the new one and tries once more.
+    /// [`Self::submit`], and the request's first event. A request whose engine turned out to be
+    /// down before it began (it failed having produced nothing) is submitted again, up to
+    /// [`REROUTES`] times: its worker is marked down by then, so the router sends it elsewhere
+    /// if another worker is up.
+    async fn submit_until_started(
+        &self,
+        job: GenRequest,
+        session: Option<String>,
+        hints: Hints,
+    ) -> Result<(Option<JobEvent>, dynamo_actors::scheduler::Submitted), GenerateError> {
+        let mut reroutes = 0;
+        loop {
+            let mut submitted = self.submit(job.clone(), session.clone(), hints).await?;
+            let first = submitted.events.recv().await;
+            if let Some(JobEvent::Failed(WorkerError::EngineDown(why))) = &first
+                && reroutes < REROUTES
+            {
+                reroutes += 1;
+                tracing::info!(
+                    worker = submitted.worker,
+                    why,
+                    "the engine was down before the request began; routing it again"
+                );
+                continue;
+            }
+            return Ok((first, submitted));
+        }
+    }
+
     async fn submit(
         &self,
         job: GenRequest,
@@ -588,16 +617,14 @@ impl Generator for NodeGenerator {
         let this = self.clone();
         let session = req.session_id;
         let warm = warm_next.then(|| (self.clone(), job.clone(), session.clone(), hints));
-        let stream =
-            futures::stream::once(async move { this.submit(job, session, hints).await }).flat_map(|submitted| {
-                match submitted {
-                    Err(e) => futures::stream::once(std::future::ready(Err(e))).boxed(),
-                    Ok(submitted) => {
-                        let leased = (submitted.leased_tokens.short, submitted.leased_tokens.long);
-                        events(submitted.events, leased).boxed()
-                    }
-                }
-            });
+        let started = async move { this.submit_until_started(job, session, hints).await };
+        let stream = futures::stream::once(started).flat_map(|submitted| match submitted {
+            Err(e) => futures::stream::once(std::future::ready(Err(e))).boxed(),
+            Ok((first, submitted)) => {
+                let leased = (submitted.leased_tokens.short, submitted.leased_tokens.long);
+                events(first, submitted.events, leased).boxed()
+            }
+        });
         match warm {
             None => stream.boxed(),
             Some((this, job, session, hints)) => warm_after(stream, this, job, session, hints).boxed(),
@@ -643,6 +670,9 @@ fn warm_after(
     })
 }
 
+/// Times a request whose engine was down before it began is routed again.
+const REROUTES: usize = 2;
+
 /// A request's queue priority: the agent's hint (0 without one), one lower for a speculative
 /// prefill, which waits behind real work; it saturates at `i32::MIN` instead of wrapping to the
 /// highest priority.
@@ -651,12 +681,16 @@ fn queue_priority(hint: Option<i32>, speculative: bool) -> i32 {
 }
 
 fn events(
+    first: Option<JobEvent>,
     rx: tokio::sync::mpsc::UnboundedReceiver<JobEvent>,
     leased_tokens: (usize, usize),
 ) -> impl futures::Stream<Item = Result<GenerateEvent, GenerateError>> + Send {
-    futures::stream::unfold(Some(rx), move |rx| async move {
+    futures::stream::unfold((first, Some(rx)), move |(first, rx)| async move {
         let mut rx = rx?;
-        let mut event = rx.recv().await?;
+        let mut event = match first {
+            Some(event) => event,
+            None => rx.recv().await?,
+        };
         // Prefill passes are the worker's own business (they are never sent).
         while let JobEvent::Event(WorkerEvent::Computed { .. }) = event {
             event = rx.recv().await?;
@@ -673,7 +707,7 @@ fn events(
                     Finish::Stop => FinishReason::Stop,
                 };
                 let cached_tokens = outcome.cached_tokens;
-                return Some((Ok(GenerateEvent::Finished { reason, cached_tokens }), None));
+                return Some((Ok(GenerateEvent::Finished { reason, cached_tokens }), (None, None)));
             }
             JobEvent::Failed(e) => {
                 let err = match e {
@@ -686,10 +720,10 @@ fn events(
                     }
                     other => GenerateError::Internal(other.to_string()),
                 };
-                return Some((Err(err), None));
+                return Some((Err(err), (None, None)));
             }
         };
-        Some((item, Some(rx)))
+        Some((item, (None, Some(rx))))
     })
 }
 

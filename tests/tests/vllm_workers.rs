@@ -251,6 +251,7 @@ fn kv_events_flag() -> String {
 /// Two engines behind one node, each publishing its KV events: two sessions that start together
 /// go to different engines, and each session's next turn goes to the engine whose cache holds its
 /// prefix (the node names the engines' blocks as it names a prompt's, so its router sees them).
+/// When one engine dies, requests go to the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs vLLM for CPU: .ci/run installs it"]
 async fn sessions_spread_over_two_engines_and_each_stays_where_its_prefix_is_cached() {
@@ -263,8 +264,9 @@ async fn sessions_spread_over_two_engines_and_each_stays_where_its_prefix_is_cac
         })
     };
     let (a, b) = tokio::join!(start(0), start(1));
-    let engines = [a.unwrap(), b.unwrap()];
-    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let mut engines = [a.unwrap(), b.unwrap()];
+    let owned: Vec<String> = engines.iter().map(|e| e.url.clone()).collect();
+    let urls: Vec<&str> = owned.iter().map(String::as_str).collect();
     let node = Node::start_in(dir.clone(), &config(&model, &urls));
     // Requests each engine served besides the test's own (the node times the engines at start).
     let before = [served(urls[0]).await, served(urls[1]).await];
@@ -293,6 +295,16 @@ async fn sessions_spread_over_two_engines_and_each_stays_where_its_prefix_is_cac
         assert!(cached(&next) >= 96, "{session}'s next turn went to the engine holding its prefix: {next}");
     }
     assert_eq!(since().await, [2.0, 2.0], "each session stayed on its engine");
+
+    // Engine 0 dies. Every request is still answered: one that found it dead before it began is
+    // routed again, and the router sends nothing more to it while it is down.
+    engines[0].kill();
+    for i in 0..3 {
+        let (status, answer) = chat(&node, KEY_A, &turn("s3", vec![opening(&format!("Retry {i}"))])).await;
+        assert_eq!(status, 200, "request {i} after engine 0 died: {answer}");
+    }
+    let up = format!("dynamo_node_engine_up{{engine=\"{}\"}}", urls[0]);
+    assert_eq!(node.metric(&up).await, 0.0, "engine 0 is marked down");
     assert_eq!(node.stop(), 0);
 }
 

@@ -393,6 +393,10 @@ impl SchedulerState {
         if order.is_empty() {
             return Routed::Refused(SubmitError::NoWorkers);
         }
+        // A worker whose engine is down is tried only when every worker's is.
+        let down = |i: usize| self.workers[i].as_ref().is_some_and(|w| w.load.is_down());
+        let order =
+            if order.iter().all(|o| down(o.0)) { order } else { order.into_iter().filter(|o| !down(o.0)).collect() };
         // A session's context beyond what other sessions put in the cache already (its first
         // turn's longest cached prefix anywhere).
         let context = req.prompt.len() + hints.expected_output_tokens.unwrap_or(0);

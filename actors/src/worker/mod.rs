@@ -187,6 +187,11 @@ impl Ticket {
         }
     }
 
+    /// The load of the worker it is counted in (`None` for a request served directly).
+    pub fn worker_load(&self) -> Option<&Arc<WorkerLoad>> {
+        self.load.as_ref()
+    }
+
     /// Whether nobody waits for the answer any more.
     pub fn is_closed(&self) -> bool {
         self.events.is_closed()
@@ -352,6 +357,9 @@ pub struct WorkerLoad {
     /// Notified when prefill ahead falls (a request prefilled, or left before it was): the
     /// router's late binding routes what it holds then.
     drained: tokio::sync::Notify,
+    /// Its engine is down (an engine in another process that stopped answering): the router
+    /// sends it nothing while another worker is up.
+    down: std::sync::atomic::AtomicBool,
 }
 
 impl WorkerLoad {
@@ -385,6 +393,16 @@ impl WorkerLoad {
             private_blocks: self.private_blocks.load(Ordering::Relaxed),
             g1_blocks: self.g1_blocks.load(Ordering::Relaxed),
         }
+    }
+
+    /// Whether its engine is down.
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Relaxed)
+    }
+
+    /// Marks its engine down (or up again); true if that changed anything.
+    pub fn set_down(&self, down: bool) -> bool {
+        self.down.swap(down, Ordering::Relaxed) != down
     }
 
     /// Waits until prefill ahead has fallen since the last wait returned (at once if it has).

@@ -68,6 +68,8 @@ pub struct Naming {
 pub struct VllmEngine {
     id: usize,
     target: Arc<VllmTarget>,
+    /// What marks the engine down, and probes it until it is back.
+    down: Arc<Down>,
     /// Stops following the engine's KV events (when the worker goes).
     events: Option<tokio::sync::watch::Sender<bool>>,
     client: reqwest::Client,
@@ -92,6 +94,14 @@ impl VllmEngine {
             .tcp_nodelay(true)
             .build()
             .map_err(|e| WorkerError::Engine(format!("cannot build the HTTP client: {e}")))?;
+        let down = Arc::new(Down {
+            id,
+            client: client.clone(),
+            target: target.clone(),
+            observer: naming.observer.clone(),
+            probing: std::sync::atomic::AtomicBool::new(false),
+        });
+        telemetry::set_engine_up(&target.url, true);
         let events = target.kv_events.clone().map(|endpoint| {
             let (stop, stopped) = tokio::sync::watch::channel(false);
             tokio::spawn(follow_g1(id, endpoint, naming, stopped));
@@ -100,6 +110,7 @@ impl VllmEngine {
         Ok(Self {
             id,
             target,
+            down,
             events,
             client,
             running: Arc::new(AtomicUsize::new(0)),
@@ -262,13 +273,13 @@ impl Engine for VllmEngine {
         // Unique per engine, across restarts of this worker too (vLLM does not refuse a
         // duplicate id, and one abort would end both).
         let request_id = format!("dn-{}-{}-{}", self.id, crate::worker::unix_millis(), self.requests);
-        let (client, target) = (self.client.clone(), self.target.clone());
+        let (client, target, down) = (self.client.clone(), self.target.clone(), self.down.clone());
         let (running, ended) = (self.running.clone(), self.ended.clone());
         running.fetch_add(1, Ordering::Relaxed);
         let span = ticket.span.clone();
         self.tasks.spawn(tracing::Instrument::instrument(
             async move {
-                forward(&client, &target, ticket, &request_id).await;
+                forward(&client, &target, ticket, &request_id, Some(&down)).await;
                 running.fetch_sub(1, Ordering::Relaxed);
                 ended.notify_one();
             },
@@ -360,7 +371,13 @@ struct Streamed {
 }
 
 /// Serves `ticket` on the engine: the request, its stream, the outcome.
-async fn forward(client: &reqwest::Client, target: &VllmTarget, mut ticket: Ticket, request_id: &str) {
+async fn forward(
+    client: &reqwest::Client,
+    target: &VllmTarget,
+    mut ticket: Ticket,
+    request_id: &str,
+    down: Option<&Arc<Down>>,
+) {
     if ticket.req.prompt.is_empty() {
         return ticket.finish(Err(WorkerError::EmptyPrompt));
     }
@@ -376,7 +393,7 @@ async fn forward(client: &reqwest::Client, target: &VllmTarget, mut ticket: Tick
     let mut streamed = Streamed::default();
     let mut ttft = Duration::ZERO;
     let run = async {
-        let response = post.send().await.map_err(|e| down(target, &e))?;
+        let response = post.send().await.map_err(|e| unreachable(target, &e))?;
         let status = response.status();
         if !status.is_success() {
             let text = response.text().await.unwrap_or_default();
@@ -385,7 +402,7 @@ async fn forward(client: &reqwest::Client, target: &VllmTarget, mut ticket: Tick
         let mut body = response.bytes_stream();
         let mut lines = LineBuffer::default();
         while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(|e| down(target, &e))?;
+            let chunk = chunk.map_err(|e| unreachable(target, &e))?;
             for line in lines.push(&chunk)? {
                 let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
                 if data == "[DONE]" {
@@ -439,8 +456,52 @@ async fn forward(client: &reqwest::Client, target: &VllmTarget, mut ticket: Tick
         }
         Err(e) => {
             telemetry::record_engine_error(&target.url, e.kind());
+            if let (WorkerError::EngineDown(why), Some(down), Some(load)) = (&e, down, ticket.worker_load()) {
+                down.mark(load.clone(), why);
+            }
             ticket.finish(Err(e));
         }
+    }
+}
+
+/// An engine that stopped answering: its worker is marked down (the router sends it nothing while
+/// another worker is up), what the index held of its G1 is dropped (an engine that restarts
+/// starts empty), and `/health` is probed every second until it answers; then it is up again.
+struct Down {
+    id: usize,
+    client: reqwest::Client,
+    target: Arc<VllmTarget>,
+    observer: Arc<dyn KvObserver>,
+    probing: std::sync::atomic::AtomicBool,
+}
+
+impl Down {
+    fn mark(self: &Arc<Self>, load: Arc<super::WorkerLoad>, why: &str) {
+        if load.set_down(true) {
+            tracing::warn!(worker = self.id, url = %self.target.url, why, "the engine is down; routing around it until it is healthy");
+            telemetry::set_engine_up(&self.target.url, false);
+            self.observer.cleared(self.id);
+        }
+        if self.probing.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let mut probe = this.client.get(format!("{}/health", this.target.url)).timeout(Duration::from_secs(2));
+                if let Some(key) = &this.target.api_key {
+                    probe = probe.bearer_auth(key);
+                }
+                if probe.send().await.is_ok_and(|r| r.status().is_success()) {
+                    break;
+                }
+            }
+            load.set_down(false);
+            this.probing.store(false, Ordering::Relaxed);
+            telemetry::set_engine_up(&this.target.url, true);
+            tracing::info!(worker = this.id, url = %this.target.url, "the engine is healthy again");
+        });
     }
 }
 
@@ -506,7 +567,7 @@ fn apply(
 }
 
 /// The engine could not be reached or its connection broke: the request may be retried.
-fn down(target: &VllmTarget, e: &reqwest::Error) -> WorkerError {
+fn unreachable(target: &VllmTarget, e: &reqwest::Error) -> WorkerError {
     WorkerError::EngineDown(format!("{}: {e}", target.url))
 }
 
@@ -658,7 +719,7 @@ mod tests {
     async fn an_id_outside_the_vocabulary_is_never_sent() {
         let (t, mut rx) = ticket(GenRequest::greedy(vec![3, 512], 4));
         // The URL is unreachable: had the request been sent, the error would say so.
-        forward(&reqwest::Client::new(), &target(), t, "dn-3").await;
+        forward(&reqwest::Client::new(), &target(), t, "dn-3", None).await;
         match rx.recv().await {
             Some(JobEvent::Failed(WorkerError::OutOfVocabulary { id: 512, vocab: 512 })) => {}
             other => panic!("{other:?}"),
