@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use dynamo_actors::builder::{EngineSet, NodeBuilder, NodeStores, RunningNode, Scheduling, TierSettings};
+use dynamo_actors::builder::{EngineSet, NodeBuilder, NodeStores, NodeTiered, RunningNode, Scheduling, TierSettings};
 use dynamo_actors::cost::{BytesPerSec, CostModel, Prefill};
 use dynamo_actors::index::IndexConfig;
 use dynamo_actors::leases::{self, LeasedTiers};
@@ -78,6 +78,58 @@ pub const LEASE_FILE: &str = "leases.bin";
 
 /// How often the leases are saved while they change (a crash loses at most this much).
 const LEASE_SAVE_PERIOD: Duration = Duration::from_secs(10);
+
+/// The node's one cost model, for the router and the workers alike, from its engines' prefill
+/// rate and decode step (timed at start).
+fn cost_model(cfg: &NodeConfig, plan: &ResolvedTiers, prefill_tokens_per_s: f64, decode_step: Duration) -> CostModel {
+    CostModel {
+        block_tokens: plan.block_tokens,
+        image_bytes: plan.layout.image_bytes(),
+        prefill: Prefill::rate(prefill_tokens_per_s),
+        decode_s_per_token: Some(decode_step.as_secs_f64()).filter(|s| *s > 0.0),
+        // Decodes run batched alongside prefills (the reference engine's and vLLM's): queued
+        // decode work barely delays a first token.
+        decode_weight: 0.0,
+        // G2 → G1: measured on the workers' batched loads (until then, loads are taken).
+        g2_read: None,
+        // G3: a configured disk rate stands; otherwise measured on real reads.
+        g3_read: cfg.tiers.g3.read_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
+        // Peers: measured on real fetches (until then, loads are taken).
+        g4_read: None,
+    }
+}
+
+/// The node's tiers over `stores`, with blocks named under `salt` and loads priced by `cost`;
+/// a named calibration seeds the link and disk rates until this machine's are timed, and the
+/// leases saved before a restart are restored (where their blocks survive: in G3). Also where the
+/// leases are saved from now on.
+fn open_tiers(
+    cfg: &NodeConfig,
+    plan: &ResolvedTiers,
+    stores: NodeStores,
+    salt: Salt,
+    cost: CostModel,
+) -> anyhow::Result<(NodeTiered, Arc<NodeTiers>, Option<PathBuf>)> {
+    let tiered = stores.tiers(TierSettings {
+        block_tokens: plan.block_tokens,
+        salt,
+        layout: plan.layout,
+        retention: cfg.retention.clone(),
+        write_batch: WriteBatch::from_config(&cfg.tiers),
+        g3_write_rate: cfg.tiers.g3.write_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
+        cost,
+        g4: cfg.tiers.g4.enabled,
+    });
+    let tiers = tiered.tiers().clone();
+    if cfg.engine.calibration.is_some() {
+        tiers.measured.seed(&cfg.calibration().context("engine.calibration")?);
+    }
+    let lease_file = tiers.g3.is_some().then(|| cfg.node.data_dir.join(LEASE_FILE));
+    if let Some(path) = &lease_file {
+        restore_leases(&tiers, path);
+    }
+    Ok((tiered, tiers, lease_file))
+}
 
 /// Restores what `path` saved onto the blocks G3 recovered (before the node serves).
 fn restore_leases(tiers: &Arc<NodeTiers>, path: &std::path::Path) {
@@ -246,42 +298,8 @@ impl Serving {
             .await
             .context("start-up task")??;
 
-        // The node's one cost model, for the router and the workers alike.
-        let cost = CostModel {
-            block_tokens,
-            image_bytes: plan.layout.image_bytes(),
-            prefill: Prefill::rate(prefill_tokens_per_s),
-            decode_s_per_token: Some(decode_step.as_secs_f64()).filter(|s| *s > 0.0),
-            // Decodes run batched alongside prefills: queued decode work barely delays a first
-            // token.
-            decode_weight: 0.0,
-            // G2 → G1: measured on the workers' batched loads (until then, loads are taken).
-            g2_read: None,
-            // G3: a configured disk rate stands; otherwise measured on real reads.
-            g3_read: cfg.tiers.g3.read_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
-            // Peers: measured on real fetches (until then, loads are taken).
-            g4_read: None,
-        };
-        let tiered = stores.tiers(TierSettings {
-            block_tokens,
-            salt,
-            layout: plan.layout,
-            retention: cfg.retention.clone(),
-            write_batch: WriteBatch::from_config(&cfg.tiers),
-            g3_write_rate: cfg.tiers.g3.write_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
-            cost,
-            g4: cfg.tiers.g4.enabled,
-        });
-        let tiers = tiered.tiers().clone();
-        // A named calibration starts the link and disk rates until this machine's are timed.
-        if cfg.engine.calibration.is_some() {
-            tiers.measured.seed(&cfg.calibration().context("engine.calibration")?);
-        }
-        // Leases outlast a restart where their blocks do: in G3.
-        let lease_file = tiers.g3.is_some().then(|| cfg.node.data_dir.join(LEASE_FILE));
-        if let Some(path) = &lease_file {
-            restore_leases(&tiers, path);
-        }
+        let cost = cost_model(cfg, plan, prefill_tokens_per_s, decode_step);
+        let (tiered, tiers, lease_file) = open_tiers(cfg, plan, stores, salt, cost)?;
 
         let spec = EngineSpec {
             weights,
@@ -358,35 +376,8 @@ impl Serving {
         let prefill_tokens_per_s = attached.iter().map(|e| e.prefill_tokens_per_s).sum::<f64>() / engines;
         let decode_step =
             Duration::from_secs_f64(attached.iter().map(|e| e.decode_step.as_secs_f64()).sum::<f64>() / engines);
-        let cost = CostModel {
-            block_tokens: plan.block_tokens,
-            image_bytes: plan.layout.image_bytes(),
-            prefill: Prefill::rate(prefill_tokens_per_s),
-            decode_s_per_token: Some(decode_step.as_secs_f64()).filter(|s| *s > 0.0),
-            // vLLM batches decodes alongside prefills: queued decode work barely delays a first token.
-            decode_weight: 0.0,
-            g2_read: None,
-            g3_read: cfg.tiers.g3.read_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
-            g4_read: None,
-        };
-        let tiered = stores.tiers(TierSettings {
-            block_tokens: plan.block_tokens,
-            salt,
-            layout: plan.layout,
-            retention: cfg.retention.clone(),
-            write_batch: WriteBatch::from_config(&cfg.tiers),
-            g3_write_rate: cfg.tiers.g3.write_gb_s.and_then(|gb| BytesPerSec::new(gb * 1e9)),
-            cost,
-            g4: cfg.tiers.g4.enabled,
-        });
-        let tiers = tiered.tiers().clone();
-        if cfg.engine.calibration.is_some() {
-            tiers.measured.seed(&cfg.calibration().context("engine.calibration")?);
-        }
-        let lease_file = tiers.g3.is_some().then(|| cfg.node.data_dir.join(LEASE_FILE));
-        if let Some(path) = &lease_file {
-            restore_leases(&tiers, path);
-        }
+        let cost = cost_model(cfg, plan, prefill_tokens_per_s, decode_step);
+        let (tiered, tiers, lease_file) = open_tiers(cfg, plan, stores, salt, cost)?;
         let vllm = &cfg.engine.vllm;
         let targets: Vec<Arc<VllmTarget>> = attached
             .iter()

@@ -31,21 +31,9 @@ use dynamo_kernels::model::llama::Llama;
 use dynamo_kernels::model::weights::HostWeights;
 use dynamo_kernels::sampling::{Sampling, SeededRng, sample_in};
 use dynamo_tests::Node;
+// transformers and torch come with vLLM's environment.
+use dynamo_tests::vllm::{python, repo};
 use serde_json::{Value, json};
-
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("DYNAMO_VLLM_PYTHON") {
-        return p.into();
-    }
-    let home = std::env::var_os("HOME").expect("HOME");
-    let venv = Path::new(&home).join(".cache/dynamo-node/vllm-venv/bin/python");
-    assert!(venv.exists(), "transformers is not installed: set DYNAMO_VLLM_PYTHON or run .ci/run, which installs it");
-    venv
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the repository").to_owned()
-}
 
 /// A tiny `arch` checkpoint in `dir/arch`, and `transformers`' reference for it.
 fn checkpoint(dir: &Path, arch: &str) -> (PathBuf, Value) {

@@ -14,21 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dynamo_tests::Node;
+use dynamo_tests::vllm::{python, repo};
 use serde_json::Value;
-
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("DYNAMO_VLLM_PYTHON") {
-        return p.into();
-    }
-    let home = std::env::var_os("HOME").expect("HOME");
-    let venv = Path::new(&home).join(".cache/dynamo-node/vllm-venv/bin/python");
-    assert!(venv.exists(), "vLLM for CPU is not installed: set DYNAMO_VLLM_PYTHON or run .ci/run, which installs it");
-    venv
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the repository").to_owned()
-}
 
 /// The tiny model and a prompt of `tokens` tokens (600: four complete 128-token blocks and a tail).
 fn model_and_prompt(dir: &Path, tokens: u32) -> (PathBuf, PathBuf) {

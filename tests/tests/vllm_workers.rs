@@ -83,6 +83,18 @@ fn ids(value: &Value) -> Vec<u64> {
         .collect()
 }
 
+/// A streamed chat request to the node as tenant a: its chunks as they come.
+async fn open_stream(node: &Node, body: &Value) -> impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + use<> {
+    reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", node.addr()))
+        .bearer_auth(KEY_A)
+        .json(body)
+        .send()
+        .await
+        .expect("the node answers")
+        .bytes_stream()
+}
+
 /// `vllm:num_requests_running` of the engine at `url`.
 async fn running(url: &str) -> f64 {
     let text = reqwest::get(format!("{url}/metrics")).await.expect("vLLM's metrics").text().await.unwrap();
@@ -181,14 +193,7 @@ async fn the_node_in_front_of_vllm_answers_as_it_does_reads_its_cache_keeps_tena
         "temperature": 0,
         "stream": true,
     });
-    let response = reqwest::Client::new()
-        .post(format!("http://{}/v1/chat/completions", node.addr()))
-        .bearer_auth(KEY_A)
-        .json(&stream_body)
-        .send()
-        .await
-        .unwrap();
-    let mut chunks = response.bytes_stream();
+    let mut chunks = Box::pin(open_stream(&node, &stream_body).await);
     for _ in 0..3 {
         chunks.next().await.expect("chunks").expect("a chunk");
     }
@@ -202,14 +207,7 @@ async fn the_node_in_front_of_vllm_answers_as_it_does_reads_its_cache_keeps_tena
 
     // The engine dies mid-stream: the stream ends with an error, and the next request is told to
     // retry (503), not left waiting.
-    let response = reqwest::Client::new()
-        .post(format!("http://{}/v1/chat/completions", node.addr()))
-        .bearer_auth(KEY_A)
-        .json(&stream_body)
-        .send()
-        .await
-        .unwrap();
-    let mut chunks = response.bytes_stream();
+    let mut chunks = Box::pin(open_stream(&node, &stream_body).await);
     let first_chunk = chunks.next().await.expect("chunks").expect("a chunk");
     assert!(String::from_utf8_lossy(&first_chunk).contains("data:"));
     engine.kill();
