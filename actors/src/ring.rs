@@ -237,6 +237,15 @@ impl Slot {
         part.task
     }
 
+    /// The wait before its next start by its policy (`None`: it is not restarted), counting one
+    /// more failure in a row.
+    fn next_wait(&mut self) -> Option<Duration> {
+        let Restart::Backoff { first, max } = self.stage.restart else { return None };
+        let wait = backoff(first, max, self.failures);
+        self.failures += 1;
+        Some(wait)
+    }
+
     /// Stops the part if it runs, and waits until it has.
     async fn stop(&mut self) {
         if let Some((stop, abort)) = self.part.take() {
@@ -313,13 +322,11 @@ async fn supervise(
                     if slot.started_at.elapsed() >= Duration::from_secs(60) {
                         slot.failures = 0;
                     }
-                    match slot.stage.restart {
-                        Restart::Never => {
+                    match slot.next_wait() {
+                        None => {
                             tracing::error!(part = slot.stage.name, "stopped; the node serves without it (its policy: not restarted)");
                         }
-                        Restart::Backoff { first, max } => {
-                            let wait = backoff(first, max, slot.failures);
-                            slot.failures += 1;
+                        Some(wait) => {
                             tracing::error!(part = slot.stage.name, ?wait, "stopped; restarting it");
                             watched.push(retry_after(i, wait));
                         }
@@ -335,9 +342,7 @@ async fn supervise(
                             watched.push(watch(i, generation[i], task));
                         }
                         Err(reason) => {
-                            let Restart::Backoff { first, max } = slot.stage.restart else { continue };
-                            let wait = backoff(first, max, slot.failures);
-                            slot.failures += 1;
+                            let Some(wait) = slot.next_wait() else { continue };
                             tracing::error!(part = slot.stage.name, %reason, ?wait, "restart failed; trying again");
                             watched.push(retry_after(i, wait));
                         }

@@ -79,6 +79,24 @@ pub const LEASE_FILE: &str = "leases.bin";
 /// How often the leases are saved while they change (a crash loses at most this much).
 const LEASE_SAVE_PERIOD: Duration = Duration::from_secs(10);
 
+/// The actor tree over `tiered`: `workers` workers, each on a thread of its own with the engine
+/// `factory` builds, queued and routed as `cfg` says.
+async fn spawn_tree(
+    cfg: &NodeConfig,
+    tiered: NodeTiered,
+    workers: usize,
+    factory: EngineFactory,
+) -> anyhow::Result<RunningNode> {
+    let engines = EngineSet {
+        workers,
+        factory,
+        host: EngineHost::Thread,
+        queue_bound: cfg.engine.max_queued_requests.max(1),
+        queue_policy: cfg.router.queue_policy,
+    };
+    Ok(tiered.engines(engines).spawn(Scheduling::from_config(cfg)).await?)
+}
+
 /// The node's one cost model, for the router and the workers alike, from its engines' prefill
 /// rate and decode step (timed at start).
 fn cost_model(cfg: &NodeConfig, plan: &ResolvedTiers, prefill_tokens_per_s: f64, decode_step: Duration) -> CostModel {
@@ -324,14 +342,7 @@ impl Serving {
                 })
             }
         };
-        let engines = EngineSet {
-            workers,
-            factory,
-            host: EngineHost::Thread,
-            queue_bound: cfg.engine.max_queued_requests.max(1),
-            queue_policy: cfg.router.queue_policy,
-        };
-        let node = tiered.engines(engines).spawn(Scheduling::from_config(cfg)).await?;
+        let node = spawn_tree(cfg, tiered, workers, factory).await?;
         Ok(Self {
             _g2_registration: g2_registration,
             node,
@@ -398,14 +409,7 @@ impl Serving {
             let target = targets.get(id).cloned().ok_or_else(|| WorkerError::Engine(format!("no engine {id}")))?;
             Ok(Box::new(VllmEngine::new(id, target, naming.clone())?) as Box<dyn Engine>)
         });
-        let engines = EngineSet {
-            workers: attached.len(),
-            factory,
-            host: EngineHost::Thread,
-            queue_bound: cfg.engine.max_queued_requests.max(1),
-            queue_policy: cfg.router.queue_policy,
-        };
-        let node = tiered.engines(engines).spawn(Scheduling::from_config(cfg)).await?;
+        let node = spawn_tree(cfg, tiered, attached.len(), factory).await?;
         Ok(Self {
             _g2_registration: None,
             node,
