@@ -255,6 +255,14 @@ pub mod names {
     pub const ENGINE_UP: &str = "dynamo_node_engine_up";
     /// Counter, by `engine` (its URL) and `kind`: requests a forwarding worker's engine failed.
     pub const ENGINE_REQUEST_ERRORS: &str = "dynamo_node_engine_request_errors_total";
+    /// Counter, by `engine` (its URL): requests a forwarding worker's engine served.
+    pub const ENGINE_REQUESTS: &str = "dynamo_node_engine_requests_total";
+    /// Counter, by `engine` and `kind` (`prompt`, `cached`): the prompt tokens a forwarding
+    /// worker sent its engine, and those the engine found cached (its G1, or loaded through the
+    /// KV connector).
+    pub const ENGINE_PROMPT_TOKENS: &str = "dynamo_node_engine_prompt_tokens_total";
+    /// Histogram, by `engine`: seconds from sending a request to the engine to its first token.
+    pub const ENGINE_TTFT_SECONDS: &str = "dynamo_node_engine_ttft_seconds";
     /// Gauge: peers in this node's view of the cluster (etcd membership).
     pub const CLUSTER_MEMBERS: &str = "dynamo_node_cluster_members";
     /// Gauge: 1 while the node is registered in etcd and following it, 0 otherwise.
@@ -329,6 +337,17 @@ pub fn describe() {
         ENGINE_REQUEST_ERRORS,
         Unit::Count,
         "Requests a vLLM engine refused, broke or did not answer in time, by engine and kind."
+    );
+    describe_counter!(ENGINE_REQUESTS, Unit::Count, "Requests a vLLM engine served, by engine.");
+    describe_counter!(
+        ENGINE_PROMPT_TOKENS,
+        Unit::Count,
+        "Prompt tokens sent to a vLLM engine, and those it found cached, by engine and kind."
+    );
+    describe_histogram!(
+        ENGINE_TTFT_SECONDS,
+        Unit::Seconds,
+        "Time from sending a request to a vLLM engine to its first token, by engine."
     );
     describe_counter!(WORKER_RESTARTS, Unit::Count, "Workers restarted after a panic (their G1 blocks are dropped).");
     describe_counter!(
@@ -721,6 +740,15 @@ pub fn set_io_inflight(tier: TierName, ops: u64) {
 /// Sets whether the engine at `engine` (a URL) answers.
 pub fn set_engine_up(engine: &str, up: bool) {
     gauge!(names::ENGINE_UP, "engine" => engine.to_owned()).set(if up { 1.0 } else { 0.0 });
+}
+
+/// Counts a request the engine at `engine` (a URL) served: its `prompt` tokens, the `cached`
+/// ones, and its time to the first token.
+pub fn record_engine_request(engine: &str, prompt: usize, cached: usize, ttft: Duration) {
+    counter!(names::ENGINE_REQUESTS, "engine" => engine.to_owned()).increment(1);
+    counter!(names::ENGINE_PROMPT_TOKENS, "engine" => engine.to_owned(), "kind" => "prompt").increment(prompt as u64);
+    counter!(names::ENGINE_PROMPT_TOKENS, "engine" => engine.to_owned(), "kind" => "cached").increment(cached as u64);
+    histogram!(names::ENGINE_TTFT_SECONDS, "engine" => engine.to_owned()).record(ttft.as_secs_f64());
 }
 
 /// Counts a request that the engine at `engine` (a URL) failed, by the error's kind.

@@ -523,3 +523,25 @@ fn vllm_engines_need_http_urls_and_the_checkpoint_they_serve() {
     assert_eq!(cfg.engine.kind, EngineKind::Vllm);
     assert_eq!(cfg.engine.vllm.request_timeout.as_duration(), std::time::Duration::from_secs(600));
 }
+
+#[test]
+fn launched_vllm_engines_are_checked_with_the_key_at_fault() {
+    let launch = |rest: &str| {
+        format!(
+            "[model]\npath = \"/m\"\n[engine]\nkind = \"vllm\"\n[engine.vllm.launch]\ndevices = [\"0\", \"1\"]\n{rest}"
+        )
+    };
+    let err = parse(&launch("")).unwrap_err().to_string();
+    assert!(err.contains("engine.vllm.launch.connector") && err.contains("engine_endpoint"), "{err}");
+    let err = parse(&launch("connector = false\nport = 65534\ncommand = []\n")).unwrap_err().to_string();
+    assert!(err.contains("engine.vllm.launch.port") && err.contains("engine.vllm.launch.command"), "{err}");
+    let both = format!("{}[engine.vllm]\nurls = [\"http://h:1\"]\n", "");
+    let text = format!(
+        "[model]\npath = \"/m\"\n[engine]\nkind = \"vllm\"\n{both}[engine.vllm.launch]\ndevices = [\"0\"]\nconnector = false\n"
+    );
+    let err = parse(&text).unwrap_err().to_string();
+    assert!(err.contains("engine.vllm.launch.devices") && err.contains("not both"), "{err}");
+    let cfg = parse(&launch("connector = false\nport = 9000\n")).unwrap();
+    assert!(cfg.engine.vllm.launches());
+    assert_eq!(cfg.engine.vllm.engine_urls(), ["http://127.0.0.1:9000", "http://127.0.0.1:9002"]);
+}

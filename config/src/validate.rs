@@ -193,11 +193,44 @@ impl NodeConfig {
         }
         if self.engine.kind == crate::EngineKind::Vllm {
             let vllm = &self.engine.vllm;
-            if vllm.urls.is_empty() {
-                c.fail(
+            let launch = &vllm.launch;
+            match (vllm.urls.is_empty(), launch.devices.is_empty()) {
+                (true, true) => c.fail(
                     "engine.vllm.urls",
-                    "engine.kind = \"vllm\" needs at least one engine: urls = [\"http://host:port\"]",
-                );
+                    "engine.kind = \"vllm\" needs at least one engine: urls = [\"http://host:port\"], or engines \
+                     to launch ([engine.vllm.launch] devices = [\"0\"])",
+                ),
+                (false, false) => c.fail(
+                    "engine.vllm.launch.devices",
+                    "the node either attaches to engine.vllm.urls or launches engines, not both",
+                ),
+                _ => {}
+            }
+            if !launch.devices.is_empty() {
+                if launch.command.first().is_none_or(|program| program.is_empty()) {
+                    c.fail("engine.vllm.launch.command", "names no program to start an engine with");
+                }
+                if launch.device_env.is_empty() || launch.device_env.contains('=') {
+                    c.fail("engine.vllm.launch.device_env", "must be an environment variable's name");
+                }
+                let last = launch.port as usize + 2 * launch.devices.len() - 1;
+                if launch.port == 0 || last > u16::MAX as usize {
+                    c.fail(
+                        "engine.vllm.launch.port",
+                        format!(
+                            "{} engines need ports {}..={last}, which must lie in 1..=65535",
+                            launch.devices.len(),
+                            launch.port
+                        ),
+                    );
+                }
+                if launch.connector && !self.engine_endpoint.enabled {
+                    c.fail(
+                        "engine.vllm.launch.connector",
+                        "the engines' KV connector reaches the node through its engine endpoint: set \
+                         [engine_endpoint] enabled = true, or connector = false",
+                    );
+                }
             }
             for (i, url) in vllm.urls.iter().enumerate() {
                 let rest = url.strip_prefix("http://").map(|r| r.trim_end_matches('/'));

@@ -50,6 +50,28 @@ pub enum Command {
     /// KV gather/scatter bandwidth against plain copies. Exit 0 when every kernel matches, 1 when
     /// one does not, 3 when there is no usable CUDA device.
     GpuCheck(GpuCheckArgs),
+    /// What the node runs each engine it launches under (`[engine.vllm.launch]`): the engine's
+    /// whole process tree ends with the node, however the node ends. Not for operators.
+    #[command(hide = true)]
+    EngineGuard(EngineGuardArgs),
+}
+
+/// `engine-guard` options.
+#[derive(Debug, Args)]
+pub struct EngineGuardArgs {
+    /// The node's pid: the guard exits at once if its parent is already another process.
+    #[arg(long)]
+    pub parent: u32,
+    /// How long the engine has to exit after SIGTERM before its process group is killed.
+    #[arg(long, value_parser = humantime_duration)]
+    pub grace: std::time::Duration,
+    /// The engine's program and arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    pub command: Vec<String>,
+}
+
+fn humantime_duration(text: &str) -> Result<std::time::Duration, String> {
+    text.parse::<dynamo_config::HumanDuration>().map(|d| d.as_duration()).map_err(|e| e.to_string())
 }
 
 /// `gpu-check` options.
@@ -190,6 +212,10 @@ pub fn main() -> ExitCode {
             report(crate::bench::g4::run(&args).map(|table| print!("{table}")))
         }
         Some(Command::GpuCheck(args)) => gpu_check(&args),
+        Some(Command::EngineGuard(args)) => {
+            let (program, rest) = args.command.split_first().expect("clap requires the command");
+            crate::vllm::guard::run(args.parent, args.grace, program, rest)
+        }
     }
 }
 

@@ -167,11 +167,9 @@ pub async fn start(cfg: &NodeConfig, plan: ResolvedTiers, launch: Launch) -> any
     let serving = Serving::start(cfg, &plan, stores).await?;
     if announce {
         if cfg.engine.kind == dynamo_config::EngineKind::Vllm {
-            println!(
-                "actor tree up: {} worker(s) in front of vLLM at {}",
-                cfg.engine.vllm.urls.len(),
-                cfg.engine.vllm.urls.join(", ")
-            );
+            let urls = cfg.engine.vllm.engine_urls();
+            let how = if cfg.engine.vllm.launches() { "launched" } else { "attached" };
+            println!("actor tree up: {} worker(s) in front of vLLM ({how}) at {}", urls.len(), urls.join(", "));
         } else {
             println!(
                 "actor tree up: {} worker(s), prefill measured at {:.0} tokens/s per worker",

@@ -246,7 +246,7 @@ impl ResolvedTiers {
             false => align_up(image_bytes),
         };
         let vllm = match cfg.engine.kind {
-            dynamo_config::EngineKind::Vllm => cfg.engine.vllm.urls.clone(),
+            dynamo_config::EngineKind::Vllm => cfg.engine.vllm.engine_urls(),
             _ => Vec::new(),
         };
         // The node computes nothing in front of vLLM: its engines have the devices.

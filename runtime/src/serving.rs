@@ -43,6 +43,7 @@ use ractor::rpc::CallResult;
 
 use crate::frontend::{FinishReason, GenerateError, GenerateEvent, GenerateRequest, Generator};
 use crate::plan::{EngineDevice, ResolvedTiers};
+use crate::vllm::launch::Launched;
 
 /// How often the index's size is published to the metrics.
 const INDEX_METRICS_PERIOD: Duration = Duration::from_secs(1);
@@ -71,6 +72,8 @@ pub struct Serving {
     /// Where the leases are saved while the node runs (the outer ring's lease saver): none
     /// without G3, which is all that survives a restart.
     pub lease_file: Option<PathBuf>,
+    /// The vLLM engines the node launched (`[engine.vllm.launch]`), stopped after the workers.
+    launched: Option<Launched>,
 }
 
 /// The file in `node.data_dir` where the node's live leases outlast a restart.
@@ -363,6 +366,7 @@ impl Serving {
             prefill_tokens_per_s,
             decode_step,
             lease_file,
+            launched: None,
         })
     }
 
@@ -375,7 +379,23 @@ impl Serving {
         let tokenizer = crate::tokenizer::Tokenizer::from_dir(dir)
             .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
         let vocab = dynamo_kernels::model::weights::read_hf_config(dir)?.vocab_size.max(tokenizer.vocab_size());
-        let attached = crate::vllm::attach(&cfg.engine.vllm, &tokenizer, plan.block_tokens).await?;
+        let launched = match cfg.engine.vllm.launches() {
+            true => {
+                let guard =
+                    std::env::current_exe().context("this binary's path (its engine-guard runs each engine)")?;
+                Some(Launched::start(cfg, plan.block_tokens, &guard).await?)
+            }
+            false => None,
+        };
+        let attached = match crate::vllm::attach(&cfg.engine.vllm, &tokenizer, plan.block_tokens).await {
+            Ok(attached) => attached,
+            Err(e) => {
+                if let Some(launched) = launched {
+                    launched.stop().await;
+                }
+                return Err(e);
+            }
+        };
         let salt = Salt::derive(&SaltInputs {
             model: plan.shape.name,
             weights_digest: &dir.display().to_string(),
@@ -419,6 +439,7 @@ impl Serving {
             prefill_tokens_per_s,
             decode_step,
             lease_file,
+            launched,
         })
     }
 
@@ -439,6 +460,9 @@ impl Serving {
     /// waits for the tree to stop.
     pub async fn shutdown(self) {
         self.node.shutdown().await;
+        if let Some(launched) = self.launched {
+            launched.stop().await;
+        }
     }
 }
 

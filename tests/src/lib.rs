@@ -76,7 +76,8 @@ pub fn spawn_logging_until_ready(
     let mut child = cmd.stdout(Stdio::piped()).stderr(stderr).spawn().expect("spawn dynamo-node");
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     let mut lines = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
+    // Generous: a node that launches vLLM engines waits for them (30-50 s each here).
+    let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let mut line = String::new();
         let n = reader.read_line(&mut line).expect("read stdout");
@@ -90,7 +91,7 @@ pub fn spawn_logging_until_ready(
         if ready {
             break;
         }
-        assert!(Instant::now() < deadline, "not ready within 120 s; output: {lines:#?}");
+        assert!(Instant::now() < deadline, "not ready within 300 s; output: {lines:#?}");
     }
     std::thread::spawn(move || for _ in reader.lines() {});
     (child, lines)

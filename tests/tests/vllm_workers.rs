@@ -122,7 +122,7 @@ async fn the_node_in_front_of_vllm_answers_as_it_does_reads_its_cache_keeps_tena
             .unwrap();
     let node = Node::start_in(dir.clone(), &config(&model, &[&engine.url]));
     assert!(
-        node.announced.iter().any(|l| l.contains("in front of vLLM at")),
+        node.announced.iter().any(|l| l.contains("in front of vLLM (attached) at")),
         "the node says what it serves with: {:?}",
         node.announced
     );
@@ -331,4 +331,135 @@ async fn a_node_refuses_an_engine_that_serves_another_tokenizer() {
     assert!(!out.status.success(), "the node must not serve through an engine of another model");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&engine.url) && stderr.contains("tokenizer"), "it names the engine and why: {stderr}");
+}
+
+/// A node that launches its two engines (`[engine.vllm.launch]`), each on a core of its own,
+/// with the node's KV connector: what one engine computed, the other loads from G2.
+fn launch_config(model: &std::path::Path, port: u16) -> String {
+    let python = dynamo_tests::vllm::python();
+    let serve = dynamo_tests::vllm::repo().join("tests/vllm/serve.py");
+    format!(
+        r#"
+[model]
+name = "tiny"
+path = "{model}"
+
+[engine]
+kind = "vllm"
+
+[engine.vllm]
+start_timeout = "280s"
+
+[engine.vllm.launch]
+devices = ["0", "1"]
+command = ["{python}", "{serve}"]
+args = ["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
+        "--max-num-seqs", "8", "--seed", "0"]
+device_env = "VLLM_CPU_OMP_THREADS_BIND"
+port = {port}
+
+[engine.vllm.launch.env]
+HF_HUB_OFFLINE = "1"
+VLLM_NO_USAGE_STATS = "1"
+VLLM_CPU_KVCACHE_SPACE = "1"
+VLLM_CPU_NUM_OF_RESERVED_CPU = "0"
+
+[engine_endpoint]
+enabled = true
+max_block_bytes = "64KiB"
+
+[tiers.g3]
+enabled = false
+
+[[frontend.auth.keys]]
+key = "{KEY_A}"
+tenant = "a"
+"#,
+        model = model.display(),
+        python = python.display(),
+        serve = serve.display(),
+    )
+}
+
+/// The process group leader (the API server the node started) of the engine serving on `port`.
+fn engine_group(port: u16) -> Option<i32> {
+    let port = port.to_string();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        let serves = args.windows(2).any(|w| w[0] == b"--port" && w[1] == port.as_bytes());
+        let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+        // Fields after the command's closing parenthesis: state, ppid, pgrp.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let leads = fields.get(2)?.parse::<i32>().ok()? == pid && fields.first() != Some(&"Z");
+        (serves && leads).then_some(pid)
+    })
+}
+
+/// Two engines the node launched, with its KV connector: a session's prefix computed on one is
+/// stored through the connector into G2; when that engine is killed (-9, its whole group), the
+/// session's next turn goes to the other engine, which loads the prefix from G2 instead of
+/// computing it. The node starts the killed engine again, marks it up once healthy, and its stop
+/// ends both engines' process groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vLLM for CPU: .ci/run installs it"]
+async fn launched_engines_load_each_others_prefixes_from_g2_and_a_killed_one_is_started_again() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let model = tiny_model(dir.path());
+    let port = dynamo_tests::vllm::port();
+    let node = Node::start_logging(dir.clone(), &launch_config(&model, port), "node.log");
+    let log = || std::fs::read_to_string(dir.path().join("node.log")).unwrap_or_default();
+    assert!(node.announced.iter().any(|l| l.contains("in front of vLLM (launched)")), "{:?}", node.announced);
+    assert!(log().contains("vllm"), "the engines' output is in the node's log");
+    let ports = [port, port + 2];
+    let urls = ports.map(|p| format!("http://127.0.0.1:{p}"));
+    let before = [served(&urls[0]).await, served(&urls[1]).await];
+
+    let first = json!({"role": "user", "content": format!("Parse the config. {}", long_message())});
+    let body = |history: Vec<Value>| json!({"model": "tiny", "messages": history, "max_tokens": 8, "temperature": 0, "user": "s1"});
+    let (status, answer) = chat(&node, KEY_A, &body(vec![first.clone()])).await;
+    assert_eq!(status, 200, "{answer}");
+    let after = [served(&urls[0]).await, served(&urls[1]).await];
+    let x = (0..2).find(|&i| after[i] - before[i] == 1.0).expect("one engine served the first turn");
+    let y = 1 - x;
+    // The engine stores the prompt's blocks through the connector as it computes them.
+    let stored = node
+        .wait_for_sum("dynamo_node_engine_blocks_total{", "op=\"stored\"", Duration::from_secs(60), |v| v >= 3.0)
+        .await;
+    assert!(stored >= 3.0, "engine {x} stored its blocks into G2 through the connector: {stored}\n{}", log());
+
+    let killed = engine_group(ports[x]).expect("the engine the node launched runs");
+    // SAFETY: kill(2) on the process group of the engine the node launched; no memory is touched.
+    assert_eq!(unsafe { libc::kill(-killed, libc::SIGKILL) }, 0);
+
+    let reply = answer["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    let history =
+        vec![first, json!({"role": "assistant", "content": reply}), json!({"role": "user", "content": "And then?"})];
+    let (status, next) = chat(&node, KEY_A, &body(history)).await;
+    assert_eq!(status, 200, "the next turn is served by the other engine: {next}");
+    assert_eq!(served(&urls[y]).await - before[y], 1.0, "engine {y} served it");
+    let loaded = node.metric_sum("dynamo_node_engine_blocks_total{", "op=\"loaded\"").await;
+    let scrape = reqwest::get(format!("http://{}/metrics", node.metrics)).await.unwrap().text().await.unwrap();
+    let engines: Vec<&str> = scrape.lines().filter(|l| l.starts_with("dynamo_node_engine")).collect();
+    assert!(loaded >= 3.0, "the prefix came out of G2: {loaded} blocks loaded\n{engines:#?}\n{}", log());
+    assert!(cached(&next) >= 96, "engine {y} loaded the prefix engine {x} computed: {next}");
+
+    // The node starts the killed engine again and marks it up once it answers.
+    let up = format!("dynamo_node_engine_up{{engine=\"{}\"}}", urls[x]);
+    let came_back = node.wait_for_metric(&up, Duration::from_secs(240), |v| v == 1.0).await;
+    assert_eq!(came_back, 1.0, "engine {x} was started again and is up:\n{}", log());
+    let restarts = node.metric_sum("dynamo_node_ring_restarts_total{", &format!("vllm_engine_{x}")).await;
+    assert!(restarts >= 1.0, "its restart is counted: {restarts}");
+    let again = engine_group(ports[x]).expect("a new engine serves on the port");
+    assert_ne!(again, killed);
+    let (status, answer) = chat(&node, KEY_A, &body(vec![json!({"role": "user", "content": "Anything else?"})])).await;
+    assert_eq!(status, 200, "{answer}");
+
+    assert_eq!(node.stop(), 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ports.iter().any(|&p| engine_group(p).is_some()) {
+        assert!(Instant::now() < deadline, "the engines outlived the node");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

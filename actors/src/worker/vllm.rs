@@ -443,6 +443,7 @@ async fn forward(
             // vLLM counts what its prefix cache held, from the engine's G1 or loaded through its
             // KV connector; the node cannot tell those apart here, so G1 has them.
             let hit_tokens = PerTier { g1: cached_tokens, ..PerTier::default() };
+            telemetry::record_engine_request(&target.url, ticket.req.prompt.len(), cached_tokens, ttft);
             let prefill_tokens = ticket.req.prompt.len() - cached_tokens;
             ticket.finish(Ok(GenOutcome {
                 tokens: streamed.tokens,

@@ -93,6 +93,71 @@ pub struct VllmSection {
     pub request_timeout: HumanDuration,
     /// Longest the node waits at start for each engine to answer `/health`. Default `"120s"`.
     pub start_timeout: HumanDuration,
+    /// `[engine.vllm.launch]`: engines the node starts itself instead of attaching to `urls`.
+    pub launch: LaunchSection,
+}
+
+/// `[engine.vllm.launch]`: engines the node starts, one per entry of `devices`, each a process
+/// group of its own that the node supervises (restarted with backoff when it exits, stopped with
+/// the node), its output logged as the node's under `engine = N`. The node appends the model
+/// (`model.path`), the address, its block size and the flags a worker needs; with `connector`,
+/// the node's KV connector too, so the engines store into and load from G2, G3 and G4.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LaunchSection {
+    /// One engine per entry: the value of `device_env` it starts with (a GPU's index, or a
+    /// list such as `"0,1"` for an engine spanning two). Default: none (attach to `urls`).
+    pub devices: Vec<String>,
+    /// The program and its first arguments that serve one engine; the node appends
+    /// `model.path` and its flags. Default `["vllm", "serve"]`.
+    pub command: Vec<String>,
+    /// More arguments for every engine (`--dtype`, `--gpu-memory-utilization`, …), after the
+    /// node's. Default: none.
+    pub args: Vec<String>,
+    /// The environment variable each engine's entry of `devices` is set in. Default
+    /// `"CUDA_VISIBLE_DEVICES"` (`"VLLM_CPU_OMP_THREADS_BIND"` for vLLM on CPU cores).
+    pub device_env: String,
+    /// More environment for every engine. Default: none.
+    pub env: std::collections::BTreeMap<String, String>,
+    /// The address the engines listen on. Default `"127.0.0.1"`.
+    pub host: String,
+    /// Engine `i` serves HTTP on `port + 2i` and publishes its KV events on `port + 2i + 1`.
+    /// Default `8100`.
+    pub port: u16,
+    /// Configure the node's KV connector in every engine (vLLM's `OffloadingConnector` with the
+    /// node's plug-in, over `engine_endpoint`'s socket, which must be enabled). Default `true`.
+    pub connector: bool,
+}
+
+impl Default for LaunchSection {
+    fn default() -> Self {
+        LaunchSection {
+            devices: Vec::new(),
+            command: vec!["vllm".into(), "serve".into()],
+            args: Vec::new(),
+            device_env: "CUDA_VISIBLE_DEVICES".into(),
+            env: std::collections::BTreeMap::new(),
+            host: "127.0.0.1".into(),
+            port: 8100,
+            connector: true,
+        }
+    }
+}
+
+impl VllmSection {
+    /// Whether the node launches its engines (`launch.devices`) rather than attaching to `urls`.
+    pub fn launches(&self) -> bool {
+        !self.launch.devices.is_empty()
+    }
+
+    /// The engines' URLs: `urls`, or those of the engines it launches.
+    pub fn engine_urls(&self) -> Vec<String> {
+        if !self.launches() {
+            return self.urls.iter().map(|u| u.trim_end_matches('/').to_owned()).collect();
+        }
+        let launch = &self.launch;
+        (0..launch.devices.len()).map(|i| format!("http://{}:{}", launch.host, launch.port as usize + 2 * i)).collect()
+    }
 }
 
 impl Default for VllmSection {
@@ -102,6 +167,7 @@ impl Default for VllmSection {
             api_key: None,
             request_timeout: HumanDuration::secs(600),
             start_timeout: HumanDuration::secs(120),
+            launch: LaunchSection::default(),
         }
     }
 }

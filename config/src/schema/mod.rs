@@ -19,7 +19,7 @@ mod tiers;
 pub use blocks::BlocksSection;
 pub use cluster::{ClusterSection, MembershipKind};
 pub use endpoint::EngineEndpointSection;
-pub use engine::{DeviceKind, EngineKind, EngineSection, VllmSection};
+pub use engine::{DeviceKind, EngineKind, EngineSection, LaunchSection, VllmSection};
 pub use frontend::{ApiKey, AuthSection, FrontendSection};
 pub use metrics::MetricsSection;
 pub use model::ModelSection;

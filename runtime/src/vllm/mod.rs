@@ -3,6 +3,9 @@
 //! tokenizer, the same vocabulary. What the node learns here (each engine's context length)
 //! bounds its prompts.
 
+pub mod guard;
+pub mod launch;
+
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -40,12 +43,18 @@ pub struct Attached {
 /// (`blocks.block_size`): the router names a prompt's blocks at that size.
 pub async fn attach(vllm: &VllmSection, tokenizer: &Tokenizer, block_tokens: usize) -> anyhow::Result<Vec<Attached>> {
     let client = reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build()?;
-    let mut attached = Vec::with_capacity(vllm.urls.len());
-    for url in &vllm.urls {
-        let url = url.trim_end_matches('/').to_owned();
-        let found = attach_one(&client, vllm, &url, tokenizer, block_tokens)
-            .await
-            .with_context(|| format!("engine {url} (engine.vllm.urls)"))?;
+    let urls = vllm.engine_urls();
+    let mut attached = Vec::with_capacity(urls.len());
+    for (i, url) in urls.into_iter().enumerate() {
+        let found = attach_one(&client, vllm, &url, tokenizer, block_tokens).await.with_context(|| {
+            if vllm.launches() {
+                format!(
+                    "engine {i} at {url}, launched by the node (engine.vllm.launch; its output is in the node's log)"
+                )
+            } else {
+                format!("engine {url} (engine.vllm.urls)")
+            }
+        })?;
         tracing::info!(
             url,
             model = found.model,
