@@ -6,7 +6,8 @@ replies strictly alternating. REGISTER's reply carries the node's shared G2
 region as a file descriptor (``SCM_RIGHTS``).
 
 A :class:`NodeClient` owns one connection. It connects lazily, reconnects at
-most once per ``retry_interval_s`` while the node is away, and logs one warning
+most once per ``retry_interval_s`` while the node is away (at once while its
+socket does not exist: the node is starting), and logs one warning
 per outage. Every call either returns the decoded reply or raises a
 :class:`NodeError`; callers decide how to degrade. Each successful REGISTER
 bumps :attr:`NodeClient.generation`: pins, pending stores and slots handed out
@@ -376,6 +377,11 @@ class NodeClient:
             self._sock.settimeout(self.timeout_s)
             self._sock.connect(self.path)
         except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                # No socket yet (the node is starting, or binding it again): trying again costs
+                # one failed syscall, so the next call tries at once. A node that launched this
+                # engine binds it just before it sends the engine its first request.
+                self._next_attempt = 0.0
             raise NodeUnavailable(f"cannot reach dynamo-node at {self.path}: {e}") from e
         body, fds = self._round_trip(
             Op.REGISTER, encode_register(self.role, self.description), want_fds=True
