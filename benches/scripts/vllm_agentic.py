@@ -1,0 +1,222 @@
+"""Agentic sessions through the node in front of two vLLM engines, against the same two engines behind
+plain round-robin and against one engine asked directly.
+
+    python benches/scripts/vllm_agentic.py --node target/release/dynamo-node \
+        [--trace ../shared/traces/aiperf_agentic_code_s42_200.jsonl] [--sessions 12] [--scale 32]
+
+Run with vLLM's Python (``~/.cache/dynamo-node/vllm-venv/bin/python``). It starts two vLLM
+engines (``tests/vllm/serve.py``, the tiny model of ``tests/vllm/make_tiny.py``, each pinned to a
+core of its own, prefix caching on, no KV connector) and the node attached to both
+(``engine.kind = "vllm"``), then replays the same sessions three ways, each under a cache salt of
+its own so that no way finds what another left in the engines' caches:
+
+- **node**: every turn to the node's ``/v1/chat/completions`` (``user`` names the session);
+- **round-robin**: turn ``k`` of all turns to engine ``k mod 2``'s own ``/v1/chat/completions``,
+  each engine with its own prefix cache and nothing in front of them;
+- **one engine**: every turn to engine 0.
+
+The sessions are the trace's first ``--sessions`` (an ``aiperf synthesize agentic-code`` trace:
+per turn the new input tokens as hash ids of 512-token blocks, the output length, the delay after
+the previous turn), scaled to the tiny model's 2,048-token context: each hash id is a block of
+``512 / scale`` tokens of text drawn from that id (so sessions that share hash ids share
+prefixes, as the trace's do), outputs are ``output_length / scale`` tokens (at most 48), delays
+are divided by ``--time-scale``, and a session ends before its context passes 1,800 tokens. Each
+turn's history holds the same assistant text in every way, so every way sends the same prompts.
+
+It prints, per way, TTFT p50/p90/p99, the prefix hit rate (cached of prompt tokens, as each
+answer's usage reports it) and requests per second, and the ratio of round-robin's p50 TTFT to
+the node's (issue 40's goal: at least 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_workers import REPO, free_port, quantile, wait_health  # noqa: E402
+
+WORDS = ("read write file src test main config parse error token cache block route node engine "
+         "session tool call result diff patch build run check lint format module crate import "
+         "return value match loop index vector string option async await spawn").split()
+
+
+def block_text(hash_id: int, tokens: int) -> str:
+    """The text of one hash block: about `tokens` tokens of the tiny tokenizer, the same for the
+    same id."""
+    rng = random.Random(hash_id)
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens // 2))) + f" #{hash_id}. "
+
+
+def sessions(trace: Path, count: int, scale: int, time_scale: float) -> list[list[dict]]:
+    """The first `count` sessions of `trace`, scaled (see the module doc): per turn, the user text,
+    the assistant text that follows it in later turns' history, max_tokens, and the wait before it."""
+    by_session: dict[str, list[dict]] = {}
+    for line in trace.read_text().splitlines():
+        record = json.loads(line)
+        by_session.setdefault(record["session_id"], []).append(record)
+    chosen = list(by_session.values())[:count]
+    out = []
+    for turns in chosen:
+        scaled, context = [], 0
+        for i, turn in enumerate(turns):
+            user = "".join(block_text(h, 512 // scale) for h in turn["hash_ids"])
+            output = min(48, max(1, turn["output_length"] // scale))
+            context += len(user) // 3 + output
+            if context > 1800:
+                break
+            wait = (turn["timestamp"] if i == 0 else turn.get("delay", 0.0)) / 1000 / time_scale
+            scaled.append({"user": user, "assistant": block_text(-(i + 1), output), "max_tokens": output,
+                           "wait": min(wait, 3.0)})
+        if scaled:
+            out.append(scaled)
+    return out
+
+
+def stream_chat(url: str, body: dict) -> tuple[float, int, int]:
+    """One streamed chat completion: its TTFT, prompt tokens and cached prompt tokens."""
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    start, first, usage = time.perf_counter(), None, {}
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    prompt = usage.get("prompt_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return (first if first is not None else time.perf_counter() - start), prompt, cached
+
+
+def replay(way: str, work: list[list[dict]], target, salt: str) -> dict:
+    """Replays every session at once, each turn after its wait; `target(session, turn)` is the URL
+    a turn goes to."""
+    rows: list[tuple[float, int, int]] = []
+    lock = threading.Lock()
+
+    def run(index: int, turns: list[dict]) -> None:
+        history: list[dict] = []
+        for k, turn in enumerate(turns):
+            time.sleep(turn["wait"])
+            history.append({"role": "user", "content": turn["user"]})
+            body = {"model": "tiny", "messages": history, "max_tokens": turn["max_tokens"], "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt,
+                    "user": f"{salt}-session-{index}"}
+            row = stream_chat(target(index, k), body)
+            with lock:
+                rows.append(row)
+            history.append({"role": "assistant", "content": turn["assistant"]})
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i, turns)) for i, turns in enumerate(work)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    ttfts = [r[0] for r in rows]
+    prompt, cached = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    return {"way": way, "requests": len(rows), "p50": quantile(ttfts, .5), "p90": quantile(ttfts, .9),
+            "p99": quantile(ttfts, .99), "hit": cached / max(1, prompt), "rps": len(rows) / wall,
+            "median": statistics.median(ttfts)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--node", required=True, type=Path)
+    parser.add_argument("--trace", type=Path, default=REPO.parent / "shared/traces/aiperf_agentic_code_s42_200.jsonl")
+    parser.add_argument("--sessions", type=int, default=12)
+    parser.add_argument("--scale", type=int, default=32)
+    parser.add_argument("--time-scale", type=float, default=20.0)
+    args = parser.parse_args()
+
+    work_dir = Path(tempfile.mkdtemp(prefix="vllm-agentic-bench-"))
+    model = work_dir / "tiny"
+    subprocess.run([sys.executable, str(REPO / "tests/vllm/make_tiny.py"), str(model)], check=True,
+                   stdout=subprocess.DEVNULL)
+    (model / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    procs: list[subprocess.Popen] = []
+    try:
+        engines = []
+        for core in (0, 1):
+            port = free_port() + 7 * core
+            env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
+                   "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                 "endpoint": f"tcp://*:{port + 1}", "topic": ""})
+            procs.append(subprocess.Popen(
+                [sys.executable, str(REPO / "tests/vllm/serve.py"), str(model), "--served-model-name", "tiny",
+                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+                 "--enforce-eager", "--max-num-seqs", "16", "--block-size", "32", "--enable-prefix-caching",
+                 "--enable-scale-out", "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
+                 "--kv-events-config", events],
+                env=env, stdout=subprocess.DEVNULL, stderr=(work_dir / f"vllm-{core}.log").open("w"),
+                start_new_session=True))
+            engines.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(engines, procs):
+            wait_health(url, proc, 300)
+        config = work_dir / "node.toml"
+        urls = ", ".join(f'"{u}"' for u in engines)
+        config.write_text(f'[model]\nname = "tiny"\npath = "{model}"\n[engine]\nkind = "vllm"\n'
+                          f'[engine.vllm]\nurls = [{urls}]\n[tiers.g3]\nenabled = false\n')
+        node = subprocess.Popen(
+            [str(args.node), "serve", "--config", str(config), "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+             "--data-dir", str(work_dir / "data")],
+            stdout=subprocess.PIPE, stderr=(work_dir / "node.log").open("w"), text=True, start_new_session=True)
+        procs.append(node)
+        node_url = None
+        for line in node.stdout:
+            if line.startswith("serving the OpenAI API on "):
+                node_url = line.split()[-1].strip().removesuffix("/v1")
+                break
+        if node_url is None:
+            sys.exit("the node did not start: see " + str(work_dir / "node.log"))
+
+        work = sessions(args.trace, args.sessions, args.scale, args.time_scale)
+        turns = sum(len(s) for s in work)
+        counter = itertools.count()
+        ways = {
+            "node": lambda s, k: node_url,
+            "round-robin": lambda s, k: engines[next(counter) % 2],
+            "one engine": lambda s, k: engines[0],
+        }
+        results = []
+        run_salt = time.time_ns()
+        for way, target in ways.items():
+            results.append(replay(way, work, target, f"{way.replace(' ', '-')}-{run_salt}"))
+        print(f"{len(work)} sessions, {turns} turns of {args.trace.name} scaled 1/{args.scale} "
+              f"(delays 1/{args.time_scale:g}), two vllm-cpu engines of the tiny model, a core each")
+        print(f"{'':12} {'TTFT p50':>10} {'TTFT p90':>10} {'TTFT p99':>10} {'hit rate':>9} {'req/s':>7}")
+        for r in results:
+            print(f"{r['way']:12} {r['p50']*1e3:8.1f}ms {r['p90']*1e3:8.1f}ms {r['p99']*1e3:8.1f}ms "
+                  f"{r['hit']:8.1%} {r['rps']:7.2f}")
+        node_r, rr, one = results
+        print(f"round-robin's p50 TTFT / the node's: {rr['p50'] / node_r['p50']:.2f}x (goal: at least 4x); "
+              f"one engine's / the node's: {one['p50'] / node_r['p50']:.2f}x")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                import os
+                os.killpg(proc.pid, 9)
+
+
+if __name__ == "__main__":
+    main()
