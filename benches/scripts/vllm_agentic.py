@@ -2,7 +2,7 @@
 plain round-robin and against one engine asked directly.
 
     python benches/scripts/vllm_agentic.py --node target/release/dynamo-node \
-        [--trace ../shared/traces/aiperf_agentic_code_s42_200.jsonl] [--sessions 12] [--scale 32]
+        [--trace ../shared/traces/aiperf_agentic_code_s42_200.jsonl] [--sessions 12] [--scale 64]
 
 Run with vLLM's Python (``~/.cache/dynamo-node/vllm-venv/bin/python``). It starts two vLLM
 engines (``tests/vllm/serve.py``, the tiny model of ``tests/vllm/make_tiny.py``, each pinned to a
@@ -20,7 +20,7 @@ per turn the new input tokens as hash ids of 512-token blocks, the output length
 the previous turn), scaled to the tiny model's 2,048-token context: each hash id is a block of
 ``512 / scale`` tokens of text drawn from that id (so sessions that share hash ids share
 prefixes, as the trace's do), outputs are ``output_length / scale`` tokens (at most 48), delays
-are divided by ``--time-scale``, and a session ends before its context passes 1,800 tokens. Each
+are divided by ``--time-scale``, and a session ends before its context passes about 1,400 tokens. Each
 turn's history holds the same assistant text in every way, so every way sends the same prompts.
 
 It prints, per way, TTFT p50/p90/p99, the prefix hit rate (cached of prompt tokens, as each
@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -54,8 +55,12 @@ WORDS = ("read write file src test main config parse error token cache block rou
 def block_text(hash_id: int, tokens: int) -> str:
     """The text of one hash block: about `tokens` tokens of the tiny tokenizer, the same for the
     same id."""
+    # The tiny tokenizer takes about one token per character.
     rng = random.Random(hash_id)
-    return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens // 2))) + f" #{hash_id}. "
+    text = f"#{hash_id} "
+    while len(text) < tokens:
+        text += rng.choice(WORDS) + " "
+    return text
 
 
 def sessions(trace: Path, count: int, scale: int, time_scale: float) -> list[list[dict]]:
@@ -72,8 +77,8 @@ def sessions(trace: Path, count: int, scale: int, time_scale: float) -> list[lis
         for i, turn in enumerate(turns):
             user = "".join(block_text(h, 512 // scale) for h in turn["hash_ids"])
             output = min(48, max(1, turn["output_length"] // scale))
-            context += len(user) // 3 + output
-            if context > 1800:
+            context += len(user) + output
+            if context > 1400:
                 break
             wait = (turn["timestamp"] if i == 0 else turn.get("delay", 0.0)) / 1000 / time_scale
             scaled.append({"user": user, "assistant": block_text(-(i + 1), output), "max_tokens": output,
@@ -107,6 +112,7 @@ def replay(way: str, work: list[list[dict]], target, salt: str) -> dict:
     """Replays every session at once, each turn after its wait; `target(session, turn)` is the URL
     a turn goes to."""
     rows: list[tuple[float, int, int]] = []
+    failed: list[str] = []
     lock = threading.Lock()
 
     def run(index: int, turns: list[dict]) -> None:
@@ -117,7 +123,12 @@ def replay(way: str, work: list[list[dict]], target, salt: str) -> dict:
             body = {"model": "tiny", "messages": history, "max_tokens": turn["max_tokens"], "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt,
                     "user": f"{salt}-session-{index}"}
-            row = stream_chat(target(index, k), body)
+            try:
+                row = stream_chat(target(index, k), body)
+            except urllib.error.HTTPError as e:
+                with lock:
+                    failed.append(f"{e.code}: {e.read()[:300]!r}")
+                return
             with lock:
                 rows.append(row)
             history.append({"role": "assistant", "content": turn["assistant"]})
@@ -129,6 +140,8 @@ def replay(way: str, work: list[list[dict]], target, salt: str) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
+    if failed:
+        print(f"{way}: {len(failed)} request(s) failed (their sessions stopped), e.g. {failed[0]}")
     ttfts = [r[0] for r in rows]
     prompt, cached = sum(r[1] for r in rows), sum(r[2] for r in rows)
     return {"way": way, "requests": len(rows), "p50": quantile(ttfts, .5), "p90": quantile(ttfts, .9),
@@ -141,7 +154,7 @@ def main() -> None:
     parser.add_argument("--node", required=True, type=Path)
     parser.add_argument("--trace", type=Path, default=REPO.parent / "shared/traces/aiperf_agentic_code_s42_200.jsonl")
     parser.add_argument("--sessions", type=int, default=12)
-    parser.add_argument("--scale", type=int, default=32)
+    parser.add_argument("--scale", type=int, default=64)
     parser.add_argument("--time-scale", type=float, default=20.0)
     args = parser.parse_args()
 
