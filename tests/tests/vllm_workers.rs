@@ -474,3 +474,61 @@ async fn launched_engines_load_each_others_prefixes_from_g2_and_a_killed_one_is_
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// What `tests/vllm/train_tiny.py` trains the tiny model to answer, before its end of turn.
+const ANSWER: &str = "Done.";
+
+/// The Python of the official SDKs: `$DYNAMO_SDK_PYTHON` (`.ci/run` installs them), else
+/// `python3`, which must import both.
+fn sdk_python() -> std::path::PathBuf {
+    if let Some(python) = std::env::var_os("DYNAMO_SDK_PYTHON") {
+        return python.into();
+    }
+    let found = std::process::Command::new("python3")
+        .args(["-c", "import openai, anthropic"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(found, "the OpenAI and Anthropic SDKs are not installed: set DYNAMO_SDK_PYTHON (.ci/run installs them)");
+    "python3".into()
+}
+
+/// The official OpenAI and Anthropic SDKs run multi-turn sessions (Chat Completions streamed,
+/// Responses on `previous_response_id`, Messages) through a node in front of two engines it
+/// launched, on the tiny model trained to end its turns: every turn ends by itself, reads its
+/// prefix from cache from the second on, and answers as the engine does asked directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vLLM for CPU and the SDKs: .ci/run installs them"]
+async fn the_official_sdks_run_sessions_through_the_node_in_front_of_launched_engines() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let model = tiny_model(dir.path());
+    let trained = std::process::Command::new(dynamo_tests::vllm::python())
+        .arg(dynamo_tests::vllm::repo().join("tests/vllm/train_tiny.py"))
+        .arg(&model)
+        .args(["--answer", ANSWER])
+        .output()
+        .expect("run train_tiny.py");
+    assert!(trained.status.success(), "train_tiny.py failed:\n{}", String::from_utf8_lossy(&trained.stderr));
+    let port = dynamo_tests::vllm::port();
+    let node = Node::start_logging(dir.clone(), &launch_config(&model, port), "node.log");
+    let args = [
+        dynamo_tests::vllm::repo().join("tests/sdk/vllm_sessions.py").display().to_string(),
+        format!("http://{}", node.addr()),
+        format!("http://127.0.0.1:{port}"),
+        KEY_A.to_owned(),
+        ANSWER.to_owned(),
+    ];
+    let output =
+        tokio::task::spawn_blocking(move || std::process::Command::new(sdk_python()).args(args).output().unwrap())
+            .await
+            .unwrap();
+    let log = std::fs::read_to_string(dir.path().join("node.log")).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().filter(|l| !l.contains(" vllm: ")).collect();
+    assert!(
+        output.status.success() && String::from_utf8_lossy(&output.stdout).trim() == "ok",
+        "the SDK sessions failed:\n{}\n{}\nthe node's log:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+        tail[tail.len().saturating_sub(30)..].join("\n")
+    );
+    assert_eq!(node.stop(), 0);
+}
