@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -45,7 +46,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_workers import REPO, free_port, quantile, wait_health  # noqa: E402
+from vllm_workers import REPO, free_port, quantile, start_node, tiny_model, wait_health  # noqa: E402
 
 WORDS = ("read write file src test main config parse error token cache block route node engine "
          "session tool call result diff patch build run check lint format module crate import "
@@ -159,12 +160,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work_dir = Path(tempfile.mkdtemp(prefix="vllm-agentic-bench-"))
-    model = work_dir / "tiny"
-    subprocess.run([sys.executable, str(REPO / "tests/vllm/make_tiny.py"), str(model)], check=True,
-                   stdout=subprocess.DEVNULL)
-    (model / "chat_template.jinja").write_text(
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    model = tiny_model(work_dir)
     procs: list[subprocess.Popen] = []
     try:
         engines = []
@@ -190,18 +186,8 @@ def main() -> None:
         urls = ", ".join(f'"{u}"' for u in engines)
         config.write_text(f'[model]\nname = "tiny"\npath = "{model}"\n[engine]\nkind = "vllm"\n'
                           f'[engine.vllm]\nurls = [{urls}]\n[tiers.g3]\nenabled = false\n')
-        node = subprocess.Popen(
-            [str(args.node), "serve", "--config", str(config), "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
-             "--data-dir", str(work_dir / "data")],
-            stdout=subprocess.PIPE, stderr=(work_dir / "node.log").open("w"), text=True, start_new_session=True)
+        node, node_url = start_node(args.node, config, work_dir)
         procs.append(node)
-        node_url = None
-        for line in node.stdout:
-            if line.startswith("serving the OpenAI API on "):
-                node_url = line.split()[-1].strip().removesuffix("/v1")
-                break
-        if node_url is None:
-            sys.exit("the node did not start: see " + str(work_dir / "node.log"))
 
         work = sessions(args.trace, args.sessions, args.scale, args.time_scale)
         turns = sum(len(s) for s in work)
@@ -227,7 +213,6 @@ def main() -> None:
     finally:
         for proc in procs:
             if proc.poll() is None:
-                import os
                 os.killpg(proc.pid, 9)
 
 

@@ -94,6 +94,29 @@ def stream(url: str, body: dict, headers: dict | None = None) -> tuple[float, li
     return stamps[0] - start, gaps, ids
 
 
+def tiny_model(work: Path) -> Path:
+    """The tiny model of tests/vllm/make_tiny.py in `work`, with the tests' chat template."""
+    model = work / "tiny"
+    subprocess.run([sys.executable, str(REPO / "tests/vllm/make_tiny.py"), str(model)], check=True,
+                   stdout=subprocess.DEVNULL)
+    (model / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return model
+
+
+def start_node(binary: Path, config: Path, work: Path) -> tuple[subprocess.Popen, str]:
+    """`binary serve --config config` on free ports (its log in work/node.log); it and its URL."""
+    node = subprocess.Popen(
+        [str(binary), "serve", "--config", str(config), "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+         "--data-dir", str(work / "data")],
+        stdout=subprocess.PIPE, stderr=(work / "node.log").open("w"), text=True, start_new_session=True)
+    for line in node.stdout:
+        if line.startswith("serving the OpenAI API on "):
+            return node, line.split()[-1].strip().removesuffix("/v1")
+    sys.exit("the node did not start: see " + str(work / "node.log"))
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -106,12 +129,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="vllm-workers-bench-"))
-    model = work / "tiny"
-    subprocess.run([sys.executable, str(REPO / "tests/vllm/make_tiny.py"), str(model)], check=True,
-                   stdout=subprocess.DEVNULL)
-    (model / "chat_template.jinja").write_text(
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    model = tiny_model(work)
     port = free_port()
     engine_url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -129,17 +147,7 @@ def main() -> None:
         config.write_text(
             f'[model]\nname = "tiny"\npath = "{model}"\n[engine]\nkind = "vllm"\n'
             f'[engine.vllm]\nurls = ["{engine_url}"]\n[tiers.g3]\nenabled = false\n')
-        node = subprocess.Popen(
-            [str(args.node), "serve", "--config", str(config), "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
-             "--data-dir", str(work / "data")],
-            stdout=subprocess.PIPE, stderr=(work / "node.log").open("w"), text=True, start_new_session=True)
-        node_url = None
-        for line in node.stdout:
-            if line.startswith("serving the OpenAI API on "):
-                node_url = line.split()[-1].strip().removesuffix("/v1")
-                break
-        if node_url is None:
-            sys.exit("the node did not start: see " + str(work / "node.log"))
+        node, node_url = start_node(args.node, config, work)
 
         rows = {"direct": ([], []), "node": ([], [])}
         for i in range(args.requests + 2):
