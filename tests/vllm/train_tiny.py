@@ -1,4 +1,4 @@
-"""Train the tiny model of make_tiny.py, for a few seconds, to end its turns.
+"""Train the tiny model of make_tiny.py, for about a minute on two cores, to end its turns.
 
     python train_tiny.py DIR [--answer "Done."] [--steps 150]
 
