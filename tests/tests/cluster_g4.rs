@@ -207,8 +207,13 @@ const G4_HITS: &str = "dynamo_node_kv_hit_tokens_total{tier=\"g4\"}";
 /// history, for the checks of the mode.
 async fn bit_flipped_on_the_wire(integrity: &str, key: u8) -> (Node, Vec<serde_json::Value>) {
     let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    // The fetch is given all the time it needs (under a debug build on two busy cores it can
+    // take longer than recomputing): what is checked is what arrives, not when.
     let config = |dir: &tempfile::TempDir, peers: &[String]| {
-        format!("{}integrity = \"{integrity}\"\n", g4_config(&secret_file(dir, [key; 32]), peers))
+        format!(
+            "{}integrity = \"{integrity}\"\nrequest_timeout = \"10s\"\nmin_fetch_budget = \"10s\"\n",
+            g4_config(&secret_file(dir, [key; 32]), peers)
+        )
     };
     let a = Node::start_in(dir_a.clone(), &config(&dir_a, &[]));
     let damaged = corrupting_forwarder(g4_addr(&a), 2).await;
