@@ -44,6 +44,7 @@ use ractor::rpc::CallResult;
 use ractor::{Actor, SpawnErr};
 
 use crate::cost::CostModel;
+use crate::engine_names::EngineNames;
 use crate::index::{IndexConfig, IndexWriter, PrefixIndex};
 use crate::leases::{LeaseBook, LeasedTiers};
 use crate::peer::RemoteTier;
@@ -361,9 +362,17 @@ impl NodeStores {
             (true, None) => builder.publisher(builder.node),
         };
         let g2 = g2.map(|(pool, registry)| G2Tier::new(pool, registry).with_observer(observer.clone()));
-        let engines_g2 = engines_g2.map(|(pool, registry)| G2Tier::new(pool, registry).with_observer(observer.clone()));
+        // Where engines store (their G2, and G3 behind it), their blocks are reported under the
+        // node's names too, for the router.
+        let engine_names = engines_g2.is_some().then(|| Arc::new(EngineNames::new(observer.clone())));
+        let engines_observer: Arc<dyn KvObserver> = match &engine_names {
+            Some(names) => names.clone(),
+            None => observer.clone(),
+        };
+        let engines_g2 =
+            engines_g2.map(|(pool, registry)| G2Tier::new(pool, registry).with_observer(engines_observer.clone()));
         let g3 = g3.map(|(store, registry)| {
-            G3Tier::new(store, registry).with_observer(observer.clone()).with_write_rate(settings.g3_write_rate)
+            G3Tier::new(store, registry).with_observer(engines_observer).with_write_rate(settings.g3_write_rate)
         });
         // What G3 recovered at start-up is already there: the index learns it first.
         if g3.is_some() {
@@ -390,6 +399,7 @@ impl NodeStores {
             cost: settings.cost,
             measured: Default::default(),
             observer,
+            engine_names,
             leases,
             g4,
         });

@@ -74,17 +74,19 @@ impl KvPublisher {
         &self.index
     }
 
-    fn source(&self, site: BlockSite) -> (SourceId, Option<TierName>) {
+    /// The source of `site`'s events, its tier, and whether peers are told (the feed).
+    fn source(&self, site: BlockSite) -> (SourceId, TierName, bool) {
         match site {
-            BlockSite::G1 { worker } => (SourceId::worker(self.node, worker as u16), Some(TierName::G1)),
-            BlockSite::Node(tier) => (SourceId::node_store(self.node), Some(tier)),
+            BlockSite::G1 { worker } => (SourceId::worker(self.node, worker as u16), TierName::G1, false),
+            BlockSite::Node(tier) => (SourceId::node_store(self.node), tier, true),
+            BlockSite::Engines(tier) => (SourceId::node_store(self.node), tier, false),
         }
     }
 
-    fn publish(&self, source: SourceId, kind: KvEventKind) {
+    fn publish(&self, source: SourceId, kind: KvEventKind, feed_peers: bool) {
         let mut seqs = self.seqs.lock();
         if let Some(feed) = &self.feed
-            && source.is_node_store()
+            && feed_peers
         {
             // The feed keeps the tiers peers are served from and ignores the others.
             match &kind {
@@ -120,18 +122,16 @@ fn record(event: &KvEvent, outcome: Applied) {
 
 impl KvObserver for KvPublisher {
     fn stored(&self, site: BlockSite, parent: Option<BlockHash>, hashes: &[BlockHash]) {
-        let (source, tier) = self.source(site);
-        let tier = tier.expect("every site has a tier");
-        self.publish(source, KvEventKind::Stored { hashes: hashes.to_vec(), parent, tier });
+        let (source, tier, feed) = self.source(site);
+        self.publish(source, KvEventKind::Stored { hashes: hashes.to_vec(), parent, tier }, feed);
     }
 
     fn removed(&self, site: BlockSite, hashes: &[BlockHash]) {
-        let (source, tier) = self.source(site);
-        let tier = tier.expect("every site has a tier");
-        self.publish(source, KvEventKind::Removed { hashes: hashes.to_vec(), tier });
+        let (source, tier, feed) = self.source(site);
+        self.publish(source, KvEventKind::Removed { hashes: hashes.to_vec(), tier }, feed);
     }
 
     fn cleared(&self, worker: usize) {
-        self.publish(SourceId::worker(self.node, worker as u16), KvEventKind::Cleared);
+        self.publish(SourceId::worker(self.node, worker as u16), KvEventKind::Cleared, false);
     }
 }

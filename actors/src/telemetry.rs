@@ -263,6 +263,11 @@ pub mod names {
     pub const ENGINE_PROMPT_TOKENS: &str = "dynamo_node_engine_prompt_tokens_total";
     /// Histogram, by `engine`: seconds from sending a request to the engine to its first token.
     pub const ENGINE_TTFT_SECONDS: &str = "dynamo_node_engine_ttft_seconds";
+    /// Gauge, by `engine` and `state` (`running`, `waiting`): requests there, as the engine last
+    /// reported them (its own metrics, `engine.vllm.load_interval`), whoever sent them.
+    pub const ENGINE_REPORTED_REQUESTS: &str = "dynamo_node_engine_reported_requests";
+    /// Gauge, by `engine`: the share of its KV cache in use, as the engine last reported it.
+    pub const ENGINE_KV_USAGE: &str = "dynamo_node_engine_kv_usage_ratio";
     /// Gauge: peers in this node's view of the cluster (etcd membership).
     pub const CLUSTER_MEMBERS: &str = "dynamo_node_cluster_members";
     /// Gauge: 1 while the node is registered in etcd and following it, 0 otherwise.
@@ -339,6 +344,12 @@ pub fn describe() {
         "Requests a vLLM engine refused, broke or did not answer in time, by engine and kind."
     );
     describe_counter!(ENGINE_REQUESTS, Unit::Count, "Requests a vLLM engine served, by engine.");
+    describe_gauge!(
+        ENGINE_REPORTED_REQUESTS,
+        Unit::Count,
+        "Requests running and waiting in a vLLM engine as it last reported them, by engine and state."
+    );
+    describe_gauge!(ENGINE_KV_USAGE, "The share of a vLLM engine's KV cache in use as it last reported it, by engine.");
     describe_counter!(
         ENGINE_PROMPT_TOKENS,
         Unit::Count,
@@ -740,6 +751,17 @@ pub fn set_io_inflight(tier: TierName, ops: u64) {
 /// Sets whether the engine at `engine` (a URL) answers.
 pub fn set_engine_up(engine: &str, up: bool) {
     gauge!(names::ENGINE_UP, "engine" => engine.to_owned()).set(if up { 1.0 } else { 0.0 });
+}
+
+/// The engine at `engine` (a URL) reported this load (`None`: it reported nothing; the gauges
+/// fall to 0).
+pub fn set_engine_load(engine: &str, report: Option<&crate::worker::EngineReport>) {
+    let report = report.copied().unwrap_or_default();
+    gauge!(names::ENGINE_REPORTED_REQUESTS, "engine" => engine.to_owned(), "state" => "running")
+        .set(report.running as f64);
+    gauge!(names::ENGINE_REPORTED_REQUESTS, "engine" => engine.to_owned(), "state" => "waiting")
+        .set(report.waiting as f64);
+    gauge!(names::ENGINE_KV_USAGE, "engine" => engine.to_owned()).set(report.kv_usage);
 }
 
 /// Counts a request the engine at `engine` (a URL) served: its `prompt` tokens, the `cached`

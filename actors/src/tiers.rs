@@ -31,6 +31,11 @@ pub enum BlockSite {
     },
     /// A node-shared tier (G2, G3).
     Node(TierName),
+    /// A block an engine outside the node (a vLLM engine, through the engine endpoint) keeps in a
+    /// node-shared tier under its own key, reported under the node's name for it so that the
+    /// router finds it from a prompt ([`crate::engine_names`]). Peers are not told: they fetch by
+    /// the engine's key, which the tier reports as [`BlockSite::Node`].
+    Engines(TierName),
 }
 
 /// Sees every change of where blocks are: the source of KV events. Calls come from worker
@@ -504,6 +509,9 @@ pub struct NodeTiers {
     pub measured: Measurements,
     /// Where G1 changes are reported (G2 and G3 report through their own observer).
     pub observer: Arc<dyn KvObserver>,
+    /// The node's names of the blocks engines store through the engine endpoint (with the
+    /// engines' G2): the observer of the engines' G2 and of G3.
+    pub engine_names: Option<Arc<crate::engine_names::EngineNames>>,
     /// Who leases which blocks until when.
     pub leases: Arc<LeaseBook>,
     /// G4, when `tiers.g4` is enabled: what this node serves to its peers and loads from theirs.

@@ -420,10 +420,16 @@ impl Serving {
                     vocab,
                     max_running: cfg.engine.max_running_requests,
                     kv_events: engine.kv_events.clone(),
+                    load_interval: vllm.load_interval.as_duration(),
                 })
             })
             .collect();
-        let naming = Naming { salt, block_tokens: plan.block_tokens, observer: tiers.observer.clone() };
+        let naming = Naming {
+            salt,
+            block_tokens: plan.block_tokens,
+            observer: tiers.observer.clone(),
+            engine_names: tiers.engine_names.clone(),
+        };
         let max_context = attached.iter().map(|engine| engine.max_model_len).min().unwrap_or(0);
         let factory: EngineFactory = Arc::new(move |id| {
             let target = targets.get(id).cloned().ok_or_else(|| WorkerError::Engine(format!("no engine {id}")))?;

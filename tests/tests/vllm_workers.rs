@@ -255,13 +255,15 @@ fn kv_events_flag() -> String {
 async fn sessions_spread_over_two_engines_and_each_stays_where_its_prefix_is_cached() {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let model = tiny_model(dir.path());
-    let start = |cpu: usize| {
+    // Engine 0 runs two requests at once, so that a third waits there.
+    let start = |cpu: usize, seqs: &'static str| {
         let (model, log_dir, events) = (model.clone(), dir.path().to_owned(), kv_events_flag());
         tokio::task::spawn_blocking(move || {
-            VllmServer::start(&model, &log_dir, cpu, &["--kv-events-config", &events], Duration::from_secs(300))
+            let extra = ["--kv-events-config", &events, "--max-num-seqs", seqs];
+            VllmServer::start(&model, &log_dir, cpu, &extra, Duration::from_secs(300))
         })
     };
-    let (a, b) = tokio::join!(start(0), start(1));
+    let (a, b) = tokio::join!(start(0, "2"), start(1, "8"));
     let mut engines = [a.unwrap(), b.unwrap()];
     let owned: Vec<String> = engines.iter().map(|e| e.url.clone()).collect();
     let urls: Vec<&str> = owned.iter().map(String::as_str).collect();
@@ -293,6 +295,32 @@ async fn sessions_spread_over_two_engines_and_each_stays_where_its_prefix_is_cac
         assert!(cached(&next) >= 96, "{session}'s next turn went to the engine holding its prefix: {next}");
     }
     assert_eq!(since().await, [2.0, 2.0], "each session stayed on its engine");
+
+    // Another client loads engine 0 directly: two long requests run there and three wait. The
+    // node reads that from the engine's own metrics, and routes a new session to engine 1, which
+    // it would not know to prefer from what it sent itself (both engines are idle by that).
+    let others: Vec<_> = (0..5)
+        .map(|i| {
+            let url = urls[0].to_owned();
+            tokio::spawn(async move {
+                let body = json!({"model": "tiny", "prompt": format!("Another client {i}"), "max_tokens": 600,
+                                  "ignore_eos": true, "temperature": 0});
+                reqwest::Client::new().post(format!("{url}/v1/completions")).json(&body).send().await
+            })
+        })
+        .collect();
+    let waiting = format!("dynamo_node_engine_reported_requests{{engine=\"{}\",state=\"waiting\"}}", urls[0]);
+    let seen = node.wait_for_metric(&waiting, Duration::from_secs(30), |v| v >= 3.0).await;
+    assert!(seen >= 3.0, "the node reads engine 0's waiting requests from its metrics: {seen}");
+    let running = format!("dynamo_node_engine_reported_requests{{engine=\"{}\",state=\"running\"}}", urls[0]);
+    assert_eq!(node.metric(&running).await, 2.0);
+    let engine_1 = served(urls[1]).await;
+    let (status, answer) = chat(&node, KEY_A, &turn("s4", vec![opening("Count the lines")])).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(served(urls[1]).await - engine_1, 1.0, "the new session went to the engine with nothing waiting");
+    for other in others {
+        other.abort();
+    }
 
     // Engine 0 dies. Every request is still answered: one that found it dead before it began is
     // routed again, and the router sends nothing more to it while it is down.
@@ -413,7 +441,7 @@ fn engine_group(port: u16) -> Option<i32> {
 /// Two engines the node launched, with its KV connector: a session's prefix computed on one is
 /// stored through the connector into G2; when that engine is killed (-9, its whole group), the
 /// session's next turn goes to the other engine, which loads the prefix from G2 instead of
-/// computing it. The node starts the killed engine again, marks it up once healthy, and its stop
+/// computing it, as the router expected (it finds the stored blocks under the node's names). The node starts the killed engine again, marks it up once healthy, and its stop
 /// ends both engines' process groups.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs vLLM for CPU: .ci/run installs it"]
@@ -449,8 +477,13 @@ async fn launched_engines_load_each_others_prefixes_from_g2_and_a_killed_one_is_
     let reply = answer["choices"][0]["message"]["content"].as_str().unwrap_or_default();
     let history =
         vec![first, json!({"role": "assistant", "content": reply}), json!({"role": "user", "content": "And then?"})];
+    let predicted = "dynamo_node_router_predicted_cached_tokens_total";
+    let predicted_before = node.metric(predicted).await;
     let (status, next) = chat(&node, KEY_A, &body(history)).await;
     assert_eq!(status, 200, "the next turn is served by the other engine: {next}");
+    // The router knew: the blocks engine x stored are in its index under the node's names.
+    let expected = node.metric(predicted).await - predicted_before;
+    assert!(expected >= 96.0, "the router priced the prefix in G2 for engine {y}: {expected} tokens expected cached");
     assert_eq!(served(&urls[y]).await - before[y], 1.0, "engine {y} served it\n{}", engines(&node).await);
     let loaded = node.metric_sum("dynamo_node_engine_blocks_total{", "op=\"loaded\"").await;
     assert!(loaded >= 3.0, "the prefix came out of G2: {loaded} blocks loaded\n{}", engines(&node).await);

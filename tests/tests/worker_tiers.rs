@@ -102,6 +102,7 @@ fn node_sized(sizes: Sizes, observer: Arc<dyn KvObserver>, faulty: bool) -> Node
         cost: CostModel::unknown(B, layout.image_bytes()),
         measured: Default::default(),
         observer,
+        engine_names: None,
         leases: Default::default(),
         g4: None,
     };

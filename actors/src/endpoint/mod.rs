@@ -46,6 +46,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinSet;
 
+use crate::engine_names::engine_hash_of_key;
 use crate::index::{Location, Matches, PrefixIndex, SourceId};
 use crate::peer::{Arrival, Land, PeerLink};
 use crate::telemetry;
@@ -541,8 +542,9 @@ struct Connection {
     registered: Option<Registered>,
     /// Hits pinned for this connection, until loaded or expired.
     hits: HashMap<BlockHash, (SlotRef, Instant)>,
-    /// Blocks being loaded: their pinned images (one per PREPARE_LOAD).
-    loading: HashMap<BlockHash, Vec<SlotRef>>,
+    /// Blocks being loaded: their pinned images (one per PREPARE_LOAD), and when each was
+    /// handed out.
+    loading: HashMap<BlockHash, Vec<(SlotRef, Instant)>>,
     /// Slots handed out for stores, not yet completed.
     storing: HashMap<BlockHash, SlotMut>,
     /// Blocks this connection stored, by key, until G2 drops them (for removal events).
@@ -837,7 +839,16 @@ impl Connection {
             };
             seal(slot.as_mut_slice(), &spec);
             let image = slot.freeze();
-            if g2.admit(hash, self.core.tiers.meta(None, region), image.clone(), now) {
+            // Its node name (if its engine's worker knows it) is reported with it, for the router.
+            let names = self.core.tiers.engine_names.as_ref();
+            if let (Some(names), Some(theirs)) = (names, engine_hash_of_key(key)) {
+                names.storing(hash, theirs);
+            }
+            let admitted = g2.admit(hash, self.core.tiers.meta(None, region), image.clone(), now);
+            if let Some(names) = names {
+                names.settle(hash);
+            }
+            if admitted {
                 stored += 1;
                 self.stored.insert(hash, key.clone());
                 self.events.push((false, key.clone()));
@@ -863,21 +874,26 @@ impl Connection {
         match image {
             Some(image) => {
                 let index = image.index() as i32;
-                self.loading.entry(hash).or_default().push(image);
+                self.loading.entry(hash).or_default().push((image, Instant::now()));
                 index
             }
             None => -1,
         }
     }
 
+    /// The engine copied these blocks out of G2: their pins go, and the load is timed for the
+    /// router (from the first block handed out to now: the load as the engine sees it, its
+    /// scheduling included), which prices a load into an engine at that rate.
     fn complete_load(&mut self, keys: &[Vec<u8>]) -> u32 {
         let (identity, engine) = self.identity();
         let mut released = 0;
+        let mut first: Option<Instant> = None;
         for key in keys {
             let hash = identity.block_hash(key);
             if let Some(pins) = self.loading.get_mut(&hash)
-                && pins.pop().is_some()
+                && let Some((_, since)) = pins.pop()
             {
+                first = Some(first.map_or(since, |f| f.min(since)));
                 released += 1;
                 if pins.is_empty() {
                     self.loading.remove(&hash);
@@ -885,6 +901,9 @@ impl Connection {
             }
         }
         telemetry::record_engine_blocks(&engine, "loaded", released as u64);
+        if let (Some(first), Some(r)) = (first, &self.registered) {
+            self.core.tiers.measured.observe_load(released as usize * r.block_bytes as usize, first.elapsed());
+        }
         released
     }
 

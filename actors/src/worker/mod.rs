@@ -83,6 +83,10 @@ pub trait Engine: 'static {
     fn runs_in_background(&self) -> bool {
         false
     }
+    /// Called once, before its first request, with its worker's load: an engine that can say
+    /// how loaded it is (one in another process, which other clients may use too) keeps
+    /// [`WorkerLoad::report`] current from then on.
+    fn watch_load(&mut self, _load: Arc<WorkerLoad>) {}
 }
 
 impl<B: dynamo_kernels::Backend> Engine for Worker<B> {
@@ -360,6 +364,26 @@ pub struct WorkerLoad {
     /// Its engine is down (an engine in another process that stopped answering): the router
     /// sends it nothing while another worker is up.
     down: std::sync::atomic::AtomicBool,
+    /// Requests queued or running whose prompt is not prefilled yet.
+    waiting: AtomicUsize,
+    /// A running mean of the prefill each request was charged here (nanoseconds): what a
+    /// request the node did not send is taken to cost.
+    typical_prefill_ns: AtomicU64,
+    /// What the engine itself last reported, if it reports anything.
+    engine: std::sync::RwLock<Option<EngineReport>>,
+}
+
+/// How loaded an engine says it is (an engine in another process, from its own metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineReport {
+    /// Requests waiting for their prefill to be scheduled.
+    pub waiting: usize,
+    /// Requests running (prefilling or decoding).
+    pub running: usize,
+    /// The share of its KV cache in use by running requests, 0 to 1.
+    pub kv_usage: f64,
+    /// Its KV cache in blocks (0: unknown).
+    pub kv_blocks: usize,
 }
 
 impl WorkerLoad {
@@ -384,15 +408,43 @@ impl WorkerLoad {
         self.prefill_ns.load(Ordering::Relaxed) as f64 / 1e9
     }
 
-    /// The queued work, as the cost model takes it.
+    /// The queued work, as the cost model takes it: what the node sent there, and what the
+    /// engine reports beyond it.
+    ///
+    /// An engine's own report counts where it shows more than the node knows of: requests
+    /// waiting there that the node did not send (other clients of the engine) each add a
+    /// prefill of the typical size charged here; its requests are at least those it runs and
+    /// queues; the KV cache its running requests hold is at least what it reports in use, out of
+    /// the blocks it has.
     pub fn queued(&self) -> crate::cost::Queued {
-        crate::cost::Queued {
+        let mut queued = crate::cost::Queued {
             prefill_s: self.prefill_s(),
             decode_tokens: self.decode_tokens(),
             requests: self.requests(),
             private_blocks: self.private_blocks.load(Ordering::Relaxed),
             g1_blocks: self.g1_blocks.load(Ordering::Relaxed),
+        };
+        if let Some(engine) = self.engine_report() {
+            let unknown = engine.waiting.saturating_sub(self.waiting.load(Ordering::Relaxed));
+            queued.prefill_s += unknown as f64 * self.typical_prefill_ns.load(Ordering::Relaxed) as f64 / 1e9;
+            queued.requests = queued.requests.max(engine.waiting + engine.running);
+            if engine.kv_blocks > 0 {
+                queued.g1_blocks = engine.kv_blocks;
+                let used = (engine.kv_usage.clamp(0.0, 1.0) * engine.kv_blocks as f64).round() as usize;
+                queued.private_blocks = queued.private_blocks.max(used);
+            }
         }
+        queued
+    }
+
+    /// What the engine last reported of its load, if it reports it.
+    pub fn engine_report(&self) -> Option<EngineReport> {
+        *self.engine.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The engine's own report of its load (`None`: it no longer reports, e.g. it is down).
+    pub fn report(&self, report: Option<EngineReport>) {
+        *self.engine.write().unwrap_or_else(|e| e.into_inner()) = report;
     }
 
     /// Whether its engine is down.
@@ -413,6 +465,11 @@ impl WorkerLoad {
     /// `req` was queued, charging this worker `charge`.
     pub fn add(&self, req: &GenRequest, charge: Charge) {
         self.requests.fetch_add(1, Ordering::Relaxed);
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let charged = nanos(charge.prefill_s);
+        let _ = self.typical_prefill_ns.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |mean| {
+            Some(if mean == 0 { charged } else { mean - mean / 8 + charged / 8 })
+        });
         self.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
         self.decode_tokens.fetch_add(req.max_tokens, Ordering::Relaxed);
         self.prefill_ns.fetch_add(nanos(charge.prefill_s), Ordering::Relaxed);
@@ -421,6 +478,7 @@ impl WorkerLoad {
 
     /// `req`'s prompt is prefilled: its prompt tokens and its prefill no longer wait.
     pub fn prefilled(&self, req: &GenRequest, charge: Charge) {
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
         self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
         self.prefill_ns.fetch_sub(nanos(charge.prefill_s), Ordering::Relaxed);
         self.drained.notify_one();
@@ -431,6 +489,7 @@ impl WorkerLoad {
     pub fn remove(&self, req: &GenRequest, prefilled: bool, charge: Charge) {
         self.requests.fetch_sub(1, Ordering::Relaxed);
         if !prefilled {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
             self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
             self.prefill_ns.fetch_sub(nanos(charge.prefill_s), Ordering::Relaxed);
             self.drained.notify_one();
@@ -654,6 +713,7 @@ async fn serve(
         }
     };
     load.g1_blocks.store(engine.g1_blocks().unwrap_or(0), Ordering::Relaxed);
+    engine.watch_load(load.clone());
     let _ = ready.send(Ok(()));
     let mut open = true;
     loop {
@@ -730,4 +790,55 @@ async fn restart(
     }
     engine.flush().await;
     let _ = actor.cast(WorkerMsg::EngineFailed { panic: what, g1_blocks_removed: dropped });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn charge(prefill_s: f64, blocks: usize) -> Charge {
+        Charge { prefill_s, blocks }
+    }
+
+    #[test]
+    fn an_engines_own_report_adds_what_the_node_did_not_send_and_no_more() {
+        let load = WorkerLoad::default();
+        let req = GenRequest::greedy(vec![1; 64], 16);
+        load.add(&req, charge(0.2, 4));
+        let alone = load.queued();
+        assert_eq!((alone.requests, alone.private_blocks), (1, 4));
+        assert!((alone.prefill_s - 0.2).abs() < 1e-9);
+
+        // The engine sees the node's one request waiting: nothing more.
+        load.report(Some(EngineReport { waiting: 1, running: 0, kv_usage: 0.0, kv_blocks: 0 }));
+        assert_eq!(load.queued(), alone);
+
+        // Three more wait there that the node did not send: each costs a typical prefill here.
+        load.report(Some(EngineReport { waiting: 4, running: 2, kv_usage: 0.5, kv_blocks: 100 }));
+        let busy = load.queued();
+        assert!((busy.prefill_s - 0.8).abs() < 1e-6, "{busy:?}");
+        assert_eq!(busy.requests, 6);
+        assert_eq!((busy.private_blocks, busy.g1_blocks), (50, 100));
+
+        // Once the node's request is prefilled it no longer waits, so all four waiting are others'.
+        load.prefilled(&req, charge(0.2, 4));
+        assert!((load.queued().prefill_s - 0.8).abs() < 1e-6);
+
+        // An engine that stops reporting counts for nothing again.
+        load.report(None);
+        load.remove(&req, true, charge(0.2, 4));
+        assert_eq!(load.queued(), crate::cost::Queued::default());
+    }
+
+    #[test]
+    fn the_typical_prefill_follows_what_requests_are_charged() {
+        let load = WorkerLoad::default();
+        let req = GenRequest::greedy(vec![1; 8], 1);
+        for _ in 0..64 {
+            load.add(&req, charge(1.0, 0));
+            load.remove(&req, false, charge(1.0, 0));
+        }
+        load.report(Some(EngineReport { waiting: 1, running: 0, kv_usage: 0.0, kv_blocks: 0 }));
+        assert!((load.queued().prefill_s - 1.0).abs() < 1e-6);
+    }
 }

@@ -29,7 +29,8 @@ use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-use super::{Engine, Finish, GenOutcome, LocalFuture, Ticket, WorkerError, WorkerEvent};
+use super::{Engine, EngineReport, Finish, GenOutcome, LocalFuture, Ticket, WorkerError, WorkerEvent};
+use crate::engine_names::{EngineNames, NodeName};
 use crate::telemetry;
 use crate::tiers::{BlockSite, KvObserver};
 use crate::vllm_events::{self, RawEvent, Update};
@@ -50,6 +51,8 @@ pub struct VllmTarget {
     /// Where it publishes its KV events (`tcp://host:port`), when it does: what it holds in G1
     /// then enters the node's prefix index under the node's names, for KV-aware routing.
     pub kv_events: Option<String>,
+    /// How often its `/metrics` are read for its own report of its load (zero: never).
+    pub load_interval: Duration,
 }
 
 /// How the node names blocks, and where changes of the engines' G1 go: what turns an engine's
@@ -62,6 +65,9 @@ pub struct Naming {
     pub block_tokens: usize,
     /// The node's KV observer.
     pub observer: Arc<dyn KvObserver>,
+    /// Where the node's names of the engine's blocks go, so that what the engine stores through
+    /// the engine endpoint is found by the router too (with `engine_endpoint`).
+    pub engine_names: Option<Arc<EngineNames>>,
 }
 
 /// The engine of a worker in front of one vLLM engine.
@@ -70,8 +76,8 @@ pub struct VllmEngine {
     target: Arc<VllmTarget>,
     /// What marks the engine down, and probes it until it is back.
     down: Arc<Down>,
-    /// Stops following the engine's KV events (when the worker goes).
-    events: Option<tokio::sync::watch::Sender<bool>>,
+    /// Stops following the engine's KV events and its load (when the worker goes).
+    stop: tokio::sync::watch::Sender<bool>,
     client: reqwest::Client,
     running: Arc<AtomicUsize>,
     ended: Arc<Notify>,
@@ -102,16 +108,15 @@ impl VllmEngine {
             probing: std::sync::atomic::AtomicBool::new(false),
         });
         telemetry::set_engine_up(&target.url, true);
-        let events = target.kv_events.clone().map(|endpoint| {
-            let (stop, stopped) = tokio::sync::watch::channel(false);
-            tokio::spawn(follow_g1(id, endpoint, naming, stopped));
-            stop
-        });
+        let (stop, _) = tokio::sync::watch::channel(false);
+        if let Some(endpoint) = target.kv_events.clone() {
+            tokio::spawn(follow_g1(id, endpoint, naming, stop.subscribe()));
+        }
         Ok(Self {
             id,
             target,
             down,
-            events,
+            stop,
             client,
             running: Arc::new(AtomicUsize::new(0)),
             ended: Arc::new(Notify::new()),
@@ -123,9 +128,7 @@ impl VllmEngine {
 
 impl Drop for VllmEngine {
     fn drop(&mut self) {
-        if let Some(stop) = &self.events {
-            let _ = stop.send(true);
-        }
+        let _ = self.stop.send(true);
     }
 }
 
@@ -142,7 +145,15 @@ async fn follow_g1(id: usize, endpoint: String, naming: Naming, mut stop: tokio:
                 match event {
                     RawEvent::Stored { hashes, parent, token_ids, block_size, cache_salt, .. } => {
                         match names.stored(&hashes, parent, &token_ids, block_size, cache_salt.as_deref()) {
-                            Some((parent, hashes)) => observer.stored(site, parent, &hashes),
+                            Some((parent, named)) => {
+                                observer.stored(site, parent, &named);
+                                if let Some(engine_names) = &naming.engine_names {
+                                    let parents = std::iter::once(parent).chain(named.iter().copied().map(Some));
+                                    for ((&theirs, &hash), parent) in hashes.iter().zip(&named).zip(parents) {
+                                        engine_names.named(theirs, NodeName { hash, parent });
+                                    }
+                                }
+                            }
                             None => telemetry::record_engine_kv_events(&label, "unnamed", 1),
                         }
                     }
@@ -311,6 +322,42 @@ impl Engine for VllmEngine {
         true
     }
 
+    /// Reads the engine's own load from its `/metrics` every `load_interval` into `load`, for
+    /// the router, until the worker goes; while the engine does not answer it reports nothing.
+    /// An engine that refuses the connection is down (its process is gone): its worker is marked
+    /// down at once, before a request finds out.
+    fn watch_load(&mut self, load: Arc<super::WorkerLoad>) {
+        let interval = self.target.load_interval;
+        if interval.is_zero() {
+            return;
+        }
+        let (client, target, down) = (self.client.clone(), self.target.clone(), self.down.clone());
+        let mut stop = self.stop.subscribe();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stop.changed() => break,
+                    _ = tick.tick() => {}
+                }
+                let report = match engine_report(&client, &target, interval.max(Duration::from_secs(1))).await {
+                    Ok(report) => report,
+                    Err(e) if e.is_connect() => {
+                        if !load.is_down() {
+                            down.mark(load.clone(), "its /metrics refused the connection");
+                        }
+                        None
+                    }
+                    Err(_) => None,
+                };
+                telemetry::set_engine_load(&target.url, report.as_ref());
+                load.report(report);
+            }
+            load.report(None);
+        });
+    }
+
     /// Dropping a request's task drops its ticket (answered "restarting") and closes its
     /// connection, which aborts it in vLLM.
     fn reset(&mut self, _why: &str) -> usize {
@@ -321,6 +368,20 @@ impl Engine for VllmEngine {
     fn flush(&mut self) -> LocalFuture<'_, ()> {
         Box::pin(async move { while self.tasks.join_next().await.is_some() {} })
     }
+}
+
+/// The engine's report of its own load, from its `/metrics` (`None`: its metrics hold none).
+async fn engine_report(
+    client: &reqwest::Client,
+    target: &VllmTarget,
+    timeout: Duration,
+) -> Result<Option<EngineReport>, reqwest::Error> {
+    let mut request = client.get(format!("{}/metrics", target.url)).timeout(timeout);
+    if let Some(key) = &target.api_key {
+        request = request.bearer_auth(key);
+    }
+    let text = request.send().await?.error_for_status()?.text().await?;
+    Ok(crate::vllm_metrics::report(&text))
 }
 
 /// The body of `POST /inference/v1/generate` for `ticket`'s request.
@@ -639,6 +700,7 @@ mod tests {
             vocab: 512,
             max_running: 4,
             kv_events: None,
+            load_interval: Duration::ZERO,
         }
     }
 

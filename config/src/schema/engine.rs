@@ -93,6 +93,10 @@ pub struct VllmSection {
     pub request_timeout: HumanDuration,
     /// Longest the node waits at start for each engine to answer `/health`. Default `"120s"`.
     pub start_timeout: HumanDuration,
+    /// How often each engine's own load (`/metrics`: requests running and waiting, KV cache in
+    /// use) is read for the router; `"0s"` = never (the router then knows only what the node
+    /// sent). Default `"250ms"`.
+    pub load_interval: HumanDuration,
     /// `[engine.vllm.launch]`: engines the node starts itself instead of attaching to `urls`.
     pub launch: LaunchSection,
 }
@@ -167,6 +171,7 @@ impl Default for VllmSection {
             api_key: None,
             request_timeout: HumanDuration::secs(600),
             start_timeout: HumanDuration::secs(120),
+            load_interval: HumanDuration::millis(250),
             launch: LaunchSection::default(),
         }
     }

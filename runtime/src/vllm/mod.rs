@@ -130,7 +130,8 @@ async fn attach_one(
     };
     if kv_events.is_some() {
         let metrics = get("/metrics").send().await?.error_for_status()?.text().await?;
-        let theirs = label_of(&metrics, "vllm:cache_config_info{", "block_size").and_then(|b| b.parse::<usize>().ok());
+        let theirs = dynamo_actors::vllm_metrics::label_of(&metrics, "vllm:cache_config_info{", "block_size")
+            .and_then(|b| b.parse::<usize>().ok());
         if theirs.is_some_and(|theirs| theirs != block_tokens) {
             bail!(
                 "its KV blocks are {} tokens and the node's {block_tokens} (blocks.block_size): the router could not \
@@ -222,13 +223,6 @@ fn kv_events(url: &str, sources: &Value) -> Option<String> {
     endpoint.starts_with("ipc://").then(|| endpoint.to_owned())
 }
 
-/// The value of `label` on the first series of `metrics` that starts with `series`.
-fn label_of<'a>(metrics: &'a str, series: &str, label: &str) -> Option<&'a str> {
-    let line = metrics.lines().find(|l| l.starts_with(series))?;
-    let start = line.find(&format!("{label}=\""))? + label.len() + 2;
-    line[start..].split('"').next()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,12 +238,5 @@ mod tests {
         assert_eq!(kv_events("http://10.0.0.7:8000", &connects), None, "it connects out: the node would have to bind");
         let off = json!({"0": {"enable_kv_cache_events": false, "publisher": "null"}});
         assert_eq!(kv_events("http://10.0.0.7:8000", &off), None);
-    }
-
-    #[test]
-    fn the_block_size_is_read_from_the_cache_config_series() {
-        let metrics = "# HELP x\nvllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\"} 1.0\n";
-        assert_eq!(label_of(metrics, "vllm:cache_config_info{", "block_size"), Some("32"));
-        assert_eq!(label_of(metrics, "vllm:cache_config_info{", "num_gpu_blocks"), None);
     }
 }
