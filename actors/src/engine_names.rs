@@ -17,14 +17,21 @@
 //! end of the step that filled it) before the engine offloads it (a later step). A block stored
 //! before it is named waits, for [`UNNAMED_TTL`] at most, and is reported once named.
 //!
+//! Retention: the worker also says which of its requests' blocks belong to a region other than
+//! the conversation (a system prompt, tool definitions, reasoning, …), by the node's name. A block
+//! an engine stores then takes that region's retention in the node's tiers, and the hold of a
+//! lease the node's book has on it (`cache_control`), as a block the node computed would: the
+//! region and lease travel with the request on the node's side, never as the engine's say-so.
+//!
 //! Memory: names are kept for the [`RECENT_NAMES`] blocks named last (a block is offloaded
-//! within moments of being named, or not at all); aliases only while their block is in G2 or G3.
+//! within moments of being named, or not at all), regions for as many; aliases only while their
+//! block is in G2 or G3.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dynamo_config::TierName;
+use dynamo_config::{RegionKind, TierName};
 use dynamo_tiering::block::BlockHash;
 use parking_lot::Mutex;
 
@@ -64,6 +71,9 @@ struct State {
     /// Stored blocks waiting for a name: the engine's hash → the block's hash in the tiers.
     unnamed: HashMap<u64, BlockHash>,
     unnamed_order: VecDeque<(Instant, u64)>,
+    /// Blocks of recent requests in a region other than the conversation, by the node's name.
+    regions: HashMap<BlockHash, RegionKind>,
+    regions_order: VecDeque<BlockHash>,
 }
 
 #[derive(Debug)]
@@ -142,6 +152,29 @@ impl EngineNames {
         if state.aliases.get(&hash).is_some_and(|a| !a.in_g2 && !a.in_g3) {
             state.forget(hash);
         }
+    }
+
+    /// Blocks (by the node's names) a request sent to an engine holds in a region other than
+    /// the conversation.
+    pub fn regions(&self, blocks: impl IntoIterator<Item = (BlockHash, RegionKind)>) {
+        let mut state = self.state.lock();
+        for (hash, region) in blocks {
+            if state.regions.insert(hash, region).is_none() {
+                state.regions_order.push_back(hash);
+            }
+        }
+        while state.regions_order.len() > RECENT_NAMES {
+            if let Some(old) = state.regions_order.pop_front() {
+                state.regions.remove(&old);
+            }
+        }
+    }
+
+    /// The node's name of block `hash` (as an engine stores it) and its region, when known.
+    pub fn retention(&self, hash: BlockHash) -> Option<(BlockHash, Option<RegionKind>)> {
+        let state = self.state.lock();
+        let name = state.aliases.get(&hash)?.name?;
+        Some((name.hash, state.regions.get(&name.hash).copied()))
     }
 
     /// Blocks with an alias (named or waiting for a name).
@@ -319,6 +352,19 @@ mod tests {
         // An unnamed store that was settled is not reported when its name comes later.
         names.named(10, NodeName { hash: h(100), parent: None });
         assert!(seen.engines().is_empty());
+    }
+
+    #[test]
+    fn a_stored_block_takes_the_region_its_request_gave_it() {
+        let (_, names) = setup();
+        names.named(5, NodeName { hash: h(50), parent: None });
+        names.named(6, NodeName { hash: h(60), parent: Some(h(50)) });
+        names.regions([(h(50), RegionKind::System)]);
+        names.storing(h(500), 5);
+        names.storing(h(600), 6);
+        assert_eq!(names.retention(h(500)), Some((h(50), Some(RegionKind::System))));
+        assert_eq!(names.retention(h(600)), Some((h(60), None)), "the conversation, the default");
+        assert_eq!(names.retention(h(700)), None, "never stored");
     }
 
     #[test]

@@ -362,7 +362,8 @@ async fn a_node_refuses_an_engine_that_serves_another_tokenizer() {
 }
 
 /// A node that launches its two engines (`[engine.vllm.launch]`), each on a core of its own,
-/// with the node's KV connector: what one engine computed, the other loads from G2.
+/// with the node's KV connector: what one engine computed, the other loads from G2. Only the
+/// system region is written through to G3.
 fn launch_config(model: &std::path::Path, port: u16) -> String {
     let python = dynamo_tests::vllm::python();
     let serve = dynamo_tests::vllm::repo().join("tests/vllm/serve.py");
@@ -397,7 +398,18 @@ enabled = true
 max_block_bytes = "64KiB"
 
 [tiers.g3]
-enabled = false
+capacity_per_path = "64MiB"
+
+# Only system prompts are written through to G3: whether an engine's block reaches G3 says which
+# region it took.
+[retention.conversation]
+lowest_tier = "g2"
+
+[retention.tool_result]
+lowest_tier = "g2"
+
+[retention.generated]
+lowest_tier = "g2"
 
 [[frontend.auth.keys]]
 key = "{KEY_A}"
@@ -457,9 +469,10 @@ async fn launched_engines_load_each_others_prefixes_from_g2_and_a_killed_one_is_
     let urls = ports.map(|p| format!("http://127.0.0.1:{p}"));
     let before = [served(&urls[0]).await, served(&urls[1]).await];
 
+    let system = json!({"role": "system", "content": format!("You are a careful agent. {}", long_message())});
     let first = json!({"role": "user", "content": format!("Parse the config. {}", long_message())});
     let body = |history: Vec<Value>| json!({"model": "tiny", "messages": history, "max_tokens": 8, "temperature": 0, "user": "s1"});
-    let (status, answer) = chat(&node, KEY_A, &body(vec![first.clone()])).await;
+    let (status, answer) = chat(&node, KEY_A, &body(vec![system.clone(), first.clone()])).await;
     assert_eq!(status, 200, "{answer}");
     let after = [served(&urls[0]).await, served(&urls[1]).await];
     let x = (0..2).find(|&i| after[i] - before[i] == 1.0).expect("one engine served the first turn");
@@ -469,14 +482,24 @@ async fn launched_engines_load_each_others_prefixes_from_g2_and_a_killed_one_is_
         .wait_for_sum("dynamo_node_engine_blocks_total{", "op=\"stored\"", Duration::from_secs(60), |v| v >= 3.0)
         .await;
     assert!(stored >= 3.0, "engine {x} stored its blocks into G2 through the connector: {stored}\n{}", log());
+    // The blocks of the system prompt took its region, which alone reaches G3; the conversation's
+    // stayed in G2 (the engine registered as "conversation", the endpoint's default).
+    let g3 = "dynamo_node_kv_blocks{tier=\"g3\"}";
+    let in_g3 = node.wait_for_metric(g3, Duration::from_secs(20), |v| v >= 2.0).await;
+    let stored = node.metric_sum("dynamo_node_engine_blocks_total{", "op=\"stored\"").await;
+    assert!((2.0..stored).contains(&in_g3), "the system prompt's blocks alone reached G3: {in_g3} of {stored}");
 
     let killed = engine_group(ports[x]).expect("the engine the node launched runs");
     // SAFETY: kill(2) on the process group of the engine the node launched; no memory is touched.
     assert_eq!(unsafe { libc::kill(-killed, libc::SIGKILL) }, 0);
 
     let reply = answer["choices"][0]["message"]["content"].as_str().unwrap_or_default();
-    let history =
-        vec![first, json!({"role": "assistant", "content": reply}), json!({"role": "user", "content": "And then?"})];
+    let history = vec![
+        system,
+        first,
+        json!({"role": "assistant", "content": reply}),
+        json!({"role": "user", "content": "And then?"}),
+    ];
     let predicted = "dynamo_node_router_predicted_cached_tokens_total";
     let predicted_before = node.metric(predicted).await;
     let (status, next) = chat(&node, KEY_A, &body(history)).await;

@@ -41,6 +41,7 @@ use dynamo_tiering::foreign::{
 };
 use dynamo_tiering::g2::{SlotMut, SlotRef};
 use dynamo_tiering::pipeline::Landed;
+use dynamo_tiering::registry::BlockMeta;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
@@ -819,9 +820,8 @@ impl Connection {
         let token_count = r.block_tokens.min(u16::MAX as u32) as u16;
         let g2 = self.core.tiers.engines_g2.as_ref().expect("checked at start");
         let now = unix_millis();
-        let region = r.region;
-        let priority = self.core.tiers.retention.policy(region).priority;
         let mut stored = 0;
+        let names = self.core.tiers.engine_names.as_ref();
         for key in keys {
             let hash = identity.block_hash(key);
             let Some(mut slot) = self.storing.remove(&hash) else { continue };
@@ -829,22 +829,37 @@ impl Connection {
             if !success {
                 continue;
             }
+            // Its node name (if its engine's worker knows it) is reported with it, for the
+            // router; by that name it takes the region its request gave it and the hold of a
+            // lease the node's book has on it.
+            if let (Some(names), Some(theirs)) = (names, engine_hash_of_key(key)) {
+                names.storing(hash, theirs);
+            }
+            let (region, retain_until) = match names.and_then(|n| n.retention(hash)) {
+                Some((name, given)) => {
+                    (given.unwrap_or(r.region), self.core.tiers.leases.until(name, now).unwrap_or(0))
+                }
+                None => (r.region, 0),
+            };
+            let priority = self.core.tiers.retention.policy(region).priority;
             let spec = ImageSpec {
                 hash,
                 parent: None,
                 salt: identity.salt,
                 layout,
                 token_count,
-                retention: RetentionMeta { region, priority, retain_until_ms: 0, last_access_ms: now, access_count: 0 },
+                retention: RetentionMeta {
+                    region,
+                    priority,
+                    retain_until_ms: retain_until,
+                    last_access_ms: now,
+                    access_count: 0,
+                },
             };
             seal(slot.as_mut_slice(), &spec);
             let image = slot.freeze();
-            // Its node name (if its engine's worker knows it) is reported with it, for the router.
-            let names = self.core.tiers.engine_names.as_ref();
-            if let (Some(names), Some(theirs)) = (names, engine_hash_of_key(key)) {
-                names.storing(hash, theirs);
-            }
-            let admitted = g2.admit(hash, self.core.tiers.meta(None, region), image.clone(), now);
+            let meta = BlockMeta { retain_until, ..self.core.tiers.meta(None, region) };
+            let admitted = g2.admit(hash, meta, image.clone(), now);
             if let Some(names) = names {
                 names.settle(hash);
             }

@@ -22,8 +22,9 @@ use std::time::Duration;
 
 use std::collections::HashMap;
 
-use dynamo_config::PerTier;
+use dynamo_config::{PerTier, RegionKind};
 use dynamo_tiering::block::{BlockHash, BlockHasher, Namespace, Salt};
+use dynamo_tiering::pipeline::region_of;
 use futures::StreamExt;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -83,6 +84,8 @@ pub struct VllmEngine {
     ended: Arc<Notify>,
     tasks: JoinSet<()>,
     requests: u64,
+    /// Where the regions of its requests' blocks go (with the engine endpoint).
+    engine_names: Option<Arc<EngineNames>>,
 }
 
 impl std::fmt::Debug for VllmEngine {
@@ -108,6 +111,7 @@ impl VllmEngine {
             probing: std::sync::atomic::AtomicBool::new(false),
         });
         telemetry::set_engine_up(&target.url, true);
+        let engine_names = naming.engine_names.clone();
         let (stop, _) = tokio::sync::watch::channel(false);
         if let Some(endpoint) = target.kv_events.clone() {
             tokio::spawn(follow_g1(id, endpoint, naming, stop.subscribe()));
@@ -122,6 +126,7 @@ impl VllmEngine {
             ended: Arc::new(Notify::new()),
             tasks: JoinSet::new(),
             requests: 0,
+            engine_names,
         })
     }
 }
@@ -281,6 +286,17 @@ impl Names {
 impl Engine for VllmEngine {
     fn admit(&mut self, ticket: Ticket) -> LocalFuture<'_, ()> {
         self.requests += 1;
+        // What the engine stores of this prompt through the connector takes its regions.
+        if let (Some(names), Some(hashes)) = (&self.engine_names, &ticket.req.hashes)
+            && ticket.req.regions.iter().any(|(_, region)| *region != RegionKind::Conversation)
+        {
+            let b = hashes.block_tokens.max(1);
+            let regions = &ticket.req.regions;
+            names.regions(hashes.hashes.iter().enumerate().filter_map(|(i, &hash)| {
+                let region = region_of(regions, i * b);
+                (region != RegionKind::Conversation).then_some((hash, region))
+            }));
+        }
         // Unique per engine, across restarts of this worker too (vLLM does not refuse a
         // duplicate id, and one abort would end both).
         let request_id = format!("dn-{}-{}-{}", self.id, crate::worker::unix_millis(), self.requests);
