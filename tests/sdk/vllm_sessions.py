@@ -5,10 +5,12 @@ serves the tiny model trained by tests/vllm/train_tiny.py to answer ANSWER and e
 vLLM engines; ENGINE_URL is one of them, asked directly for the greedy reference. Checks that
 every turn ends by itself (finish "stop", "end_turn", "completed") with ANSWER, that from the
 second turn on each turn reads its prefix from cache (as each API reports it), and that greedy
-output equals the engine's for the same chat. Exits non-zero on the first failed check; prints
-"ok" at the end.
+output equals the engine's for the same chat. With a tool offered, the streamed Chat Completion
+is a tool call (the model is trained to make one), and the turn after its result ends with ANSWER.
+Exits non-zero on the first failed check; prints "ok" at the end.
 """
 
+import json
 import sys
 
 import anthropic
@@ -43,6 +45,40 @@ def main() -> None:
         assert reference.choices[0].message.content == text, (reference, text)
         messages += [{"role": "assistant", "content": text},
                      {"role": "user", "content": f"Now run the tests, step {turn}."}]
+
+    # Chat Completions with a tool, streamed: the model calls it (the node parses the Hermes call out
+    # of the engine's tokens and streams it as tool-call deltas), then answers once it has the result.
+    tools = [{"type": "function", "function": {
+        "name": "run_tests", "description": "Run the test suite.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Run the tests."}]
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=128, temperature=0, stream=True, user="sdk-tools")
+    calls, text, finish = {}, "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                if call.function:
+                    entry["name"] += call.function.name or ""
+                    entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls", (finish, text, calls)
+    assert text.strip() == "", f"the call is not shown as text: {text!r}"
+    assert list(calls) == [0] and calls[0]["name"] == "run_tests" and calls[0]["id"], calls
+    assert json.loads(calls[0]["arguments"]) == {"path": "tests"}, calls
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": calls[0]["id"], "type": "function",
+            "function": {"name": "run_tests", "arguments": calls[0]["arguments"]}}]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12 passed"},
+    ]
+    done = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=32, temperature=0, user="sdk-tools")
+    assert (done.choices[0].message.content, done.choices[0].finish_reason) == (answer, "stop"), done
+    assert done.usage.prompt_tokens_details.cached_tokens >= 32, done.usage
 
     # Responses, a second turn on previous_response_id (which does not carry instructions).
     first = client.responses.create(model="tiny", input="List the files in src.", instructions=system,

@@ -411,6 +411,9 @@ lowest_tier = "g2"
 [retention.generated]
 lowest_tier = "g2"
 
+[frontend]
+tool_call_parser = "hermes"
+
 [[frontend.auth.keys]]
 key = "{KEY_A}"
 tenant = "a"
@@ -548,10 +551,11 @@ fn sdk_python() -> std::path::PathBuf {
     "python3".into()
 }
 
-/// The official OpenAI and Anthropic SDKs run multi-turn sessions (Chat Completions streamed,
-/// Responses on `previous_response_id`, Messages) through a node in front of two engines it
-/// launched, on the tiny model trained to end its turns: every turn ends by itself, reads its
-/// prefix from cache from the second on, and answers as the engine does asked directly.
+/// The official OpenAI and Anthropic SDKs run multi-turn sessions (Chat Completions streamed, and
+/// with a tool call streamed, Responses on `previous_response_id`, Messages) through a node in
+/// front of two engines it launched, on the tiny model trained to end its turns and to call a
+/// tool when offered one: every turn ends by itself, reads its prefix from cache from the second
+/// on, and answers as the engine does asked directly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs vLLM for CPU and the SDKs: .ci/run installs them"]
 async fn the_official_sdks_run_sessions_through_the_node_in_front_of_launched_engines() {
