@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--scale", type=int, default=64)
     parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--load-interval", help='engine.vllm.load_interval for the node (e.g. "0s": off)')
     args = parser.parse_args()
 
     work_dir = Path(tempfile.mkdtemp(prefix="vllm-agentic-bench-"))
@@ -184,8 +185,9 @@ def main() -> None:
             wait_health(url, proc, 300)
         config = work_dir / "node.toml"
         urls = ", ".join(f'"{u}"' for u in engines)
+        interval = f'load_interval = "{args.load_interval}"\n' if args.load_interval else ""
         config.write_text(f'[model]\nname = "tiny"\npath = "{model}"\n[engine]\nkind = "vllm"\n'
-                          f'[engine.vllm]\nurls = [{urls}]\n[tiers.g3]\nenabled = false\n')
+                          f'[engine.vllm]\nurls = [{urls}]\n{interval}[tiers.g3]\nenabled = false\n')
         node, node_url = start_node(args.node, config, work_dir)
         procs.append(node)
 

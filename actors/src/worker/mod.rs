@@ -369,8 +369,17 @@ pub struct WorkerLoad {
     /// A running mean of the prefill each request was charged here (nanoseconds): what a
     /// request the node did not send is taken to cost.
     typical_prefill_ns: AtomicU64,
-    /// What the engine itself last reported, if it reports anything.
-    engine: std::sync::RwLock<Option<EngineReport>>,
+    /// What the engine itself last reported, if it reports anything, with what of it was not
+    /// the node's own when it came.
+    engine: std::sync::RwLock<Option<(EngineReport, Others)>>,
+}
+
+/// What an engine's report held beyond the node's own requests there, as the node counted them
+/// when the report came (a report read later is stale, but this difference is not).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Others {
+    waiting: usize,
+    requests: usize,
 }
 
 /// How loaded an engine says it is (an engine in another process, from its own metrics).
@@ -411,11 +420,11 @@ impl WorkerLoad {
     /// The queued work, as the cost model takes it: what the node sent there, and what the
     /// engine reports beyond it.
     ///
-    /// An engine's own report counts where it shows more than the node knows of: requests
-    /// waiting there that the node did not send (other clients of the engine) each add a
-    /// prefill of the typical size charged here; its requests are at least those it runs and
-    /// queues; the KV cache its running requests hold is at least what it reports in use, out of
-    /// the blocks it has.
+    /// An engine's own report counts where it showed more than the node had there when it came
+    /// (other clients of the engine): each request waiting there beyond the node's adds a
+    /// prefill of the typical size charged here, and each request beyond the node's counts; the
+    /// KV cache its running requests hold is at least what it reports in use, out of the blocks
+    /// it has.
     pub fn queued(&self) -> crate::cost::Queued {
         let mut queued = crate::cost::Queued {
             prefill_s: self.prefill_s(),
@@ -424,10 +433,11 @@ impl WorkerLoad {
             private_blocks: self.private_blocks.load(Ordering::Relaxed),
             g1_blocks: self.g1_blocks.load(Ordering::Relaxed),
         };
-        if let Some(engine) = self.engine_report() {
-            let unknown = engine.waiting.saturating_sub(self.waiting.load(Ordering::Relaxed));
-            queued.prefill_s += unknown as f64 * self.typical_prefill_ns.load(Ordering::Relaxed) as f64 / 1e9;
-            queued.requests = queued.requests.max(engine.waiting + engine.running);
+        let report = *self.engine.read().unwrap_or_else(|e| e.into_inner());
+        if let Some((engine, others)) = report {
+            let typical_s = self.typical_prefill_ns.load(Ordering::Relaxed) as f64 / 1e9;
+            queued.prefill_s += others.waiting as f64 * typical_s;
+            queued.requests += others.requests;
             if engine.kv_blocks > 0 {
                 queued.g1_blocks = engine.kv_blocks;
                 let used = (engine.kv_usage.clamp(0.0, 1.0) * engine.kv_blocks as f64).round() as usize;
@@ -439,12 +449,21 @@ impl WorkerLoad {
 
     /// What the engine last reported of its load, if it reports it.
     pub fn engine_report(&self) -> Option<EngineReport> {
-        *self.engine.read().unwrap_or_else(|e| e.into_inner())
+        self.engine.read().unwrap_or_else(|e| e.into_inner()).map(|(report, _)| report)
     }
 
-    /// The engine's own report of its load (`None`: it no longer reports, e.g. it is down).
+    /// The engine's own report of its load, just read (`None`: it no longer reports, e.g. it is
+    /// down). What it holds beyond the node's requests there now is another client's, and counts
+    /// until the next report.
     pub fn report(&self, report: Option<EngineReport>) {
-        *self.engine.write().unwrap_or_else(|e| e.into_inner()) = report;
+        let with_others = report.map(|r| {
+            let others = Others {
+                waiting: r.waiting.saturating_sub(self.waiting.load(Ordering::Relaxed)),
+                requests: (r.waiting + r.running).saturating_sub(self.requests()),
+            };
+            (r, others)
+        });
+        *self.engine.write().unwrap_or_else(|e| e.into_inner()) = with_others;
     }
 
     /// Whether its engine is down.
@@ -820,9 +839,10 @@ mod tests {
         assert_eq!(busy.requests, 6);
         assert_eq!((busy.private_blocks, busy.g1_blocks), (50, 100));
 
-        // Once the node's request is prefilled it no longer waits, so all four waiting are others'.
+        // The node's request is prefilled after the report was read: the report is stale, but
+        // what it showed of others' stands, and the node's own prefill no longer waits.
         load.prefilled(&req, charge(0.2, 4));
-        assert!((load.queued().prefill_s - 0.8).abs() < 1e-6);
+        assert!((load.queued().prefill_s - 0.6).abs() < 1e-6, "{:?}", load.queued());
 
         // An engine that stops reporting counts for nothing again.
         load.report(None);

@@ -386,7 +386,11 @@ impl Engine for VllmEngine {
     }
 }
 
-/// The engine's report of its own load, from its `/metrics` (`None`: its metrics hold none).
+/// Most bytes of an engine's `/metrics` read (vLLM's are tens of kilobytes): the rest is not.
+const MAX_METRICS: usize = 4 << 20;
+
+/// The engine's report of its own load, from its `/metrics` (`None`: its metrics hold none in
+/// their first [`MAX_METRICS`] bytes).
 async fn engine_report(
     client: &reqwest::Client,
     target: &VllmTarget,
@@ -396,8 +400,16 @@ async fn engine_report(
     if let Some(key) = &target.api_key {
         request = request.bearer_auth(key);
     }
-    let text = request.send().await?.error_for_status()?.text().await?;
-    Ok(crate::vllm_metrics::report(&text))
+    let mut response = request.send().await?.error_for_status()?;
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        let room = MAX_METRICS - body.len();
+        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if body.len() == MAX_METRICS {
+            break;
+        }
+    }
+    Ok(crate::vllm_metrics::report(&String::from_utf8_lossy(&body)))
 }
 
 /// The body of `POST /inference/v1/generate` for `ticket`'s request.
@@ -718,6 +730,29 @@ mod tests {
             kv_events: None,
             load_interval: Duration::ZERO,
         }
+    }
+
+    /// An engine whose `/metrics` never ends: what it sends first is read, the rest is not.
+    #[tokio::test]
+    async fn an_engines_metrics_are_read_to_a_bound() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let Ok((mut socket, _)) = listener.accept().await else { return };
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await;
+            let chunk = |s: &str| format!("{:x}\r\n{s}\r\n", s.len());
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n";
+            let gauges = chunk("vllm:num_requests_running 1\nvllm:num_requests_waiting 2\n");
+            let _ = socket.write_all(format!("{head}{gauges}").as_bytes()).await;
+            let junk = chunk(&"# more\n".repeat(4096));
+            while socket.write_all(junk.as_bytes()).await.is_ok() {}
+        });
+        // A reader that did not stop would run into the timeout, an error.
+        let target = VllmTarget { url, ..target() };
+        let report = engine_report(&reqwest::Client::new(), &target, Duration::from_secs(20)).await.unwrap();
+        assert_eq!(report.map(|r| (r.running, r.waiting)), Some((1, 2)));
     }
 
     #[test]
