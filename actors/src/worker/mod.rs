@@ -447,11 +447,6 @@ impl WorkerLoad {
         queued
     }
 
-    /// What the engine last reported of its load, if it reports it.
-    pub fn engine_report(&self) -> Option<EngineReport> {
-        self.engine.read().unwrap_or_else(|e| e.into_inner()).map(|(report, _)| report)
-    }
-
     /// The engine's own report of its load, just read (`None`: it no longer reports, e.g. it is
     /// down). What it holds beyond the node's requests there now is another client's, and counts
     /// until the next report.
@@ -491,7 +486,7 @@ impl WorkerLoad {
         });
         self.prompt_tokens.fetch_add(req.prompt.len(), Ordering::Relaxed);
         self.decode_tokens.fetch_add(req.max_tokens, Ordering::Relaxed);
-        self.prefill_ns.fetch_add(nanos(charge.prefill_s), Ordering::Relaxed);
+        self.prefill_ns.fetch_add(charged, Ordering::Relaxed);
         self.private_blocks.fetch_add(charge.blocks, Ordering::Relaxed);
     }
 
