@@ -68,6 +68,8 @@ struct State {
     named_order: VecDeque<u64>,
     /// A stored block's hash in the node's tiers → its alias.
     aliases: HashMap<BlockHash, Alias>,
+    /// The node's name → the stored blocks (their hashes in the tiers) named so.
+    copies: HashMap<BlockHash, Vec<BlockHash>>,
     /// Stored blocks waiting for a name: the engine's hash → the block's hash in the tiers.
     unnamed: HashMap<u64, BlockHash>,
     unnamed_order: VecDeque<(Instant, u64)>,
@@ -119,6 +121,7 @@ impl EngineNames {
         let Some(alias) = state.aliases.get_mut(&hash).filter(|a| a.name.is_none()) else { return };
         alias.name = Some(name);
         let tiers: Vec<TierName> = alias.tiers().collect();
+        state.copies.entry(name.hash).or_default().push(hash);
         drop(state);
         for tier in tiers {
             self.observer.stored(BlockSite::Engines(tier), name.parent, &[name.hash]);
@@ -142,6 +145,9 @@ impl EngineNames {
             }
             state.unnamed.insert(theirs, hash);
             state.unnamed_order.push_back((now, theirs));
+        }
+        if let Some(name) = name {
+            state.copies.entry(name.hash).or_default().push(hash);
         }
         state.aliases.insert(hash, Alias { theirs, name, in_g2: false, in_g3: false });
     }
@@ -177,6 +183,12 @@ impl EngineNames {
         Some((name.hash, state.regions.get(&name.hash).copied()))
     }
 
+    /// The stored blocks (their hashes in the tiers) the node names `name`: what leases on
+    /// `name` also hold ([`crate::leases::LeasedTiers::each_copy`]).
+    pub fn stored_as(&self, name: BlockHash) -> Vec<BlockHash> {
+        self.state.lock().copies.get(&name).cloned().unwrap_or_default()
+    }
+
     /// Blocks with an alias (named or waiting for a name).
     pub fn aliases(&self) -> usize {
         self.state.lock().aliases.len()
@@ -186,10 +198,17 @@ impl EngineNames {
 impl State {
     /// Drops the alias of `hash`.
     fn forget(&mut self, hash: BlockHash) {
-        if let Some(alias) = self.aliases.remove(&hash)
-            && alias.name.is_none()
-        {
-            self.unnamed.remove(&alias.theirs);
+        let Some(alias) = self.aliases.remove(&hash) else { return };
+        match alias.name {
+            None => drop(self.unnamed.remove(&alias.theirs)),
+            Some(name) => {
+                if let Some(copies) = self.copies.get_mut(&name.hash) {
+                    copies.retain(|&c| c != hash);
+                    if copies.is_empty() {
+                        self.copies.remove(&name.hash);
+                    }
+                }
+            }
         }
     }
 
@@ -365,6 +384,24 @@ mod tests {
         assert_eq!(names.retention(h(500)), Some((h(50), Some(RegionKind::System))));
         assert_eq!(names.retention(h(600)), Some((h(60), None)), "the conversation, the default");
         assert_eq!(names.retention(h(700)), None, "never stored");
+    }
+
+    #[test]
+    fn the_copies_of_a_name_are_known_while_they_are_in_a_tier() {
+        let (_, names) = setup();
+        names.named(3, NodeName { hash: h(30), parent: None });
+        names.storing(h(300), 3);
+        names.storing(h(301), 4);
+        assert_eq!(names.stored_as(h(30)), [h(300)]);
+        assert!(names.stored_as(h(40)).is_empty(), "not named yet");
+        names.named(4, NodeName { hash: h(30), parent: None });
+        assert_eq!(names.stored_as(h(30)), [h(300), h(301)], "two engines' copies of one block");
+        names.stored(BlockSite::Node(TierName::G2), None, &[h(300), h(301)]);
+        names.removed(BlockSite::Node(TierName::G2), &[h(300)]);
+        assert_eq!(names.stored_as(h(30)), [h(301)]);
+        names.removed(BlockSite::Node(TierName::G2), &[h(301)]);
+        assert!(names.stored_as(h(30)).is_empty());
+        assert!(names.state.lock().copies.is_empty(), "nothing kept of a name with no copy");
     }
 
     #[test]

@@ -497,6 +497,11 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
     /// every node's of a simulated cluster that shares one book.
     fn each_registry(&self, tier: TierName, f: &mut dyn FnMut(&mut TierRegistry));
 
+    /// Runs `f` on each copy of block `hash` in `tier` (G2 or G3) that the tiers keep under
+    /// another name, with that name: a block a vLLM engine stored through the engine endpoint
+    /// under its own key ([`crate::engine_names`]). None by default.
+    fn each_copy(&self, _tier: TierName, _hash: BlockHash, _f: &mut dyn FnMut(&mut TierRegistry, BlockHash)) {}
+
     /// Whether the node has `tier` at all.
     fn has_tier(&self, tier: TierName) -> bool;
 
@@ -542,6 +547,7 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
         if !self.g2_pins(region) && left < was {
             // G2 only held it: that hold ends with the lease (down to what other leases need).
             self.each_registry(TierName::G2, &mut |r| drop(r.end_hold(hash, was)));
+            self.each_copy(TierName::G2, hash, &mut |r, copy| drop(r.end_hold(copy, was)));
         }
         self.apply(hash, region, left);
     }
@@ -592,11 +598,14 @@ pub trait LeasedTiers: Send + Sync + std::fmt::Debug {
         restored
     }
 
-    /// Sets `hash`'s lease to `until` (0 ends it) in every tier below G1.
+    /// Sets `hash`'s lease to `until` (0 ends it) in every tier below G1, on its copies under
+    /// other names too.
     fn apply(&self, hash: BlockHash, region: RegionKind, until: Millis) {
         let pin = self.g2_pins(region);
         self.each_registry(TierName::G2, &mut |r| lease_in(r, hash, until, pin));
         self.each_registry(TierName::G3, &mut |r| lease_in(r, hash, until, true));
+        self.each_copy(TierName::G2, hash, &mut |r, copy| lease_in(r, copy, until, pin));
+        self.each_copy(TierName::G3, hash, &mut |r, copy| lease_in(r, copy, until, true));
     }
 }
 
@@ -764,6 +773,62 @@ mod tests {
             assert!(tiers.book.until(h, 1).is_none(), "the last word was a release");
             assert_eq!(tiers.g2.lock().unwrap().stats().leases.live, 0, "round {round}: a stale lease in G2");
         }
+    }
+
+    /// One tier set whose G2 and G3 also keep a copy of block 7 under the name 107 (as an
+    /// engine stores what the node calls 7).
+    #[derive(Debug)]
+    struct WithCopy(OneTier);
+
+    impl LeasedTiers for WithCopy {
+        fn book(&self) -> &LeaseBook {
+            &self.0.book
+        }
+        fn now(&self) -> Millis {
+            1
+        }
+        fn each_registry(&self, tier: TierName, f: &mut dyn FnMut(&mut TierRegistry)) {
+            self.0.each_registry(tier, f);
+        }
+        fn each_copy(&self, tier: TierName, hash: BlockHash, f: &mut dyn FnMut(&mut TierRegistry, BlockHash)) {
+            if hash == BlockHash(7) {
+                self.0.each_registry(tier, &mut |r| f(r, BlockHash(107)));
+            }
+        }
+        fn has_tier(&self, tier: TierName) -> bool {
+            self.0.has_tier(tier)
+        }
+        fn lowest_tier(&self, region: RegionKind) -> TierName {
+            self.0.lowest_tier(region)
+        }
+    }
+
+    #[test]
+    fn a_lease_holds_an_engines_copy_of_its_block_as_it_is_granted_refreshed_and_released() {
+        use dynamo_tiering::registry::{BlockMeta, PolicyKind};
+        let meta = BlockMeta { parent: None, region: RegionKind::Conversation, priority: 50, retain_until: 0 };
+        let registry = || {
+            let mut r = TierRegistry::new(8, PolicyKind::Lru);
+            r.insert(BlockHash(107), meta, 1).unwrap();
+            Mutex::new(r)
+        };
+        let tiers = WithCopy(OneTier { book: LeaseBook::default(), g2: registry(), g3: Some(registry()) });
+        let copy = |tier: TierName| {
+            let mut view = None;
+            tiers.0.each_registry(tier, &mut |r| view = r.meta(BlockHash(107)));
+            let view = view.expect("the copy stays");
+            (view.retain_until, view.lease_until)
+        };
+        let chain = [(BlockHash(7), RegionKind::Conversation)];
+        tiers.lease(who(1), &chain, 1000, 10);
+        assert_eq!(copy(TierName::G2), (1010, 0), "G2 holds it (G3 is the lowest tier)");
+        assert_eq!(copy(TierName::G3), (0, 1010), "G3 pins it");
+        tiers.refresh(&[BlockHash(7)], &|_| RegionKind::Conversation, 500);
+        assert_eq!(copy(TierName::G2), (1500, 0), "a hit runs it again");
+        assert_eq!(copy(TierName::G3), (0, 1500));
+        tiers.unlease(who(1), &chain, 600);
+        assert_eq!(copy(TierName::G2), (0, 0), "released: plain retention");
+        assert_eq!(copy(TierName::G3), (0, 0));
     }
 
     /// Restored leases never outlive what an API can ask for: `u64::MAX` deadlines and TTLs (a

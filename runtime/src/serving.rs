@@ -629,7 +629,7 @@ impl Generator for NodeGenerator {
             regions: req.regions,
             max_tokens: if speculative { 0 } else { req.max_tokens },
             sampling: req.sampling,
-            seed: req.seed.unwrap_or(0),
+            seed: req.seed,
             stop_tokens: req.stop_token_ids,
             allowed: Some(self.decodable.clone()),
             forced: req.forced.map(Arc::from),

@@ -20,7 +20,7 @@ Exit 0 when every turn succeeded and, from turn 2 on, cache_read_input_tokens is
 --min-cache-share (0.8) of the turn's prompt tokens; 1 when a turn failed or a check did not hold;
 2 on a usage or setup error (no binary, server unreachable, node failed to start).
 
-The environment is offline: ANTHROPIC_API_KEY=any, DISABLE_TELEMETRY=1,
+The environment is offline: ANTHROPIC_API_KEY=--api-key (any), DISABLE_TELEMETRY=1,
 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1, DISABLE_AUTOUPDATER=1, DISABLE_ERROR_REPORTING=1,
 CLAUDE_CODE_MAX_OUTPUT_TOKENS=--max-output-tokens (16), and no ANTHROPIC_* / CLAUDE_* variable of
 the caller's. Usage in a turn's result is summed over the requests of that turn (a tool call makes
@@ -61,6 +61,7 @@ def parse_args():
     p.add_argument("--timeout", type=float, default=300, help="seconds a turn may take (300)")
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--min-cache-share", type=float, default=0.8)
+    p.add_argument("--api-key", default="any", help="the server's API key (any)")
     p.add_argument("--extra-arg", action="append", default=[], help="one more argument for every claude call")
     p.add_argument("--keep", action="store_true", help="keep the temporary HOME and working directory")
     a = p.parse_args()
@@ -130,7 +131,7 @@ def run_session(a, claude, base, home, cwd):
     env = cc.clean_env(home, ("ANTHROPIC_", "CLAUDE_", "CLAUDECODE"))
     env.update({
         "ANTHROPIC_BASE_URL": base,
-        "ANTHROPIC_API_KEY": "any",
+        "ANTHROPIC_API_KEY": a.api_key,
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_ERROR_REPORTING": "1",

@@ -66,6 +66,7 @@ def parse_args():
                    help="prompt of each turn; {turn} is its number")
     p.add_argument("--timeout", type=float, default=300, help="seconds a turn may take (300)")
     p.add_argument("--min-cache-share", type=float, default=0.8)
+    p.add_argument("--api-key", default="any", help="the server's API key (any)")
     p.add_argument("--usage", choices=("auto", "cumulative", "per-turn"), default="auto")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="one more `-c KEY=VALUE` for every codex call")
@@ -202,7 +203,7 @@ def rollout_totals(home, thread):
 
 def run_session(a, codex, home, cwd):
     env = cc.clean_env(home, ("OPENAI_", "CODEX_", "LOCAL_KEY"))
-    env.update({"CODEX_HOME": os.path.join(home, ".codex"), "LOCAL_KEY": "any"})
+    env.update({"CODEX_HOME": os.path.join(home, ".codex"), "LOCAL_KEY": a.api_key})
     env.pop("RUST_LOG", None)
     extra = [x for kv in a.config for x in ("-c", kv)]
     failures, shares = [], []

@@ -382,7 +382,7 @@ start_timeout = "280s"
 [engine.vllm.launch]
 devices = ["0", "1"]
 command = ["{python}", "{serve}"]
-args = ["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
+args = ["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", "32768", "--enforce-eager",
         "--max-num-seqs", "8", "--seed", "0"]
 device_env = "VLLM_CPU_OMP_THREADS_BIND"
 port = {port}
@@ -551,14 +551,51 @@ fn sdk_python() -> std::path::PathBuf {
     "python3".into()
 }
 
+/// Runs `tests/cli/SCRIPT FLAG $ENV --base-url BASE --api-key KEY --turns 3 EXTRA…` (a
+/// multi-turn session of an agent CLI against the node) and returns its per-turn JSON lines.
+async fn cli_session(script: &str, flag: &str, env: &str, base: String, extra: &[&str]) -> Vec<Value> {
+    let cli = std::env::var_os(env).unwrap_or_else(|| panic!("${env} must name the CLI binary (.ci/run installs it)"));
+    let script = dynamo_tests::vllm::repo().join("tests/cli").join(script);
+    let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
+    let flag = flag.to_owned();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(&script)
+            .arg(&flag)
+            .arg(&cli)
+            .args(["--base-url", &base, "--api-key", KEY_A, "--turns", "3"])
+            .args(&extra)
+            .output()
+            .expect("run the session script")
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "the {env} session failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let turns: Vec<Value> = stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert_eq!(turns.len(), 3, "one JSON line per turn:\n{stdout}");
+    turns
+}
+
 /// The official OpenAI and Anthropic SDKs run multi-turn sessions (Chat Completions streamed, and
-/// with a tool call streamed, Responses on `previous_response_id`, Messages) through a node in
-/// front of two engines it launched, on the tiny model trained to end its turns and to call a
-/// tool when offered one: every turn ends by itself, reads its prefix from cache from the second
-/// on, and answers as the engine does asked directly.
+/// with a tool call streamed, Responses on `previous_response_id`, Messages) and the Claude Code
+/// and Codex CLIs run theirs, through a node in front of two engines it launched, on the tiny
+/// model trained to end its turns and to call `run_tests` when offered it, in a context as long
+/// as an agent CLI's prompt (15,000 to 18,000 of its tokens here): every turn ends by itself,
+/// reads its prefix from cache from the second on, and the SDKs' answers are what the engine
+/// gives asked directly.
+///
+/// The CLIs offer their own tools, not `run_tests`, so the model answers each of their turns in
+/// text. Their scripts check the cache share the CLI itself reports (at least 80% from turn 2
+/// on: Claude Code reads it from the stream's usage, `message_start`'s included) and that each
+/// turn continues the same conversation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs vLLM for CPU and the SDKs: .ci/run installs them"]
-async fn the_official_sdks_run_sessions_through_the_node_in_front_of_launched_engines() {
+#[ignore = "needs vLLM for CPU, the SDKs and the agent CLIs: .ci/run installs them"]
+async fn the_official_sdks_and_agent_clis_run_sessions_through_the_node_in_front_of_launched_engines() {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let model = tiny_model(dir.path());
     let trained = std::process::Command::new(dynamo_tests::vllm::python())
@@ -590,5 +627,14 @@ async fn the_official_sdks_run_sessions_through_the_node_in_front_of_launched_en
         String::from_utf8_lossy(&output.stderr),
         tail[tail.len().saturating_sub(30)..].join("\n")
     );
+
+    let base = format!("http://{}", node.addr());
+    let claude =
+        cli_session("claude_code_session.py", "--claude", "CLAUDE_BIN", base.clone(), &["--max-output-tokens", "256"])
+            .await;
+    let codex = cli_session("codex_session.py", "--codex", "CODEX_BIN", format!("{base}/v1"), &[]).await;
+    for turn in claude.iter().chain(&codex) {
+        assert_eq!(turn["result"], ANSWER, "each turn ends in the model's answer: {turn}");
+    }
     assert_eq!(node.stop(), 0);
 }

@@ -773,8 +773,12 @@ async fn sampling_stays_inside_the_decodable_ids() {
     let allowed = Arc::new(TokenSet::from_fn(vocab - 7, |id| !banned.contains(&id)));
     for sampling in [Sampling::GREEDY, Sampling::temperature(2.0)] {
         for seed in 0..4 {
-            let req =
-                GenRequest { allowed: Some(allowed.clone()), sampling, seed, ..GenRequest::greedy(prompt.clone(), 8) };
+            let req = GenRequest {
+                allowed: Some(allowed.clone()),
+                sampling,
+                seed: Some(seed),
+                ..GenRequest::greedy(prompt.clone(), 8)
+            };
             let out = run(&mut w, &req).await;
             assert_eq!(out.tokens.len(), 8);
             assert!(out.tokens.iter().all(|&t| allowed.contains(t)), "{sampling:?} seed {seed}: {:?}", out.tokens);
@@ -830,7 +834,7 @@ async fn a_batch_answers_every_request_as_it_would_be_answered_alone() {
             let mut req = GenRequest::greedy(turn(B / 2 + i as usize * 11, 40 + i), 4 + 3 * i as usize);
             if i % 2 == 1 {
                 req.sampling = dynamo_kernels::sampling::Sampling::temperature(0.9);
-                req.seed = u64::from(i) * 77;
+                req.seed = Some(u64::from(i) * 77);
             }
             req
         })

@@ -3,9 +3,10 @@
     python make_tiny.py DIR [--seed 0]
 
 Writes to DIR: a byte-level BPE tokenizer trained on synthetic text
-(``PreTrainedTokenizerFast``), a random bf16 ``LlamaForCausalLM`` (vocabulary
+(``PreTrainedTokenizerFast``; the chat markers ``<|role|>`` are special tokens, the Hermes tags
+``<tool_call>`` and ``</tool_call>`` plain added ones), a random bf16 ``LlamaForCausalLM`` (vocabulary
 512, hidden 64, 2 layers, 2 heads of 32: vLLM's CPU attention needs a head
-size of at least 32), and ``prompt.json``, a 600-token prompt (several of the
+size of at least 32; 32,768 positions, an agent CLI's prompt), and ``prompt.json``, a 600-token prompt (several of the
 CPU backend's 128-token blocks) as a JSON list of token ids. No network.
 """
 
@@ -15,6 +16,14 @@ import random
 from pathlib import Path
 
 VOCAB_SIZE = 512
+# The chat template's markers (train_tiny.py's, and the tests' plain one): one special token each,
+# as a real model's `<|im_start|>` is, so that the model reads a turn's role from one token.
+MARKERS = ["<|system|>", "<|developer|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|tools|>", "<|call|>"]
+# Hermes tool-call tags: one token each but not special, as in Qwen's vocabulary, so that an
+# answer's text keeps them.
+TOOL_TAGS = ["<tool_call>", "</tool_call>"]
+# The call train_tiny.py teaches, among the tokenizer's training text: its pieces get merges.
+TOOL_CALL_JSON = '{"name": "run_tests", "arguments": {"path": "tests"}}'
 PROMPT_TOKENS = 600
 SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "do", "za", "qu", "ish", "orn"]
 
@@ -29,21 +38,24 @@ def synthetic_lines(rng: random.Random, count: int) -> list[str]:
 
 
 def make_tokenizer(lines: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<s>", "</s>", "<unk>"],
+        vocab_size=VOCAB_SIZE - len(TOOL_TAGS),
+        special_tokens=["<s>", "</s>", "<unk>", *MARKERS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(lines, trainer=trainer)
+    tok.train_from_iterator(lines + [TOOL_CALL_JSON] * 200, trainer=trainer)
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
+    assert tok.get_vocab_size() == VOCAB_SIZE
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=MARKERS,
     )
 
 
@@ -59,7 +71,7 @@ def make_model(seed: int, tokenizer):
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=32768,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         dtype="bfloat16",

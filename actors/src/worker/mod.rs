@@ -191,6 +191,11 @@ impl Ticket {
         }
     }
 
+    /// Prompt tokens the router expected its worker to find cached (`None`: not predicted).
+    pub fn predicted_cached(&self) -> Option<usize> {
+        self.predicted_cached
+    }
+
     /// The load of the worker it is counted in (`None` for a request served directly).
     pub fn worker_load(&self) -> Option<&Arc<WorkerLoad>> {
         self.load.as_ref()

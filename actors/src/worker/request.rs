@@ -22,8 +22,10 @@ pub struct GenRequest {
     pub max_tokens: usize,
     /// How to sample.
     pub sampling: Sampling,
-    /// Seed of temperature sampling.
-    pub seed: u64,
+    /// Seed of temperature sampling, when the client gave one. Without, the node's own engines
+    /// sample from seed 0, and a vLLM engine from its own generator (a per-request seed makes
+    /// vLLM for CPU fail on a prompt it prefills in chunks).
+    pub seed: Option<u64>,
     /// Tokens that end generation: emitted as the last token event, not kept in the sequence.
     pub stop_tokens: Vec<u32>,
     /// Sample only these ids (those the tokenizer can decode: its vocabulary may be smaller
@@ -76,7 +78,7 @@ impl GenRequest {
             regions: vec![],
             max_tokens,
             sampling: Sampling::GREEDY,
-            seed: 0,
+            seed: None,
             stop_tokens: vec![],
             allowed: None,
             forced: None,

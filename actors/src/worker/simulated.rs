@@ -658,7 +658,7 @@ impl SimulatedEngine {
         let start = ticket.queued_at;
         let Some(run) = self.core.admit(ticket, &node.pipeline(), self.g1_blocks, node.salt, start) else { return };
         let blocks = Vec::with_capacity((run.tokens.len() + run.req().max_tokens).div_ceil(node.block_tokens));
-        let rng = run.req().seed ^ 0x9e37_79b9_7f4a_7c15;
+        let rng = run.req().seed.unwrap_or(0) ^ 0x9e37_79b9_7f4a_7c15;
         let mut seq = SimSeq { run, blocks, rng, started: false, loaded_at: Instant::now() };
         // Without room in G1 beside the batch for its prompt, it waits for some.
         let shared = batch::shared_prefix(&self.g1, &seq.run.chain);
@@ -916,7 +916,7 @@ mod tests {
     }
 
     fn request(tokens: usize, seed: u64) -> GenRequest {
-        GenRequest { seed, ..GenRequest::greedy((0..tokens as u32).collect(), 3) }
+        GenRequest { seed: Some(seed), ..GenRequest::greedy((0..tokens as u32).collect(), 3) }
     }
 
     async fn run(engine: &mut SimulatedEngine, req: &GenRequest) -> GenOutcome {
@@ -995,7 +995,7 @@ mod tests {
         // Eight-block system prompts, each of its own tokens.
         let system = |k: u32, seed: u64| GenRequest {
             regions: vec![(0..8 * 512 + 1, RegionKind::System)],
-            seed,
+            seed: Some(seed),
             ..GenRequest::greedy((0..8 * 512 + 1).map(|t| t + k * 100_000).collect(), 1)
         };
         let (kept, plain) = (system(1, 1), system(2, 2));

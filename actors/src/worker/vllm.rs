@@ -429,8 +429,8 @@ fn generate_body(ticket: &Ticket, request_id: &str) -> Value {
         "detokenize": false,
         "skip_special_tokens": false,
     });
-    if s.temperature > 0.0 {
-        sampling["seed"] = json!(req.seed);
+    if let Some(seed) = req.seed.filter(|_| s.temperature > 0.0) {
+        sampling["seed"] = json!(seed);
     }
     let mut body = json!({
         "request_id": request_id,
@@ -624,8 +624,12 @@ fn apply(
         if !streamed.prefilled {
             streamed.prefilled = true;
             *ttft = started.elapsed();
-            // What vLLM's cache gave is known only at the end (the outcome carries it).
-            if !ticket.event(WorkerEvent::Prefilled { cached_tokens: 0, hit_tokens: PerTier::default() }) {
+            // What vLLM's cache gave is known only at the end (the outcome carries it); until
+            // then the router's prediction stands for it (what the engine's KV events and the
+            // tiers showed), so that a stream's first usage (Anthropic's `message_start`) is
+            // near what its last says.
+            let cached_tokens = ticket.predicted_cached().unwrap_or(0).min(ticket.req.prompt.len());
+            if !ticket.event(WorkerEvent::Prefilled { cached_tokens, hit_tokens: PerTier::default() }) {
                 return Ok(false);
             }
         }
@@ -775,7 +779,10 @@ mod tests {
 
         let mut req = GenRequest::greedy(vec![5], 2);
         req.sampling = Sampling::temperature(0.7);
-        req.seed = 42;
+        let (t, _rx) = ticket(req.clone());
+        let body = generate_body(&t, "dn-2");
+        assert!(body["sampling_params"].get("seed").is_none(), "no seed asked: the engine's own generator");
+        req.seed = Some(42);
         let (t, _rx) = ticket(req);
         let body = generate_body(&t, "dn-2");
         assert_eq!(body["sampling_params"]["seed"], 42);

@@ -386,7 +386,7 @@ impl<B: Backend> Worker<B> {
         let start = tokio::time::Instant::now();
         let Some(run) = self.core.admit(ticket, &tiers.pipeline(), self.pages, tiers.salt, start) else { return };
         let blocks = Vec::with_capacity(run.tokens.len().div_ceil(tiers.block_tokens) + 1);
-        let rng = SeededRng::new(run.req().seed);
+        let rng = SeededRng::new(run.req().seed.unwrap_or(0));
         let mut seq = Seq { run, blocks, rng, preempted_at: None };
         // Without room in G1 beside the batch for its prompt, it waits for some (before any later
         // request), rather than fail for want of a page.

@@ -438,7 +438,7 @@ pub(super) async fn run_session(
         let req = GenRequest {
             regions,
             leases,
-            seed: (session as u64) << 20 | k as u64,
+            seed: Some((session as u64) << 20 | k as u64),
             ..GenRequest::greedy(prompt, turn.output_length)
         };
         let submitted_at = Instant::now();
