@@ -3,11 +3,13 @@
     python make_tiny.py DIR [--seed 0]
 
 Writes to DIR: a byte-level BPE tokenizer trained on synthetic text
-(``PreTrainedTokenizerFast``; the chat markers ``<|role|>`` are special tokens, the Hermes tags
-``<tool_call>`` and ``</tool_call>`` plain added ones), a random bf16 ``LlamaForCausalLM`` (vocabulary
-512, hidden 64, 2 layers, 2 heads of 32: vLLM's CPU attention needs a head
-size of at least 32; 32,768 positions, an agent CLI's prompt), and ``prompt.json``, a 600-token prompt (several of the
-CPU backend's 128-token blocks) as a JSON list of token ids. No network.
+(``PreTrainedTokenizerFast``; the chat markers ``<|role|>`` are special tokens,
+the Hermes tags ``<tool_call>`` and ``</tool_call>`` plain added ones), a
+random bf16 ``LlamaForCausalLM`` (vocabulary 512, hidden 64, 2 layers, 2 heads
+of 32: vLLM's CPU attention needs a head size of at least 32; 32,768
+positions, for an agent CLI's prompt), and ``prompt.json``, a 600-token prompt
+(several of the CPU backend's 128-token blocks) as a JSON list of token ids.
+No network.
 """
 
 import argparse
