@@ -160,6 +160,9 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=64)
     parser.add_argument("--time-scale", type=float, default=20.0)
     parser.add_argument("--context", type=int, default=1400, help="tokens a session's context ends before")
+    parser.add_argument("--kv-blocks", type=int,
+                        help="each engine's KV cache in 32-token blocks (vLLM's --num-gpu-blocks-override; "
+                             "default: what VLLM_CPU_KVCACHE_SPACE=1 GiB holds, about 2M tokens)")
     parser.add_argument("--load-interval", help='engine.vllm.load_interval for the node (e.g. "0s": off)')
     args = parser.parse_args()
 
@@ -180,7 +183,8 @@ def main() -> None:
                  "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "32768",
                  "--enforce-eager", "--max-num-seqs", "16", "--block-size", "32", "--enable-prefix-caching",
                  "--enable-scale-out", "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
-                 "--kv-events-config", events],
+                 "--kv-events-config", events]
+                + (["--num-gpu-blocks-override", str(args.kv_blocks)] if args.kv_blocks else []),
                 env=env, stdout=subprocess.DEVNULL, stderr=(work_dir / f"vllm-{core}.log").open("w"),
                 start_new_session=True))
             engines.append(f"http://127.0.0.1:{port}")
@@ -206,9 +210,10 @@ def main() -> None:
         run_salt = time.time_ns()
         for way, target in ways.items():
             results.append(replay(way, work, target, f"{way.replace(' ', '-')}-{run_salt}"))
+        kv = f"{args.kv_blocks * 32} tokens of KV cache" if args.kv_blocks else "1 GiB of KV cache"
         print(f"{len(work)} sessions, {turns} turns of {args.trace.name} scaled 1/{args.scale} "
               f"(delays 1/{args.time_scale:g}, contexts under {args.context} tokens), two vllm-cpu engines "
-              "of the tiny model, a core each")
+              f"of the tiny model, a core and {kv} each")
         print(f"{'':12} {'TTFT p50':>10} {'TTFT p90':>10} {'TTFT p99':>10} {'hit rate':>9} {'req/s':>7}")
         for r in results:
             print(f"{r['way']:12} {r['p50']*1e3:8.1f}ms {r['p90']*1e3:8.1f}ms {r['p99']*1e3:8.1f}ms "

@@ -32,8 +32,10 @@ pub fn node_binary() -> PathBuf {
             let profile = dir.file_name().and_then(|p| p.to_str()).unwrap_or("debug").to_string();
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let mut cmd = Command::new(cargo);
-            // With the test-only failpoints, as the tests' own build of the library has them.
-            let features = if cfg!(feature = "etcd") { "failpoints,etcd" } else { "failpoints" };
+            // With the test-only failpoints and the replay's virtual clock, as the tests' own build
+            // of the library has them.
+            let features =
+                if cfg!(feature = "etcd") { "failpoints,virtual-time,etcd" } else { "failpoints,virtual-time" };
             cmd.args(["build", "--quiet", "-p", "dynamo-node", "--bin", "dynamo-node", "--features", features])
                 .current_dir(env!("CARGO_MANIFEST_DIR"));
             if profile != "debug" {

@@ -8,7 +8,7 @@ pub(super) fn replay_one(trace: &Trace, setup: &Shared, policy: Policy, label: &
     let wall = WallInstant::now();
     let mut outcome = match setup.engine {
         ReplayEngine::Simulated => {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?;
+            let runtime = virtual_clock()?;
             // The whole node runs on this thread: a recorder local to it sees this run's decisions.
             let decisions = Arc::new(Decisions::default());
             let recorder = DecisionRecorder(decisions.clone());
@@ -26,6 +26,24 @@ pub(super) fn replay_one(trace: &Trace, setup: &Shared, policy: Policy, label: &
     };
     outcome.wall = wall.elapsed();
     Ok(outcome)
+}
+
+/// A runtime on a paused clock: time jumps to the next timer whenever every task waits, so the
+/// simulated engines' compute and transfers take no wall time.
+#[cfg(any(test, feature = "virtual-time"))]
+fn virtual_clock() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?)
+}
+
+/// Without `virtual-time` the daemon has no paused clock (tokio's `test-util`) to offer.
+#[cfg(not(any(test, feature = "virtual-time")))]
+fn virtual_clock() -> anyhow::Result<tokio::runtime::Runtime> {
+    anyhow::bail!(
+        "`bench replay --engine simulated` runs the node on a virtual clock, which this build leaves \
+         out of the daemon; build it in with `cargo run --release -p dynamo-node --features \
+         virtual-time -- bench replay ...`, or replay on this machine's CPU in real time with \
+         `--engine reference`"
+    )
 }
 
 /// The wall time of every routing decision of a run, in seconds.
