@@ -163,13 +163,47 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int,
                         help="each engine's KV cache in 32-token blocks (vLLM's --num-gpu-blocks-override; "
                              "default: what VLLM_CPU_KVCACHE_SPACE=1 GiB holds, about 2M tokens)")
+    parser.add_argument("--no-tiers", action="store_true",
+                        help="skip the node that launches its engines with its KV connector (G2)")
     parser.add_argument("--load-interval", help='engine.vllm.load_interval for the node (e.g. "0s": off)')
     args = parser.parse_args()
 
     work_dir = Path(tempfile.mkdtemp(prefix="vllm-agentic-bench-"))
     model = tiny_model(work_dir)
+    work = sessions(args.trace, args.sessions, args.scale, args.time_scale, args.context)
+    turns = sum(len(s) for s in work)
+    engine_args = ["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", "32768",
+                   "--enforce-eager", "--max-num-seqs", "16"]
+    if args.kv_blocks:
+        engine_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
+    interval = f'load_interval = "{args.load_interval}"\n' if args.load_interval else ""
+    run_salt = time.time_ns()
+    results = []
     procs: list[subprocess.Popen] = []
     try:
+        if not args.no_tiers:
+            # The node as it is deployed: it launches the engines, with its KV connector, so that
+            # what an engine evicts is loaded back from G2 rather than computed again.
+            port = free_port()
+            config = work_dir / "node-launch.toml"
+            args_toml = ", ".join(json.dumps(a) for a in engine_args)
+            config.write_text(
+                f'[model]\nname = "tiny"\npath = "{model}"\n[engine]\nkind = "vllm"\n[engine.vllm]\n'
+                f'start_timeout = "300s"\n{interval}[engine.vllm.launch]\ndevices = ["0", "1"]\n'
+                f'command = [{json.dumps(sys.executable)}, {json.dumps(str(REPO / "tests/vllm/serve.py"))}]\n'
+                f'args = [{args_toml}]\ndevice_env = "VLLM_CPU_OMP_THREADS_BIND"\nport = {port}\n'
+                '[engine.vllm.launch.env]\nHF_HUB_OFFLINE = "1"\nVLLM_NO_USAGE_STATS = "1"\n'
+                'VLLM_CPU_KVCACHE_SPACE = "1"\nVLLM_CPU_NUM_OF_RESERVED_CPU = "0"\n'
+                '[engine_endpoint]\nenabled = true\nmax_block_bytes = "16KiB"\n[tiers.g3]\nenabled = false\n')
+            (work_dir / "launch").mkdir()
+            node, node_url = start_node(args.node, config, work_dir / "launch")
+            procs.append(node)
+            for i in range(2):
+                wait_health(f"http://127.0.0.1:{port + 2 * i}", node, 300)
+            results.append(replay("node + G2", work, lambda s, k: node_url, f"tiers-{run_salt}"))
+            os.killpg(node.pid, 15)
+            node.wait(60)
+
         engines = []
         for core in (0, 1):
             port = free_port() + 7 * core
@@ -179,35 +213,29 @@ def main() -> None:
             events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                  "endpoint": f"tcp://*:{port + 1}", "topic": ""})
             procs.append(subprocess.Popen(
-                [sys.executable, str(REPO / "tests/vllm/serve.py"), str(model), "--served-model-name", "tiny",
-                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "32768",
-                 "--enforce-eager", "--max-num-seqs", "16", "--block-size", "32", "--enable-prefix-caching",
+                [sys.executable, str(REPO / "tests/vllm/serve.py"), str(model), *engine_args,
+                 "--host", "127.0.0.1", "--port", str(port), "--block-size", "32", "--enable-prefix-caching",
                  "--enable-scale-out", "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
-                 "--kv-events-config", events]
-                + (["--num-gpu-blocks-override", str(args.kv_blocks)] if args.kv_blocks else []),
+                 "--kv-events-config", events],
                 env=env, stdout=subprocess.DEVNULL, stderr=(work_dir / f"vllm-{core}.log").open("w"),
                 start_new_session=True))
             engines.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(engines, procs):
+        for url, proc in zip(engines, procs[-2:]):
             wait_health(url, proc, 300)
         config = work_dir / "node.toml"
         urls = ", ".join(f'"{u}"' for u in engines)
-        interval = f'load_interval = "{args.load_interval}"\n' if args.load_interval else ""
         config.write_text(f'[model]\nname = "tiny"\npath = "{model}"\n[engine]\nkind = "vllm"\n'
                           f'[engine.vllm]\nurls = [{urls}]\n{interval}[tiers.g3]\nenabled = false\n')
-        node, node_url = start_node(args.node, config, work_dir)
+        (work_dir / "attach").mkdir()
+        node, node_url = start_node(args.node, config, work_dir / "attach")
         procs.append(node)
 
-        work = sessions(args.trace, args.sessions, args.scale, args.time_scale, args.context)
-        turns = sum(len(s) for s in work)
         counter = itertools.count()
         ways = {
             "node": lambda s, k: node_url,
             "round-robin": lambda s, k: engines[next(counter) % 2],
             "one engine": lambda s, k: engines[0],
         }
-        results = []
-        run_salt = time.time_ns()
         for way, target in ways.items():
             results.append(replay(way, work, target, f"{way.replace(' ', '-')}-{run_salt}"))
         kv = f"{args.kv_blocks * 32} tokens of KV cache" if args.kv_blocks else "1 GiB of KV cache"
@@ -218,9 +246,14 @@ def main() -> None:
         for r in results:
             print(f"{r['way']:12} {r['p50']*1e3:8.1f}ms {r['p90']*1e3:8.1f}ms {r['p99']*1e3:8.1f}ms "
                   f"{r['hit']:8.1%} {r['rps']:7.2f}")
-        node_r, rr, one = results
-        print(f"round-robin's p50 TTFT / the node's: {rr['p50'] / node_r['p50']:.2f}x (goal: at least 4x); "
-              f"one engine's / the node's: {one['p50'] / node_r['p50']:.2f}x")
+        by = {r["way"]: r for r in results}
+        rr = by["round-robin"]
+        for way in ("node + G2", "node"):
+            if way in by:
+                n = by[way]
+                print(f"round-robin / {way}: TTFT p50 {rr['p50'] / n['p50']:.2f}x (goal: at least 4x), "
+                      f"p90 {rr['p90'] / n['p90']:.2f}x, p99 {rr['p99'] / n['p99']:.2f}x; "
+                      f"one engine's p50 / {way}'s: {by['one engine']['p50'] / n['p50']:.2f}x")
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -335,7 +335,8 @@ pub struct SchedulerState {
     held: std::collections::BTreeMap<(tokio::time::Instant, u64), Held>,
     /// Requests held so far (the tie-break of `held`).
     held_seq: u64,
-    /// Whether requests are held: the workers' drain signals are forwarded only then.
+    /// Whether requests are held or turns wait for room: the workers' drain signals are
+    /// forwarded only then.
     holding: Arc<std::sync::atomic::AtomicBool>,
     /// Per worker, the task forwarding its drain signals.
     forwarders: Vec<Option<tokio::task::JoinHandle<()>>>,
@@ -459,6 +460,11 @@ impl SchedulerState {
         Routed::Refused(SubmitError::Overloaded { workers: order.len(), retry_after: self.retry_after() })
     }
 
+    /// Whether a worker up has no request at all, the node's or its engine's other clients'.
+    fn a_worker_is_idle(&self) -> bool {
+        self.workers.iter().flatten().any(|w| !w.load.is_down() && w.load.queued().requests == 0)
+    }
+
     /// Whether late binding holds requests now: under `kv_aware` with `router.late_binding` set,
     /// while every worker up has more estimated prefill ahead than that.
     fn saturated(&self) -> bool {
@@ -533,7 +539,10 @@ impl SchedulerState {
                     self.finish_waiting(&parked);
                     continue;
                 }
-                let waited_out = now >= parked.since + max_wait;
+                // Waiting keeps the contexts of the sessions in line from being evicted by
+                // work that would run beside them; a worker with nothing to do would sit out
+                // the wait for nothing, so the longest-waiting turn takes it.
+                let waited_out = now >= parked.since + max_wait || self.a_worker_is_idle();
                 if capacity.is_some()
                     && waited_out
                     && let Some(key) = &key
@@ -567,7 +576,8 @@ impl SchedulerState {
                 self.parked.push_back(waits);
             }
         }
-        self.holding.store(!self.held.is_empty(), std::sync::atomic::Ordering::Relaxed);
+        // Drained workers wake the scheduler while it holds requests or turns wait for room.
+        self.holding.store(!self.held.is_empty() || !self.parked.is_empty(), std::sync::atomic::Ordering::Relaxed);
         telemetry::set_router_held(self.held.len());
         telemetry::set_router_waiting(self.parked.len());
         telemetry::set_working_set(self.working.len(), self.working.tokens(), self.working_set_capacity());
@@ -583,10 +593,15 @@ impl SchedulerState {
     }
 
     /// Forwards `handle`'s drain signals as [`SchedulerMsg::Drained`] while requests are held
-    /// (with late binding on); replaces the forwarder of the worker's previous handle.
+    /// (with late binding or working-set admission on); replaces the forwarder of the worker's
+    /// previous handle.
     fn forward_drains(&mut self, myself: &SchedulerRef, handle: &WorkerHandle) {
-        let late = self.args.kv.as_ref().is_some_and(|kv| !kv.admission.late_binding.is_zero());
-        if !late || !self.policy.uses_index() {
+        let waits = self
+            .args
+            .kv
+            .as_ref()
+            .is_some_and(|kv| !kv.admission.late_binding.is_zero() || kv.admission.working_set > 0.0);
+        if !waits || !self.policy.uses_index() {
             return;
         }
         if self.forwarders.len() <= handle.id {

@@ -476,7 +476,8 @@ impl WorkerLoad {
         self.down.swap(down, Ordering::Relaxed) != down
     }
 
-    /// Waits until prefill ahead has fallen since the last wait returned (at once if it has).
+    /// Waits until prefill ahead has fallen, or the worker's last request left, since the last
+    /// wait returned (at once if it has).
     pub async fn drained(&self) {
         self.drained.notified().await;
     }
@@ -506,11 +507,14 @@ impl WorkerLoad {
     /// `req` left (finished, failed, or was never queued); `prefilled` if [`Self::prefilled`]
     /// was called for it; `charge` as it was [added](Self::add).
     pub fn remove(&self, req: &GenRequest, prefilled: bool, charge: Charge) {
-        self.requests.fetch_sub(1, Ordering::Relaxed);
+        let last = self.requests.fetch_sub(1, Ordering::Relaxed) == 1;
         if !prefilled {
             self.waiting.fetch_sub(1, Ordering::Relaxed);
             self.prompt_tokens.fetch_sub(req.prompt.len(), Ordering::Relaxed);
             self.prefill_ns.fetch_sub(nanos(charge.prefill_s), Ordering::Relaxed);
+        }
+        // An idle worker is drained too: a turn waiting for room in the cache may take it.
+        if !prefilled || last {
             self.drained.notify_one();
         }
         self.decode_tokens.fetch_sub(req.max_tokens, Ordering::Relaxed);
