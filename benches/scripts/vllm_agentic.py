@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=64)
     parser.add_argument("--time-scale", type=float, default=20.0)
     parser.add_argument("--context", type=int, default=1400, help="tokens a session's context ends before")
+    parser.add_argument("--max-model-len", type=int, default=32768,
+                        help="the engines' --max-model-len (their KV cache holds at least one such request)")
     parser.add_argument("--kv-blocks", type=int,
                         help="each engine's KV cache in 32-token blocks (vLLM's --num-gpu-blocks-override; "
                              "default: what VLLM_CPU_KVCACHE_SPACE=1 GiB holds, about 2M tokens)")
@@ -172,7 +174,7 @@ def main() -> None:
     model = tiny_model(work_dir)
     work = sessions(args.trace, args.sessions, args.scale, args.time_scale, args.context)
     turns = sum(len(s) for s in work)
-    engine_args = ["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", "32768",
+    engine_args = ["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
                    "--enforce-eager", "--max-num-seqs", "16"]
     if args.kv_blocks:
         engine_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]

@@ -529,6 +529,7 @@ impl SchedulerState {
         let now = tokio::time::Instant::now();
         self.working.expire(now);
         let max_wait = self.args.kv.as_ref().map_or(Duration::ZERO, |kv| kv.admission.max_wait);
+        let backed = self.args.kv.as_ref().is_some_and(|kv| kv.admission.cache_blocks > 0);
         if !self.parked.is_empty() {
             let capacity = self.working_set_capacity();
             let fit: std::collections::HashSet<ActorId> =
@@ -540,9 +541,12 @@ impl SchedulerState {
                     continue;
                 }
                 // Waiting keeps the contexts of the sessions in line from being evicted by
-                // work that would run beside them; a worker with nothing to do would sit out
-                // the wait for nothing, so the longest-waiting turn takes it.
-                let waited_out = now >= parked.since + max_wait || self.a_worker_is_idle();
+                // work that would run beside them. With a G2 behind G1 what is evicted is
+                // loaded back, so a worker with nothing to do would sit out the wait for
+                // little: the longest-waiting turn takes it. Without one, the evicted context
+                // is computed again, and waiting wins (the replays of `../shared/traces/` say
+                // so: p50 TTFT 144 ms against 445 ms).
+                let waited_out = now >= parked.since + max_wait || (backed && self.a_worker_is_idle());
                 if capacity.is_some()
                     && waited_out
                     && let Some(key) = &key

@@ -348,14 +348,14 @@ fn two_nodes_load_each_others_g2_over_g4() {
 fn a_turn_waiting_for_room_in_the_cache_takes_an_idle_worker_at_once() {
     // Session `a` (or `a0` and `a1`) is routed at t = 0 and stays in the working set's line
     // for `router.session_gap` (60 s) after; a working set of a few hundred tokens leaves no
-    // room behind it, so `b`, coming at t = 2 s, waits for room. With a worker idle, waiting
-    // protects nothing and `b` goes at once; with both workers decoding, it waits until the
-    // line has room.
+    // room behind it, so `b`, coming at t = 2 s, waits for room. With a worker idle and a G2
+    // to load evicted contexts back from, `b` goes at once; with both workers decoding, or
+    // without a G2, it waits until the line has room.
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("tight.toml");
     std::fs::write(&config, "[router]\nworking_set = 0.0001\nsession_gap = \"60s\"\nadmission_max_wait = \"5m\"\n")
         .unwrap();
-    let b_ttft = |busy: &[(&str, u64)]| {
+    let b_ttft = |busy: &[(&str, u64)], g2: ByteSize| {
         let path = dir.path().join("gap.jsonl");
         let mut lines = String::new();
         for (s, (name, output)) in busy.iter().enumerate() {
@@ -368,16 +368,19 @@ fn a_turn_waiting_for_room_in_the_cache_takes_an_idle_worker_at_once() {
             "{\"session_id\":\"b\",\"timestamp\":2000,\"input_length\":1024,\"output_length\":16,\"hash_ids\":[7,8]}\n",
         );
         std::fs::write(&path, lines).unwrap();
-        let args = ReplayArgs { workers: 2, compare: Vec::new(), config: Some(config.clone()), ..args(path) };
+        let args = ReplayArgs { workers: 2, compare: Vec::new(), config: Some(config.clone()), g2, ..args(path) };
         let (_, outcomes) = replay(&args).unwrap();
         let kv = &outcomes[0];
         assert_eq!(kv.samples.len(), busy.len() + 1, "every request answered");
         kv.samples.iter().find(|s| s.prompt == 1024).expect("b's turn").ttft
     };
     // `a` answered its 16 tokens within a second: both workers are idle when `b` comes.
-    let idle = b_ttft(&[("a", 16)]);
+    let idle = b_ttft(&[("a", 16)], ByteSize(1 << 40));
     assert!(idle < Duration::from_secs(2), "an idle worker takes the waiting turn: {idle:?}");
     // 20,000 tokens of decode keep both workers busy past the 60 s `b` waits for room.
-    let busy = b_ttft(&[("a0", 20_000), ("a1", 20_000)]);
+    let busy = b_ttft(&[("a0", 20_000), ("a1", 20_000)], ByteSize(1 << 40));
     assert!(busy > Duration::from_secs(30), "with both workers busy the turn waits for room: {busy:?}");
+    // Without a G2 an evicted context is computed again: the turn waits even for idle workers.
+    let unbacked = b_ttft(&[("a", 16)], ByteSize(0));
+    assert!(unbacked > Duration::from_secs(30), "without a G2 the turn waits for room: {unbacked:?}");
 }
