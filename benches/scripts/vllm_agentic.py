@@ -5,13 +5,19 @@ plain round-robin and against one engine asked directly.
         [--trace ../shared/traces/aiperf_agentic_code_s42_200.jsonl] [--sessions 12] [--scale 64] \
         [--context 1400]
 
-Run with vLLM's Python (``~/.cache/dynamo-node/vllm-venv/bin/python``). It starts two vLLM
-engines (``tests/vllm/serve.py``, the tiny model of ``tests/vllm/make_tiny.py``, each pinned to a
-core of its own, prefix caching on, no KV connector) and the node attached to both
-(``engine.kind = "vllm"``), then replays the same sessions three ways, each under a cache salt of
-its own so that no way finds what another left in the engines' caches:
+Run with vLLM's Python (``~/.cache/dynamo-node/vllm-venv/bin/python``). It replays the same
+sessions four ways, each under a cache salt of its own so that no way finds what another left in
+the engines' caches. First (unless ``--no-tiers``) the node as it is deployed: it launches two
+vLLM engines itself (``engine.vllm.launch``) with its KV connector, so an engine's evicted blocks
+are loaded back from the node's G2:
 
-- **node**: every turn to the node's ``/v1/chat/completions`` (``user`` names the session);
+- **node + G2**: every turn to the node's ``/v1/chat/completions`` (``user`` names the session).
+
+Then two plain engines (``tests/vllm/serve.py``, the tiny model of ``tests/vllm/make_tiny.py``,
+each pinned to a core of its own, prefix caching on, no KV connector) and the node attached to
+both (``engine.kind = "vllm"``):
+
+- **node**: every turn to the node;
 - **round-robin**: turn ``k`` of all turns to engine ``k mod 2``'s own ``/v1/chat/completions``,
   each engine with its own prefix cache and nothing in front of them;
 - **one engine**: every turn to engine 0.
@@ -22,7 +28,8 @@ the previous turn), scaled to the tiny model's context: each hash id is a block 
 ``512 / scale`` tokens of text drawn from that id (so sessions that share hash ids share
 prefixes, as the trace's do), outputs are ``output_length / scale`` tokens (at most 48), delays
 are divided by ``--time-scale``, and a session ends before its context passes ``--context`` tokens
-(1,400 by default; the tiny model takes up to 32,768, and the engines are started with that). Each
+(1,400 by default; the tiny model takes up to 32,768, and the engines are started with
+``--max-model-len``, 32,768 by default). ``--kv-blocks`` sizes each engine's KV cache. Each
 turn's history holds the same assistant text in every way, so every way sends the same prompts.
 
 It prints, per way, TTFT p50/p90/p99, the prefix hit rate (cached of prompt tokens, as each

@@ -53,7 +53,8 @@ pub struct RouterSection {
     /// Working-set admission (`kv_aware`): the most of the cache — the workers' G1 together
     /// and the node's G2 — that the contexts of the sessions in line may fill before a
     /// session's turn waits at the router for room (less while admitted sessions are measured
-    /// to lose their context between turns); `0` routes every turn at once. Default `1.0`.
+    /// to lose their context between turns); `0` routes every turn at once. With a G2, a
+    /// worker with no request takes the longest-waiting turn at once. Default `1.0`.
     pub working_set: f64,
     /// A session stays in line this long after its last turn was routed (the tool-call gap it
     /// is expected back within). Default `"60s"`.
