@@ -79,7 +79,10 @@ impl KvPublisher {
         match site {
             BlockSite::G1 { worker } => (SourceId::worker(self.node, worker as u16), TierName::G1, false),
             BlockSite::Node(tier) => (SourceId::node_store(self.node), tier, true),
-            BlockSite::Engines(tier) => (SourceId::node_store(self.node), tier, false),
+            // Peers learn an engine's blocks under the node's names as well as its own keys: the
+            // names are what their routers compute from a prompt (and the salt keeps them apart
+            // from any other engine kind's), the keys what their endpoints fetch by.
+            BlockSite::Engines(tier) => (SourceId::node_store(self.node), tier, true),
         }
     }
 
@@ -133,5 +136,40 @@ impl KvObserver for KvPublisher {
 
     fn cleared(&self, worker: usize) {
         self.publish(SourceId::worker(self.node, worker as u16), KvEventKind::Cleared, false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use dynamo_tiering::block::BlockHash;
+
+    use super::*;
+    use crate::engine_names::{EngineNames, NodeName};
+    use crate::index::IndexConfig;
+
+    fn h(n: u128) -> BlockHash {
+        BlockHash(n | 1 << 100)
+    }
+
+    /// What an engine stores reaches the feed twice: under its key (what a peer's endpoint
+    /// fetches by) and under the node's name (what a peer's router computes from a prompt). A
+    /// worker's G1 never does.
+    #[test]
+    fn peers_are_fed_an_engines_blocks_under_the_nodes_names_too() {
+        let feed = Arc::new(Feed::new(64));
+        let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
+        let publisher = Arc::new(KvPublisher::new(1, 1, index).with_feed(feed.clone()));
+        let names = EngineNames::new(publisher.clone());
+        names.named(7, NodeName { hash: h(70), parent: Some(h(60)) });
+        names.storing(h(700), 7);
+        names.stored(BlockSite::Node(TierName::G2), None, &[h(700)]);
+        publisher.stored(BlockSite::G1 { worker: 0 }, None, &[h(1)]);
+
+        let mut fed = feed.subscribe().snapshot;
+        fed.sort_by_key(|(hash, _)| hash.0);
+        assert_eq!(fed, [(h(70), Some(h(60))), (h(700), None)]);
+
+        names.removed(BlockSite::Node(TierName::G2), &[h(700)]);
+        assert_eq!(feed.len(), 0, "both leave with the block");
     }
 }

@@ -69,7 +69,7 @@
 //! | `dynamo_node_peer_fetched_blocks_total` | counter | `peer`, `transport`, `outcome` | blocks asked of a peer: `verified`, `missing`, `rejected` (failed verification, dropped), `skipped` (past a block that did not arrive) |
 //! | `dynamo_node_peer_fetched_bytes_total` | counter | `peer`, `transport` | verified image bytes fetched from a peer |
 //! | `dynamo_node_peer_index_blocks` | gauge | `peer` | blocks this node's index holds for a peer, as the peer's feed left it (0 while the feed is down) |
-//! | `dynamo_node_peer_servable_blocks` | gauge | | blocks this node's feed offers its peers (in G2 or G3) |
+//! | `dynamo_node_peer_servable_blocks` | gauge | | blocks this node's feed offers its peers (in G2 or G3); a vLLM engine's block counts twice, under its key and its name |
 //! | `dynamo_node_peer_index_digest` | gauge | `peer` | 52 bits of the digest of the set of blocks the index holds for a peer ([`SetDigest`]) |
 //! | `dynamo_node_peer_servable_digest` | gauge | | 52 bits of the digest of the set of blocks this node's feed offers: a peer's index of this node is right when the two agree |
 //! | `dynamo_node_peer_rdma` | gauge | | 1 when this node's lanes may use RDMA (`tiers.g4.transport = "rdma"` and a device opened), 0 when they use TCP only |
@@ -308,7 +308,10 @@ pub fn describe() {
     describe_counter!(PEER_FETCHED_BYTES, Unit::Bytes, "Verified block-image bytes fetched from peers.");
     describe_counter!(PEER_FEED_ENDED, Unit::Count, "Feeds from peers that ended; their blocks left the index.");
     describe_gauge!(PEER_INDEX_BLOCKS, "Blocks this node's index holds for a peer, as its feed left them.");
-    describe_gauge!(PEER_SERVABLE_BLOCKS, "Blocks this node's feed offers its peers (in G2 or G3).");
+    describe_gauge!(
+        PEER_SERVABLE_BLOCKS,
+        "Blocks this node's feed offers its peers (in G2 or G3); a vLLM engine's block counts under its key and its name."
+    );
     describe_gauge!(
         PEER_INDEX_DIGEST,
         "Digest (52 bits) of the set of blocks this node's index holds for a peer: equal to the peer's \

@@ -120,6 +120,28 @@ fn cost_model(cfg: &NodeConfig, plan: &ResolvedTiers, prefill_tokens_per_s: f64,
     }
 }
 
+/// The salt of every block name the node computes: the model, its weights and adapter, and the
+/// engine kind whose layout the blocks have. The reference engine's blocks and a vLLM engine's
+/// differ for the same model, so their names differ too: a node never prices, nor asks a peer
+/// for, a block its workers cannot load. (Peers' feeds carry the names of vLLM engines' blocks,
+/// so this holds across nodes as well.)
+fn node_salt(cfg: &NodeConfig, model: &str) -> Salt {
+    let weights = match &cfg.model.path {
+        Some(dir) => dir.display().to_string(),
+        None => format!("random-seed-{}", cfg.model.seed),
+    };
+    let model = match cfg.engine.kind {
+        EngineKind::Vllm => format!("{model}@vllm"),
+        _ => model.to_owned(),
+    };
+    Salt::derive(&SaltInputs {
+        model: &model,
+        weights_digest: &weights,
+        lora: cfg.model.lora.as_deref().unwrap_or(""),
+        cache_salt: "",
+    })
+}
+
 /// The node's tiers over `stores`, with blocks named under `salt` and loads priced by `cost`;
 /// a named calibration seeds the link and disk rates until this machine's are timed, and the
 /// leases saved before a restart are restored (where their blocks survive: in G3). Also where the
@@ -265,16 +287,7 @@ impl Serving {
         .await
         .context("start-up task")??;
         let weights = Arc::new(weights);
-        let digest = match &cfg.model.path {
-            Some(dir) => dir.display().to_string(),
-            None => format!("random-seed-{}", cfg.model.seed),
-        };
-        let salt = Salt::derive(&SaltInputs {
-            model: plan.shape.name,
-            weights_digest: &digest,
-            lora: cfg.model.lora.as_deref().unwrap_or(""),
-            cache_salt: "",
-        });
+        let salt = node_salt(cfg, plan.shape.name);
         let workers = cfg.engine.workers.max(1);
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let threads_each = (cores / workers).max(1);
@@ -396,12 +409,7 @@ impl Serving {
                 return Err(e);
             }
         };
-        let salt = Salt::derive(&SaltInputs {
-            model: plan.shape.name,
-            weights_digest: &dir.display().to_string(),
-            lora: cfg.model.lora.as_deref().unwrap_or(""),
-            cache_salt: "",
-        });
+        let salt = node_salt(cfg, plan.shape.name);
         // The router prices a request on an engine with the engines' rates, as timed at start.
         let engines = attached.len().max(1) as f64;
         let prefill_tokens_per_s = attached.iter().map(|e| e.prefill_tokens_per_s).sum::<f64>() / engines;
@@ -780,6 +788,23 @@ mod tests {
 
         assert!(read_lease_file(dir.path(), u64::MAX).is_err(), "a directory is refused");
         assert_eq!(read_lease_file(&dir.path().join("absent"), 10).unwrap_err().kind(), std::io::ErrorKind::NotFound);
+    }
+
+    /// A vLLM engine's blocks and the reference engine's never share a name, even for the same
+    /// checkpoint: each node kind computes its own names, and peers' feeds carry them.
+    #[test]
+    fn block_names_differ_by_engine_kind_and_by_model() {
+        let mut cfg = NodeConfig::default();
+        cfg.model.path = Some(PathBuf::from("/models/tiny"));
+        let reference = node_salt(&cfg, "tiny");
+        cfg.engine.kind = EngineKind::Scripted;
+        assert_eq!(node_salt(&cfg, "tiny"), reference, "the scripted engine lays blocks out as the reference does");
+        cfg.engine.kind = EngineKind::Vllm;
+        let vllm = node_salt(&cfg, "tiny");
+        assert_ne!(vllm, reference);
+        assert_eq!(node_salt(&cfg, "tiny"), vllm, "two vLLM nodes over one checkpoint name blocks alike");
+        cfg.model.path = Some(PathBuf::from("/models/other"));
+        assert_ne!(node_salt(&cfg, "tiny"), vllm);
     }
 
     #[test]

@@ -534,6 +534,87 @@ async fn launched_engines_load_each_others_prefixes_from_g2_and_a_killed_one_is_
     }
 }
 
+/// A node launching one engine on `device`, sharing KV with `peers` over G4 (listening on
+/// `g4_port`, the cluster's secret in `dir`).
+fn peer_config(
+    model: &std::path::Path,
+    port: u16,
+    device: &str,
+    dir: &std::path::Path,
+    g4_port: u16,
+    peers: &[u16],
+) -> String {
+    use std::os::unix::fs::PermissionsExt;
+
+    let secret = dir.join("g4.secret");
+    std::fs::write(&secret, [0x5au8; 32]).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let peers: Vec<String> = peers.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    let one_engine = launch_config(model, port).replace(r#"devices = ["0", "1"]"#, &format!("devices = [{device:?}]"));
+    assert!(one_engine.contains(&format!("devices = [{device:?}]")), "one engine per node");
+    format!(
+        "{one_engine}\n[tiers.g4]\nenabled = true\nlisten = \"127.0.0.1:{g4_port}\"\ncluster = \"vllm\"\n\
+         secret_file = \"{}\"\nheartbeat = \"200ms\"\npeers = [{}]\n",
+        secret.display(),
+        peers.join(", ")
+    )
+}
+
+/// Two nodes, each in front of one engine it launched, peers over G4. A prompt node A's engine
+/// computed is found by node B's router as a load from A: A's feed tells B its engine's blocks
+/// under the node's names, which B computes from the prompt. B's engine then loads the prefix
+/// (fetched from A into B's G2 through the connector) instead of computing it, and answers as A's
+/// engine did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vLLM for CPU: .ci/run installs it"]
+async fn an_engine_on_another_node_loads_a_prefix_over_g4_as_its_router_priced_it() {
+    let shared = tempfile::tempdir().unwrap();
+    // One checkpoint directory for both: the node's names of an engine's blocks are salted with it.
+    let model = tiny_model(shared.path());
+    let (dir_a, dir_b) = (Arc::new(tempfile::tempdir().unwrap()), Arc::new(tempfile::tempdir().unwrap()));
+    let (g4_a, g4_b) = (dynamo_tests::vllm::port(), dynamo_tests::vllm::port());
+    let config_a = peer_config(&model, dynamo_tests::vllm::port(), "0", dir_a.path(), g4_a, &[g4_b]);
+    let config_b = peer_config(&model, dynamo_tests::vllm::port(), "1", dir_b.path(), g4_b, &[g4_a]);
+    // Both engines start at once (each start takes 30-50 s here); the peers' links retry until
+    // the other node is up.
+    let (start_a, start_b) = (dir_a.clone(), dir_b.clone());
+    let a = std::thread::spawn(move || Node::start_logging(start_a, &config_a, "node.log"));
+    let node_b = Node::start_logging(start_b, &config_b, "node.log");
+    let node_a = a.join().expect("node A starts");
+    let log = |dir: &tempfile::TempDir| std::fs::read_to_string(dir.path().join("node.log")).unwrap_or_default();
+
+    let system = json!({"role": "system", "content": format!("You are a careful agent. {}", long_message())});
+    let first = json!({"role": "user", "content": format!("Parse the config. {}", long_message())});
+    let body = json!({"model": "tiny", "messages": [system, first], "max_tokens": 8, "temperature": 0});
+    let (status, on_a) = chat(&node_a, KEY_A, &body).await;
+    assert_eq!(status, 200, "{on_a}");
+    let stored = node_a
+        .wait_for_sum("dynamo_node_engine_blocks_total{", "op=\"stored\"", Duration::from_secs(60), |v| v >= 3.0)
+        .await;
+    assert!(stored >= 3.0, "A's engine stored its blocks through the connector: {stored}\n{}", log(&dir_a));
+    // B's index learns them from A's feed: under the engine's keys and under the node's names.
+    let fed = node_b
+        .wait_for_sum("dynamo_node_peer_index_blocks{", "peer=", Duration::from_secs(30), |v| v >= stored + 3.0)
+        .await;
+    assert!(fed >= stored + 3.0, "A's feed carries the blocks' names as well as their keys: {fed} for {stored}");
+
+    let predicted = "dynamo_node_router_predicted_cached_tokens_total";
+    let (status, on_b) = chat(&node_b, KEY_A, &body).await;
+    assert_eq!(status, 200, "{on_b}");
+    let expected = node_b.metric(predicted).await;
+    assert!(expected >= 96.0, "B's router priced the prefix on A: {expected} tokens expected cached\n{}", log(&dir_b));
+    let fetched = node_b.metric_sum("dynamo_node_engine_blocks_total{", "op=\"fetched\"").await;
+    assert!(fetched >= 3.0, "B fetched the prefix from A: {fetched} blocks\n{}", engines(&node_b).await);
+    assert!(cached(&on_b) >= 96, "B's engine loaded the prefix A's engine computed: {on_b}");
+    assert_eq!(
+        on_b["choices"][0]["message"]["content"], on_a["choices"][0]["message"]["content"],
+        "greedy answers agree, loaded or computed"
+    );
+
+    assert_eq!(node_b.stop(), 0);
+    assert_eq!(node_a.stop(), 0);
+}
+
 /// What `tests/vllm/train_tiny.py` trains the tiny model to answer, before its end of turn.
 const ANSWER: &str = "Done.";
 
