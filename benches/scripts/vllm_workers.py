@@ -107,13 +107,22 @@ def tiny_model(work: Path) -> Path:
 
 def start_node(binary: Path, config: Path, work: Path) -> tuple[subprocess.Popen, str]:
     """`binary serve --config config` on free ports (its log in work/node.log); it and its URL."""
+    node, url, _ = start_node_with_metrics(binary, config, work)
+    return node, url
+
+
+def start_node_with_metrics(binary: Path, config: Path, work: Path) -> tuple[subprocess.Popen, str, str]:
+    """Like `start_node`, and the URL of its metrics too."""
     node = subprocess.Popen(
         [str(binary), "serve", "--config", str(config), "--http", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
          "--data-dir", str(work / "data")],
         stdout=subprocess.PIPE, stderr=(work / "node.log").open("w"), text=True, start_new_session=True)
+    metrics = ""
     for line in node.stdout:
+        if line.startswith("metrics on "):
+            metrics = line.split()[-1].strip()
         if line.startswith("serving the OpenAI API on "):
-            return node, line.split()[-1].strip().removesuffix("/v1")
+            return node, line.split()[-1].strip().removesuffix("/v1"), metrics
     sys.exit("the node did not start: see " + str(work / "node.log"))
 
 

@@ -78,6 +78,7 @@ fn metrics_are_scraped_with_help_types_tier_capacities_and_buckets() {
         ("dynamo_node_build_info", "gauge"),
         ("dynamo_node_kv_write_through_lag_seconds", "histogram"),
         ("dynamo_node_router_decision_seconds", "histogram"),
+        ("dynamo_node_router_wait_seconds", "histogram"),
     ] {
         assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name} in:\n{text}");
         assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "no TYPE {kind} for {name} in:\n{text}");

@@ -147,6 +147,7 @@ async fn kv_aware_routing_sends_turn_two_to_the_worker_that_holds_turn_one() {
     assert!(predicted > 0.0 && predicted == actual, "the router predicted the cache exactly: {predicted} vs {actual}");
     assert!(node.metric("dynamo_node_index_events_total{kind=\"stored\",result=\"applied\"}").await > 0.0);
     assert_eq!(node.metric("dynamo_node_router_decision_seconds_count").await, 4.0);
+    assert_eq!(node.metric("dynamo_node_router_wait_seconds_count").await, 4.0, "each request joined a queue once");
 
     // A speculative prefill (nvext) warms the cache and generates nothing; the real call that
     // follows finds its prompt cached.

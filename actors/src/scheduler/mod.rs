@@ -671,6 +671,7 @@ impl SchedulerState {
                 let _ = reply.send(Err(e));
             }
             Routed::Queued(submitted, leased) => {
+                telemetry::record_router_wait(since.elapsed());
                 if let Some(turn) = &session
                     && let Err(ractor::MessagingErr::SendErr(SessionMsg::Routed { leased, .. })) =
                         turn.actor.cast(SessionMsg::Routed { worker: submitted.worker, prompt_tokens, leased })
