@@ -186,8 +186,8 @@ def main() -> None:
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the node that launches its engines with its KV connector (G2)")
     parser.add_argument("--load-interval", help='engine.vllm.load_interval for the node (e.g. "0s": off)')
-    parser.add_argument("--dump", type=Path, help="write every request's TTFT, prompt and cached tokens, per way, "
-                        "to this JSON file")
+    parser.add_argument("--dump", type=Path, help="write every request's TTFT, prompt and cached tokens per way, and the "
+                        "node's metrics after its ways, to this JSON file")
     args = parser.parse_args()
 
     work_dir = Path(tempfile.mkdtemp(prefix="vllm-agentic-bench-"))
